@@ -1,0 +1,25 @@
+# The two commands a newcomer needs (README.md): `make quickstart` and `make test`.
+# Both create .venv and install mpzero into it first. TORCH names the torch build to install:
+# the default is the CPU wheel this project is tested with; on a GPU cluster keep your own CUDA build
+# (e.g. `make test TORCH=torch`).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: quickstart test install
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	bash examples/quickstart.sh $(PY)
+
+test: install
+	$(PY) -m pytest -q tests

@@ -1,0 +1,100 @@
+"""Every collective mpzero issues goes through a `CommGroup`: one place that counts bytes and
+follows PyTorch's renames (torch 2.13 deprecates `all_gather_into_tensor`/`reduce_scatter_tensor`
+in favour of `all_gather_single`/`reduce_scatter_single`).
+
+Bytes are counted per rank under the ring model, the one the ZeRO paper's volumes assume:
+an all-reduce of B bytes moves 2B(N-1)/N per rank, an all-gather or reduce-scatter whose full
+tensor is B bytes moves B(N-1)/N, a broadcast B(N-1)/N.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommStats:
+    """Bytes moved per rank, per collective type, since the last `reset()`."""
+
+    def __init__(self):
+        self.bytes = defaultdict(float)
+        self.calls = defaultdict(int)
+
+    def record(self, op: str, nbytes: float) -> None:
+        self.bytes[op] += nbytes
+        self.calls[op] += 1
+
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group with its size, this rank's place in it, and a shared byte counter.
+
+    At size 1 every collective is the identity and issues no communication, so code written for
+    N ranks runs unchanged on one.
+    """
+
+    pg: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    rank: int
+    stats: CommStats = field(default_factory=CommStats, compare=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def _ring(self, nbytes: float) -> float:
+        return nbytes * (self.size - 1) / self.size
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op=False):
+        if self.size == 1:
+            return None
+        self.stats.record("all_reduce", 2 * self._ring(_nbytes(tensor)))
+        return dist.all_reduce(tensor, op=op, group=self.pg, async_op=async_op)
+
+    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op=False):
+        """output (size * shard.numel()) <- this rank's `shard` concatenated in group-rank order."""
+        if self.size == 1:
+            output.copy_(shard.view_as(output))
+            return None
+        self.stats.record("all_gather", self._ring(_nbytes(output)))
+        return _all_gather_single(output, shard, group=self.pg, async_op=async_op)
+
+    def reduce_scatter_into(self, shard: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM,
+                            async_op=False):
+        """shard <- this rank's 1/size slice of the sum of `full` over the group."""
+        if self.size == 1:
+            shard.copy_(full.view_as(shard))
+            return None
+        self.stats.record("reduce_scatter", self._ring(_nbytes(full)))
+        return _reduce_scatter_single(shard, full, op=op, group=self.pg, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0):
+        if self.size == 1:
+            return None
+        self.stats.record("broadcast", self._ring(_nbytes(tensor)))
+        return dist.broadcast(tensor, src=self.ranks[src_group_rank], group=self.pg)
+
+    def all_gather_objects(self, obj) -> list:
+        """Small Python objects (not counted: metadata, not model state)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

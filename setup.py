@@ -1,0 +1,13 @@
+"""Install mpzero: `pip install -e .` (add `[test]` for the test suite)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mpzero",
+    version="0.1.0",
+    description="GPT pretraining with Megatron-style tensor parallelism and ZeRO data parallelism",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mpzero", "mpzero.*"]),
+    # torch: any release from 2.4 on; the CPU wheel on disk (2.13) satisfies it, users keep their CUDA build.
+    install_requires=["torch>=2.4,<3", "numpy>=1.24"],
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
+)
