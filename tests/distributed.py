@@ -69,8 +69,8 @@ def _collect(conns: dict, deadline: float) -> dict:
 
 def _child(rank, world_size, store_dir, deadline, conn, fn, args, kwargs):
     torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
     try:
-        store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
         # Collectives give up a little before the parent's deadline so the child reports its traceback.
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=max(deadline - 10, 5)))
@@ -83,4 +83,15 @@ def _child(rank, world_size, store_dir, deadline, conn, fn, args, kwargs):
         conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
     finally:
         conn.close()
-        os._exit(0)  # skip the parent's atexit handlers (pytest's) inherited through fork
+        _wait_for_peers(store, rank, world_size, deadline)
+        os._exit(0)
+
+
+def _wait_for_peers(store, rank: int, world_size: int, deadline: float) -> None:
+    """Leave only when every rank has finished: a rank that exits while a peer is still connecting a
+    new group's gloo mesh makes that peer fail with "connection closed by peer"."""
+    try:
+        store.set(f"finished/{rank}", "1")
+        store.wait([f"finished/{r}" for r in range(world_size)], timedelta(seconds=deadline))
+    except Exception:  # noqa: BLE001 - a peer that never finishes is reported by the parent's deadline
+        pass  # skip the parent's atexit handlers (pytest's) inherited through fork

@@ -55,7 +55,7 @@ def test_collectives_compute_and_count_ring_bytes():
 def _hang_on_missing_peer():
     groups = init_parallel(1, timeout_minutes=0.05)
     if groups.world.rank == 0:
-        groups.world.all_reduce(torch.ones(1))
+        groups.dp.all_reduce(torch.ones(1))  # the dp group carries the short timeout
 
 
 def test_collective_with_a_missing_peer_times_out_instead_of_hanging():

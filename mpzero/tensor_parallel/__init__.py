@@ -1,0 +1,13 @@
+"""Megatron-style tensor parallelism: region collectives, parallel layers, vocab-parallel cross entropy, RNG."""
+
+from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mpzero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                           gather_full, mark_tensor_parallel, sharded_parameter)
+from mpzero.tensor_parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_everything
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "mark_tensor_parallel",
+    "sharded_parameter", "gather_full", "RNGStatesTracker", "recompute", "seed_everything",
+]

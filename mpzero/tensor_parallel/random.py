@@ -1,0 +1,103 @@
+"""Named RNG streams for dropout under tensor parallelism, and activation recomputation that replays them.
+
+Dropout on replicated activations (hidden dropout) must draw the same mask on every TP rank, so it uses
+the default generator, seeded identically. Dropout on sharded activations (attention probabilities of this
+rank's heads) must differ across TP ranks, so it runs inside `tracker.fork()`, a stream seeded with
+seed + 2718 + tp_rank as in Megatron. Recomputation saves and restores both, so replayed masks are identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _get_rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _fresh_state(device: torch.device, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator.get_state()
+
+
+class RNGStatesTracker:
+    """Named generator states swapped into the device's default generator by `fork(name)`."""
+
+    TENSOR_PARALLEL = "tensor-parallel"
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        self.states[name] = _fresh_state(self.device, seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TENSOR_PARALLEL):
+        outside = _get_rng_state(self.device)
+        _set_rng_state(self.device, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_rng_state(self.device)
+            _set_rng_state(self.device, outside)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
+
+def seed_everything(seed: int, tp_rank: int, device: torch.device) -> RNGStatesTracker:
+    """Seed the default generator (same on every rank: replicated regions and initialization agree) and
+    return a tracker whose tensor-parallel stream differs per TP rank (Megatron's offsets)."""
+    torch.manual_seed(seed)
+    tracker = RNGStatesTracker(device)
+    tracker.add(RNGStatesTracker.TENSOR_PARALLEL, seed + 2718 + tp_rank)
+    return tracker
+
+
+class _Recompute(torch.autograd.Function):
+    """Run `function` without keeping activations; in backward, replay it with the RNG states it saw."""
+
+    @staticmethod
+    def forward(ctx, function, tracker: RNGStatesTracker, *inputs):
+        ctx.function, ctx.tracker = function, tracker
+        ctx.rng_state = _get_rng_state(tracker.device)
+        ctx.tracker_states = tracker.get_states()
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return function(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        tracker, device = ctx.tracker, ctx.tracker.device
+        rng_now, tracker_now = _get_rng_state(device), tracker.get_states()
+        _set_rng_state(device, ctx.rng_state)
+        tracker.set_states(ctx.tracker_states)
+        with torch.enable_grad():
+            outputs = ctx.function(*inputs)
+        _set_rng_state(device, rng_now)
+        tracker.set_states(tracker_now)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        torch.autograd.backward(outputs, grads)
+        return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+def recompute(function, tracker: RNGStatesTracker, *inputs: torch.Tensor):
+    """function(*inputs), with its activations recomputed in backward instead of stored."""
+    return _Recompute.apply(function, tracker, *inputs)

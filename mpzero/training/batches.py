@@ -1,0 +1,36 @@
+"""Which samples each data-parallel rank trains on, in an order that does not depend on the layout.
+
+Iteration after iteration the global order 0, 1, 2, ... is consumed `global_batch` samples at a time.
+As in Megatron's pretraining sampler, micro-step m of a global batch starting at `consumed` covers
+the `micro * dp` samples from consumed + m*micro*dp, and DP rank r takes `micro` consecutive ones of
+them. Every layout therefore trains each global batch on the same set of samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mpzero.errors import ConfigError
+
+
+def num_micro_batches(global_batch: int, micro_batch: int, dp_size: int) -> int:
+    if global_batch % (micro_batch * dp_size) != 0:
+        raise ConfigError(f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+                          f"{micro_batch} x data-parallel size {dp_size} = {micro_batch * dp_size}: "
+                          f"pick a global batch that is a multiple of {micro_batch * dp_size}")
+    return global_batch // (micro_batch * dp_size)
+
+
+def micro_batch_indices(consumed: int, global_batch: int, micro_batch: int, dp_rank: int,
+                        dp_size: int) -> list[range]:
+    """This DP rank's sample indices for each micro-step of the global batch that starts at `consumed`."""
+    steps = num_micro_batches(global_batch, micro_batch, dp_size)
+    starts = (consumed + m * micro_batch * dp_size + dp_rank * micro_batch for m in range(steps))
+    return [range(start, start + micro_batch) for start in starts]
+
+
+def load_batch(dataset, indices: range, device: torch.device) -> torch.Tensor:
+    """[len(indices), seq+1] int64 token ids; inputs are [:, :-1] and labels [:, 1:]."""
+    rows = np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in indices])
+    return torch.from_numpy(rows).to(device)

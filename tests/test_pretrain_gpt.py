@@ -1,0 +1,100 @@
+"""pretrain_gpt end to end: every (TP, DP) layout prints the single-process losses (fp32, no dropout,
+within 1e-5 relative: layouts differ only in the order of floating-point sums), and bad sizes are
+one-line errors with a non-zero exit."""
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from tests.distributed import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", "300",
+        "--log-interval", "1"]
+LINE = re.compile(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| .* \| lm loss: (\S+) \| grad norm: (\S+) \|")
+
+
+def _main_capturing_stdout(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = pretrain_gpt.main(argv)
+    return history, out.getvalue()
+
+
+def _assert_close_lists(a, b, rel=1e-5):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return run_ranks(1, _main_capturing_stdout, TINY)[0]
+
+
+def test_console_lines_follow_megatron_format(single_process):
+    history, stdout = single_process
+    lines = [LINE.match(line) for line in stdout.splitlines()]
+    assert all(lines) and len(lines) == 10
+    assert [int(m.group(3)) for m in lines] == [8 * i for i in range(1, 11)]
+    _assert_close_lists([float(m.group(4)) for m in lines], history["losses"], rel=1e-6)
+    assert history["losses"][-1] < history["losses"][0]
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2), (2, 2)])
+def test_layout_losses_match_single_process(single_process, tp, dp):
+    results = run_ranks(tp * dp, _main_capturing_stdout, TINY + ["--tensor-model-parallel-size", str(tp)])
+    history, stdout = results[0]
+    reference = single_process[0]
+    _assert_close_lists(history["losses"], reference["losses"])
+    _assert_close_lists(history["grad_norms"], reference["grad_norms"])
+    printed = [float(m.group(4)) for m in map(LINE.match, stdout.splitlines()) if m]
+    _assert_close_lists(printed, reference["losses"])
+    assert all(r[1] == "" for r in results[1:]), "only rank 0 prints"
+
+
+def _exit_code_and_stderr(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            pretrain_gpt.main(argv)
+        except SystemExit as exit_:
+            return exit_.code, err.getvalue()
+    return 0, err.getvalue()
+
+
+@pytest.mark.parametrize("world,extra,message", [
+    (3, ["--tensor-model-parallel-size", "2"], "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    (2, ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "30"],
+     "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+    (2, ["--global-batch-size", "6", "--micro-batch-size", "4"],
+     "--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2 = 8"),
+])
+def test_bad_sizes_exit_nonzero_with_one_line(world, extra, message):
+    for code, stderr in run_ranks(world, _exit_code_and_stderr, TINY + extra):
+        assert code == 2
+        assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr
+
+
+@pytest.mark.slow
+def test_torchrun_tp2_dp2_matches_plain_python():
+    """The issue's acceptance command: torchrun with 4 processes at TP=2 against one process at TP=1."""
+    def losses(cmd):
+        out = subprocess.run(cmd + TINY, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [float(m.group(4)) for m in map(LINE.match, out.stdout.splitlines()) if m]
+
+    single = losses([sys.executable, "pretrain_gpt.py"])
+    torchrun = losses([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                       "pretrain_gpt.py", "--tensor-model-parallel-size", "2"])
+    assert len(single) == 10
+    _assert_close_lists(torchrun, single)
