@@ -6,26 +6,31 @@
         --mock-data --vocab-size 1000 --log-interval 1
 
 Plain `python pretrain_gpt.py ...` runs as a world of one. `main(argv)` is the whole run, callable from
-tests; it returns the per-iteration losses and gradient norms.
+tests; it returns the per-iteration losses, gradient norms and learning rates, and the validation losses.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from mpzero.arguments import gpt_config, parse_args
-from mpzero.errors import ConfigError
+from mpzero.errors import ConfigError, TrainingError
 from mpzero.models import GPTModel
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import seed_everything
 from mpzero.training.batches import load_batch, micro_batch_indices, num_micro_batches
-from mpzero.training.console import iteration_line
+from mpzero.training.console import iteration_line, model_flops_per_iteration, perplexity, validation_line
+from mpzero.training.lr_schedule import schedule_from_args
+from mpzero.training.memory import memory_per_rank
 from mpzero.training.mock_data import MockGPTDataset
+from mpzero.training.plain_dp import PlainDataParallelAdamW
+from mpzero.training.signals import TerminationSignal
+from mpzero.training.tensorboard import TensorBoardLogger
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,6 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _pretrain(args) -> dict:
@@ -41,80 +49,118 @@ def _pretrain(args) -> dict:
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * groups.dp_size
     num_micro_batches(args.global_batch_size, args.micro_batch_size, groups.dp_size)  # validates
-    config = gpt_config(args)
+    schedule = schedule_from_args(args)
+    if groups.is_logging_rank:
+        print("configuration: " + json.dumps(vars(args), sort_keys=True), flush=True)
     rng = seed_everything(args.seed, groups.tp_rank, groups.device)
-    model = GPTModel(config, groups.tp, rng, device=groups.device)
-    optimizer = _adamw(model, args)
-    dataset = MockGPTDataset(args.vocab_size, args.seq_length, args.seed,
-                             num_samples=args.train_iters * args.global_batch_size)
+    model = GPTModel(gpt_config(args), groups.tp, rng, device=groups.device)
+    optimizer = PlainDataParallelAdamW(model, groups, args)
+    train_data, valid_data, test_data = _datasets(args)
+    tensorboard = TensorBoardLogger(args.tensorboard_dir, groups.is_logging_rank)
+    termination = TerminationSignal(groups.world, groups.device)
 
-    history = {"losses": [], "grad_norms": []}
-    consumed, interval_losses, interval_start = 0, [], time.perf_counter()
-    for iteration in range(1, args.train_iters + 1):
-        loss, grad_norm = _train_step(model, optimizer, dataset, consumed, args, groups)
-        consumed += args.global_batch_size
-        history["losses"].append(loss)
-        history["grad_norms"].append(grad_norm)
-        interval_losses.append(loss)
-        if iteration % args.log_interval == 0:
-            elapsed_ms = (time.perf_counter() - interval_start) * 1000 / len(interval_losses)
-            if groups.is_logging_rank:
-                print(iteration_line(iteration, args.train_iters, consumed, elapsed_ms, args.lr,
-                                     args.global_batch_size, sum(interval_losses) / len(interval_losses),
-                                     grad_norm, skipped=0, nan=0), flush=True)
-            interval_losses, interval_start = [], time.perf_counter()
+    history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
+    iteration, consumed, skipped = 0, 0, 0
+    interval = {"losses": [], "start": time.perf_counter()}
+    try:
+        while iteration < args.train_iters:
+            lr = schedule.lr(iteration)
+            loss, grad_norm, was_skipped = _train_step(model, optimizer, train_data, consumed, lr, args, groups)
+            iteration, consumed, skipped = iteration + 1, consumed + args.global_batch_size, skipped + was_skipped
+            if not math.isfinite(loss):
+                raise TrainingError(f"lm loss is {loss} at iteration {iteration} (rank {groups.world.rank}): "
+                                    f"lower --lr or enable --clip-grad; the last checkpoint is intact")
+            for key, value in (("losses", loss), ("grad_norms", grad_norm), ("lrs", lr)):
+                history[key].append(value)
+            interval["losses"].append(loss)
+            if iteration % args.log_interval == 0:
+                _log_interval(interval, iteration, consumed, lr, grad_norm, skipped, args, groups, tensorboard)
+            if args.eval_interval and iteration % args.eval_interval == 0 and valid_data is not None:
+                history["valid_losses"].append(_evaluate_and_log(
+                    model, valid_data, f"iteration {iteration}", iteration, args, groups, tensorboard))
+            if termination.received_anywhere() or (args.exit_interval and iteration % args.exit_interval == 0):
+                break
+        if valid_data is not None:
+            history["valid_losses"].append(_evaluate_and_log(
+                model, valid_data, "the end of training for val data", iteration, args, groups, tensorboard))
+        if test_data is not None:
+            history["test_loss"] = _evaluate_and_log(model, test_data, "the end of training for test data",
+                                                     iteration, args, groups, None)
+    finally:
+        termination.restore()
+        tensorboard.close()
     return history
 
 
-def _train_step(model, optimizer, dataset, consumed, args, groups: ParallelGroups) -> tuple[float, float]:
-    """One global batch: forward/backward every micro-batch, average gradients over DP, clip, step."""
-    optimizer.zero_grad(set_to_none=False)
+def _datasets(args):
+    """(train, valid, test). Mock data: three independent streams, sized for what the run reads."""
+    per_eval = args.eval_iters * args.global_batch_size
+    return (MockGPTDataset(args.vocab_size, args.seq_length, args.seed, args.train_iters * args.global_batch_size),
+            MockGPTDataset(args.vocab_size, args.seq_length, args.seed + 1, per_eval) if per_eval else None,
+            MockGPTDataset(args.vocab_size, args.seq_length, args.seed + 2, per_eval) if per_eval else None)
+
+
+def _train_step(model, optimizer, dataset, consumed, lr, args, groups: ParallelGroups):
+    """One global batch: forward/backward every micro-batch, then one optimizer step.
+    Returns (loss averaged over the global batch, grad norm, whether the step was skipped)."""
+    model.train()
+    optimizer.zero_grad()
     micro_batches = micro_batch_indices(consumed, args.global_batch_size, args.micro_batch_size,
                                         groups.dp_rank, groups.dp_size)
     total = torch.zeros((), device=groups.device)
-    for indices in micro_batches:
+    for i, indices in enumerate(micro_batches):
         tokens = load_batch(dataset, indices, groups.device)
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
-        loss.backward()
+        optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
-    params = [p for p in model.parameters() if p.requires_grad]
-    _average_over_dp([p.grad for p in params], groups)
-    grad_norm = _clip_grad_norm(params, args.clip_grad, groups)
-    optimizer.step()
+    grad_norm, was_skipped = optimizer.step(lr)
     groups.dp.all_reduce(total)
-    return total.item() / groups.dp_size, grad_norm
+    return total.item() / groups.dp_size, grad_norm, was_skipped
 
 
-def _average_over_dp(grads: list[torch.Tensor], groups: ParallelGroups) -> None:
-    if groups.dp_size == 1:
-        return
-    flat = _flatten_dense_tensors(grads)
-    groups.dp.all_reduce(flat)
-    flat /= groups.dp_size
-    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(synced)
+@torch.no_grad()
+def evaluate(model, dataset, args, groups: ParallelGroups) -> float:
+    """Mean lm loss over the first `--eval-iters` global batches of `dataset` (the same batches at every
+    evaluation, so the curve shows the model changing, not the sample). Every rank runs every batch."""
+    model.eval()
+    total, batches = torch.zeros((), device=groups.device), 0
+    for k in range(args.eval_iters):
+        for indices in micro_batch_indices(k * args.global_batch_size, args.global_batch_size,
+                                           args.micro_batch_size, groups.dp_rank, groups.dp_size):
+            tokens = load_batch(dataset, indices, groups.device)
+            total += model(tokens[:, :-1], tokens[:, 1:]).mean()
+            batches += 1
+    groups.dp.all_reduce(total)
+    model.train()
+    return total.item() / (batches * groups.dp_size)
 
 
-def _clip_grad_norm(params, max_norm: float, groups: ParallelGroups) -> float:
-    """Global L2 norm where TP-sharded gradients are summed over TP and replicated ones count once."""
-    zero = torch.zeros((), device=groups.device)
-    sharded = sum((p.grad.float().pow(2).sum() for p in params if p.tensor_parallel), zero)
-    replicated = sum((p.grad.float().pow(2).sum() for p in params if not p.tensor_parallel), zero)
-    groups.tp.all_reduce(sharded)
-    norm = math.sqrt((sharded + replicated).item())
-    if max_norm > 0 and norm > max_norm:
-        for p in params:
-            p.grad.mul_(max_norm / (norm + 1e-6))
-    return norm
+def _evaluate_and_log(model, dataset, where, iteration, args, groups, tensorboard) -> float:
+    loss = evaluate(model, dataset, args, groups)
+    if groups.is_logging_rank:
+        print(validation_line(where, loss), flush=True)
+    if tensorboard is not None:
+        tensorboard.scalars({"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)}, iteration)
+    return loss
 
 
-def _adamw(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and LayerNorm (parameters with fewer than 2 dimensions)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    param_groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_eps, foreach=False)
+def _log_interval(interval, iteration, consumed, lr, grad_norm, skipped, args, groups, tensorboard):
+    seconds = (time.perf_counter() - interval["start"]) / len(interval["losses"])
+    loss = sum(interval["losses"]) / len(interval["losses"])
+    tokens_per_s = args.global_batch_size * args.seq_length / seconds
+    flops = model_flops_per_iteration(args.num_layers, args.hidden_size, args.seq_length, args.vocab_size,
+                                      args.global_batch_size, args.recompute_activations)
+    tflops = flops / (seconds * groups.world.size * 1e12)
+    memory = memory_per_rank(groups)  # every rank takes part in the gather
+    if groups.is_logging_rank:
+        print(iteration_line(iteration, args.train_iters, consumed, seconds * 1000, lr, args.global_batch_size,
+                             loss, grad_norm, skipped, nan=0,
+                             extra={"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}"}),
+              flush=True)
+    tensorboard.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
+                         "batch-size": args.global_batch_size, "throughput": tokens_per_s,
+                         **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)}}, iteration)
+    interval["losses"], interval["start"] = [], time.perf_counter()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
 """Command-line flags with Megatron-LM's names and defaults, turned into the typed config sections
-each component receives. One name per knob: the flag `--hidden-size` is `GPTConfig.hidden_size`."""
+each component receives. One name per knob: the flag `--hidden-size` is `GPTConfig.hidden_size`, the key
+`hidden-size` in a `--config` file, and the same name in the configuration saved with checkpoints.
+
+A `--config FILE` (YAML or JSON, keys are flag names without the dashes' prefix) sets defaults; the
+command line overrides it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
@@ -12,11 +19,12 @@ from mpzero.models import GPTConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x ZeRO-DP.",
                                 allow_abbrev=False)
+    p.add_argument("--config", default=None, help="YAML or JSON file of flag values; the command line wins")
     model = p.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, required=True)
-    model.add_argument("--hidden-size", type=int, required=True)
-    model.add_argument("--num-attention-heads", type=int, required=True)
-    model.add_argument("--seq-length", type=int, required=True)
+    model.add_argument("--num-layers", type=int, default=None)
+    model.add_argument("--hidden-size", type=int, default=None)
+    model.add_argument("--num-attention-heads", type=int, default=None)
+    model.add_argument("--seq-length", type=int, default=None)
     model.add_argument("--max-position-embeddings", type=int, default=None,
                        help="default: --seq-length")
     model.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -31,11 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
     train = p.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, required=True)
+    train.add_argument("--micro-batch-size", type=int, default=None)
     train.add_argument("--global-batch-size", type=int, default=None,
                        help="default: micro batch size x data-parallel size")
-    train.add_argument("--train-iters", type=int, required=True)
-    train.add_argument("--lr", type=float, required=True)
+    train.add_argument("--train-iters", type=int, default=None)
+    train.add_argument("--lr", type=float, default=None)
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--adam-beta1", type=float, default=0.9)
     train.add_argument("--adam-beta2", type=float, default=0.999)
@@ -43,6 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=100)
+    train.add_argument("--lr-decay-style", default="linear", help="constant, linear or cosine")
+    train.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    train.add_argument("--lr-warmup-iters", type=int, default=0)
+    train.add_argument("--lr-warmup-fraction", type=float, default=None)
+    train.add_argument("--min-lr", type=float, default=0.0)
+    train.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations")
+
+    evaluation = p.add_argument_group("evaluation and logging")
+    evaluation.add_argument("--eval-interval", type=int, default=1000)
+    evaluation.add_argument("--eval-iters", type=int, default=100)
+    evaluation.add_argument("--tensorboard-dir", default=None)
+
+    ckpt = p.add_argument_group("checkpointing")
+    ckpt.add_argument("--save", default=None, help="directory to save checkpoints in")
+    ckpt.add_argument("--load", default=None, help="directory to load the latest checkpoint from")
+    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--no-load-optim", action="store_true")
+    ckpt.add_argument("--no-load-rng", action="store_true")
+    ckpt.add_argument("--finetune", action="store_true",
+                      help="load model weights only and start from iteration 0")
 
     data = p.add_argument_group("data")
     data.add_argument("--mock-data", action="store_true", help="train on deterministic random tokens")
@@ -50,8 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+            "train_iters", "lr")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    config_file = _config_file_from(argv)
+    if config_file:
+        parser.set_defaults(**_read_config_file(config_file, parser))
+    args = parser.parse_args(argv)
+    for name in REQUIRED:
+        if getattr(args, name) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.mock_data and args.vocab_size is None:
@@ -75,3 +114,35 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
                      layernorm_epsilon=args.layernorm_epsilon,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      recompute_activations=args.recompute_activations)
+
+
+def _config_file_from(argv: list[str] | None) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    return pre.parse_known_args(argv)[0].config
+
+
+def _read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+    except Exception as error:  # noqa: BLE001 - any parse failure is the same one-line answer
+        raise ConfigError(f"--config {path} is not valid {'YAML' if path.endswith(('yaml', 'yml')) else 'JSON'}: "
+                          f"{str(error).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
+    known = {action.dest for action in parser._actions}
+    resolved = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known or dest == "config":
+            raise ConfigError(f"--config {path}: unknown flag {key!r}")
+        resolved[dest] = value
+    return resolved

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """Raised for inconsistent settings or bad input files; entry points print it as one line and exit 2."""
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (a NaN loss, a dead peer): one line naming the iteration and the rank; exit 1."""
