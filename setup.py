@@ -8,6 +8,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mpzero", "mpzero.*"]),
     # torch: any release from 2.4 on; the CPU wheel on disk (2.13) satisfies it, users keep their CUDA build.
-    install_requires=["torch>=2.4,<3", "numpy>=1.24"],
+    install_requires=["torch>=2.4,<3", "numpy>=1.24", "pyyaml>=5.4", "tensorboard>=2.10"],
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
 )
