@@ -12,6 +12,9 @@ stage 2 reduce-scatters every micro-batch, (m g + p)P(N-1)/N; stage 3 gathers ev
 and again for backward and reduce-scatters gradients, every micro-batch, m(2pP - pR + gP)(N-1)/N,
 where R is the root unit's size (gathered once: it stays gathered from forward to backward).
 With g = p these are the paper's 2P and 3P (times N-1/N).
+
+Both report lines are `|`-separated "name value" fields whose value has no spaces:
+`dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])` parses them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class MemoryReport:
 
     def line(self) -> str:
         return (f"zero memory | stage {self.stage} | dp {self.dp_size} | params {self.numel} | "
-                f"measured bytes {self.measured} | formula {self.formula_text} = {self.formula:.0f} | "
+                f"measured bytes {self.measured} | formula {self.formula_text} | formula bytes {self.formula:.0f} | "
                 f"ratio {self.ratio:.4f} | padding elements {self.padding}")
 
 
@@ -58,7 +61,7 @@ class CommReport:
 
     def line(self) -> str:
         return (f"zero comm | stage {self.stage} | dp {self.dp_size} | micro-batches {self.micro_batches} | "
-                f"measured bytes/iter {self.measured:.0f} | theory {self.theory_text} = {self.theory:.0f} | "
+                f"measured bytes/iter {self.measured:.0f} | theory {self.theory_text} | theory bytes/iter {self.theory:.0f} | "
                 f"ratio {self.ratio:.4f}")
 
 
