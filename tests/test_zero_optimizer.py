@@ -97,3 +97,32 @@ def test_zero_mixed_precision_stages_match_stage0(dtype):
                     assert torch.equal(weights[name], value), (stage, name)
                 else:
                     torch.testing.assert_close(weights[name], value, rtol=2 ** -6, atol=1e-3)
+
+
+def _gathered_during_forward(prefetch, recompute):
+    """Which layers hold gathered parameters while each layer runs forward (and after the step)."""
+    groups = init_parallel(tp_size=1)
+    model = make_model(num_layers=4, recompute=recompute)
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=3, prefetch=prefetch), AdamConfig(), PrecisionConfig())
+    seen = []
+
+    def record(module, args):
+        if not torch.is_grad_enabled() or not recompute:  # the first forward, not the recomputation
+            seen.append([layer.fc1.weight.untyped_storage().nbytes() > 0 for layer in model.layers])
+    for layer in model.layers:
+        layer.register_forward_pre_hook(record)
+    for step_batches in make_batches(2, 1, groups.dp_size):
+        opt.backward(model(*step_batches[0][groups.dp_rank]).mean(), last_micro_batch=True)
+        opt.step()
+    at_rest = [p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad]
+    return seen, at_rest
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_zero_stage3_gathers_one_unit_ahead_and_releases(recompute):
+    for prefetch, ahead in ((False, 0), (True, 1)):
+        for seen, at_rest in run_ranks(2, _gathered_during_forward, prefetch, recompute):
+            # The second iteration knows the unit order: layer i runs with i+1 prefetched (if asked).
+            expected = [[j in range(i, i + 1 + ahead) for j in range(4)] for i in range(4)]
+            assert seen[4:] == expected, prefetch
+            assert not any(at_rest)  # between iterations only the 1/N slices exist
