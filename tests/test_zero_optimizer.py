@@ -126,3 +126,29 @@ def test_zero_stage3_gathers_one_unit_ahead_and_releases(recompute):
             expected = [[j in range(i, i + 1 + ahead) for j in range(4)] for i in range(4)]
             assert seen[4:] == expected, prefetch
             assert not any(at_rest)  # between iterations only the 1/N slices exist
+
+
+@pytest.mark.parametrize("section, fragment", [(ZeroConfig(stage=4), "--zero-stage 4"),
+                                               (AdamConfig(beta2=1.0), "--adam-beta2"),
+                                               (PrecisionConfig("fp8"), "fp8"),
+                                               (PrecisionConfig("fp16", hysteresis=0), "--hysteresis")])
+def test_zero_config_rejects_bad_values_in_one_line(section, fragment):
+    from mpzero.errors import ConfigError
+    with pytest.raises(ConfigError, match=fragment) as error:
+        section.validate()
+    assert "\n" not in str(error.value)
+
+
+def _step_too_early():
+    groups = init_parallel(tp_size=1)
+    model = make_model()
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(), PrecisionConfig())
+    tokens, labels = make_batches(1, 1, groups.dp_size)[0][0][groups.dp_rank]
+    opt.backward(model(tokens, labels).mean(), last_micro_batch=False)
+    with pytest.raises(RuntimeError, match="last_micro_batch=True"):
+        opt.step()
+    return True
+
+
+def test_zero_step_before_last_micro_batch_is_refused():
+    assert run_ranks(2, _step_too_early) == [True, True]
