@@ -1,0 +1,81 @@
+"""The three config sections the ZeRO optimizer receives: partitioning, AdamW, and precision.
+
+Defaults follow Megatron-LM (`--initial-loss-scale 2**32`, `--min-loss-scale 1`,
+`--loss-scale-window 1000`, `--hysteresis 2`, `--adam-beta1 0.9`, `--adam-beta2 0.999`,
+`--adam-eps 1e-8`, `--weight-decay 0.01`, `--clip-grad 1.0`, DDP buckets of 40M elements).
+`validate()` only checks; it never mutates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mpzero.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 1  # --zero-stage: 0 replicated (DDP), 1 optimizer states, 2 + gradients, 3 + parameters
+    bucket_numel: int = 40_000_000  # --zero-bucket-numel: elements per gradient bucket (stages 0-2)
+    overlap_comm: bool = True  # reduce a bucket from its gradient hooks while backward still runs
+    prefetch: bool = True  # stage 3: start gathering the next unit while the current one computes
+
+    def validate(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero-stage {self.stage} is not one of 0, 1, 2, 3")
+        if self.bucket_numel < 1:
+            raise ConfigError(f"--zero-bucket-numel {self.bucket_numel} must be a positive number of elements")
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # decoupled (AdamW); never applied to parameters with ndim < 2
+    clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
+
+    def validate(self) -> None:
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ConfigError(f"--adam-beta1 {self.beta1} and --adam-beta2 {self.beta2} must lie in [0, 1)")
+        if self.eps <= 0 or self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            raise ConfigError("--lr, --weight-decay and --clip-grad must be >= 0 and --adam-eps > 0, "
+                              f"got lr {self.lr}, weight decay {self.weight_decay}, clip {self.clip_grad}, "
+                              f"eps {self.eps}")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: str = "fp32"  # model parameters: fp32 | bf16 | fp16 (master weights are always fp32)
+    initial_loss_scale: float = 2.0 ** 32  # fp16 dynamic scaling starts here
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # clean steps before the scale doubles
+    hysteresis: int = 2  # overflows tolerated before the scale halves
+    loss_scale: float | None = None  # static scale (fp16); None = dynamic
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """fp16 keeps fp16 gradients (the ZeRO paper's 2+2+12 bytes); bf16 accumulates in fp32
+        (Megatron requires it: bf16's 8-bit mantissa loses small accumulated gradients)."""
+        return torch.float16 if self.dtype == "fp16" else torch.float32
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"precision {self.dtype!r} is not one of fp32, bf16, fp16")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"--loss-scale {self.loss_scale} must be positive (or omitted for dynamic scaling)")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale {self.min_loss_scale} must be positive and at most "
+                              f"--initial-loss-scale {self.initial_loss_scale}")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window {self.loss_scale_window} and --hysteresis "
+                              f"{self.hysteresis} must be at least 1")

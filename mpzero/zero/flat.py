@@ -1,0 +1,117 @@
+"""Contiguous flat buffers for one bucket of parameters, partitioned across the DP group.
+
+ZeRO-R keeps parameters, gradients and optimizer states in contiguous buffers so that nothing
+fragments and every collective is one call on one tensor. A `FlatLayout` says where each parameter
+lives inside its bucket's flat buffer and which slice this rank owns: parameters are laid end to end,
+weight-decayed ones first (so a rank's slice is at most two runs, one decayed and one not), and the
+total is padded to a multiple of the number of parts, so each rank owns exactly `shard_numel`
+elements [rank*S, (rank+1)*S). Every bucket is partitioned on its own, so reducing a bucket is one
+reduce-scatter whose output is this rank's slice of that bucket; the padding is < parts per bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def uses_weight_decay(param: nn.Parameter) -> bool:
+    """Megatron's rule: no weight decay on biases and LayerNorm parameters (ndim < 2)."""
+    return param.ndim >= 2
+
+
+@dataclass(frozen=True, eq=False)
+class FlatLayout:
+    params: tuple[nn.Parameter, ...]
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int  # sum of the parameters' sizes, padding excluded
+    decay_numel: int  # elements [0, decay_numel) belong to weight-decayed parameters
+    parts: int  # how many ranks share this buffer (1 when replicated)
+    rank: int  # which part this rank owns
+
+    @property
+    def padded_numel(self) -> int:
+        return -(-self.numel // self.parts) * self.parts
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.parts
+
+    @property
+    def shard_start(self) -> int:
+        return self.rank * self.shard_numel
+
+    def param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        start = self.offsets[i]
+        return flat[start:start + self.shapes[i].numel()].view(self.shapes[i])
+
+    def owned_pieces(self) -> list[tuple[int, int, int]]:
+        """(param index, start, end) in shard coordinates for every parameter overlapping this rank's slice."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        pieces = []
+        for i, (offset, shape) in enumerate(zip(self.offsets, self.shapes)):
+            start, end = max(offset, lo), min(offset + shape.numel(), hi)
+            if start < end:
+                pieces.append((i, start - lo, end - lo))
+        return pieces
+
+    def decay_runs(self) -> list[tuple[int, int, bool]]:
+        """(start, end, weight_decay) runs of this rank's slice in shard coordinates, padding excluded."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        runs = []
+        for start, end, decay in ((0, self.decay_numel, True), (self.decay_numel, self.numel, False)):
+            start, end = max(start, lo), min(end, hi)
+            if start < end:
+                runs.append((start - lo, end - lo, decay))
+        return runs
+
+
+def build_layout(named_params: list[tuple[str, nn.Parameter]], parts: int, rank: int) -> FlatLayout:
+    ordered = ([(n, p) for n, p in named_params if uses_weight_decay(p)]
+               + [(n, p) for n, p in named_params if not uses_weight_decay(p)])
+    offsets, total = [], 0
+    for _, p in ordered:
+        offsets.append(total)
+        total += p.numel()
+    decay_numel = sum(p.numel() for _, p in ordered if uses_weight_decay(p))
+    return FlatLayout(params=tuple(p for _, p in ordered), names=tuple(n for n, _ in ordered),
+                      shapes=tuple(p.shape for _, p in ordered), offsets=tuple(offsets), numel=total,
+                      decay_numel=decay_numel, parts=parts, rank=rank)
+
+
+def bucket_layouts(named_params: list[tuple[str, nn.Parameter]], bucket_numel: int, parts: int,
+                   rank: int) -> list[FlatLayout]:
+    """Buckets of about `bucket_numel` elements in reverse registration order, the order in which
+    backward usually produces gradients, so the first bucket fills (and can be reduced) first."""
+    buckets, current, size = [], [], 0
+    for name, param in reversed(named_params):
+        current.append((name, param))
+        size += param.numel()
+        if size >= bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return [build_layout(b, parts, rank) for b in buckets]
+
+
+def initial_values(layout: FlatLayout, device: torch.device) -> torch.Tensor:
+    """The parameters' current values as one padded fp32 flat tensor (padding zero)."""
+    flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+    for i, param in enumerate(layout.params):
+        layout.param_view(flat, i).copy_(param.detach())
+    return flat
+
+
+def bind_params(layout: FlatLayout, flat: torch.Tensor) -> None:
+    """Make every parameter of the bucket a view into `flat` (its values are used from then on)."""
+    for i, param in enumerate(layout.params):
+        param.data = layout.param_view(flat, i)

@@ -1,0 +1,56 @@
+"""The global gradient norm over TP and DP ranks, and clipping by it.
+
+norm = sqrt(sum of squared gradient entries of the whole unsharded model). Each rank sums squares
+over its own DP slices (DP slices are disjoint and cover every parameter; unpartitioned buffers count on DP rank 0); TP-sharded parameters
+(`param.tensor_parallel = True`) count on every TP rank, TP-replicated ones only on TP rank 0
+(their gradients are identical on all TP ranks); one all-reduce over the world adds everything up.
+So the printed norm equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpzero.parallel import ParallelGroups
+from mpzero.zero.flat import FlatLayout
+
+
+def norm_runs(layouts: list[FlatLayout], tp_rank: int, dp_rank: int) -> list[tuple[int, int, int]]:
+    """(bucket, start, end) slices of this rank's gradient shards that count towards the norm."""
+    runs = []
+    for bucket, layout in enumerate(layouts):
+        if layout.parts == 1 and dp_rank != 0:
+            continue  # replicated over DP (stage 0): every DP rank holds the same reduced gradients
+        for i, start, end in layout.owned_pieces():
+            if getattr(layout.params[i], "tensor_parallel", False) or tp_rank == 0:
+                runs.append((bucket, start, end))
+    return runs
+
+
+def global_grad_norm(grads: list[torch.Tensor], runs: list[tuple[int, int, int]], groups: ParallelGroups) -> float:
+    device = grads[0].device if grads else groups.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for bucket, start, end in runs:
+        total += torch.linalg.vector_norm(grads[bucket][start:end], dtype=torch.float32) ** 2
+    groups.world.all_reduce(total)
+    return math.sqrt(total.item())
+
+
+def clip_grads_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Megatron's rule: scale by max_norm / (norm + 1e-6) when that is below 1."""
+    coef = max_norm / (norm + 1.0e-6)
+    if max_norm > 0 and coef < 1.0:
+        for grad in grads:
+            grad.mul_(coef)
+
+
+def found_inf(grads: list[torch.Tensor], groups: ParallelGroups) -> bool:
+    """True on every rank when any rank's gradients hold an inf or nan (fp16 overflow)."""
+    device = grads[0].device if grads else groups.device
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
+    groups.world.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())

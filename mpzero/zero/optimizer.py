@@ -1,0 +1,170 @@
+"""The ZeRO optimizer front: one object the training loop drives, whatever the stage.
+
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=2), AdamConfig(lr=3e-4), PrecisionConfig("bf16"))
+    for micro_batch in range(m):
+        loss = model(tokens, labels).mean() / m          # the caller divides by the micro-batches
+        opt.backward(loss, last_micro_batch=(micro_batch == m - 1))
+    stats = opt.step(lr)                                # StepStats(grad_norm, skipped, loss_scale)
+
+The stage object (stages.py, stage3.py) owns parameters and gradients; this front owns the fp32
+master slices with AdamW (adam.py), the loss scaler, the global norm and clipping, and accounting.
+A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; fp16 overflow on
+any rank skips the step everywhere; the global norm is taken and clipped by; AdamW updates the
+master slices; the stage copies them into the parameters (and all-gathers them, stages 1-2).
+Gradient buffers are zeroed by `step()`; `zero_grad()` discards gradients without stepping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpzero.errors import ConfigError
+from mpzero.parallel import ParallelGroups
+from mpzero.zero.accounting import CommReport, MemoryReport, comm_theory, memory_report, unique_storage_bytes
+from mpzero.zero.adam import MasterAdam
+from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
+from mpzero.zero.scaler import make_loss_scaler
+from mpzero.zero.stage3 import Stage3
+from mpzero.zero.stages import Stage0, Stage1, Stage2
+from mpzero.zero.state import consolidated_weights, load_optimizer_state, optimizer_state
+
+
+@dataclass(frozen=True)
+class StepStats:
+    grad_norm: float | None  # global norm before clipping; None when the step was skipped
+    skipped: bool  # fp16 overflow somewhere: nothing was updated
+    loss_scale: float  # the scale this iteration's backward used
+
+
+def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
+               precision: PrecisionConfig, units):
+    device = named_params[0][1].device
+    if zero.stage == 3:
+        return Stage3(model, named_params, groups.dp, precision, zero, device, units)
+    if units is not None:
+        raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
+    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device)
+
+
+class ZeroOptimizer:
+    def __init__(self, model: nn.Module, groups: ParallelGroups, zero: ZeroConfig, adam: AdamConfig,
+                 precision: PrecisionConfig, units: list[nn.Module] | None = None):
+        for section in (zero, adam, precision):
+            section.validate()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+        self.model, self.groups, self.zero, self.adam_config, self.precision = model, groups, zero, adam, precision
+        self.numel = sum(p.numel() for _, p in named)
+        self.stage = make_stage(model, named, groups, zero, precision, units)
+        self.adam = MasterAdam(self.stage.layouts, self.stage.masters, adam)
+        self.scaler = make_loss_scaler(precision)
+        self._norm_runs = norm_runs(self.stage.layouts, groups.tp_rank, groups.dp_rank)
+        self.lr, self.iteration = adam.lr, 0
+        self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
+        self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def zero_grad(self) -> None:
+        self.stage.zero_grad()
+        self._micro_batches, self._reduced = 0, False
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """Backward of one micro-batch's loss (already divided by the number of micro-batches).
+        Stages 0-1 communicate only when `last_micro_batch`; stages 2-3 reduce every micro-batch."""
+        self.stage.begin_backward(last_micro_batch)
+        scale = self.scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward()
+        self.stage.end_backward()
+        self._micro_batches += 1
+        self._reduced = last_micro_batch
+
+    def step(self, lr: float | None = None) -> StepStats:
+        if not self._reduced:
+            raise RuntimeError("step() needs backward(loss, last_micro_batch=True) first: the gradients of "
+                               "this global batch have not been reduced across data-parallel ranks")
+        if lr is not None:
+            self.lr = lr
+        grads, scale = self._fp32_grads(), self.scaler.scale
+        skipped = self.precision.dtype == "fp16" and found_inf(grads, self.groups)
+        norm = None
+        if not skipped:
+            norm = global_grad_norm(grads, self._norm_runs, self.groups)
+            clip_grads_(grads, norm, self.adam_config.clip_grad)
+            self.adam.step(grads, self.lr)
+            for shard, master in zip(self.stage.param_shards, self.stage.masters):
+                if shard is not master:
+                    shard.copy_(master)
+            self.stage.after_update()
+        self.scaler.update(skipped)
+        self._last_micro_batches = self._micro_batches
+        self.iteration += 1
+        self.zero_grad()
+        return StepStats(norm, skipped, scale)
+
+    def _fp32_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient slices in fp32, divided by the loss scale (in place when already fp32:
+        the buffers are zeroed after the step anyway)."""
+        inverse = 1.0 / self.scaler.scale
+        grads = []
+        for grad in self.stage.grad_shards:
+            grad = grad if grad.dtype == torch.float32 else grad.float()
+            grads.append(grad.mul_(inverse) if inverse != 1.0 else grad)
+        return grads
+
+    # -- accounting -----------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes this rank holds (unique storages, padding included) against the formula."""
+        held = self.stage.held_tensors() + self.stage.masters + self.adam.state_tensors()
+        p = self.stage.param_shards[0].element_size()
+        g = self.stage.grad_shards[0].element_size()
+        master = 0 if self.precision.dtype == "fp32" else 4
+        padding = sum(layout.padding for layout in self.stage.layouts)
+        return memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
+                             padding, p, g, master)
+
+    def comm_report(self) -> CommReport:
+        """Bytes per rank per iteration counted on the DP group since the last report, against theory."""
+        total, (mark_bytes, mark_iteration) = self.groups.dp.stats.total(), self._comm_mark
+        iterations = max(self.iteration - mark_iteration, 1)
+        self._comm_mark = (total, self.iteration)
+        p = self.stage.param_shards[0].element_size()
+        g = self.stage.grad_shards[0].element_size()
+        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel,
+                                   getattr(self.stage, "root_numel", 0), p, g, self._last_micro_batches)
+        return CommReport(self.zero.stage, self.groups.dp_size, self._last_micro_batches,
+                          (total - mark_bytes) / iterations, theory, text)
+
+    # -- export and checkpoint (collectives over DP, left out of the communication report) -------
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
+        return self._uncounted(consolidated_weights, self.model, self.stage.layouts, self.stage.masters,
+                               self.groups.dp)
+
+    def state_dict(self) -> dict:
+        """Optimizer state keyed by parameter name (full tensors): loads at any stage and DP size."""
+        state = self._uncounted(optimizer_state, self.stage.layouts, self.stage.masters, self.adam,
+                                self.groups.dp)
+        return {**state, "loss_scaler": self.scaler.state_dict(), "iteration": self.iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam)
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self.iteration = state["iteration"]
+        for shard, master in zip(self.stage.param_shards, self.stage.masters):
+            if shard is not master:
+                shard.copy_(master)
+        self._uncounted(self.stage.after_update)
+
+    def _uncounted(self, fn, *args):
+        before = self.groups.dp.stats.total()
+        result = fn(*args)
+        mark_bytes, mark_iteration = self._comm_mark
+        self._comm_mark = (mark_bytes + self.groups.dp.stats.total() - before, mark_iteration)
+        return result

@@ -1,0 +1,179 @@
+"""ZeRO stage 3: parameters partitioned too, gathered one unit at a time (FSDP2 style).
+
+A unit is a module whose parameters are gathered and released together: by default every block of
+any `nn.ModuleList` (the transformer layers), or an explicit list; everything else (embeddings,
+final LayerNorm, and any parameter registered under two names) belongs to the root unit, the model
+itself. Each unit keeps this rank's 1/N slice of its flat parameter buffer; the full buffer exists
+only while gathered. Its storage is resized to zero on release and back on gather, in place, so the
+parameters stay views of it all along (shapes intact) and tensors autograd saved in forward (e.g. a
+transposed weight) see the gathered values again in backward.
+
+Schedule: a unit is gathered before its forward (its successor prefetched asynchronously) and
+released after it; gathered again when the gradient reaches its outputs (or when a reentrant
+checkpoint re-runs its forward inside backward), its predecessor prefetched; and released once all
+its gradients have arrived, as they are reduce-scattered. The root is gathered from the start of
+forward to the end of backward: the output projection reuses the word embedding (weight tying), and
+releasing it between forward and backward would only gather it again at once. The unit order is the
+order of the first forward. A unit's parameters must be used only inside that unit's forward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from mpzero.comm import CommGroup
+from mpzero.zero.config import PrecisionConfig, ZeroConfig
+from mpzero.zero.flat import build_layout, bind_params
+from mpzero.zero.grads import ShardedGrads
+from mpzero.zero.stages import flatten_params
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every child of every outermost `nn.ModuleList`: the transformer layers of a GPT."""
+    units = []
+
+    def visit(module):
+        for child in module.children():
+            if isinstance(module, nn.ModuleList):
+                units.append(child)
+            else:
+                visit(child)
+    visit(model)
+    return units
+
+
+def assign_params(model: nn.Module, units: list[nn.Module], named_params) -> list[list]:
+    """named_params split into [root, unit 1, ...]; a parameter reachable twice goes to the root."""
+    appearances = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    unit_of = {}
+    for u, unit in enumerate(units, start=1):
+        for param in unit.parameters():
+            unit_of[param] = 0 if param in unit_of or appearances[id(param)] > 1 else u
+    assigned = [[] for _ in range(len(units) + 1)]
+    for name, param in named_params:
+        assigned[unit_of.get(param, 0)].append((name, param))
+    return assigned
+
+
+class Stage3:
+    number = 3
+
+    def __init__(self, model: nn.Module, named_params, dp: CommGroup, precision: PrecisionConfig,
+                 zero: ZeroConfig, device, units: list[nn.Module] | None = None):
+        units = default_units(model) if units is None else list(units)
+        assigned = assign_params(model, units, named_params)
+        keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]  # skip units with nothing to train
+        self.modules = [([model] + units)[u] for u in keep]
+        self.layouts = [build_layout(assigned[u], dp.size, dp.rank) for u in keep]
+        self.dp, self.prefetch = dp, zero.prefetch
+        dtype = precision.torch_dtype
+        self.param_shards, self.masters = flatten_params(self.layouts, dp, dtype, device, "shard")
+        self._full = [torch.empty(l.padded_numel, dtype=dtype, device=device) for l in self.layouts]
+        for layout, full in zip(self.layouts, self._full):
+            bind_params(layout, full)
+        self._handles = [None] * len(self.layouts)
+        self._gathered = [True] * len(self.layouts)
+        for u in range(len(self.layouts)):
+            self._release(u)
+        self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm,
+                                  after_ready=self._grads_ready)
+        self.in_backward, self._order, self._order_frozen = False, [], False
+        self._hooks = []
+        for u, module in enumerate(self.modules):
+            self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
+            self._hooks.append(module.register_forward_hook(partial(self._post_forward, u)))
+
+    @property
+    def root_numel(self) -> int:
+        return self.layouts[0].numel
+
+    @property
+    def grad_shards(self) -> list[torch.Tensor]:
+        return self.grads.shards
+
+    # -- gather / release -------------------------------------------------------------------
+    def _start_gather(self, u: int) -> None:
+        if self._gathered[u]:
+            return
+        full = self._full[u]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
+        self._gathered[u] = True
+
+    def _wait(self, u: int) -> None:
+        self._start_gather(u)
+        if self._handles[u] is not None:
+            self._handles[u].wait()
+            self._handles[u] = None
+
+    def _release(self, u: int) -> None:
+        if not self._gathered[u]:
+            return
+        if self._handles[u] is not None:  # never free a buffer a collective still writes
+            self._handles[u].wait()
+            self._handles[u] = None
+        self._full[u].untyped_storage().resize_(0)
+        self._gathered[u] = False
+
+    def _prefetch_after(self, u: int, backward: bool) -> None:
+        if not self.prefetch or not self._order:
+            return
+        if u == 0:
+            nxt = None if backward else self._order[0]
+        elif u in self._order:
+            i = self._order.index(u) + (-1 if backward else 1)
+            nxt = self._order[i] if 0 <= i < len(self._order) else None
+        else:
+            nxt = None
+        if nxt is not None:
+            self._start_gather(nxt)
+
+    # -- module and tensor hooks --------------------------------------------------------------
+    def _pre_forward(self, u: int, module, args) -> None:
+        self._wait(u)
+        if u and not self.in_backward and not self._order_frozen and u not in self._order:
+            self._order.append(u)
+        self._prefetch_after(u, backward=self.in_backward)
+
+    def _post_forward(self, u: int, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, u))
+        # Inside backward (a checkpoint's recomputation) the unit's own backward follows at once.
+        if not self.in_backward and (u or not torch.is_grad_enabled()):
+            self._release(u)
+
+    def _pre_backward(self, u: int, grad) -> None:
+        self._wait(u)
+        self._prefetch_after(u, backward=True)
+
+    def _grads_ready(self, u: int) -> None:
+        if u:
+            self._release(u)
+
+    # -- the stage interface used by the optimizer front ---------------------------------------
+    def begin_backward(self, last_micro_batch: bool) -> None:
+        self.in_backward = True
+        self.grads.begin_backward(last_micro_batch)
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+        for u in range(len(self.layouts)):
+            self._release(u)
+        self.in_backward, self._order_frozen = False, True
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+
+    def after_update(self) -> None:
+        for u in range(len(self.layouts)):  # the next forward gathers the updated slices
+            self._release(u)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return self.param_shards + self.grads.shards + self._full

@@ -1,0 +1,115 @@
+"""ZeRO stages 0, 1 and 2: every rank holds the full parameters; what differs is who holds the rest.
+
+- `Stage0`: gradients all-reduced, optimizer states replicated: the DDP baseline, same code path.
+- `Stage1`: gradients accumulated in full, reduce-scattered once at the end of the global batch;
+  fp32 master weights and Adam moments exist only for this rank's 1/N slice; the updated slice
+  is all-gathered back into the full parameters.
+- `Stage2`: as stage 1, but only this rank's gradient slice persists: each bucket is
+  reduce-scattered from the gradient hooks while backward still runs, every micro-batch.
+
+A stage exposes, per bucket, this rank's parameter slice (`param_shards`, model dtype), its fp32
+starting values (`masters`: the same tensor as the slice in fp32, else an fp32 copy) and its reduced
+gradient slice (`grad_shards`); the optimizer front updates the masters and calls `after_update()`.
+Parameters start from DP rank 0's values (broadcast, as DDP does), so every rank agrees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpzero.comm import CommGroup
+from mpzero.zero.config import PrecisionConfig, ZeroConfig
+from mpzero.zero.flat import FlatLayout, bind_params, bucket_layouts, initial_values
+from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
+
+
+def flatten_params(layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device,
+                   keep: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per bucket: the parameters' storage (`keep="full"`: the whole flat buffer, parameters bound
+    to views of it; `keep="shard"`: only this rank's slice) and this rank's fp32 master slice."""
+    stores, masters = [], []
+    for layout in layouts:
+        values = initial_values(layout, device)
+        dp.broadcast(values)
+        owned = slice(layout.shard_start, layout.shard_start + layout.shard_numel)
+        flat = values if dtype == torch.float32 else values.to(dtype)
+        if keep == "full":
+            bind_params(layout, flat)
+            stores.append(flat)
+        else:
+            stores.append(flat[owned].clone())
+        own = stores[-1][owned] if keep == "full" else stores[-1]
+        # fp32 trains the parameters' own slice; mixed precision an fp32 copy of the unrounded values
+        masters.append(own if dtype == torch.float32 else values[owned].clone())
+    return stores, masters
+
+
+class _FullParams:
+    """Shared by stages 0-2: full flat parameter buffers, parameters bound to views of them."""
+
+    number: int
+    parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
+
+    def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device):
+        self.dp = dp
+        parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
+        self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
+        self.param_flats, self.masters = flatten_params(self.layouts, dp, precision.torch_dtype, device, "full")
+        self.param_shards = [flat[l.shard_start:l.shard_start + l.shard_numel]
+                             for flat, l in zip(self.param_flats, self.layouts)]
+        self.grads = self._make_grads(precision.grad_dtype, device, zero.overlap_comm)
+
+    @property
+    def grad_shards(self) -> list[torch.Tensor]:
+        return self.grads.shards
+
+    def begin_backward(self, last_micro_batch: bool) -> None:
+        self.grads.begin_backward(last_micro_batch)
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return self.param_flats + getattr(self.grads, "flats", self.grads.shards)
+
+    def gather_params(self) -> None:
+        for flat, shard in zip(self.param_flats, self.param_shards):
+            self.dp.all_gather_into(flat, shard)  # in place: `shard` is this rank's slice of `flat`
+
+
+class Stage0(_FullParams):
+    number, parts_of_dp = 0, False
+
+    def _make_grads(self, dtype, device, overlap):
+        def all_reduce(bucket, async_op):
+            return self.dp.all_reduce(self.grads.flats[bucket], async_op=async_op)
+        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, all_reduce)
+
+    def after_update(self) -> None:
+        pass  # every rank updated every element
+
+
+class Stage1(_FullParams):
+    number, parts_of_dp = 1, True
+
+    def _make_grads(self, dtype, device, overlap):
+        def reduce_scatter(bucket, async_op):  # in place into this rank's slice of the full buffer
+            grads = self.grads
+            return self.dp.reduce_scatter_into(grads.shards[bucket], grads.flats[bucket], async_op=async_op)
+        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, reduce_scatter)
+
+    def after_update(self) -> None:
+        self.gather_params()
+
+
+class Stage2(_FullParams):
+    number, parts_of_dp = 2, True
+
+    def _make_grads(self, dtype, device, overlap):
+        return ShardedGrads(self.layouts, self.dp, dtype, device, overlap)
+
+    def after_update(self) -> None:
+        self.gather_params()

@@ -1,0 +1,76 @@
+"""Stage- and layout-independent views of the ZeRO state: full fp32 weights for export, and the
+optimizer state keyed by parameter name (full tensors of this TP rank), so a checkpoint saved at one
+stage and DP size loads at any other. Gathering is a collective over the DP group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpzero.comm import CommGroup
+from mpzero.zero.adam import MasterAdam
+from mpzero.zero.flat import FlatLayout
+
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _gather_flat(layout: FlatLayout, shard: torch.Tensor, dp: CommGroup) -> torch.Tensor:
+    if layout.parts == 1:
+        return shard
+    full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+    dp.all_gather_into(full, shard)
+    return full
+
+
+def _per_param(layouts: list[FlatLayout], shards: list[torch.Tensor], dp: CommGroup) -> dict:
+    out = {}
+    for layout, shard in zip(layouts, shards):
+        full = _gather_flat(layout, shard, dp)
+        for i, name in enumerate(layout.names):
+            out[name] = layout.param_view(full, i).clone()
+    return out
+
+
+def _moment_shards(layouts: list[FlatLayout], adam: MasterAdam, key: str) -> list[torch.Tensor]:
+    shards = [torch.zeros(l.shard_numel, dtype=torch.float32) for l in layouts]
+    for bucket, start, end, view in adam.runs:
+        shards[bucket][start:end] = adam.moments(view)[key]
+    return shards
+
+
+def consolidated_weights(model: nn.Module, layouts, masters, dp: CommGroup) -> dict[str, torch.Tensor]:
+    """{name: full fp32 tensor} for every parameter (frozen ones from the model), in model order."""
+    managed = _per_param(layouts, masters, dp)
+    return {name: managed[name] if name in managed else p.detach().float().clone()
+            for name, p in model.named_parameters()}
+
+
+def optimizer_state(layouts, masters, adam: MasterAdam, dp: CommGroup) -> dict:
+    tensors = {"master": _per_param(layouts, masters, dp)}
+    for key in KEYS:
+        tensors[key] = _per_param(layouts, _moment_shards(layouts, adam, key), dp)
+    step = int(adam.moments(adam.runs[0][3])["step"].item()) if adam.runs else 0
+    step = int(max(dp.all_gather_objects(step)))  # a rank holding only padding has no steps of its own
+    return {"step": step, "params": {name: {key: tensors[key][name] for key in tensors} for name in tensors["master"]}}
+
+
+def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: MasterAdam) -> None:
+    """Copies this rank's slices out of full per-parameter tensors into masters and moments."""
+    missing = [name for layout in layouts for name in layout.names if name not in state["params"]]
+    if missing:
+        raise KeyError(f"optimizer state has no entry for parameters {missing[:3]}: saved from another model?")
+    for key in ("master",) + KEYS:
+        for bucket, layout in enumerate(layouts):
+            full = torch.zeros(layout.padded_numel, dtype=torch.float32)
+            for i, name in enumerate(layout.names):
+                layout.param_view(full, i).copy_(state["params"][name][key])
+            shard = full[layout.shard_start:layout.shard_start + layout.shard_numel]
+            if key == "master":
+                masters[bucket].copy_(shard)
+                continue
+            for b, start, end, view in adam.runs:
+                if b == bucket:
+                    adam.moments(view)[key].copy_(shard[start:end])
+    for *_, view in adam.runs:
+        adam.moments(view)["step"].fill_(state["step"])
