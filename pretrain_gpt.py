@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from mpzero.arguments import gpt_config, parse_args
+from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.models import GPTModel
 from mpzero.parallel import ParallelGroups, init_parallel
@@ -28,9 +28,9 @@ from mpzero.training.console import iteration_line, model_flops_per_iteration, p
 from mpzero.training.lr_schedule import schedule_from_args
 from mpzero.training.memory import memory_per_rank
 from mpzero.training.mock_data import MockGPTDataset
-from mpzero.training.plain_dp import PlainDataParallelAdamW
 from mpzero.training.signals import TerminationSignal
 from mpzero.training.tensorboard import TensorBoardLogger
+from mpzero.zero import ZeroOptimizer
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -54,7 +54,10 @@ def _pretrain(args) -> dict:
         print("configuration: " + json.dumps(vars(args), sort_keys=True), flush=True)
     rng = seed_everything(args.seed, groups.tp_rank, groups.device)
     model = GPTModel(gpt_config(args), groups.tp, rng, device=groups.device)
-    optimizer = PlainDataParallelAdamW(model, groups, args)
+    optimizer = ZeroOptimizer(model, groups, zero_config(args), adam_config(args), precision_config(args))
+    memory = optimizer.memory_report()
+    if groups.is_logging_rank:
+        print(memory.line(), flush=True)
     train_data, valid_data, test_data = _datasets(args)
     tensorboard = TensorBoardLogger(args.tensorboard_dir, groups.is_logging_rank)
     termination = TerminationSignal(groups.world, groups.device)
@@ -65,16 +68,17 @@ def _pretrain(args) -> dict:
     try:
         while iteration < args.train_iters:
             lr = schedule.lr(iteration)
-            loss, grad_norm, was_skipped = _train_step(model, optimizer, train_data, consumed, lr, args, groups)
-            iteration, consumed, skipped = iteration + 1, consumed + args.global_batch_size, skipped + was_skipped
+            loss, stats = _train_step(model, optimizer, train_data, consumed, lr, args, groups)
+            iteration, consumed, skipped = iteration + 1, consumed + args.global_batch_size, skipped + stats.skipped
             if not math.isfinite(loss):
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration} (rank {groups.world.rank}): "
                                     f"lower --lr or enable --clip-grad; the last checkpoint is intact")
-            for key, value in (("losses", loss), ("grad_norms", grad_norm), ("lrs", lr)):
+            for key, value in (("losses", loss), ("grad_norms", stats.grad_norm), ("lrs", lr)):
                 history[key].append(value)
             interval["losses"].append(loss)
             if iteration % args.log_interval == 0:
-                _log_interval(interval, iteration, consumed, lr, grad_norm, skipped, args, groups, tensorboard)
+                _log_interval(interval, iteration, consumed, lr, stats, skipped, args, groups, optimizer,
+                              tensorboard)
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_data is not None:
                 history["valid_losses"].append(_evaluate_and_log(
                     model, valid_data, f"iteration {iteration}", iteration, args, groups, tensorboard))
@@ -102,7 +106,7 @@ def _datasets(args):
 
 def _train_step(model, optimizer, dataset, consumed, lr, args, groups: ParallelGroups):
     """One global batch: forward/backward every micro-batch, then one optimizer step.
-    Returns (loss averaged over the global batch, grad norm, whether the step was skipped)."""
+    Returns the loss averaged over the global batch and the optimizer's StepStats."""
     model.train()
     optimizer.zero_grad()
     micro_batches = micro_batch_indices(consumed, args.global_batch_size, args.micro_batch_size,
@@ -113,9 +117,9 @@ def _train_step(model, optimizer, dataset, consumed, lr, args, groups: ParallelG
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
-    grad_norm, was_skipped = optimizer.step(lr)
+    stats = optimizer.step(lr)
     groups.dp.all_reduce(total)
-    return total.item() / groups.dp_size, grad_norm, was_skipped
+    return total.item() / groups.dp_size, stats
 
 
 @torch.no_grad()
@@ -144,7 +148,7 @@ def _evaluate_and_log(model, dataset, where, iteration, args, groups, tensorboar
     return loss
 
 
-def _log_interval(interval, iteration, consumed, lr, grad_norm, skipped, args, groups, tensorboard):
+def _log_interval(interval, iteration, consumed, lr, stats, skipped, args, groups, optimizer, tensorboard):
     seconds = (time.perf_counter() - interval["start"]) / len(interval["losses"])
     loss = sum(interval["losses"]) / len(interval["losses"])
     tokens_per_s = args.global_batch_size * args.seq_length / seconds
@@ -152,12 +156,16 @@ def _log_interval(interval, iteration, consumed, lr, grad_norm, skipped, args, g
                                       args.global_batch_size, args.recompute_activations)
     tflops = flops / (seconds * groups.world.size * 1e12)
     memory = memory_per_rank(groups)  # every rank takes part in the gather
+    comm = optimizer.comm_report()
+    grad_norm = stats.grad_norm if stats.grad_norm is not None else float("nan")
     if groups.is_logging_rank:
         print(iteration_line(iteration, args.train_iters, consumed, seconds * 1000, lr, args.global_batch_size,
-                             loss, grad_norm, skipped, nan=0,
+                             loss, stats.loss_scale, grad_norm, skipped, nan=0,
                              extra={"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}"}),
               flush=True)
+        print(comm.line(), flush=True)
     tensorboard.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
+                         "loss-scale": stats.loss_scale,
                          "batch-size": args.global_batch_size, "throughput": tokens_per_s,
                          **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)}}, iteration)
     interval["losses"], interval["start"] = [], time.perf_counter()

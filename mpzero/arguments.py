@@ -14,6 +14,7 @@ import os
 
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    par.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
+                     help="0 replicated (DDP), 1 optimizer states, 2 + gradients, 3 + parameters partitioned")
+    par.add_argument("--zero-bucket-numel", type=int, default=ZeroConfig.bucket_numel,
+                     help="elements per gradient bucket (stages 0-2)")
+    par.add_argument("--no-overlap-comm", dest="overlap_comm", action="store_false",
+                     help="reduce gradients after backward instead of from its hooks")
+    par.add_argument("--no-zero-prefetch", dest="zero_prefetch", action="store_false",
+                     help="stage 3: do not gather the next layer's parameters ahead of time")
+
+    precision = p.add_argument_group("mixed precision")
+    dtype = precision.add_mutually_exclusive_group()
+    dtype.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master and gradients")
+    dtype.add_argument("--fp16", action="store_true", help="fp16 parameters and gradients, dynamic loss scaling")
+    precision.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale")
+    precision.add_argument("--initial-loss-scale", type=float, default=PrecisionConfig.initial_loss_scale)
+    precision.add_argument("--min-loss-scale", type=float, default=PrecisionConfig.min_loss_scale)
+    precision.add_argument("--loss-scale-window", type=int, default=PrecisionConfig.loss_scale_window)
+    precision.add_argument("--hysteresis", type=int, default=PrecisionConfig.hysteresis)
 
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=None)
@@ -114,6 +133,23 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
                      layernorm_epsilon=args.layernorm_epsilon,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      recompute_activations=args.recompute_activations)
+
+
+def zero_config(args: argparse.Namespace) -> ZeroConfig:
+    return ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
+                      prefetch=args.zero_prefetch)
+
+
+def adam_config(args: argparse.Namespace) -> AdamConfig:
+    return AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
+                      weight_decay=args.weight_decay, clip_grad=args.clip_grad)
+
+
+def precision_config(args: argparse.Namespace) -> PrecisionConfig:
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return PrecisionConfig(dtype=dtype, initial_loss_scale=args.initial_loss_scale,
+                           min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                           hysteresis=args.hysteresis, loss_scale=args.loss_scale)
 
 
 def _config_file_from(argv: list[str] | None) -> str | None:

@@ -19,7 +19,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", "300",
         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "5"]
-LINE = re.compile(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| .* \| lm loss: (\S+) \| grad norm: (\S+) \|")
+LINE = re.compile(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| .* \| lm loss: (\S+) \| loss scale: \S+ \| grad norm: (\S+) \|")
 
 
 def _main_capturing_stdout(argv):
@@ -47,7 +47,9 @@ def test_console_lines_follow_megatron_format(single_process):
     assert stdout.startswith("configuration: {")
     validation = [line for line in stdout.splitlines() if line.startswith(" validation loss at ")]
     assert len(validation) == 4 and validation[-1].startswith(" validation loss at the end of training for test")
-    assert re.search(r"\| tokens/s: \d+ \| TFLOP/s/rank: [0-9.]+ \|$", stdout.splitlines()[1])
+    assert re.search(r"\| tokens/s: \d+ \| TFLOP/s/rank: [0-9.]+ \|$", lines[0].string)
+    assert re.search(r"^zero memory \| stage 1 \| dp 1 \| .* \| ratio 1\.0\d+ \|", stdout.splitlines()[1])
+    assert len(re.findall(r"^zero comm \| stage 1 .* \| ratio \S+$", stdout, re.M)) == 10
     assert [int(m.group(3)) for m in lines] == [8 * i for i in range(1, 11)]
     _assert_close_lists([float(m.group(4)) for m in lines], history["losses"], rel=1e-6)
     assert history["losses"][-1] < history["losses"][0]

@@ -6,7 +6,7 @@ import math
 
 
 def iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
-                   global_batch: int, loss: float, grad_norm: float, skipped: int, nan: int,
+                   global_batch: int, loss: float, loss_scale: float, grad_norm: float, skipped: int, nan: int,
                    extra: dict[str, str] | None = None) -> str:
     fields = [f" iteration {iteration:8d}/{train_iters:8d}",
               f"consumed samples: {consumed:12d}",
@@ -14,6 +14,7 @@ def iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: 
               f"learning rate: {lr:.6E}",
               f"global batch size: {global_batch:5d}",
               f"lm loss: {loss:.6E}",
+              f"loss scale: {loss_scale:.1f}",
               f"grad norm: {grad_norm:.3f}",
               f"number of skipped iterations: {skipped:3d}",
               f"number of nan iterations: {nan:3d}"]
