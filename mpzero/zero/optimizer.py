@@ -51,6 +51,13 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
 
 
 class ZeroOptimizer:
+    """AdamW over `model`'s trainable parameters, partitioned across `groups.dp` by `zero.stage`.
+
+    Managed parameters are cast to `precision.dtype` and become views of flat buffers (stage 3:
+    released between uses); cast the rest of the model (frozen parameters, buffers) yourself.
+    `units` (stage 3 only): the modules gathered one at a time; default `default_units(model)`.
+    """
+
     def __init__(self, model: nn.Module, groups: ParallelGroups, zero: ZeroConfig, adam: AdamConfig,
                  precision: PrecisionConfig, units: list[nn.Module] | None = None):
         for section in (zero, adam, precision):
