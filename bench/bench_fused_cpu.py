@@ -20,13 +20,15 @@ from mpzero.fused import adamw_step, layer_norm, scaled_masked_softmax
 from mpzero.fused.impl import IMPLS
 
 
-def _median_ms(fn, reps: int) -> float:
-    times = []
+def _interleaved_medians_ms(runs: dict, reps: int) -> dict:
+    """Median ms per implementation, timed round-robin so the load of a shared machine hits all alike."""
+    times = {impl: [] for impl in runs}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for impl, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[impl].append((time.perf_counter() - start) * 1e3)
+    return {impl: statistics.median(t) for impl, t in times.items()}
 
 
 def _layer_norm_case(impl: str, tokens: int, hidden: int):
@@ -65,20 +67,21 @@ def main() -> None:
                                   lambda impl: _softmax_case(impl, 16, 512 // k)),
         "adamw_step": (f"flat {16 // k}M fp32 partition, one step", lambda impl: _adamw_case(impl, (16 << 20) // k)),
     }
-    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.reps} reps (ms); ratio = eager / impl")
+    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.reps} interleaved reps (ms); "
+          "ratio = eager / impl")
     for op, (what, make) in cases.items():
         print(f"\n{op}: {what}")
-        eager_ms = None
+        runs, first_s = {}, {}
         for impl in [i for i in IMPLS[op] if i != "triton"]:
-            run = make(impl)
+            runs[impl] = make(impl)
             start = time.perf_counter()
-            run()  # warm-up; for "compile" this is the compilation
-            first_s = time.perf_counter() - start
-            run()  # a second warm-up: compiled AdamW recompiles once when `step` first changes
-            ms = _median_ms(run, args.reps)
-            eager_ms = ms if impl == "torch" else eager_ms
-            print(f"  {impl:12s} {ms:9.2f} ms   x{eager_ms / ms:5.2f} vs eager   (first call {first_s:.1f} s)")
-
+            runs[impl]()  # warm-up; for "compile" this is the compilation
+            first_s[impl] = time.perf_counter() - start
+            runs[impl]()  # a second warm-up: compiled AdamW recompiles once when `step` first changes
+        medians = _interleaved_medians_ms(runs, args.reps)
+        for impl, ms in medians.items():
+            print(f"  {impl:12s} {ms:9.2f} ms   x{medians['torch'] / ms:5.2f} vs eager   "
+                  f"(first call {first_s[impl]:.1f} s)")
 
 if __name__ == "__main__":
     main()

@@ -28,8 +28,8 @@ except ImportError:  # the optional `triton` extra is not installed
     triton = None
     tl = None
 
-# Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1 before the
-# kernel modules are imported, which import this one first).
+# Triton reads TRITON_INTERPRET when it decorates a kernel, its own library included: set it before triton
+# is first imported (torch.optim and torch.compile import it) to run kernels on CPU tensors.
 INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
 
 IMPLS = {

@@ -122,9 +122,9 @@ def _check_inputs(scores: torch.Tensor, mask: torch.Tensor | None) -> None:
         raise ConfigError(f"scaled_masked_softmax: scores must be [b, heads, sq, sk], got shape {tuple(scores.shape)}")
     if mask is None:
         return
-    if mask.dtype != torch.bool or mask.dim() != 4:
-        raise ConfigError(f"scaled_masked_softmax: mask must be a 4-D bool tensor (True = excluded), "
-                          f"got {mask.dtype} of shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.device != scores.device:
+        raise ConfigError(f"scaled_masked_softmax: mask must be a 4-D bool tensor (True = excluded) on "
+                          f"{scores.device}, got {mask.dtype} of shape {tuple(mask.shape)} on {mask.device}")
     try:
         torch.broadcast_shapes(mask.shape, scores.shape)
     except RuntimeError:
