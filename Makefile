@@ -13,7 +13,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,triton]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,0 +1,101 @@
+"""Time the Triton kernels against eager PyTorch (and NVIDIA apex where installed) on one CUDA GPU.
+
+Run: `PYTHONPATH=. python bench/bench_fused_gpu.py [--dtype bf16] [--small]` (needs CUDA and `mpzero[triton]`)
+
+Eager = each op's PyTorch reference in mpzero.fused; AdamW also runs torch's fused AdamW ("torch_fused").
+apex rows use apex's mixed-dtype FusedLayerNorm, Megatron's upper-triangular softmax kernel and FusedAdam
+(adam_w_mode) and are skipped with a note when apex is not importable. Times are triton.testing.do_bench
+medians (ms); ratio = eager / implementation, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mpzero.fused import adamw_step, layer_norm, scaled_masked_softmax
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _layer_norm_cases(tokens: int, hidden: int, dtype: torch.dtype) -> dict:
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.ones(hidden, device="cuda", requires_grad=True)
+    b = torch.zeros(hidden, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    cases = {impl: (lambda impl=impl: layer_norm(x, w, b, impl=impl).backward(dy)) for impl in ("torch", "triton")}
+    try:
+        from apex.normalization.fused_layer_norm import mixed_dtype_fused_layer_norm_affine
+        cases["apex"] = lambda: mixed_dtype_fused_layer_norm_affine(x, w, b, (hidden,), 1e-5).backward(dy)
+    except ImportError:
+        pass
+    return cases
+
+
+def _softmax_cases(batch_heads: int, seq: int, dtype: torch.dtype) -> dict:
+    scores = torch.randn(1, batch_heads, seq, seq, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(scores)
+    cases = {impl: (lambda impl=impl: scaled_masked_softmax(scores, 0.125, True, None, impl=impl).backward(dy))
+             for impl in ("torch", "triton")}
+    try:
+        from apex.transformer.functional.fused_softmax import ScaledUpperTriangMaskedSoftmax
+        scores3d = scores.detach().view(batch_heads, seq, seq).requires_grad_()
+        dy3d = dy.view(batch_heads, seq, seq)
+        cases["apex"] = lambda: ScaledUpperTriangMaskedSoftmax.apply(scores3d, 0.125).backward(dy3d)
+    except ImportError:
+        pass
+    return cases
+
+
+def _adamw_cases(numel: int, dtype: torch.dtype) -> dict:
+    params, grads = torch.randn(numel, device="cuda"), torch.randn(numel, device="cuda")
+    exp_avg, exp_avg_sq = torch.zeros_like(params), torch.zeros_like(params)
+    copy = torch.empty(numel, device="cuda", dtype=dtype) if dtype != torch.float32 else None
+
+    def step(impl):
+        adamw_step(params, grads, exp_avg, exp_avg_sq, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                   weight_decay=0.1, step=10, model_copy=copy, impl=impl)
+    cases = {impl: (lambda impl=impl: step(impl)) for impl in ("torch", "torch_fused", "triton")}
+    try:
+        from apex.optimizers import FusedAdam
+        param = torch.nn.Parameter(params.clone())
+        param.grad = grads.clone()
+        opt = FusedAdam([param], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=True)
+        cases["apex"] = opt.step  # without the low-precision copy: apex's FusedAdam does not write one
+    except ImportError:
+        pass
+    return cases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activations and model copy")
+    parser.add_argument("--small", action="store_true", help="small sizes, to check the script runs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: bench_fused_gpu.py needs a CUDA GPU; run bench/bench_fused_cpu.py here", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench
+
+    dtype, k = DTYPES[args.dtype], 8 if args.small else 1
+    ops = {
+        f"layer_norm x [{16384 // k}, 4096] fwd+bwd": _layer_norm_cases(16384 // k, 4096, dtype),
+        f"causal softmax [1, {64 // k}, 2048, 2048] fwd+bwd": _softmax_cases(64 // k, 2048, dtype),
+        f"adamw flat {256 // k}M fp32 (+ {args.dtype} copy)": _adamw_cases((256 << 20) // k, dtype),
+    }
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; ms (median), ratio = eager / impl")
+    for name, cases in ops.items():
+        print(f"\n{name}")
+        eager_ms = do_bench(cases["torch"])
+        for impl, fn in cases.items():
+            ms = eager_ms if impl == "torch" else do_bench(fn)
+            print(f"  {impl:12s} {ms:8.3f} ms   x{eager_ms / ms:5.2f}")
+        if "apex" not in cases:
+            print("  apex         not installed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""One AdamW step over flat fp32 tensors (a ZeRO partition), in place, in one pass over memory.
+
+Same formula and bias correction as `torch.optim.AdamW` (single-tensor path), decoupled weight decay:
+    p *= 1 - lr * wd;  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+The gradient may be fp32/bf16/fp16 (read as fp32); the Triton kernel also writes the bf16/fp16 model copy
+of the new parameters in the same pass. ZeRO stages 1-3 all call this on their own partition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adamw import adamw as torch_adamw
+
+from mpzero.errors import ConfigError
+from mpzero.fused.impl import KernelSpec, dispatch, jit, tl, triton
+
+BLOCK = 1024  # elements per program: 4 fp32 per thread at 8 warps
+
+
+def adamw_reference(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
+                    step) -> None:
+    """torch.optim.AdamW's single-tensor arithmetic, op for op (so it matches it exactly)."""
+    grads = grads.float()
+    params.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grads, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+    params.addcdiv_(exp_avg, denom, value=-step_size)
+    if model_copy is not None:
+        model_copy.copy_(params)
+
+
+@jit
+def _adamw_kernel(P, G, M, V, Copy, n, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+                  HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    p = tl.load(P + offs, mask=ok, other=0.0)
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    m = tl.load(M + offs, mask=ok, other=0.0)
+    v = tl.load(V + offs, mask=ok, other=0.0)
+    p = p * decay
+    # torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
+    m = tl.where(w1 < 0.5, m + w1 * (g - m), g - (g - m) * (1.0 - w1))
+    v = v * beta2 + w2 * (g * g)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps  # IEEE sqrt/div, as torch's kernels
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(P + offs, p, mask=ok)
+    tl.store(M + offs, m, mask=ok)
+    tl.store(V + offs, v, mask=ok)
+    if HAS_COPY:
+        tl.store(Copy + offs, p.to(Copy.dtype.element_ty), mask=ok)
+
+
+def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
+                  step) -> None:
+    # Host scalars computed as adamw_reference computes them (Python doubles), rounded to fp32 at launch.
+    scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
+               (1 - beta2 ** step) ** 0.5, eps)
+    n = params.numel()
+    copy_arg = params if model_copy is None else model_copy  # never written when HAS_COPY is False
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, *scalars,
+                                            HAS_COPY=model_copy is not None, BLOCK=BLOCK, num_warps=8)
+
+
+def _torch_fused_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
+                       step) -> None:
+    """torch's own fused AdamW kernel (CPU and CUDA); it needs fp32 gradients like the parameters."""
+    # The fused kernel increments its step tensor (fp32, on the parameters' device) before using it.
+    steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=params.device)]
+    torch_adamw([params], [grads.float()], [exp_avg], [exp_avg_sq], [], steps, fused=True, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    if model_copy is not None:
+        model_copy.copy_(params)
+
+
+def _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step) -> None:
+    n = params.numel()
+    for name, t in (("params", params), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != n or not t.is_contiguous():
+            raise ConfigError(f"adamw_step: {name} must be a flat contiguous fp32 tensor of {n} elements, "
+                              f"got {t.dtype} {tuple(t.shape)}")
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    for name, t in (("grads", grads), ("model_copy", model_copy)):
+        if t is not None and (t.dtype not in allowed or t.shape != params.shape or not t.is_contiguous()):
+            raise ConfigError(f"adamw_step: {name} must be a flat contiguous fp32/bf16/fp16 tensor like params, "
+                              f"got {t.dtype} {tuple(t.shape)}")
+    if step < 1:
+        raise ConfigError(f"adamw_step: step counts from 1 (torch's convention), got {step}")
+
+
+def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+               model_copy: torch.Tensor | None = None, impl: str = "auto") -> None:
+    """AdamW step `step` (from 1) in place on a flat fp32 partition; optionally writes `model_copy`."""
+    _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step)
+    fn = dispatch("adamw_step", params.device, impl,
+                  {"torch": adamw_reference, "triton": _triton_adamw, "torch_fused": _torch_fused_adamw})
+    fn(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay, step)
+
+
+def triton_kernel_specs() -> list[KernelSpec]:
+    """Compile-only variants: fp32 master weights with each gradient dtype and model-copy dtype."""
+    floats = {n: "fp32" for n in ("decay", "w1", "beta2", "w2", "step_size", "bc2_sqrt", "eps")}
+    specs = []
+    for grad_dt, copy_dt in (("fp32", None), ("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "bf16"), ("fp16", "fp16")):
+        types = {"P": "*fp32", "G": f"*{grad_dt}", "M": "*fp32", "V": "*fp32", "Copy": f"*{copy_dt or 'fp32'}",
+                 "n": "i32", **floats}
+        specs.append(KernelSpec(f"adamw_grad_{grad_dt}_copy_{copy_dt or 'none'}", _adamw_kernel, types,
+                                {"HAS_COPY": copy_dt is not None, "BLOCK": BLOCK}, 8))
+    return specs

@@ -1,0 +1,64 @@
+"""Implementation choice: `auto` resolution, explicit errors instead of fallbacks, torch.compile paths."""
+
+import pytest
+import torch
+
+import mpzero.fused.impl as impl_module
+from mpzero.errors import ConfigError
+from mpzero.fused import (adamw_step, layer_norm, layer_norm_reference, resolve_impl, resolved_impls,
+                          scaled_masked_softmax, scaled_masked_softmax_reference, triton_available)
+
+
+def test_auto_resolves_to_the_measured_cpu_choice():
+    assert resolved_impls("cpu") == impl_module.CPU_CHOICE
+    assert resolve_impl("adamw_step", torch.device("cpu"), "compile") == "compile"
+
+
+def test_auto_on_cuda_resolves_to_triton_or_says_to_install_it():
+    if triton_available():
+        assert resolve_impl("layer_norm", "cuda") == "triton"
+    else:
+        with pytest.raises(ConfigError, match=r"pip install 'mpzero\[triton\]'"):
+            resolve_impl("layer_norm", "cuda")
+
+
+def test_triton_without_triton_installed_is_an_error(monkeypatch):
+    monkeypatch.setattr(impl_module, "triton", None)
+    with pytest.raises(ConfigError, match="needs the triton package"):
+        resolve_impl("scaled_masked_softmax", "cuda", "triton")
+
+
+def test_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setattr(impl_module, "INTERPRETED", False)
+    if not triton_available():
+        monkeypatch.setattr(impl_module, "triton", object())
+    with pytest.raises(ConfigError, match="needs CUDA tensors"):
+        layer_norm(torch.zeros(2, 4), torch.ones(4), torch.zeros(4), impl="triton")
+
+
+@pytest.mark.parametrize("op, impl", [("layer_norm", "torch_fused"), ("adamw_step", "apex"), ("gelu", "auto")])
+def test_unknown_op_or_impl_is_an_error(op, impl):
+    with pytest.raises(ConfigError, match="unknown"):
+        resolve_impl(op, "cpu", impl)
+
+
+@pytest.mark.slow  # three torch.compile compilations: ~10 s warm, up to ~40 s with a cold inductor cache
+def test_compile_impls_match_references():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 37, generator=g, requires_grad=True)
+    w, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    # Inductor fuses and reorders the fp32 arithmetic: fp32 tolerance, not bitwise.
+    torch.testing.assert_close(layer_norm(x, w, b, impl="compile"), layer_norm_reference(x, w, b, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    scores, mask = torch.randn(1, 2, 5, 5, generator=g), torch.rand(1, 1, 5, 5, generator=g) < 0.3
+    torch.testing.assert_close(scaled_masked_softmax(scores, 0.5, True, mask, impl="compile"),
+                               scaled_masked_softmax_reference(scores, 0.5, True, mask), rtol=1e-5, atol=1e-6)
+    params = torch.randn(100, generator=g)
+    states = [[params.clone(), torch.zeros(100), torch.zeros(100)] for _ in range(2)]
+    for step in (1, 2, 3):  # a new step recompiles once, then runs the dynamic graph
+        grad = torch.randn(100, generator=g)
+        for state, impl in zip(states, ("compile", "torch")):
+            adamw_step(state[0], grad, state[1], state[2], lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                       weight_decay=0.1, step=step, impl=impl)
+    for got, want in zip(*states):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
