@@ -20,6 +20,7 @@ import torch
 
 from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
 from mpzero.errors import ConfigError, TrainingError
+from mpzero.fused import resolved_impls
 from mpzero.models import GPTModel
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import seed_everything
@@ -52,6 +53,7 @@ def _pretrain(args) -> dict:
     schedule = schedule_from_args(args)
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(vars(args), sort_keys=True), flush=True)
+        print("fused ops (auto): " + json.dumps(resolved_impls(groups.device), sort_keys=True), flush=True)
     rng = seed_everything(args.seed, groups.tp_rank, groups.device)
     model = GPTModel(gpt_config(args), groups.tp, rng, device=groups.device)
     optimizer = ZeroOptimizer(model, groups, zero_config(args), adam_config(args), precision_config(args))

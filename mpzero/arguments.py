@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     model.add_argument("--recompute-activations", action="store_true")
+    model.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                       help="attention softmax by the PyTorch reference instead of the fused op")
+    model.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
+                       help="LayerNorm by the PyTorch reference instead of the fused op")
+    model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
+                       help="AdamW by torch.optim.AdamW's single-tensor arithmetic instead of the fused op")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -132,7 +138,9 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
                      attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
                      layernorm_epsilon=args.layernorm_epsilon,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     recompute_activations=args.recompute_activations)
+                     recompute_activations=args.recompute_activations,
+                     layernorm_impl="auto" if args.layernorm_fusion else "torch",
+                     softmax_impl="auto" if args.masked_softmax_fusion else "torch")
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
@@ -142,7 +150,8 @@ def zero_config(args: argparse.Namespace) -> ZeroConfig:
 
 def adam_config(args: argparse.Namespace) -> AdamConfig:
     return AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
-                      weight_decay=args.weight_decay, clip_grad=args.clip_grad)
+                      weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                      impl="auto" if args.adam_fusion else "torch")
 
 
 def precision_config(args: argparse.Namespace) -> PrecisionConfig:

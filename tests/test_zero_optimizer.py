@@ -18,7 +18,7 @@ def _train(stage, steps, micro, overlap=True, recompute=False, dtype="fp32", buc
     if dtype != "fp32":
         model.to(PrecisionConfig(dtype).torch_dtype)
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage, bucket_numel=bucket, overlap_comm=overlap),
-                        AdamConfig(lr=LR, weight_decay=WD, clip_grad=clip),
+                        AdamConfig(lr=LR, weight_decay=WD, clip_grad=clip, impl="torch"),
                         PrecisionConfig(dtype, initial_loss_scale=2.0 ** 12))  # no fp16 overflow here
     batches = make_batches(steps, micro, groups.dp_size)
     norms = []

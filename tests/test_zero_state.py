@@ -50,7 +50,7 @@ def _train(stage, steps, state=None, dp_first=None):
     DP size `dp_first`; returns (consolidated weights, optimizer state) on every rank."""
     groups = init_parallel(tp_size=1)
     model = make_model()
-    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage, bucket_numel=300), AdamConfig(lr=1e-2, clip_grad=0.0),
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage, bucket_numel=300), AdamConfig(lr=1e-2, clip_grad=0.0, impl="torch"),
                         PrecisionConfig())
     batches = make_batches(4, 1, groups.dp_size)
     if state is not None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
+from mpzero.fused import layer_norm, scaled_masked_softmax
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy)
@@ -35,6 +36,8 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     make_vocab_size_divisible_by: int = 128
     recompute_activations: bool = False
+    layernorm_impl: str = "auto"  # mpzero.fused implementations; --no-layernorm-fusion gives "torch"
+    softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
 
     def validate(self, tp_size: int) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -57,11 +60,19 @@ def _normal(std: float):
     return partial(nn.init.normal_, mean=0.0, std=std)
 
 
-def _layer_norm(config: GPTConfig, device) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device)
-    for param in norm.parameters():
-        mark_tensor_parallel(param, None)
-    return norm
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the hidden dimension (mpzero.fused.layer_norm);
+    replicated across the TP group. Statistics, weight and bias are used in fp32 whatever the
+    parameters' storage dtype (ZeRO stores them in bf16/fp16 under mixed precision)."""
+
+    def __init__(self, config: GPTConfig, device=None):
+        super().__init__()
+        self.eps, self.impl = config.layernorm_epsilon, config.layernorm_impl
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.ones(config.hidden_size, device=device)), None)
+        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(config.hidden_size, device=device)), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight.float(), self.bias.float(), self.eps, impl=self.impl)
 
 
 class SelfAttention(nn.Module):
@@ -74,7 +85,7 @@ class SelfAttention(nn.Module):
         h, std = config.hidden_size, config.init_method_std
         self.head_dim = h // config.num_attention_heads
         self.local_heads = config.num_attention_heads // tp.size
-        self.rng, self.dropout = rng, config.attention_dropout
+        self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
         self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std), device=device)
         self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), device=device)
 
@@ -83,20 +94,12 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
         scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, s]
-        probs = causal_softmax(scores, 1.0 / math.sqrt(self.head_dim))
+        probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(self.head_dim), causal=True, impl=self.softmax_impl)
         if self.training and self.dropout > 0:
             with self.rng.fork():  # heads differ across TP ranks, so must their masks
                 probs = F.dropout(probs, self.dropout)
         context = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)  # [b, s, h/tp]
         return self.dense(context)
-
-
-def causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scale * scores) over the last dim with future positions masked, computed in fp32."""
-    sq, sk = scores.shape[-2:]
-    future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
-    logits = (scores.float() * scale).masked_fill(future, float("-inf"))
-    return torch.softmax(logits, dim=-1).to(scores.dtype)
 
 
 class MLP(nn.Module):
@@ -117,9 +120,9 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker, device=None):
         super().__init__()
-        self.input_layernorm = _layer_norm(config, device)
+        self.input_layernorm = LayerNorm(config, device)
         self.attention = SelfAttention(config, tp, rng, device)
-        self.post_attention_layernorm = _layer_norm(config, device)
+        self.post_attention_layernorm = LayerNorm(config, device)
         self.mlp = MLP(config, tp, device)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -159,7 +162,7 @@ class GPTModel(nn.Module):
         self.config, self.tp, self.rng = config, tp, rng
         self.embedding = GPTEmbedding(config, tp, device)
         self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, device) for _ in range(config.num_layers))
-        self.final_layernorm = _layer_norm(config, device)
+        self.final_layernorm = LayerNorm(config, device)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> per-token losses [b, s] if labels are given, else this rank's logits [b, s, V/tp]."""

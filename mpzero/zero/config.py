@@ -39,6 +39,7 @@ class AdamConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01  # decoupled (AdamW); never applied to parameters with ndim < 2
     clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
+    impl: str = "auto"  # mpzero.fused adamw_step implementation; --no-adam-fusion gives "torch"
 
     def validate(self) -> None:
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):

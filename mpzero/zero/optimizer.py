@@ -104,10 +104,8 @@ class ZeroOptimizer:
         if not skipped:
             norm = global_grad_norm(grads, self._norm_runs, self.groups)
             clip_grads_(grads, norm, self.adam_config.clip_grad)
-            self.adam.step(grads, self.lr)
-            for shard, master in zip(self.stage.param_shards, self.stage.masters):
-                if shard is not master:
-                    shard.copy_(master)
+            low_precision = any(s is not m for s, m in zip(self.stage.param_shards, self.stage.masters))
+            self.adam.step(grads, self.lr, self.stage.param_shards if low_precision else None)
             self.stage.after_update()
         self.scaler.update(skipped)
         self._last_micro_batches = self._micro_batches
