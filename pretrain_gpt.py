@@ -17,7 +17,9 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
+from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import resolved_impls
@@ -43,6 +45,20 @@ def main(argv: list[str] | None = None) -> dict:
     except TrainingError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+    except RuntimeError as error:
+        if not _is_peer_failure(error):
+            raise
+        first_line = str(error).strip().splitlines()[0]
+        print(f"error: a collective failed, a peer rank has died or timed out "
+              f"(--distributed-timeout-minutes): {first_line[:300]}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _is_peer_failure(error: RuntimeError) -> bool:
+    """c10d raises DistError for most failures, but a wait() on an async handle surfaces the backend's
+    plain RuntimeError; recognize those by the backends' own words."""
+    words = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "NCCL error")
+    return isinstance(error, dist.DistError) or any(w in str(error) for w in words)
 
 
 def _pretrain(args) -> dict:
@@ -60,12 +76,20 @@ def _pretrain(args) -> dict:
     memory = optimizer.memory_report()
     if groups.is_logging_rank:
         print(memory.line(), flush=True)
+    iteration, consumed, skipped = _load(args, model, optimizer, rng, groups)
+    optimizer.comm_report()  # measure communication from here on, not the checkpoint's broadcasts
     train_data, valid_data, test_data = _datasets(args)
     tensorboard = TensorBoardLogger(args.tensorboard_dir, groups.is_logging_rank)
     termination = TerminationSignal(groups.world, groups.device)
 
+    def save():
+        if args.save:
+            meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": vars(args)}
+            where = save_checkpoint(args.save, iteration, model, optimizer, rng, groups, meta)
+            if groups.is_logging_rank:
+                print(f"saved checkpoint at iteration {iteration} to {where}", flush=True)
+
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
-    iteration, consumed, skipped = 0, 0, 0
     interval = {"losses": [], "start": time.perf_counter()}
     try:
         while iteration < args.train_iters:
@@ -84,7 +108,10 @@ def _pretrain(args) -> dict:
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_data is not None:
                 history["valid_losses"].append(_evaluate_and_log(
                     model, valid_data, f"iteration {iteration}", iteration, args, groups, tensorboard))
-            if termination.received_anywhere() or (args.exit_interval and iteration % args.exit_interval == 0):
+            stop = termination.received_anywhere() or bool(args.exit_interval and iteration % args.exit_interval == 0)
+            if stop or (args.save_interval and iteration % args.save_interval == 0) or iteration == args.train_iters:
+                save()
+            if stop:
                 break
         if valid_data is not None:
             history["valid_losses"].append(_evaluate_and_log(
@@ -96,6 +123,25 @@ def _pretrain(args) -> dict:
         termination.restore()
         tensorboard.close()
     return history
+
+
+def _load(args, model, optimizer, rng, groups: ParallelGroups) -> tuple[int, int, int]:
+    """(iteration, consumed samples, skipped iterations) to start from: zeros unless --load finds a
+    checkpoint; --finetune takes its weights only and starts at zero."""
+    if not args.load:
+        return 0, 0, 0
+    weights_only = args.finetune or args.no_load_optim
+    meta = load_checkpoint(args.load, model, optimizer, rng, groups, load_optim=not weights_only,
+                           load_rng=not (args.finetune or args.no_load_rng))
+    if meta is None:
+        if groups.is_logging_rank:
+            print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
+        return 0, 0, 0
+    if groups.is_logging_rank:
+        print(f"loaded checkpoint from {args.load} at iteration {meta['iteration']}", flush=True)
+    if args.finetune:
+        return 0, 0, 0
+    return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
 
 
 def _datasets(args):

@@ -21,10 +21,14 @@ from mpzero.tensor_parallel.mappings import copy_to_tp, gather_from_tp, reduce_f
 InitMethod = Callable[[torch.Tensor], None]
 
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int | None) -> nn.Parameter:
-    """partition_dim None means replicated across the TP group (identical values and gradients)."""
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int | None,
+                         unpadded_size: int | None = None) -> nn.Parameter:
+    """partition_dim None means replicated across the TP group (identical values and gradients).
+    unpadded_size: the real extent along partition_dim when the full tensor is padded past it (the
+    vocabulary), so checkpoints store only real rows and reload at any TP size."""
     param.tensor_parallel = partition_dim is not None
     param.partition_dim = partition_dim
+    param.unpadded_size = unpadded_size
     return param
 
 

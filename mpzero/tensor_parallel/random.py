@@ -60,6 +60,14 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self.states = {name: state.clone() for name, state in states.items()}
 
+    def snapshot(self) -> dict:
+        """Everything dropout draws from on this rank: the default generator and the named streams."""
+        return {"default": _get_rng_state(self.device), "streams": self.get_states()}
+
+    def restore(self, snapshot: dict) -> None:
+        _set_rng_state(self.device, snapshot["default"])
+        self.set_states(snapshot["streams"])
+
 
 def seed_everything(seed: int, tp_rank: int, device: torch.device) -> RNGStatesTracker:
     """Seed the default generator (same on every rank: replicated regions and initialization agree) and

@@ -162,6 +162,17 @@ class ZeroOptimizer:
         load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.iteration = state["iteration"]
+        self._publish_masters()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Full fp32 weights of this TP rank by name (as `consolidated_state_dict` gives them); Adam's
+        moments, the step count and the loss scale stay as they are (fine-tuning, --no-load-optim)."""
+        state = {"params": {name: {"master": weights[name]} for layout in self.stage.layouts for name in layout.names
+                            if name in weights}}
+        load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam, keys=("master",))
+        self._publish_masters()
+
+    def _publish_masters(self) -> None:
         for shard, master in zip(self.stage.param_shards, self.stage.masters):
             if shard is not master:
                 shard.copy_(master)

@@ -55,12 +55,14 @@ def optimizer_state(layouts, masters, adam: MasterAdam, dp: CommGroup) -> dict:
     return {"step": step, "params": {name: {key: tensors[key][name] for key in tensors} for name in tensors["master"]}}
 
 
-def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: MasterAdam) -> None:
-    """Copies this rank's slices out of full per-parameter tensors into masters and moments."""
+def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: MasterAdam,
+                         keys: tuple[str, ...] = ("master",) + KEYS) -> None:
+    """Copies this rank's slices out of full per-parameter tensors into masters and moments
+    (`keys=("master",)`: the weights alone, moments and step left as they are)."""
     missing = [name for layout in layouts for name in layout.names if name not in state["params"]]
     if missing:
         raise KeyError(f"optimizer state has no entry for parameters {missing[:3]}: saved from another model?")
-    for key in ("master",) + KEYS:
+    for key in keys:
         for bucket, layout in enumerate(layouts):
             full = torch.zeros(layout.padded_numel, dtype=torch.float32)
             for i, name in enumerate(layout.names):
@@ -72,5 +74,6 @@ def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: 
             for b, start, end, view in adam.runs:
                 if b == bucket:
                     adam.moments(view)[key].copy_(shard[start:end])
-    for *_, view in adam.runs:
-        adam.moments(view)["step"].fill_(state["step"])
+    if "exp_avg" in keys:
+        for *_, view in adam.runs:
+            adam.moments(view)["step"].fill_(state["step"])

@@ -1,0 +1,149 @@
+"""Sharded checkpoints on `torch.distributed.checkpoint`, in Megatron's directory layout:
+
+    SAVE/latest_checkpointed_iteration.txt      "100"
+    SAVE/iter_0000100/.metadata, __*.distcp     model weights (fp32) and Adam moments, by name and global shape
+    SAVE/iter_0000100/meta.json                 iteration, consumed samples, optimizer step, loss scaler,
+                                                layout, global shapes, the resolved configuration
+    SAVE/iter_0000100/rng/rank_00000.pt         each rank's generator states
+
+Saving is atomic: every rank writes into `iter_0000100.tmp`, and only when all are done does rank 0
+rename it and then rewrite the latest pointer (itself through a temporary file). A crash mid-save leaves
+the previous checkpoint and pointer untouched; the stale temporary directory is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mpzero.checkpointing.sharding import TensorPlacement, placements, share_loaded, sharded
+from mpzero.errors import ConfigError
+from mpzero.parallel import ParallelGroups
+from mpzero.tensor_parallel import RNGStatesTracker
+
+LATEST = "latest_checkpointed_iteration.txt"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
+                    meta: dict) -> str:
+    """Collective: every rank calls it. Returns the published directory."""
+    tmp = write_unpublished(root, iteration, model, optimizer, rng, groups, meta)
+    final = checkpoint_dir(root, iteration)
+    if groups.world.rank == 0:
+        if os.path.exists(final):  # saving the same iteration again: the new one wins
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomically(os.path.join(root, LATEST), str(iteration))
+    dist.barrier()
+    return final
+
+
+def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: ParallelGroups, meta: dict) -> str:
+    """Everything but the publication: the complete checkpoint under its temporary name."""
+    tmp = checkpoint_dir(root, iteration) + ".tmp"
+    if groups.world.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    where = placements(model)
+    weights, state = optimizer.consolidated_state_dict(), optimizer.state_dict()
+    tensors = {f"model/{name}": weights[name] for name in where}
+    for name, entry in state["params"].items():
+        tensors.update({f"optimizer/{key}/{name}": entry[key] for key in MOMENTS})
+    dcp.save({key: sharded(t, where[_param_name(key)], groups) for key, t in tensors.items()}, checkpoint_id=tmp)
+    torch.save(rng.snapshot(), os.path.join(tmp, "rng", f"rank_{groups.world.rank:05d}.pt"))
+    if groups.world.rank == 0:
+        meta = {**meta, "iteration": iteration, "optimizer": {k: state[k] for k in ("step", "loss_scaler", "iteration")},
+                "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
+                "shapes": {key: list(where[_param_name(key)].global_shape(groups.tp_size)) for key in tensors}}
+        _write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
+    dist.barrier()
+    return tmp
+
+
+def latest_iteration(root: str) -> int | None:
+    path = os.path.join(root, LATEST)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    if not text.isdigit():
+        raise ConfigError(f"{path} holds {text[:40]!r}, not an iteration number: fix or delete it")
+    return int(text)
+
+
+def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
+                    load_optim: bool = True, load_rng: bool = True) -> dict | None:
+    """Collective. Loads the latest checkpoint under `root` into the model, optimizer and RNG; returns its
+    meta (iteration, consumed samples, ...) or None when `root` holds no checkpoint yet."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    directory = checkpoint_dir(root, iteration)
+    meta_path = os.path.join(directory, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"{directory} has no meta.json: not an mpzero checkpoint, or damaged")
+    meta = json.load(open(meta_path, encoding="utf-8"))
+    where = placements(model)
+    _check_same_model(meta, where, groups.tp_size, directory)
+    keys = [f"model/{name}" for name in where]
+    if load_optim and "optimizer" not in meta:
+        raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
+    if load_optim:
+        keys += [f"optimizer/{key}/{name}" for key in MOMENTS for name in where]
+    tensors = {key: torch.zeros(where[_param_name(key)].local_shape, device=groups.device) for key in keys}
+    dcp.load({key: sharded(t, where[_param_name(key)], groups) for key, t in tensors.items()}, checkpoint_id=directory)
+    for key, t in tensors.items():
+        share_loaded(t, where[_param_name(key)], groups)
+    weights = {name: tensors[f"model/{name}"] for name in where}
+    if load_optim:
+        optimizer.load_state_dict({**meta["optimizer"], "params": {
+            name: {"master": weights[name], **{k: tensors[f"optimizer/{k}/{name}"] for k in MOMENTS}}
+            for name in where}})
+    else:
+        optimizer.load_weights(weights)
+    if load_rng:
+        _load_rng(directory, meta, rng, groups)
+    return meta
+
+
+def _load_rng(directory: str, meta: dict, rng: RNGStatesTracker, groups: ParallelGroups) -> None:
+    """Per-rank dropout streams only mean something at the layout that drew them."""
+    path = os.path.join(directory, "rng", f"rank_{groups.world.rank:05d}.pt")
+    same_layout = (meta["layout"]["world"], meta["layout"]["tp"]) == (groups.world.size, groups.tp_size)
+    if not (same_layout and os.path.isfile(path)):
+        if groups.is_logging_rank:
+            print(f"note: checkpoint layout {meta['layout']} has no RNG states for this run's: not loaded")
+        return
+    rng.restore(torch.load(path, weights_only=True))
+
+
+def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: int, directory: str) -> None:
+    saved = {key[len("model/"):]: tuple(shape) for key, shape in meta["shapes"].items() if key.startswith("model/")}
+    here = {name: p.global_shape(tp_size) for name, p in where.items()}
+    for name in sorted(set(saved) | set(here)):
+        if saved.get(name) != here.get(name):
+            raise ConfigError(f"{directory} is from another model: {name} is {saved.get(name, 'absent')} there and "
+                              f"{here.get(name, 'absent')} here; match the model flags or point --load elsewhere")
+
+
+def _param_name(key: str) -> str:
+    return key.split("/", 1)[1] if key.startswith("model/") else key.split("/", 2)[2]
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

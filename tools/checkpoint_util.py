@@ -1,0 +1,88 @@
+"""Convert an mpzero checkpoint to one consolidated file of full fp32 weights, and back.
+
+    python tools/checkpoint_util.py to-consolidated --load CKPT [--iteration N] --output weights.pt
+    python tools/checkpoint_util.py from-consolidated --input weights.pt --save CKPT2
+
+The consolidated file is `torch.save({"model": {name: full tensor}, "meta": {...}})`: global shapes,
+vocabulary padding removed, loadable anywhere with plain `torch.load`. A checkpoint made from it holds
+weights only (iteration 0): train from it with `--load CKPT2 --finetune` (or `--no-load-optim`) at any
+TP x DP x ZeRO layout. Runs in one process, no torchrun needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.checkpointing.checkpoint import LATEST, checkpoint_dir, latest_iteration  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+
+
+def to_consolidated(load: str, iteration: int | None, output: str) -> None:
+    iteration = latest_iteration(load) if iteration is None else iteration
+    directory = checkpoint_dir(load, iteration) if iteration is not None else None
+    if directory is None or not os.path.isfile(os.path.join(directory, "meta.json")):
+        raise ConfigError(f"no mpzero checkpoint under {load}" + (f" at iteration {iteration}" if iteration else ""))
+    meta = json.load(open(os.path.join(directory, "meta.json"), encoding="utf-8"))
+    model = {key: torch.zeros(shape) for key, shape in meta["shapes"].items() if key.startswith("model/")}
+    dcp.load(model, checkpoint_id=directory)  # no process group: read whole tensors in this process
+    _save_atomically({"model": {key[len("model/"):]: t for key, t in model.items()}, "meta": meta}, output)
+
+
+def from_consolidated(input_path: str, save: str) -> None:
+    if not os.path.isfile(input_path):
+        raise ConfigError(f"--input {input_path}: no such file")
+    bundle = torch.load(input_path, weights_only=True)
+    if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
+        raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
+    tensors = {f"model/{name}": t.float() for name, t in bundle["model"].items()}
+    directory = checkpoint_dir(save, 0)
+    tmp = directory + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=tmp)
+    meta = {"iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
+            "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
+            "shapes": {key: list(t.shape) for key, t in tensors.items()}}
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+    os.replace(tmp, directory)
+    with open(os.path.join(save, LATEST + ".tmp"), "w", encoding="utf-8") as f:
+        f.write("0")
+    os.replace(os.path.join(save, LATEST + ".tmp"), os.path.join(save, LATEST))
+
+
+def _save_atomically(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    out = sub.add_parser("to-consolidated")
+    out.add_argument("--load", required=True)
+    out.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    out.add_argument("--output", required=True)
+    back = sub.add_parser("from-consolidated")
+    back.add_argument("--input", required=True)
+    back.add_argument("--save", required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.command == "to-consolidated":
+            to_consolidated(args.load, args.iteration, args.output)
+        else:
+            from_consolidated(args.input, args.save)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
