@@ -1,0 +1,178 @@
+"""JSONL -> Megatron indexed datasets, streaming, with parallel workers that keep document order.
+
+The main process reads raw lines in small batches (bounded: at most `2 * workers + 2` batches of
+~128 KB are in flight), workers parse and tokenize them, and the main process writes the results in
+input order as they complete. With one worker everything runs in the main process: no pickling, so
+its rate stays close to the tokenizer's own. Token arrays go straight to the output .bin; outputs are
+renamed into place only when the whole input was read without error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpzero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from mpzero.data.jsonl import LineBatch, MalformedLine, check_inputs, parse_line, read_batches
+from mpzero.data.tokenizer import build_tokenizer
+from mpzero.errors import ConfigError
+
+_BATCH_LINES, _BATCH_BYTES = 128, 128 << 10  # small enough that the last batches balance across workers
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    inputs: list[str]
+    output_prefix: str
+    json_keys: list[str]
+    tokenizer: dict  # build_tokenizer keyword arguments
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    skip_malformed: bool = False
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    first_skipped: str = ""
+    seconds: float = 0.0
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+class _Encoder:
+    """Parses and tokenizes batches; one per worker process (or the main one when workers == 1)."""
+
+    def __init__(self, tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool):
+        self.tokenizer = build_tokenizer(**tokenizer_kwargs)
+        self.dtype = optimal_dtype(self.tokenizer.vocab_size)
+        self.json_keys, self.append_eod = json_keys, append_eod
+
+    def encode_batch(self, batch: LineBatch) -> list[tuple[int, dict | str]]:
+        """[(line number, {key: (tokens, sequence lengths)} or the reason the line is malformed)]."""
+        out = []
+        for k, line in enumerate(batch.lines):
+            try:
+                doc = parse_line(line, self.json_keys)
+                if doc is not None:
+                    out.append((batch.first_line + k, {key: self._encode(s) for key, s in doc.items()}))
+            except MalformedLine as exc:
+                out.append((batch.first_line + k, str(exc)))
+        return out
+
+    def _encode(self, sentences: list[str]) -> tuple[np.ndarray, list[int]]:
+        ids, lengths = [], []
+        for sentence in sentences:
+            piece = self.tokenizer.tokenize(sentence)
+            if piece:  # as Megatron: empty sentences add no sequence
+                ids.extend(piece)
+                lengths.append(len(piece))
+        if ids and self.append_eod:
+            ids.append(self.tokenizer.eod)
+            lengths[-1] += 1
+        return np.array(ids, dtype=self.dtype), lengths
+
+
+_worker_encoder: list = []  # the pool worker's own _Encoder: process-local state has to live at module level
+
+
+def _init_worker(*args) -> None:
+    _worker_encoder.append(_Encoder(*args))
+
+
+def _encode_in_worker(batch: LineBatch):
+    return _worker_encoder[0].encode_batch(batch)
+
+
+def _encoded_batches(cfg: PreprocessConfig, encoder: _Encoder):
+    """(path, nbytes, encoded documents) per batch, in input order."""
+    batches = read_batches(cfg.inputs, _BATCH_LINES, _BATCH_BYTES)
+    if cfg.workers == 1:
+        for batch in batches:
+            yield batch.path, batch.nbytes, encoder.encode_batch(batch)
+        return
+    init = (cfg.tokenizer, cfg.json_keys, cfg.append_eod)
+    pool = ProcessPoolExecutor(cfg.workers, initializer=_init_worker, initargs=init)
+    try:
+        pending = deque()
+        for batch in batches:
+            pending.append((batch.path, batch.nbytes, pool.submit(_encode_in_worker, batch)))
+            if len(pending) >= 2 * cfg.workers + 2:  # bounded memory: wait before reading further
+                path, nbytes, future = pending.popleft()
+                yield path, nbytes, future.result()
+        while pending:
+            path, nbytes, future = pending.popleft()
+            yield path, nbytes, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
+    """Write `{output_prefix}_{key}_document.bin/.idx` for every JSON key; returns the counts."""
+    check_inputs(cfg.inputs)
+    if cfg.workers < 1:
+        raise ConfigError(f"--workers {cfg.workers}: need at least 1")
+    encoder = _Encoder(cfg.tokenizer, cfg.json_keys, cfg.append_eod)  # checks the tokenizer before any work
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.output_prefix)), exist_ok=True)
+    builders = {key: IndexedDatasetBuilder(output_prefix_for(cfg.output_prefix, key), encoder.dtype)
+                for key in cfg.json_keys}
+    stats, start = PreprocessStats(), time.perf_counter()
+    try:
+        with _progress_bar(cfg, progress) as bar, closing(_encoded_batches(cfg, encoder)) as results:
+            for path, nbytes, docs in results:
+                _write_batch(cfg, builders, path, docs, stats)
+                stats.bytes += nbytes
+                bar.update(nbytes)
+                _show_rates(bar, stats, start, cfg.log_interval, len(docs))
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _write_batch(cfg: PreprocessConfig, builders: dict, path: str, docs: list, stats: PreprocessStats) -> None:
+    for line_number, doc in docs:
+        if isinstance(doc, str):
+            where = f"{path}:{line_number}: {doc}"
+            if not cfg.skip_malformed:
+                raise ConfigError(f"{where}; fix or remove the line, or pass --skip-malformed to skip such lines")
+            stats.skipped += 1
+            stats.first_skipped = stats.first_skipped or where
+            continue
+        for key, (tokens, lengths) in doc.items():
+            builders[key].add_document(tokens, lengths)
+            stats.tokens += len(tokens)
+        stats.documents += 1
+
+
+def _progress_bar(cfg: PreprocessConfig, enabled: bool):
+    from tqdm import tqdm
+
+    gz = any(p.endswith(".gz") for p in cfg.inputs)
+    total = None if gz else sum(os.path.getsize(p) for p in cfg.inputs)  # .gz: uncompressed size unknown
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not enabled, desc="preprocess", mininterval=0.5)
+
+
+def _show_rates(bar, stats: PreprocessStats, start: float, log_interval: int, batch_docs: int) -> None:
+    if stats.documents // log_interval != (stats.documents - batch_docs) // log_interval:
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix_str(f"{stats.documents} docs, {stats.documents / elapsed:.0f} docs/s, "
+                            f"{stats.tokens / 1e6:.2f}M tokens", refresh=False)
