@@ -8,6 +8,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mpzero", "mpzero.*"]),
     # torch: any release from 2.4 on; the CPU wheel on disk (2.13) satisfies it, users keep their CUDA build.
-    install_requires=["torch>=2.4,<3", "numpy>=1.24"],
+    # sentencepiece, tokenizers (GPT-2 BPE from local files only), tqdm: mpzero.data and tools/.
+    install_requires=["torch>=2.4,<3", "numpy>=1.24", "sentencepiece>=0.2", "tokenizers>=0.15", "tqdm>=4.60"],
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
 )

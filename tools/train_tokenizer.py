@@ -47,17 +47,27 @@ def train(args) -> tuple[bytes, int]:
         raise ConfigError(f"--vocab-size {args.vocab_size} is too small: 3 special + 256 byte pieces come "
                           f"first, so use at least 300 (thousands for real text)")
     skipped: list[str] = []
+    failures: list[ConfigError] = []
+
+    def texts():  # SentencePiece would wrap our error in its own: keep it, end the input early
+        try:
+            yield from iter_texts(args.input, args.json_keys, args.skip_malformed, skipped)
+        except ConfigError as exc:
+            failures.append(exc)
+
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter_texts(args.input, args.json_keys, args.skip_malformed, skipped),
-            model_writer=model, vocab_size=args.vocab_size, model_type=args.model_type,
-            character_coverage=args.character_coverage, byte_fallback=True,
+            sentence_iterator=texts(), model_writer=model, vocab_size=args.vocab_size,
+            model_type=args.model_type, character_coverage=args.character_coverage, byte_fallback=True,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             max_sentence_length=_MAX_DOCUMENT_BYTES, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             input_sentence_size=0, minloglevel=2)  # input_sentence_size=0: every document, no sampling
     except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
-        raise ConfigError(f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}") from None
+        if not failures:
+            raise ConfigError(f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}") from None
+    if failures:
+        raise failures[0]
     return model.getvalue(), len(skipped)
 
 

@@ -68,7 +68,7 @@ def parse_line(line: bytes, keys: list[str]) -> dict[str, list[str]] | None:
     except json.JSONDecodeError as exc:
         raise MalformedLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
-        raise MalformedLine(f"a JSON {type(obj).__name__}, not an object")
+        raise MalformedLine(f"not a JSON object (got a {type(obj).__name__})")
     out = {}
     for key in keys:
         if key not in obj:
@@ -79,7 +79,7 @@ def parse_line(line: bytes, keys: list[str]) -> dict[str, list[str]] | None:
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
             out[key] = value
         else:
-            raise MalformedLine(f"key {key!r} holds a {type(value).__name__}, not a string")
+            raise MalformedLine(f"key {key!r} is not a string (got {type(value).__name__})")
     return out
 
 

@@ -71,6 +71,8 @@ class _Encoder:
                     out.append((batch.first_line + k, {key: self._encode(s) for key, s in doc.items()}))
             except MalformedLine as exc:
                 out.append((batch.first_line + k, str(exc)))
+            except ValueError as exc:  # text the tokenizer rejects (NullTokenizer: not integer ids)
+                out.append((batch.first_line + k, f"cannot tokenize: {exc}"))
         return out
 
     def _encode(self, sentences: list[str]) -> tuple[np.ndarray, list[int]]:

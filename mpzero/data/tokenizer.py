@@ -99,7 +99,10 @@ class NullTokenizer:
         self.eod = vocab_size
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        ids = [int(t) for t in text.split()]  # ValueError for a word that is not an integer
+        if any(not 0 <= i < self.eod for i in ids):
+            raise ValueError(f"token ids must lie in [0, {self.eod})")
+        return ids
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
