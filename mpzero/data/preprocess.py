@@ -76,12 +76,9 @@ class _Encoder:
         return out
 
     def _encode(self, sentences: list[str]) -> tuple[np.ndarray, list[int]]:
-        ids, lengths = [], []
-        for sentence in sentences:
-            piece = self.tokenizer.tokenize(sentence)
-            if piece:  # as Megatron: empty sentences add no sequence
-                ids.extend(piece)
-                lengths.append(len(piece))
+        pieces = [p for p in map(self.tokenizer.tokenize, sentences) if p]  # as Megatron: empty ones add no sequence
+        ids = pieces[0] if len(pieces) == 1 else [i for p in pieces for i in p]  # one sentence: no copy
+        lengths = [len(p) for p in pieces]
         if ids and self.append_eod:
             ids.append(self.tokenizer.eod)
             lengths[-1] += 1
