@@ -5,25 +5,19 @@ import runpy
 
 import numpy as np
 
-from mpzero.data import IndexedDataset, IndexedDatasetBuilder
+from mpzero.data import IndexedDataset
+from tests.test_data_indexed_dataset import write_dataset
 
 merge_main = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "tools", "merge_datasets.py"))["main"]
-
-
-def _write(prefix, docs, dtype=np.uint16):
-    with IndexedDatasetBuilder(prefix, dtype) as builder:
-        for tokens, lengths in docs:
-            builder.add_document(np.array(tokens), lengths)
-    return prefix
 
 
 def test_merge_matches_dataset_written_in_one_go(tmp_path):
     a = [([1, 2, 3], [3]), ([4, 5, 6], [1, 2])]
     b = [([], []), ([7, 8], [2]), ([9], [1])]
     (tmp_path / "parts").mkdir()
-    _write(str(tmp_path / "parts" / "a"), a)
-    _write(str(tmp_path / "parts" / "b"), b)
-    _write(str(tmp_path / "reference"), a + b)
+    write_dataset(str(tmp_path / "parts" / "a"), a)
+    write_dataset(str(tmp_path / "parts" / "b"), b)
+    write_dataset(str(tmp_path / "reference"), a + b)
     assert merge_main(["--input", str(tmp_path / "parts" / "a"), str(tmp_path / "parts" / "b.idx"),
                        "--output-prefix", str(tmp_path / "merged")]) == 0
     assert merge_main(["--input", str(tmp_path / "parts"), "--output-prefix", str(tmp_path / "from_dir")]) == 0
@@ -34,8 +28,8 @@ def test_merge_matches_dataset_written_in_one_go(tmp_path):
 
 
 def test_merge_refuses_mixed_dtypes_and_leaves_nothing(tmp_path, capsys):
-    _write(str(tmp_path / "a"), [([1], [1])], np.uint16)
-    _write(str(tmp_path / "b"), [([1], [1])], np.int32)
+    write_dataset(str(tmp_path / "a"), [([1], [1])], np.uint16)
+    write_dataset(str(tmp_path / "b"), [([1], [1])], np.int32)
     assert merge_main(["--input", str(tmp_path / "a"), str(tmp_path / "b"), "--output-prefix", str(tmp_path / "m")]) == 2
     assert "same tokenizer" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["a.bin", "a.idx", "b.bin", "b.idx"]

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         documents, sequences = merge(args.input, args.output_prefix)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {sequences} sequences")

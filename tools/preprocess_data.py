@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                            args.workers, max(args.log_interval, 1), args.skip_malformed)
     try:
         stats = preprocess(cfg, progress=not args.no_progress)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
         print(f"error: {exc}", file=sys.stderr)
         return 2
     seconds = max(stats.seconds, 1e-9)

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         model, skipped = train(args)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import sentencepiece as spm

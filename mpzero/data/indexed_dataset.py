@@ -95,6 +95,12 @@ class IndexedDataset:
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
+    def __getstate__(self):  # pickled for a DataLoader worker: reopen the files, never copy the tokens
+        return self.path_prefix
+
+    def __setstate__(self, path_prefix):
+        self.__init__(path_prefix)
+
 
 def _read_header(idx_path: str) -> tuple[type, int, int]:
     size = os.path.getsize(idx_path)

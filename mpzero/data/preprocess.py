@@ -134,8 +134,10 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
             for path, nbytes, docs in results:
                 _write_batch(cfg, builders, path, docs, stats)
                 stats.bytes += nbytes
+                if stats.documents // cfg.log_interval != (stats.documents - len(docs)) // cfg.log_interval:
+                    _show_rates(bar, stats, start)
                 bar.update(nbytes)
-                _show_rates(bar, stats, start, cfg.log_interval, len(docs))
+            _show_rates(bar, stats, start)
         for builder in builders.values():
             builder.finalize()
     except BaseException:
@@ -170,8 +172,7 @@ def _progress_bar(cfg: PreprocessConfig, enabled: bool):
                 disable=not enabled, desc="preprocess", mininterval=0.5)
 
 
-def _show_rates(bar, stats: PreprocessStats, start: float, log_interval: int, batch_docs: int) -> None:
-    if stats.documents // log_interval != (stats.documents - batch_docs) // log_interval:
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix_str(f"{stats.documents} docs, {stats.documents / elapsed:.0f} docs/s, "
-                            f"{stats.tokens / 1e6:.2f}M tokens", refresh=False)
+def _show_rates(bar, stats: PreprocessStats, start: float) -> None:
+    elapsed = max(time.perf_counter() - start, 1e-9)
+    bar.set_postfix_str(f"{stats.documents} docs, {stats.documents / elapsed:.0f} docs/s, "
+                        f"{stats.tokens / 1e6:.2f}M tokens", refresh=False)
