@@ -32,7 +32,8 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
                        num_samples: tuple[int, int, int], cache_dir: str | None = None, group=None) -> list:
     """[train, valid, test]: each a dataset of at least num_samples[k] samples, or None if that split
     has no documents or no samples were asked of it. `group`: None, a CommGroup or ParallelGroups;
-    its rank 0 builds missing index caches while the others wait, then everyone loads them."""
+    its rank 0 builds missing index caches while the others wait, then everyone loads them, so every
+    rank of the group must make this call (with the same arguments)."""
     if seq_length < 1 or len(num_samples) != 3 or min(num_samples) < 0:
         raise ConfigError(f"need seq_length >= 1 and three non-negative sample counts, got {seq_length}, "
                           f"{num_samples}")

@@ -158,9 +158,17 @@ class IndexedDatasetBuilder:
 
     def add_document(self, tokens: np.ndarray, lengths: list[int]) -> None:
         """One document: `tokens` (all its sequences concatenated), `lengths` (tokens per sequence)."""
-        self._bin.write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        self.add_documents(tokens, lengths, [len(lengths)])
+
+    def add_documents(self, tokens: np.ndarray, lengths: list[int], sequences_per_document: list[int]) -> None:
+        """Several documents at once: their tokens back to back, every sequence's length, and how
+        many sequences each document has (0 for an empty one)."""
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).data)  # no copy when already our dtype
         self._lengths.extend(lengths)
-        self._doc_indices.append(len(self._lengths))
+        end = self._doc_indices[-1]
+        for count in sequences_per_document:
+            end += count
+            self._doc_indices.append(end)
 
     def add_index(self, other_prefix: str) -> None:
         """Append a whole existing dataset (same dtype), copying its .bin in 16 MB pieces."""

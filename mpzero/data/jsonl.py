@@ -61,11 +61,11 @@ def parse_line(line: bytes, keys: list[str]) -> dict[str, list[str]] | None:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedLine(f"invalid UTF-8 at byte {exc.start}") from None
-    if not text.strip():
-        return None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
+        if text.isspace() or not text:  # checked only on failure: most lines are not blank
+            return None
         raise MalformedLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
         raise MalformedLine(f"not a JSON object (got a {type(obj).__name__})")

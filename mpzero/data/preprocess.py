@@ -53,6 +53,17 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
+@dataclass
+class _EncodedBatch:
+    """One input batch, tokenized: per key, every document's tokens back to back, the sequence
+    lengths, and sequences per document; so the writer does O(1) work per batch, not per document."""
+    documents: int
+    tokens: dict[str, np.ndarray]
+    sequence_lengths: dict[str, list[int]]
+    sequences_per_document: dict[str, list[int]]
+    malformed: list[tuple[int, str]]  # (line number, reason)
+
+
 class _Encoder:
     """Parses and tokenizes batches; one per worker process (or the main one when workers == 1)."""
 
@@ -61,28 +72,38 @@ class _Encoder:
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
         self.json_keys, self.append_eod = json_keys, append_eod
 
-    def encode_batch(self, batch: LineBatch) -> list[tuple[int, dict | str]]:
-        """[(line number, {key: (tokens, sequence lengths)} or the reason the line is malformed)]."""
-        out = []
+    def encode_batch(self, batch: LineBatch) -> _EncodedBatch:
+        docs, malformed = [], []
         for k, line in enumerate(batch.lines):
             try:
                 doc = parse_line(line, self.json_keys)
                 if doc is not None:
-                    out.append((batch.first_line + k, {key: self._encode(s) for key, s in doc.items()}))
+                    docs.append({key: self._encode(sentences) for key, sentences in doc.items()})
             except MalformedLine as exc:
-                out.append((batch.first_line + k, str(exc)))
+                malformed.append((batch.first_line + k, str(exc)))
             except ValueError as exc:  # text the tokenizer rejects (NullTokenizer: not integer ids)
-                out.append((batch.first_line + k, f"cannot tokenize: {exc}"))
+                malformed.append((batch.first_line + k, f"cannot tokenize: {exc}"))
+        out = _EncodedBatch(len(docs), {}, {}, {}, malformed)
+        for key in self.json_keys:
+            flat, lengths, counts = [], [], []
+            for doc in docs:
+                ids, doc_lengths = doc[key]
+                flat += ids
+                lengths += doc_lengths
+                counts.append(len(doc_lengths))
+            out.tokens[key] = np.array(flat, dtype=self.dtype)
+            out.sequence_lengths[key], out.sequences_per_document[key] = lengths, counts
         return out
 
-    def _encode(self, sentences: list[str]) -> tuple[np.ndarray, list[int]]:
-        pieces = [p for p in map(self.tokenizer.tokenize, sentences) if p]  # as Megatron: empty ones add no sequence
+    def _encode(self, sentences: list[str]) -> tuple[list[int], list[int]]:
+        """(token ids, tokens per sequence); as Megatron, an empty sentence adds no sequence."""
+        pieces = [p for p in map(self.tokenizer.tokenize, sentences) if p]
         ids = pieces[0] if len(pieces) == 1 else [i for p in pieces for i in p]  # one sentence: no copy
         lengths = [len(p) for p in pieces]
         if ids and self.append_eod:
             ids.append(self.tokenizer.eod)
             lengths[-1] += 1
-        return np.array(ids, dtype=self.dtype), lengths
+        return ids, lengths
 
 
 _worker_encoder: list = []  # the pool worker's own _Encoder: process-local state has to live at module level
@@ -97,7 +118,7 @@ def _encode_in_worker(batch: LineBatch):
 
 
 def _encoded_batches(cfg: PreprocessConfig, encoder: _Encoder):
-    """(path, nbytes, encoded documents) per batch, in input order."""
+    """(path, nbytes, _EncodedBatch) per input batch, in input order."""
     batches = read_batches(cfg.inputs, _BATCH_LINES, _BATCH_BYTES)
     if cfg.workers == 1:
         for batch in batches:
@@ -131,10 +152,10 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
     stats, start = PreprocessStats(), time.perf_counter()
     try:
         with _progress_bar(cfg, progress) as bar, closing(_encoded_batches(cfg, encoder)) as results:
-            for path, nbytes, docs in results:
-                _write_batch(cfg, builders, path, docs, stats)
+            for path, nbytes, batch in results:
+                _write_batch(cfg, builders, path, batch, stats)
                 stats.bytes += nbytes
-                if stats.documents // cfg.log_interval != (stats.documents - len(docs)) // cfg.log_interval:
+                if stats.documents // cfg.log_interval != (stats.documents - batch.documents) // cfg.log_interval:
                     _show_rates(bar, stats, start)
                 bar.update(nbytes)
             _show_rates(bar, stats, start)
@@ -148,19 +169,18 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
     return stats
 
 
-def _write_batch(cfg: PreprocessConfig, builders: dict, path: str, docs: list, stats: PreprocessStats) -> None:
-    for line_number, doc in docs:
-        if isinstance(doc, str):
-            where = f"{path}:{line_number}: {doc}"
-            if not cfg.skip_malformed:
-                raise ConfigError(f"{where}; fix or remove the line, or pass --skip-malformed to skip such lines")
-            stats.skipped += 1
-            stats.first_skipped = stats.first_skipped or where
-            continue
-        for key, (tokens, lengths) in doc.items():
-            builders[key].add_document(tokens, lengths)
-            stats.tokens += len(tokens)
-        stats.documents += 1
+def _write_batch(cfg: PreprocessConfig, builders: dict, path: str, batch: _EncodedBatch,
+                 stats: PreprocessStats) -> None:
+    for line_number, reason in batch.malformed:
+        where = f"{path}:{line_number}: {reason}"
+        if not cfg.skip_malformed:
+            raise ConfigError(f"{where}; fix or remove the line, or pass --skip-malformed to skip such lines")
+        stats.skipped += 1
+        stats.first_skipped = stats.first_skipped or where
+    for key, builder in builders.items():
+        builder.add_documents(batch.tokens[key], batch.sequence_lengths[key], batch.sequences_per_document[key])
+        stats.tokens += len(batch.tokens[key])
+    stats.documents += batch.documents
 
 
 def _progress_bar(cfg: PreprocessConfig, enabled: bool):
