@@ -1,0 +1,198 @@
+"""JSONL -> Megatron indexed datasets, streaming, with parallel workers that keep document order.
+
+The main process reads raw lines in small batches (bounded: at most `2 * workers + 2` batches of
+~128 KB are in flight), workers parse and tokenize them, and the main process writes the results in
+input order as they complete. With one worker everything runs in the main process: no pickling, so
+its rate stays close to the tokenizer's own. Token arrays go straight to the output .bin; outputs are
+renamed into place only when the whole input was read without error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpzero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from mpzero.data.jsonl import LineBatch, MalformedLine, check_inputs, parse_line, read_batches
+from mpzero.data.tokenizer import build_tokenizer
+from mpzero.errors import ConfigError
+
+_BATCH_LINES, _BATCH_BYTES = 128, 128 << 10  # small enough that the last batches balance across workers
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    inputs: list[str]
+    output_prefix: str
+    json_keys: list[str]
+    tokenizer: dict  # build_tokenizer keyword arguments
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    skip_malformed: bool = False
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    first_skipped: str = ""
+    seconds: float = 0.0
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+@dataclass
+class _EncodedBatch:
+    """One input batch, tokenized: per key, every document's tokens back to back, the sequence
+    lengths, and sequences per document; so the writer does O(1) work per batch, not per document."""
+    documents: int
+    tokens: dict[str, np.ndarray]
+    sequence_lengths: dict[str, list[int]]
+    sequences_per_document: dict[str, list[int]]
+    malformed: list[tuple[int, str]]  # (line number, reason)
+
+
+class _Encoder:
+    """Parses and tokenizes batches; one per worker process (or the main one when workers == 1)."""
+
+    def __init__(self, tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool):
+        self.tokenizer = build_tokenizer(**tokenizer_kwargs)
+        self.dtype = optimal_dtype(self.tokenizer.vocab_size)
+        self.json_keys, self.append_eod = json_keys, append_eod
+
+    def encode_batch(self, batch: LineBatch) -> _EncodedBatch:
+        docs, malformed = [], []
+        for k, line in enumerate(batch.lines):
+            try:
+                doc = parse_line(line, self.json_keys)
+                if doc is not None:
+                    docs.append({key: self._encode(sentences) for key, sentences in doc.items()})
+            except MalformedLine as exc:
+                malformed.append((batch.first_line + k, str(exc)))
+            except ValueError as exc:  # text the tokenizer rejects (NullTokenizer: not integer ids)
+                malformed.append((batch.first_line + k, f"cannot tokenize: {exc}"))
+        out = _EncodedBatch(len(docs), {}, {}, {}, malformed)
+        for key in self.json_keys:
+            flat, lengths, counts = [], [], []
+            for doc in docs:
+                ids, doc_lengths = doc[key]
+                flat += ids
+                lengths += doc_lengths
+                counts.append(len(doc_lengths))
+            out.tokens[key] = np.fromiter(flat, self.dtype, count=len(flat))  # ~30% faster than np.array
+            out.sequence_lengths[key], out.sequences_per_document[key] = lengths, counts
+        return out
+
+    def _encode(self, sentences: list[str]) -> tuple[list[int], list[int]]:
+        """(token ids, tokens per sequence); as Megatron, an empty sentence adds no sequence."""
+        pieces = [p for p in map(self.tokenizer.tokenize, sentences) if p]
+        ids = pieces[0] if len(pieces) == 1 else [i for p in pieces for i in p]  # one sentence: no copy
+        lengths = [len(p) for p in pieces]
+        if ids and self.append_eod:
+            ids.append(self.tokenizer.eod)
+            lengths[-1] += 1
+        return ids, lengths
+
+
+_worker_encoder: list = []  # the pool worker's own _Encoder: process-local state has to live at module level
+
+
+def _init_worker(*args) -> None:
+    _worker_encoder.append(_Encoder(*args))
+
+
+def _encode_in_worker(batch: LineBatch):
+    return _worker_encoder[0].encode_batch(batch)
+
+
+def _encoded_batches(cfg: PreprocessConfig, encoder: _Encoder):
+    """(path, nbytes, _EncodedBatch) per input batch, in input order."""
+    batches = read_batches(cfg.inputs, _BATCH_LINES, _BATCH_BYTES)
+    if cfg.workers == 1:
+        for batch in batches:
+            yield batch.path, batch.nbytes, encoder.encode_batch(batch)
+        return
+    init = (cfg.tokenizer, cfg.json_keys, cfg.append_eod)
+    pool = ProcessPoolExecutor(cfg.workers, initializer=_init_worker, initargs=init)
+    try:
+        pending = deque()
+        for batch in batches:
+            pending.append((batch.path, batch.nbytes, pool.submit(_encode_in_worker, batch)))
+            if len(pending) >= 2 * cfg.workers + 2:  # bounded memory: wait before reading further
+                path, nbytes, future = pending.popleft()
+                yield path, nbytes, future.result()
+        while pending:
+            path, nbytes, future = pending.popleft()
+            yield path, nbytes, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
+    """Write `{output_prefix}_{key}_document.bin/.idx` for every JSON key; returns the counts."""
+    check_inputs(cfg.inputs)
+    if cfg.workers < 1:
+        raise ConfigError(f"--workers {cfg.workers}: need at least 1")
+    encoder = _Encoder(cfg.tokenizer, cfg.json_keys, cfg.append_eod)  # checks the tokenizer before any work
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.output_prefix)), exist_ok=True)
+    builders = {key: IndexedDatasetBuilder(output_prefix_for(cfg.output_prefix, key), encoder.dtype)
+                for key in cfg.json_keys}
+    stats, start = PreprocessStats(), time.perf_counter()
+    try:
+        with _progress_bar(cfg, progress) as bar, closing(_encoded_batches(cfg, encoder)) as results:
+            for path, nbytes, batch in results:
+                _write_batch(cfg, builders, path, batch, stats)
+                stats.bytes += nbytes
+                if stats.documents // cfg.log_interval != (stats.documents - batch.documents) // cfg.log_interval:
+                    _show_rates(bar, stats, start)
+                bar.update(nbytes)
+            _show_rates(bar, stats, start)
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _write_batch(cfg: PreprocessConfig, builders: dict, path: str, batch: _EncodedBatch,
+                 stats: PreprocessStats) -> None:
+    for line_number, reason in batch.malformed:
+        where = f"{path}:{line_number}: {reason}"
+        if not cfg.skip_malformed:
+            raise ConfigError(f"{where}; fix or remove the line, or pass --skip-malformed to skip such lines")
+        stats.skipped += 1
+        stats.first_skipped = stats.first_skipped or where
+    for key, builder in builders.items():
+        builder.add_documents(batch.tokens[key], batch.sequence_lengths[key], batch.sequences_per_document[key])
+        stats.tokens += len(batch.tokens[key])
+    stats.documents += batch.documents
+
+
+def _progress_bar(cfg: PreprocessConfig, enabled: bool):
+    from tqdm import tqdm
+
+    gz = any(p.endswith(".gz") for p in cfg.inputs)
+    total = None if gz else sum(os.path.getsize(p) for p in cfg.inputs)  # .gz: uncompressed size unknown
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not enabled, desc="preprocess", mininterval=0.5)
+
+
+def _show_rates(bar, stats: PreprocessStats, start: float) -> None:
+    elapsed = max(time.perf_counter() - start, 1e-9)
+    bar.set_postfix_str(f"{stats.documents} docs, {stats.documents / elapsed:.0f} docs/s, "
+                        f"{stats.tokens / 1e6:.2f}M tokens", refresh=False)

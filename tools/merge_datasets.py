@@ -1,0 +1,68 @@
+"""Concatenate indexed datasets (`.bin/.idx` prefixes, same token dtype) into one, in the order given.
+
+    python tools/merge_datasets.py --input data/kjv_text_document data/shakespeare_text_document \
+        --output-prefix data/merged_text_document
+
+An --input that is a directory stands for every prefix in it, sorted by name (Megatron's form). The
+output's documents are the inputs' documents in order; it appears only once completely written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
+
+from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, or directories of them")
+    p.add_argument("--output-prefix", required=True)
+    return p.parse_args(argv)
+
+
+def input_prefixes(inputs: list[str]) -> list[str]:
+    prefixes = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(os.path.join(item, f[:-4]) for f in os.listdir(item) if f.endswith(".idx"))
+            if not found:
+                raise ConfigError(f"--input directory {item} holds no .idx files")
+            prefixes += found
+        else:
+            prefixes.append(item[:-4] if item.endswith((".bin", ".idx")) else item)
+    return prefixes
+
+
+def merge(inputs: list[str], output_prefix: str) -> tuple[int, int]:
+    """Write the merged dataset; returns (documents, sequences)."""
+    prefixes = input_prefixes(inputs)
+    if os.path.abspath(output_prefix) in map(os.path.abspath, prefixes):
+        raise ConfigError(f"--output-prefix {output_prefix} is also an input: choose a new name")
+    first = IndexedDataset(prefixes[0])  # opening validates; add_index re-validates every input
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    with IndexedDatasetBuilder(output_prefix, first.dtype) as builder:
+        for prefix in prefixes:
+            builder.add_index(prefix)
+    merged = IndexedDataset(output_prefix)
+    return merged.num_documents, len(merged)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        documents, sequences = merge(args.input, args.output_prefix)
+    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {sequences} sequences")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

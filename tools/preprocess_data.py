@@ -1,0 +1,67 @@
+"""Tokenize a JSONL corpus into Megatron's indexed-dataset format, with Megatron's flag names.
+
+    python tools/preprocess_data.py --input data_sample/kjv_sample.jsonl.gz --output-prefix data/kjv \
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/kjv_tok.model \
+        --append-eod --workers 2
+
+writes data/kjv_text_document.bin/.idx (one pair per --json-keys key), usable as `--data-path
+data/kjv_text_document` here and in Megatron-LM. Input: one JSON object per line, plain or .gz; a
+malformed line stops the run with its file and line unless --skip-malformed is given. Progress
+(MB/s, documents/s, tokens) goes to stderr; outputs appear only once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
+
+from mpzero.data.preprocess import PreprocessConfig, output_prefix_for, preprocess  # noqa: E402
+from mpzero.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz, read in order")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--tokenizer-type", required=True, help=" | ".join(TOKENIZER_TYPES))
+    p.add_argument("--tokenizer-model", help="SentencePiece model (GPTSentencePieceTokenizer)")
+    p.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    p.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer only")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (1: in this process)")
+    p.add_argument("--log-interval", type=int, default=1000, help="refresh the rates every N documents")
+    p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary still prints)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tokenizer = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
+                 "vocab_file": args.vocab_file, "merge_file": args.merge_file, "vocab_size": args.vocab_size}
+    cfg = PreprocessConfig(args.input, args.output_prefix, args.json_keys, tokenizer, args.append_eod,
+                           args.workers, max(args.log_interval, 1), args.skip_malformed)
+    try:
+        stats = preprocess(cfg, progress=not args.no_progress)
+    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    seconds = max(stats.seconds, 1e-9)
+    for key in args.json_keys:
+        print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")
+    print(f"{stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 2**20:.1f} MB in {seconds:.1f} s "
+          f"({stats.documents / seconds:.0f} docs/s, {stats.bytes / 2**20 / seconds:.2f} MB/s, "
+          f"{stats.tokens / seconds:.0f} tokens/s)")
+    if stats.skipped:
+        print(f"skipped {stats.skipped} malformed lines (first: {stats.first_skipped})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

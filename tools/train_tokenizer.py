@@ -1,0 +1,100 @@
+"""Train a SentencePiece tokenizer (BPE by default, or unigram) on a JSONL corpus, for GPTSentencePieceTokenizer.
+
+    python tools/train_tokenizer.py --input data_sample/kjv_sample.jsonl.gz --vocab-size 8000 \
+        --output-prefix data/kjv_tok
+
+writes data/kjv_tok.model and data/kjv_tok.vocab. Ids: 0 <unk>, 1 <s>, 2 </s> (the end-of-document
+token EOD), then 256 byte pieces (byte fallback: any text encodes without <unk>), then the learned
+pieces. Text is kept as is (no Unicode normalisation, whitespace and newlines preserved), so
+detokenize(tokenize(text)) == text. Every document is one training sentence; the same input and
+flags give the same model bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
+
+from mpzero.data.jsonl import check_inputs, iter_texts  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+
+_MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are left out of training (SentencePiece's own limit is 4 KB)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--character-coverage", type=float, default=1.0,
+                   help="share of characters given their own piece; the rest fall back to bytes")
+    p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines")
+    return p.parse_args(argv)
+
+
+def train(args) -> tuple[bytes, int]:
+    """The serialized model and how many malformed lines were skipped."""
+    import sentencepiece as spm
+
+    check_inputs(args.input)
+    if args.vocab_size < 300:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is too small: 3 special + 256 byte pieces come "
+                          f"first, so use at least 300 (thousands for real text)")
+    skipped: list[str] = []
+    failures: list[ConfigError] = []
+
+    def texts():  # SentencePiece would wrap our error in its own: keep it, end the input early
+        try:
+            yield from iter_texts(args.input, args.json_keys, args.skip_malformed, skipped)
+        except ConfigError as exc:
+            failures.append(exc)
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=texts(), model_writer=model, vocab_size=args.vocab_size,
+            model_type=args.model_type, character_coverage=args.character_coverage, byte_fallback=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            max_sentence_length=_MAX_DOCUMENT_BYTES, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            input_sentence_size=0, minloglevel=2)  # input_sentence_size=0: every document, no sampling
+    except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
+        if not failures:
+            raise ConfigError(f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}") from None
+    if failures:
+        raise failures[0]
+    return model.getvalue(), len(skipped)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model, skipped = train(args)
+    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    vocab = "".join(f"{sp.IdToPiece(i)}\t{sp.GetScore(i):g}\n" for i in range(sp.GetPieceSize()))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    _write_atomic(args.output_prefix + ".vocab", vocab.encode("utf-8"))
+    _write_atomic(args.output_prefix + ".model", model)  # last: a .model present means both are complete
+    print(f"wrote {args.output_prefix}.model ({sp.GetPieceSize()} pieces, EOD id {sp.eos_id()})"
+          + (f"; skipped {skipped} malformed lines" if skipped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
