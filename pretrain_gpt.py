@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
+from mpzero.data import build_gpt_datasets, build_tokenizer
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import resolved_impls
 from mpzero.models import GPTModel
@@ -67,6 +68,7 @@ def _pretrain(args) -> dict:
         args.global_batch_size = args.micro_batch_size * groups.dp_size
     num_micro_batches(args.global_batch_size, args.micro_batch_size, groups.dp_size)  # validates
     schedule = schedule_from_args(args)
+    args.vocab_size = _vocab_size(args)
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(vars(args), sort_keys=True), flush=True)
         print("fused ops (auto): " + json.dumps(resolved_impls(groups.device), sort_keys=True), flush=True)
@@ -78,7 +80,7 @@ def _pretrain(args) -> dict:
         print(memory.line(), flush=True)
     iteration, consumed, skipped = _load(args, model, optimizer, rng, groups)
     optimizer.comm_report()  # measure communication from here on, not the checkpoint's broadcasts
-    train_data, valid_data, test_data = _datasets(args)
+    train_data, valid_data, test_data = _datasets(args, groups)
     tensorboard = TensorBoardLogger(args.tensorboard_dir, groups.is_logging_rank)
     termination = TerminationSignal(groups.world, groups.device)
 
@@ -144,12 +146,25 @@ def _load(args, model, optimizer, rng, groups: ParallelGroups) -> tuple[int, int
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
 
 
-def _datasets(args):
-    """(train, valid, test). Mock data: three independent streams, sized for what the run reads."""
-    per_eval = args.eval_iters * args.global_batch_size
-    return (MockGPTDataset(args.vocab_size, args.seq_length, args.seed, args.train_iters * args.global_batch_size),
-            MockGPTDataset(args.vocab_size, args.seq_length, args.seed + 1, per_eval) if per_eval else None,
-            MockGPTDataset(args.vocab_size, args.seq_length, args.seed + 2, per_eval) if per_eval else None)
+def _datasets(args, groups: ParallelGroups):
+    """(train, valid, test), sized for what the run reads: every evaluation reads the first
+    --eval-iters global batches of its split. Mock data: three independent synthetic streams."""
+    sizes = (args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size,
+             args.eval_iters * args.global_batch_size)
+    if args.mock_data:
+        return tuple(MockGPTDataset(args.vocab_size, args.seq_length, args.seed + k, n) if n else None
+                     for k, n in enumerate(sizes))
+    return tuple(build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, sizes,
+                                    args.data_cache_path, groups))
+
+
+def _vocab_size(args) -> int:
+    """The tokenizer's vocabulary (before padding for TP); --vocab-size for mock data."""
+    if args.mock_data:
+        return args.vocab_size
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                args.vocab_size)
+    return tokenizer.vocab_size
 
 
 def _train_step(model, optimizer, dataset, consumed, lr, args, groups: ParallelGroups):

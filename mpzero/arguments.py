@@ -98,8 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="load model weights only and start from iteration 0")
 
     data = p.add_argument_group("data")
-    data.add_argument("--mock-data", action="store_true", help="train on deterministic random tokens")
-    data.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for --mock-data")
+    data.add_argument("--mock-data", action="store_true", help="train on deterministic synthetic tokens")
+    data.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for --mock-data / NullTokenizer")
+    data.add_argument("--data-path", nargs="+", default=None,
+                      help="a .bin/.idx prefix, or weights and prefixes to blend: 0.3 A 0.7 B")
+    data.add_argument("--split", default="969, 30, 1", help="train, validation, test proportions")
+    data.add_argument("--data-cache-path", default=None, help="where index caches go (default: beside the data)")
+    data.add_argument("--tokenizer-type", default=None,
+                      help="GPTSentencePieceTokenizer, GPT2BPETokenizer or NullTokenizer")
+    data.add_argument("--tokenizer-model", default=None, help="SentencePiece model file")
+    data.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    data.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     return p
 
 
@@ -120,8 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.max_position_embeddings = args.seq_length
     if args.mock_data and args.vocab_size is None:
         raise ConfigError("--mock-data needs --vocab-size")
-    if not args.mock_data:
-        raise ConfigError("no data: pass --mock-data --vocab-size N")
+    if not args.mock_data and not args.data_path:
+        raise ConfigError("no data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    if args.data_path and args.tokenizer_type is None:
+        raise ConfigError("--data-path needs --tokenizer-type (and its --tokenizer-model or --vocab-file/--merge-file)")
     for flag in ("micro_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
