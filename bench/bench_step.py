@@ -7,7 +7,6 @@ PyTorch GPT-2 of the same size (nanoGPT style, `F.scaled_dot_product_attention`)
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys

@@ -13,15 +13,14 @@ import time
 import pytest
 import torch
 
+from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
 from mpzero.checkpointing import latest_iteration, write_unpublished
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
 from mpzero.zero import ZeroOptimizer
-from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
+from tests.cli import ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import RanksFailed, run_ranks
-from tests.test_pretrain_gpt import ROOT, TINY, _assert_close_lists, _main_capturing_stdout
-from tests.test_training_loop import _exit_and_stderr, _quiet_main
 
 TWENTY = TINY + ["--train-iters", "20", "--eval-iters", "0"]
 
@@ -33,11 +32,11 @@ def _layout(tp, dp, stage):
 def test_resume_at_the_same_layout_is_bit_exact(tmp_path):
     world, layout = _layout(2, 2, 2)
     argv = TWENTY + layout + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--save", str(tmp_path)]
-    uninterrupted = run_ranks(world, _quiet_main, TWENTY + layout + ["--hidden-dropout", "0.1",
+    uninterrupted = run_ranks(world, quiet_main, TWENTY + layout + ["--hidden-dropout", "0.1",
                                                                       "--attention-dropout", "0.1"])[0]
-    first = run_ranks(world, _quiet_main, argv + ["--exit-interval", "10"])[0]
+    first = run_ranks(world, quiet_main, argv + ["--exit-interval", "10"])[0]
     assert latest_iteration(str(tmp_path)) == 10 and len(first["losses"]) == 10
-    resumed = run_ranks(world, _quiet_main, argv + ["--load", str(tmp_path)])[0]
+    resumed = run_ranks(world, quiet_main, argv + ["--load", str(tmp_path)])[0]
     assert first["losses"] + resumed["losses"] == uninterrupted["losses"]
     assert resumed["grad_norms"] == uninterrupted["grad_norms"][10:]
 
@@ -47,11 +46,11 @@ def test_resume_at_the_same_layout_is_bit_exact(tmp_path):
 def test_reload_under_another_layout_gives_the_same_next_step_loss(tmp_path, saved, loaded):
     world, layout = _layout(*saved)
     argv = TINY + ["--train-iters", "6", "--eval-iters", "0"]
-    uninterrupted = run_ranks(world, _quiet_main, argv + layout)[0]
-    run_ranks(world, _quiet_main, argv + layout + ["--save", str(tmp_path), "--exit-interval", "5"])
+    uninterrupted = run_ranks(world, quiet_main, argv + layout)[0]
+    run_ranks(world, quiet_main, argv + layout + ["--save", str(tmp_path), "--exit-interval", "5"])
     world, layout = _layout(*loaded)
-    resumed = run_ranks(world, _quiet_main, argv + layout + ["--load", str(tmp_path)])[0]
-    _assert_close_lists(resumed["losses"], uninterrupted["losses"][5:])
+    resumed = run_ranks(world, quiet_main, argv + layout + ["--load", str(tmp_path)])[0]
+    assert_close_lists(resumed["losses"], uninterrupted["losses"][5:])
 
 
 def _crash_after_writing_shards(root, argv):
@@ -66,17 +65,17 @@ def _crash_after_writing_shards(root, argv):
 
 def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     argv = TWENTY + ["--zero-stage", "3", "--save", str(tmp_path)]
-    run_ranks(2, _quiet_main, argv + ["--exit-interval", "10"])
+    run_ranks(2, quiet_main, argv + ["--exit-interval", "10"])
     run_ranks(2, _crash_after_writing_shards, str(tmp_path), argv)
     assert latest_iteration(str(tmp_path)) == 10 and os.path.isdir(tmp_path / "iter_0000099.tmp")
-    history, stdout = run_ranks(2, _main_capturing_stdout, argv + ["--load", str(tmp_path)])[0]
+    history, stdout = run_ranks(2, main_capturing_stdout, argv + ["--load", str(tmp_path)])[0]
     assert "loaded checkpoint from" in stdout and "at iteration 10" in stdout and len(history["losses"]) == 10
     assert latest_iteration(str(tmp_path)) == 20
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
-    run_ranks(1, _quiet_main, TINY + ["--save", str(tmp_path), "--eval-iters", "0"])
-    code, stderr = run_ranks(1, _exit_and_stderr, TINY + ["--load", str(tmp_path), "--hidden-size", "64"])[0]
+    run_ranks(1, quiet_main, TINY + ["--save", str(tmp_path), "--eval-iters", "0"])
+    code, stderr = run_ranks(1, exit_code_and_stderr, TINY + ["--load", str(tmp_path), "--hidden-size", "64"])[0]
     assert code == 2 and stderr.count("\n") == 1
     assert "is from another model: embedding.position_embeddings.weight is (16, 32) there and (16, 64) here" in stderr
 
@@ -85,7 +84,7 @@ def _sigterm_then_train(root, argv):
     import torch.distributed as dist
     if dist.get_rank() == 0:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    return len(_quiet_main(argv)["losses"])
+    return len(quiet_main(argv)["losses"])
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
@@ -98,7 +97,7 @@ def _die_after(delay, report_path, argv):
     import torch.distributed as dist
     if dist.get_rank() == 1:
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    code, stderr = _exit_and_stderr(argv)
+    code, stderr = exit_code_and_stderr(argv)
     with open(report_path, "w") as f:
         f.write(f"{code}\n{stderr}")
 
@@ -115,7 +114,7 @@ def test_a_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
 
 
 def test_consolidated_weights_round_trip(tmp_path):
-    run_ranks(2, _quiet_main, TINY + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "a"),
+    run_ranks(2, quiet_main, TINY + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "a"),
                                       "--eval-iters", "0"])
     tool = [sys.executable, os.path.join(ROOT, "tools", "checkpoint_util.py")]
     subprocess.run(tool + ["to-consolidated", "--load", str(tmp_path / "a"), "--output", str(tmp_path / "w.pt")],
@@ -124,13 +123,13 @@ def test_consolidated_weights_round_trip(tmp_path):
     assert weights["embedding.word_embeddings.weight"].shape == (300, 32)  # padding (to 512 at TP=2) removed
     subprocess.run(tool + ["from-consolidated", "--input", str(tmp_path / "w.pt"), "--save", str(tmp_path / "b")],
                    check=True)
-    code, _ = run_ranks(1, _exit_and_stderr, TINY + ["--load", str(tmp_path / "b"), "--eval-iters", "0"])[0]
+    code, _ = run_ranks(1, exit_code_and_stderr, TINY + ["--load", str(tmp_path / "b"), "--eval-iters", "0"])[0]
     assert code == 2  # weights only: the optimizer state is not there
     subprocess.run(tool + ["to-consolidated", "--load", str(tmp_path / "b"), "--output", str(tmp_path / "w2.pt")],
                    check=True)
     again = torch.load(tmp_path / "w2.pt", weights_only=True)["model"]
     assert all(torch.equal(again[name], weights[name]) for name in weights)
-    fresh = run_ranks(1, _quiet_main, TINY + ["--eval-iters", "0", "--train-iters", "1"])[0]
-    tuned = run_ranks(1, _quiet_main, TINY + ["--load", str(tmp_path / "b"), "--finetune", "--eval-iters", "0",
+    fresh = run_ranks(1, quiet_main, TINY + ["--eval-iters", "0", "--train-iters", "1"])[0]
+    tuned = run_ranks(1, quiet_main, TINY + ["--load", str(tmp_path / "b"), "--finetune", "--eval-iters", "0",
                                              "--train-iters", "1"])[0]
     assert tuned["losses"][0] < fresh["losses"][0] - 0.1  # starts from the trained weights, not from scratch

@@ -7,14 +7,14 @@ import math
 import pytest
 
 from tests.distributed import run_ranks
-from tests.test_pretrain_gpt import TINY, _assert_close_lists, _main_capturing_stdout
+from tests.cli import TINY, assert_close_lists, main_capturing_stdout
 
 LAYOUTS = [(tp, dp) for tp in (1, 2) for dp in (1, 2, 4)]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_ranks(1, _main_capturing_stdout, TINY + ["--zero-stage", "0"])[0][0]
+    return run_ranks(1, main_capturing_stdout, TINY + ["--zero-stage", "0"])[0][0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -23,15 +23,15 @@ def test_layout_matches_single_process(reference, tp, dp, stage):
     argv = TINY + ["--tensor-model-parallel-size", str(tp), "--zero-stage", str(stage),
                    "--micro-batch-size", "1",  # global 8 = 1 x dp x (8/dp) accumulation steps
                    "--zero-bucket-numel", "5000"]  # several buckets, so bucket edges are exercised
-    history = run_ranks(tp * dp, _main_capturing_stdout, argv)[0][0]
-    _assert_close_lists(history["losses"], reference["losses"])
-    _assert_close_lists(history["grad_norms"], reference["grad_norms"])
-    _assert_close_lists(history["valid_losses"], reference["valid_losses"])
+    history = run_ranks(tp * dp, main_capturing_stdout, argv)[0][0]
+    assert_close_lists(history["losses"], reference["losses"])
+    assert_close_lists(history["grad_norms"], reference["grad_norms"])
+    assert_close_lists(history["valid_losses"], reference["valid_losses"])
 
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_mixed_precision_trains_at_tp2_dp2_stage3(reference, precision):
-    history, stdout = run_ranks(4, _main_capturing_stdout, TINY + [precision, "--tensor-model-parallel-size", "2",
+    history, stdout = run_ranks(4, main_capturing_stdout, TINY + [precision, "--tensor-model-parallel-size", "2",
                                                                    "--zero-stage", "3"])[0]
     losses = history["losses"]
     assert all(math.isfinite(x) for x in losses)

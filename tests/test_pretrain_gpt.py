@@ -2,8 +2,6 @@
 within 1e-5 relative: layouts differ only in the order of floating-point sums), and bad sizes are
 one-line errors with a non-zero exit."""
 
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -11,33 +9,13 @@ import sys
 
 import pytest
 
-import pretrain_gpt
+from tests.cli import LINE, ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", "300",
-        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "5"]
-LINE = re.compile(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| .* \| lm loss: (\S+) \| loss scale: \S+ \| grad norm: (\S+) \|")
-
-
-def _main_capturing_stdout(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        history = pretrain_gpt.main(argv)
-    return history, out.getvalue()
-
-
-def _assert_close_lists(a, b, rel=1e-5):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
 
 
 @pytest.fixture(scope="module")
 def single_process():
-    return run_ranks(1, _main_capturing_stdout, TINY)[0]
+    return run_ranks(1, main_capturing_stdout, TINY)[0]
 
 
 def test_console_lines_follow_megatron_format(single_process):
@@ -52,30 +30,20 @@ def test_console_lines_follow_megatron_format(single_process):
     assert re.search(r'^fused ops \(auto\): \{"adamw_step": "\w+", "layer_norm"', stdout, re.M)
     assert len(re.findall(r"^zero comm \| stage 1 .* \| ratio \S+$", stdout, re.M)) == 10
     assert [int(m.group(3)) for m in lines] == [8 * i for i in range(1, 11)]
-    _assert_close_lists([float(m.group(4)) for m in lines], history["losses"], rel=1e-6)
+    assert_close_lists([float(m.group(4)) for m in lines], history["losses"], rel=1e-6)
     assert history["losses"][-1] < history["losses"][0]
 
 
 @pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2), (2, 2)])
 def test_layout_losses_match_single_process(single_process, tp, dp):
-    results = run_ranks(tp * dp, _main_capturing_stdout, TINY + ["--tensor-model-parallel-size", str(tp)])
+    results = run_ranks(tp * dp, main_capturing_stdout, TINY + ["--tensor-model-parallel-size", str(tp)])
     history, stdout = results[0]
     reference = single_process[0]
-    _assert_close_lists(history["losses"], reference["losses"])
-    _assert_close_lists(history["grad_norms"], reference["grad_norms"])
+    assert_close_lists(history["losses"], reference["losses"])
+    assert_close_lists(history["grad_norms"], reference["grad_norms"])
     printed = [float(m.group(4)) for m in map(LINE.match, stdout.splitlines()) if m]
-    _assert_close_lists(printed, reference["losses"])
+    assert_close_lists(printed, reference["losses"])
     assert all(r[1] == "" for r in results[1:]), "only rank 0 prints"
-
-
-def _exit_code_and_stderr(argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            pretrain_gpt.main(argv)
-        except SystemExit as exit_:
-            return exit_.code, err.getvalue()
-    return 0, err.getvalue()
 
 
 @pytest.mark.parametrize("world,extra,message", [
@@ -86,7 +54,7 @@ def _exit_code_and_stderr(argv):
      "--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2 = 8"),
 ])
 def test_bad_sizes_exit_nonzero_with_one_line(world, extra, message):
-    for code, stderr in run_ranks(world, _exit_code_and_stderr, TINY + extra):
+    for code, stderr in run_ranks(world, exit_code_and_stderr, TINY + extra):
         assert code == 2
         assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr
 
@@ -104,4 +72,4 @@ def test_torchrun_tp2_dp2_matches_plain_python():
     torchrun = losses([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                        "pretrain_gpt.py", "--tensor-model-parallel-size", "2"])
     assert len(single) == 10
-    _assert_close_lists(torchrun, single)
+    assert_close_lists(torchrun, single)

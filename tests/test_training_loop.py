@@ -1,28 +1,17 @@
 """The training loop around the step: schedule, --config files, TensorBoard, SIGTERM, NaN, exit interval."""
 
-import contextlib
-import io
 import json
-import math
 import os
 import signal
 import threading
 
-import pytest
-
-import pretrain_gpt
 from mpzero.training.lr_schedule import LRSchedule
+from tests.cli import TINY, exit_code_and_stderr, quiet_main
 from tests.distributed import run_ranks
-from tests.test_pretrain_gpt import TINY
-
-
-def _quiet_main(argv):
-    with contextlib.redirect_stdout(io.StringIO()):
-        return pretrain_gpt.main(argv)
 
 
 def _run(argv, world=1):
-    return run_ranks(world, _quiet_main, argv)[0]
+    return run_ranks(world, quiet_main, argv)[0]
 
 
 def test_warmup_cosine_lrs_follow_the_closed_form():
@@ -41,24 +30,14 @@ def test_config_file_sets_flags_and_command_line_wins(tmp_path):
     assert len(_run(argv + ["--config", str(tmp_path / "run.json")])["losses"]) == 2
 
 
-def _exit_and_stderr(argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            pretrain_gpt.main(argv)
-        except SystemExit as exit_:
-            return exit_.code, err.getvalue()
-    return 0, err.getvalue()
-
-
 def test_unknown_config_key_is_a_one_line_error(tmp_path):
     (tmp_path / "bad.yaml").write_text("hiden-size: 3\n")
-    code, stderr = run_ranks(1, _exit_and_stderr, TINY + ["--config", str(tmp_path / "bad.yaml")])[0]
+    code, stderr = run_ranks(1, exit_code_and_stderr, TINY + ["--config", str(tmp_path / "bad.yaml")])[0]
     assert code == 2 and stderr == f"error: --config {tmp_path / 'bad.yaml'}: unknown flag 'hiden-size'\n"
 
 
 def test_nan_loss_stops_with_iteration_and_rank():
-    results = run_ranks(2, _exit_and_stderr, TINY + ["--lr", "1e30", "--clip-grad", "0"])
+    results = run_ranks(2, exit_code_and_stderr, TINY + ["--lr", "1e30", "--clip-grad", "0"])
     for rank, (code, stderr) in enumerate(results):
         assert code == 1
         assert stderr.startswith("error: lm loss is nan at iteration ") and f"(rank {rank})" in stderr
@@ -66,7 +45,7 @@ def test_nan_loss_stops_with_iteration_and_rank():
 
 def test_tensorboard_has_megatron_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    run_ranks(2, _quiet_main, TINY + ["--tensorboard-dir", str(tmp_path)])
+    run_ranks(2, quiet_main, TINY + ["--tensorboard-dir", str(tmp_path)])
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -80,7 +59,7 @@ def _sigterm_rank1_after(delay, argv):
     import torch.distributed as dist
     if dist.get_rank() == 1:
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    return len(_quiet_main(argv)["losses"])
+    return len(quiet_main(argv)["losses"])
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration():

@@ -1,6 +1,5 @@
 """Counted model-state memory and communication against the ZeRO formulas, and the printed lines."""
 
-import re
 
 import pytest
 
