@@ -1,7 +1,7 @@
 # The two commands a newcomer needs (README.md): `make quickstart` and `make test`.
-# Both create .venv and install mpzero into it first. TORCH names the torch build to install:
-# the default is the CPU wheel this project is tested with; on a GPU cluster keep your own CUDA build
-# (e.g. `make test TORCH=torch`).
+# Both create .venv and install mpzero into it first; `make test` adds the test tools and Triton (the fused
+# kernels' tests run under Triton's CPU interpreter). TORCH names the torch build to install: the default is
+# the CPU wheel this project is tested with; on a GPU cluster keep your own CUDA build (`make test TORCH=torch`).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
@@ -13,6 +13,10 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test,triton]"
 	touch $@
 
@@ -21,5 +25,5 @@ install: $(VENV)/.installed
 quickstart: install
 	bash examples/quickstart.sh $(PY)
 
-test: install
+test: $(VENV)/.test-installed
 	$(PY) -m pytest -q tests
