@@ -38,6 +38,7 @@ from mpzero.zero import ZeroOptimizer
 
 
 def main(argv: list[str] | None = None) -> dict:
+    owns_world = not dist.is_initialized()  # else the caller (a test, a notebook) owns the process group
     try:
         return _pretrain(parse_args(argv))
     except ConfigError as error:
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"error: a collective failed, a peer rank has died or timed out "
               f"(--distributed-timeout-minutes): {first_line[:300]}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if owns_world and dist.is_initialized():
+            dist.destroy_process_group()  # NCCL warns of leaked communicators otherwise
 
 
 def _is_peer_failure(error: RuntimeError) -> bool:

@@ -33,6 +33,17 @@ def test_skipped_fp16_steps_match_megatron_schedule_and_console():
     assert per_line == [sum(skipped[i:i + 2]) for i in range(0, 10, 2)]
 
 
+def _main_without_a_process_group(argv):
+    import torch.distributed as dist
+    dist.destroy_process_group()  # as plain `python pretrain_gpt.py` starts
+    quiet_main(argv)
+    return dist.is_initialized()
+
+
+def test_main_destroys_the_process_group_it_created():
+    assert run_ranks(1, _main_without_a_process_group, TINY + ["--train-iters", "1", "--eval-iters", "0"]) == [False]
+
+
 def test_config_file_sets_flags_and_command_line_wins(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("lr-decay-style: constant\nlr: 0.5\ntrain-iters: 3\n")
