@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mpzero.comm import CommGroup
+from mpzero.errors import ConfigError
 from mpzero.zero.adam import MasterAdam
 from mpzero.zero.flat import FlatLayout
 
@@ -62,7 +63,8 @@ def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: 
     (`keys=("master",)`: the weights alone, moments and step left as they are)."""
     missing = [name for layout in layouts for name in layout.names if name not in state["params"]]
     if missing:
-        raise KeyError(f"optimizer state has no entry for parameters {missing[:3]}: saved from another model?")
+        raise ConfigError(f"optimizer state has no entry for parameters {missing[:3]}: it was saved from "
+                          "another model; load a checkpoint of this one")
     for key in keys:
         for bucket, layout in enumerate(layouts):
             full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=masters[bucket].device)
