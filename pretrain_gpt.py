@@ -38,6 +38,7 @@ from mpzero.zero import ZeroOptimizer
 
 
 def main(argv: list[str] | None = None) -> dict:
+    owns_world = not dist.is_initialized()  # else the caller (a test, a notebook) owns the process group
     try:
         return _pretrain(parse_args(argv))
     except ConfigError as error:
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"error: a collective failed, a peer rank has died or timed out "
               f"(--distributed-timeout-minutes): {first_line[:300]}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if owns_world and dist.is_initialized():
+            dist.destroy_process_group()  # NCCL warns of leaked communicators otherwise
 
 
 def _is_peer_failure(error: RuntimeError) -> bool:
@@ -92,10 +96,10 @@ def _pretrain(args) -> dict:
                 print(f"saved checkpoint at iteration {iteration} to {where}", flush=True)
 
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
-    interval = {"losses": [], "start": time.perf_counter()}
+    interval = _new_interval()
     try:
         while iteration < args.train_iters:
-            lr = schedule.lr(iteration)
+            lr = schedule.lr(iteration - skipped)  # as in Megatron, skipped (fp16 overflow) steps do not count
             loss, stats = _train_step(model, optimizer, train_data, consumed, lr, args, groups)
             iteration, consumed, skipped = iteration + 1, consumed + args.global_batch_size, skipped + stats.skipped
             if not math.isfinite(loss):
@@ -103,10 +107,13 @@ def _pretrain(args) -> dict:
                                     f"lower --lr or enable --clip-grad; the last checkpoint is intact")
             for key, value in (("losses", loss), ("grad_norms", stats.grad_norm), ("lrs", lr)):
                 history[key].append(value)
-            interval["losses"].append(loss)
+            interval["iterations"] += 1
+            interval["skipped"] += stats.skipped
+            if not stats.skipped:
+                interval["losses"].append(loss)
             if iteration % args.log_interval == 0:
-                _log_interval(interval, iteration, consumed, lr, stats, skipped, args, groups, optimizer,
-                              tensorboard)
+                _log_interval(interval, iteration, consumed, lr, stats, args, groups, optimizer, tensorboard)
+                interval = _new_interval()
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_data is not None:
                 history["valid_losses"].append(_evaluate_and_log(
                     model, valid_data, f"iteration {iteration}", iteration, args, groups, tensorboard))
@@ -211,9 +218,15 @@ def _evaluate_and_log(model, dataset, where, iteration, args, groups, tensorboar
     return loss
 
 
-def _log_interval(interval, iteration, consumed, lr, stats, skipped, args, groups, optimizer, tensorboard):
-    seconds = (time.perf_counter() - interval["start"]) / len(interval["losses"])
-    loss = sum(interval["losses"]) / len(interval["losses"])
+def _new_interval() -> dict:
+    return {"iterations": 0, "skipped": 0, "losses": [], "start": time.perf_counter()}
+
+
+def _log_interval(interval, iteration, consumed, lr, stats, args, groups, optimizer, tensorboard):
+    """Megatron's per-interval figures: time over all iterations, loss over the applied ones (0 when
+    every step was skipped), skipped iterations counted since the previous line."""
+    seconds = (time.perf_counter() - interval["start"]) / interval["iterations"]
+    loss = sum(interval["losses"]) / max(len(interval["losses"]), 1)
     tokens_per_s = args.global_batch_size * args.seq_length / seconds
     flops = model_flops_per_iteration(args.num_layers, args.hidden_size, args.seq_length, args.vocab_size,
                                       args.global_batch_size, args.recompute_activations)
@@ -223,15 +236,15 @@ def _log_interval(interval, iteration, consumed, lr, stats, skipped, args, group
     grad_norm = stats.grad_norm if stats.grad_norm is not None else float("nan")
     if groups.is_logging_rank:
         print(iteration_line(iteration, args.train_iters, consumed, seconds * 1000, lr, args.global_batch_size,
-                             loss, stats.loss_scale, grad_norm, skipped, nan=0,
+                             loss, stats.loss_scale, grad_norm, interval["skipped"], nan=0,
                              extra={"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}"}),
               flush=True)
         print(comm.line(), flush=True)
-    tensorboard.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
+    applied = {"lm loss": loss} if interval["losses"] else {}  # no point plotted for an all-skipped interval
+    tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
                          "loss-scale": stats.loss_scale,
                          "batch-size": args.global_batch_size, "throughput": tokens_per_s,
                          **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)}}, iteration)
-    interval["losses"], interval["start"] = [], time.perf_counter()
 
 
 if __name__ == "__main__":

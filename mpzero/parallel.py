@@ -67,13 +67,16 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0) -> ParallelGr
     timeout = timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL binds each rank to its GPU before the first communicator exists (and barriers use it)
+        device_id = _device_for_backend(backend) if backend == "nccl" else None
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     tp_groups, dp_groups = rank_grid(world_size, tp_size)
-    device = _device_for_this_rank()
+    device = _device_for_backend(dist.get_backend())
 
     def make(groups: list[list[int]]) -> CommGroup:
         mine = None
@@ -88,9 +91,10 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0) -> ParallelGr
     return ParallelGroups(tp=tp, dp=dp, world=world, device=device)
 
 
-def _device_for_this_rank() -> torch.device:
-    if not torch.cuda.is_available():
+def _device_for_backend(backend: str) -> torch.device:
+    """NCCL ranks compute on their local GPU (made current); gloo ranks on the CPU, even on a GPU host."""
+    if "nccl" not in backend:  # also "cpu:gloo,cuda:nccl"
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device

@@ -133,3 +133,27 @@ def test_consolidated_weights_round_trip(tmp_path):
     tuned = run_ranks(1, quiet_main, TINY + ["--load", str(tmp_path / "b"), "--finetune", "--eval-iters", "0",
                                              "--train-iters", "1"])[0]
     assert tuned["losses"][0] < fresh["losses"][0] - 0.1  # starts from the trained weights, not from scratch
+
+
+def test_saving_an_iteration_again_replaces_it_whole(tmp_path):
+    from mpzero.checkpointing.checkpoint import _replace_directory
+    (tmp_path / "iter.tmp").mkdir()
+    (tmp_path / "iter.tmp" / "new").write_text("")
+    (tmp_path / "iter").mkdir()
+    (tmp_path / "iter" / "old").write_text("")
+    _replace_directory(str(tmp_path / "iter.tmp"), str(tmp_path / "iter"))
+    assert sorted(os.listdir(tmp_path)) == ["iter"] and os.listdir(tmp_path / "iter") == ["new"]
+
+
+def test_checkpoint_util_refuses_to_overwrite_a_checkpoint(tmp_path, capsys):
+    import runpy
+    tool = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint_util.py"))["main"]
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "w.pt")
+    os.makedirs(tmp_path / "b" / "iter_0000000.tmp" / "stale")  # left by a crashed conversion
+    tool(["from-consolidated", "--input", str(tmp_path / "w.pt"), "--save", str(tmp_path / "b")])
+    assert sorted(os.listdir(tmp_path / "b")) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    assert "stale" not in os.listdir(tmp_path / "b" / "iter_0000000")
+    with pytest.raises(SystemExit):
+        tool(["from-consolidated", "--input", str(tmp_path / "w.pt"), "--save", str(tmp_path / "b")])
+    assert capsys.readouterr().err == (f"error: --save {tmp_path / 'b'} already holds "
+                                       f"{tmp_path / 'b' / 'iter_0000000'}: choose an empty directory\n")

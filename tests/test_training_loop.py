@@ -2,11 +2,12 @@
 
 import json
 import os
+import re
 import signal
 import threading
 
 from mpzero.training.lr_schedule import LRSchedule
-from tests.cli import TINY, exit_code_and_stderr, quiet_main
+from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import run_ranks
 
 
@@ -18,6 +19,29 @@ def test_warmup_cosine_lrs_follow_the_closed_form():
     history = _run(TINY + ["--lr-decay-style", "cosine", "--lr-warmup-iters", "3", "--min-lr", "1e-4"])
     expected = LRSchedule(1e-3, 1e-4, warmup_iters=3, decay_iters=10, decay_style="cosine")
     assert history["lrs"] == [expected.lr(step) for step in range(10)]
+
+
+def test_skipped_fp16_steps_match_megatron_schedule_and_console():
+    """Megatron advances the schedule only on applied updates and counts skipped iterations per log line."""
+    history, stdout = run_ranks(1, main_capturing_stdout, TINY + ["--fp16", "--initial-loss-scale", "1048576",
+                                                                  "--log-interval", "2", "--eval-iters", "0"])[0]
+    skipped = [norm is None for norm in history["grad_norms"]]
+    assert skipped[:2] == [True, True] and not all(skipped)  # 2^20 overflows fp16 until the scale backs off
+    schedule = LRSchedule(1e-3, 0.0, warmup_iters=0, decay_iters=10)
+    assert history["lrs"] == [schedule.lr(i - sum(skipped[:i])) for i in range(10)]
+    per_line = [int(n) for n in re.findall(r"number of skipped iterations: +(\d+)", stdout)]
+    assert per_line == [sum(skipped[i:i + 2]) for i in range(0, 10, 2)]
+
+
+def _main_without_a_process_group(argv):
+    import torch.distributed as dist
+    dist.destroy_process_group()  # as plain `python pretrain_gpt.py` starts
+    quiet_main(argv)
+    return dist.is_initialized()
+
+
+def test_main_destroys_the_process_group_it_created():
+    assert run_ranks(1, _main_without_a_process_group, TINY + ["--train-iters", "1", "--eval-iters", "0"]) == [False]
 
 
 def test_config_file_sets_flags_and_command_line_wins(tmp_path):

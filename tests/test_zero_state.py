@@ -6,7 +6,7 @@ from torch import nn
 
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from tests.distributed import run_ranks
+from tests.distributed import RanksFailed, run_ranks
 from tests.zero_toy import make_batches, make_model
 
 
@@ -81,3 +81,14 @@ def test_zero_state_dict_loads_at_another_dp_size():
                 assert torch.equal(state["params"][name][key], value), (name, key)
         frozen = make_model().position_embeddings.weight  # frozen: exported as it was built
         assert torch.equal(weights["position_embeddings.weight"], frozen.detach())
+
+
+def _load_foreign_state():
+    groups = init_parallel(tp_size=1)
+    opt = ZeroOptimizer(make_model(), groups, ZeroConfig(), AdamConfig(), PrecisionConfig())
+    opt.load_state_dict({"step": 0, "params": {}, "loss_scaler": {"scale": 1.0}, "iteration": 0})
+
+
+def test_zero_state_of_another_model_is_a_one_line_config_error():
+    with pytest.raises(RanksFailed, match=r"ConfigError: optimizer state has no entry for parameters \['"):
+        run_ranks(1, _load_foreign_state)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -28,8 +29,10 @@ def to_consolidated(load: str, iteration: int | None, output: str) -> None:
     iteration = latest_iteration(load) if iteration is None else iteration
     directory = checkpoint_dir(load, iteration) if iteration is not None else None
     if directory is None or not os.path.isfile(os.path.join(directory, "meta.json")):
-        raise ConfigError(f"no mpzero checkpoint under {load}" + (f" at iteration {iteration}" if iteration else ""))
-    meta = json.load(open(os.path.join(directory, "meta.json"), encoding="utf-8"))
+        where = f" at iteration {iteration}" if iteration is not None else ""
+        raise ConfigError(f"no mpzero checkpoint under {load}{where}")
+    with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
     model = {key: torch.zeros(shape) for key, shape in meta["shapes"].items() if key.startswith("model/")}
     dcp.load(model, checkpoint_id=directory)  # no process group: read whole tensors in this process
     _save_atomically({"model": {key[len("model/"):]: t for key, t in model.items()}, "meta": meta}, output)
@@ -43,8 +46,11 @@ def from_consolidated(input_path: str, save: str) -> None:
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
     tensors = {f"model/{name}": t.float() for name, t in bundle["model"].items()}
     directory = checkpoint_dir(save, 0)
+    if os.path.exists(directory):
+        raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
     tmp = directory + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
+    os.makedirs(tmp)
     dcp.save(tensors, checkpoint_id=tmp)
     meta = {"iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
             "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},

@@ -40,9 +40,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesT
     tmp = write_unpublished(root, iteration, model, optimizer, rng, groups, meta)
     final = checkpoint_dir(root, iteration)
     if groups.world.rank == 0:
-        if os.path.exists(final):  # saving the same iteration again: the new one wins
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _replace_directory(tmp, final)
         _write_atomically(os.path.join(root, LATEST), str(iteration))
     dist.barrier()
     return final
@@ -75,7 +73,8 @@ def latest_iteration(root: str) -> int | None:
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
     if not text.isdigit():
         raise ConfigError(f"{path} holds {text[:40]!r}, not an iteration number: fix or delete it")
     return int(text)
@@ -92,7 +91,8 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.isfile(meta_path):
         raise ConfigError(f"{directory} has no meta.json: not an mpzero checkpoint, or damaged")
-    meta = json.load(open(meta_path, encoding="utf-8"))
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
     where = placements(model)
     _check_same_model(meta, where, groups.tp_size, directory)
     keys = [f"model/{name}" for name in where]
@@ -138,6 +138,18 @@ def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: in
 
 def _param_name(key: str) -> str:
     return key.split("/", 1)[1] if key.startswith("model/") else key.split("/", 2)[2]
+
+
+def _replace_directory(tmp: str, final: str) -> None:
+    """Rename `tmp` to `final`. An existing `final` (the same iteration saved again) is renamed aside
+    first and deleted only after: a crash leaves at most a moment in which neither name exists,
+    instead of the whole deletion."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -146,8 +146,10 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
                                                       tp, init_word, device)
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size, device=device)
+        # drawn from the CPU generator like every other weight, so a GPU run starts where a CPU run does
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         nn.init.normal_(self.position_embeddings.weight, std=std)
+        self.position_embeddings.to(device)
         mark_tensor_parallel(self.position_embeddings.weight, None)
         self.dropout = nn.Dropout(config.hidden_dropout)
 

@@ -58,7 +58,6 @@ class GradCollector:
             self._on_ready(bucket)
 
 
-
 class ReplicatedGrads:
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
                  reduce: Callable[[int, bool], object]):

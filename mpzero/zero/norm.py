@@ -1,9 +1,10 @@
 """The global gradient norm over TP and DP ranks, and clipping by it.
 
 norm = sqrt(sum of squared gradient entries of the whole unsharded model). Each rank sums squares
-over its own DP slices (DP slices are disjoint and cover every parameter; unpartitioned buffers count on DP rank 0); TP-sharded parameters
-(`param.tensor_parallel = True`) count on every TP rank, TP-replicated ones only on TP rank 0
-(their gradients are identical on all TP ranks); one all-reduce over the world adds everything up.
+over its own DP slices (DP slices are disjoint and cover every parameter; unpartitioned buffers count
+on DP rank 0); TP-sharded parameters (`param.tensor_parallel = True`) count on every TP rank,
+TP-replicated ones only on TP rank 0 (their gradients are identical on all TP ranks); one all-reduce
+over the world adds everything up.
 So the printed norm equals the single-process one.
 """
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mpzero.comm import CommGroup
+from mpzero.errors import ConfigError
 from mpzero.zero.adam import MasterAdam
 from mpzero.zero.flat import FlatLayout
 
@@ -32,8 +33,9 @@ def _per_param(layouts: list[FlatLayout], shards: list[torch.Tensor], dp: CommGr
     return out
 
 
-def _moment_shards(layouts: list[FlatLayout], adam: MasterAdam, key: str) -> list[torch.Tensor]:
-    shards = [torch.zeros(l.shard_numel, dtype=torch.float32) for l in layouts]
+def _moment_shards(layouts: list[FlatLayout], masters, adam: MasterAdam, key: str) -> list[torch.Tensor]:
+    # on the masters' device: NCCL gathers only CUDA tensors
+    shards = [torch.zeros(l.shard_numel, dtype=torch.float32, device=m.device) for l, m in zip(layouts, masters)]
     for bucket, start, end, view in adam.runs:
         shards[bucket][start:end] = adam.moments(view)[key]
     return shards
@@ -49,7 +51,7 @@ def consolidated_weights(model: nn.Module, layouts, masters, dp: CommGroup) -> d
 def optimizer_state(layouts, masters, adam: MasterAdam, dp: CommGroup) -> dict:
     tensors = {"master": _per_param(layouts, masters, dp)}
     for key in KEYS:
-        tensors[key] = _per_param(layouts, _moment_shards(layouts, adam, key), dp)
+        tensors[key] = _per_param(layouts, _moment_shards(layouts, masters, adam, key), dp)
     step = int(adam.moments(adam.runs[0][3])["step"].item()) if adam.runs else 0
     step = int(max(dp.all_gather_objects(step)))  # a rank holding only padding has no steps of its own
     return {"step": step, "params": {name: {key: tensors[key][name] for key in tensors} for name in tensors["master"]}}
@@ -61,10 +63,11 @@ def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: 
     (`keys=("master",)`: the weights alone, moments and step left as they are)."""
     missing = [name for layout in layouts for name in layout.names if name not in state["params"]]
     if missing:
-        raise KeyError(f"optimizer state has no entry for parameters {missing[:3]}: saved from another model?")
+        raise ConfigError(f"optimizer state has no entry for parameters {missing[:3]}: it was saved from "
+                          "another model; load a checkpoint of this one")
     for key in keys:
         for bucket, layout in enumerate(layouts):
-            full = torch.zeros(layout.padded_numel, dtype=torch.float32)
+            full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=masters[bucket].device)
             for i, name in enumerate(layout.names):
                 layout.param_view(full, i).copy_(state["params"][name][key])
             shard = full[layout.shard_start:layout.shard_start + layout.shard_numel]
