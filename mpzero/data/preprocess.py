@@ -125,7 +125,10 @@ class _Encoder:
         return tokens, lengths, counts
 
 
-_worker_encoder: list = []  # the pool worker's own _Encoder: process-local state has to live at module level
+# Each pool worker's own _Encoder, set once by _init_worker inside that worker (the main process never
+# touches it). A process pool has no other place for per-worker state: the initializer's return value is
+# dropped, and sending the encoder with every batch would reload the tokenizer per batch.
+_worker_encoder: list = []
 
 
 def _init_worker(*args) -> None:
