@@ -85,6 +85,16 @@ def test_malformed_line_stops_naming_file_and_line_and_leaves_nothing(tmp_path, 
         assert os.listdir(tmp_path) == ["in.jsonl"]  # no output, no temporary files
 
 
+def test_truncated_gzip_input_stops_naming_the_file_and_leaves_nothing(tmp_path, capsys):
+    full = _jsonl(tmp_path / "full.jsonl.gz", [{"text": " ".join(map(str, d))} for d in _docs(3000)])
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(open(full, "rb").read()[:os.path.getsize(full) // 2])
+    os.remove(full)
+    assert preprocess_main(_null_args(str(cut), str(tmp_path / "out"), "--workers", "2")) == 2
+    assert capsys.readouterr().err.startswith(f"error: {cut}: cannot read past line ")
+    assert os.listdir(tmp_path) == ["cut.jsonl.gz"]
+
+
 def test_output_that_cannot_be_opened_leaves_nothing(tmp_path, capsys):
     # The second key's output lies in a missing directory: the first key's temporary file goes too.
     inp = _jsonl(tmp_path / "in.jsonl", [{"text": "1", "no/dir": "2"}])
