@@ -1,6 +1,7 @@
 """build_gpt_datasets: splits, blending, the index cache, and one global order whatever the DP size."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -84,6 +85,26 @@ def test_global_order_matches_between_dp1_and_dp4(data, tmp_path):
     assert one[0][0] == 1 and [r[0] for r in four] == [4] * 4
     for rank_result in four:
         assert rank_result[1:] == one[0][1:]
+
+
+def _load_or_build_logging_builders(cache, log):
+    from mpzero.data.index_cache import load_or_build
+    from mpzero.parallel import init_parallel
+
+    groups = init_parallel(1, timeout_minutes=1)
+
+    def build():
+        time.sleep(0.2)  # so that any rank that wrongly built too would start before rank 0 finished
+        with open(log, "a") as f:
+            f.write(f"rank {groups.world.rank}\n")
+        return {"a": np.arange(5)}
+    return load_or_build(cache, "T", {"k": 1}, build, ("a",), groups)["a"].tolist()
+
+
+def test_index_cache_is_built_by_rank_0_alone_and_read_by_all(tmp_path):
+    log = tmp_path / "builds.log"
+    assert run_ranks(4, _load_or_build_logging_builders, str(tmp_path / "c"), str(log)) == [list(range(5))] * 4
+    assert log.read_text() == "rank 0\n"
 
 
 def _build_into_bad_cache(data, cache):

@@ -36,6 +36,16 @@ def test_sentencepiece_tokenizer_matches_raw_sentencepiece(sp_model):
     assert tok.detokenize(ids) == raw.decode(ids)
 
 
+def test_tokenize_batch_matches_tokenize_for_every_tokenizer(sp_model, tmp_path):
+    path, texts = sp_model
+    vocab, merges = _gpt2_files(tmp_path)
+    cases = [(build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=path), [texts[0], "", texts[5]]),
+             (build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges), ["hello world", ""]),
+             (build_tokenizer("NullTokenizer", vocab_size=100), ["5 7 99", "", "0"])]
+    for tok, batch in cases:
+        assert [a.tolist() for a in tok.tokenize_batch(batch)] == [tok.tokenize(t) for t in batch]
+
+
 def _gpt2_files(tmp_path):
     # A miniature GPT-2 vocabulary: byte-level symbols ("Ġ" is the space byte) and five merges.
     vocab = {"h": 0, "e": 1, "l": 2, "o": 3, "\u0120": 4, "w": 5, "r": 6, "d": 7, "he": 8, "ll": 9, "hell": 10,

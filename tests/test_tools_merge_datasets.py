@@ -27,6 +27,14 @@ def test_merge_matches_dataset_written_in_one_go(tmp_path):
     assert IndexedDataset(str(tmp_path / "merged")).document_indices.tolist() == [0, 1, 3, 3, 4, 5]
 
 
+def test_merge_reads_a_prefix_beside_its_index_cache_directory(tmp_path):
+    # Training's default cache is the directory {prefix}/cache/...: the prefix, not the directory, is meant.
+    write_dataset(str(tmp_path / "a"), [([1, 2], [2])])
+    (tmp_path / "a" / "cache" / "GPTDataset_indices").mkdir(parents=True)
+    assert merge_main(["--input", str(tmp_path / "a"), "--output-prefix", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m.bin").read_bytes() == (tmp_path / "a.bin").read_bytes()
+
+
 def test_merge_refuses_mixed_dtypes_and_leaves_nothing(tmp_path, capsys):
     write_dataset(str(tmp_path / "a"), [([1], [1])], np.uint16)
     write_dataset(str(tmp_path / "b"), [([1], [1])], np.int32)

@@ -85,12 +85,41 @@ def test_malformed_line_stops_naming_file_and_line_and_leaves_nothing(tmp_path, 
         assert os.listdir(tmp_path) == ["in.jsonl"]  # no output, no temporary files
 
 
+def test_truncated_gzip_input_stops_naming_the_file_and_leaves_nothing(tmp_path, capsys):
+    full = _jsonl(tmp_path / "full.jsonl.gz", [{"text": " ".join(map(str, d))} for d in _docs(3000)])
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(open(full, "rb").read()[:os.path.getsize(full) // 2])
+    os.remove(full)
+    assert preprocess_main(_null_args(str(cut), str(tmp_path / "out"), "--workers", "2")) == 2
+    assert capsys.readouterr().err.startswith(f"error: {cut}: cannot read past line ")
+    assert os.listdir(tmp_path) == ["cut.jsonl.gz"]
+
+
+def test_output_that_cannot_be_opened_leaves_nothing(tmp_path, capsys):
+    # The second key's output lies in a missing directory: the first key's temporary file goes too.
+    inp = _jsonl(tmp_path / "in.jsonl", [{"text": "1", "no/dir": "2"}])
+    assert preprocess_main(_null_args(inp, str(tmp_path / "out"), "--json-keys", "text", "no/dir")) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
 def test_skip_malformed_counts_and_reports(tmp_path, capsys):
-    inp = _jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}], raw_lines=[b"oops\n", b'{"text": "3"}\n', b"{}\n"])
+    # Line 5 parses but the tokenizer rejects it: only that line of its batch is dropped.
+    inp = _jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}], raw_lines=[b"oops\n", b'{"text": "3"}\n', b"{}\n",
+                                                                      b'{"text": "1 x"}\n', b'{"text": "4"}\n'])
     assert preprocess_main(_null_args(inp, str(tmp_path / "out"), "--skip-malformed")) == 0
-    assert f"skipped 2 malformed lines (first: {inp}:2: invalid JSON" in capsys.readouterr().out
+    assert f"skipped 3 malformed lines (first: {inp}:2: invalid JSON" in capsys.readouterr().out
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
-    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3]]
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3], [4]]
+
+
+def test_presplit_sentences_become_sequences_as_in_megatron(tmp_path):
+    # A list value is a document of sentences: one sequence each, none for an empty one, EOD on the last.
+    inp = _jsonl(tmp_path / "in.jsonl", [{"text": ["1 2", "", "3"]}, {"text": ["", ""]}, {"text": ["4"]}])
+    assert preprocess_main(_null_args(inp, str(tmp_path / "out"), "--append-eod")) == 0
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3, 1000], [4, 1000]]
+    assert ds.document_indices.tolist() == [0, 2, 2, 3]
 
 
 def test_bad_arguments_print_one_error_line(tmp_path, capsys):

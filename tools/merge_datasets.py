@@ -3,7 +3,8 @@
     python tools/merge_datasets.py --input data/kjv_text_document data/shakespeare_text_document \
         --output-prefix data/merged_text_document
 
-An --input that is a directory stands for every prefix in it, sorted by name (Megatron's form). The
+An --input that is a directory stands for every prefix in it, sorted by name (Megatron's form), unless
+it is also a prefix: training caches its indices in a directory named like the prefix. The
 output's documents are the inputs' documents in order; it appears only once completely written.
 """
 
@@ -29,7 +30,8 @@ def parse_args(argv):
 def input_prefixes(inputs: list[str]) -> list[str]:
     prefixes = []
     for item in inputs:
-        if os.path.isdir(item):
+        # `data/x_text_document/` is also the default index cache of prefix `data/x_text_document`.
+        if os.path.isdir(item) and not os.path.isfile(item + ".idx"):
             found = sorted(os.path.join(item, f[:-4]) for f in os.listdir(item) if f.endswith(".idx"))
             if not found:
                 raise ConfigError(f"--input directory {item} holds no .idx files")

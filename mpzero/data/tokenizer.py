@@ -2,6 +2,7 @@
 
     tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model="kjv.model")
     tok.vocab_size, tok.eod, tok.tokenize(text) -> list[int], tok.detokenize(ids) -> str
+    tok.tokenize_batch(texts) -> list[np.ndarray]  # the same ids, one integer array per text
 
 - `GPTSentencePieceTokenizer`: a SentencePiece model used for GPT. No BOS/EOS is added to a document;
   the end-of-document id is the model's end-of-sentence id; the vocabulary is the model's size.
@@ -13,6 +14,8 @@
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 from mpzero.errors import ConfigError
 
@@ -61,6 +64,11 @@ class GPTSentencePieceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._sp.EncodeAsIds(text)
 
+    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # One C++ call for many texts, returning int32 arrays: ~4% faster than tokenize() per text
+        # plus list -> array (bench/README.md). One thread: preprocessing's workers are the parallelism.
+        return self._sp.encode(texts, out_type="numpy", num_threads=1)
+
     def detokenize(self, ids) -> str:
         return self._sp.DecodeIds([int(i) for i in ids])
 
@@ -89,6 +97,9 @@ class GPT2BPETokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.array(self.tokenize(t), dtype=np.int64) for t in texts]  # encode_batch would start threads
+
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -103,6 +114,9 @@ class NullTokenizer:
         if any(not 0 <= i < self.eod for i in ids):
             raise ValueError(f"token ids must lie in [0, {self.eod})")
         return ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.array(self.tokenize(t), dtype=np.int64) for t in texts]
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)

@@ -78,6 +78,10 @@ def _torch_fused_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1
 
 def _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step) -> None:
     n = params.numel()
+    for name, t in (("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("model_copy", model_copy)):
+        if t is not None and t.device != params.device:  # a kernel would read a foreign pointer
+            raise ConfigError(f"adamw_step: {name} is on {t.device} but params on {params.device}: keep a "
+                              f"partition's tensors on one device")
     for name, t in (("params", params), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != n or not t.is_contiguous():
             raise ConfigError(f"adamw_step: {name} must be a flat contiguous fp32 tensor of {n} elements, "

@@ -106,8 +106,9 @@ class _TritonLayerNorm(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         block_m, block_n, warps = row_block(n_cols, MAX_WIDTH, "layer_norm")
         programs = max(1, min(_programs_for_reduction(x2.device), triton.cdiv(n_rows, block_m)))
-        rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m
-        programs = triton.cdiv(n_rows, rows_per_program)
+        # At least one block: with no rows, one program writes zero partial sums (dweight = dbias = 0).
+        rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_m)) * block_m
+        programs = max(1, triton.cdiv(n_rows, rows_per_program))
         dx = torch.empty_like(x2)
         dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         db_part = torch.empty_like(dw_part)
@@ -124,9 +125,10 @@ def _triton_layer_norm(x, weight, bias, eps):
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
     width = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
-        if t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous():
-            raise ConfigError(f"layer_norm: {name} must be a contiguous fp32 tensor of shape ({width},), "
-                              f"got {t.dtype} {tuple(t.shape)}: keep LayerNorm parameters in fp32")
+        if t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous() or t.device != x.device:
+            raise ConfigError(f"layer_norm: {name} must be a contiguous fp32 tensor of shape ({width},) on "
+                              f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}: keep LayerNorm "
+                              f"parameters in fp32 beside the input")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ConfigError(f"layer_norm: input dtype {x.dtype} is not fp32/fp16/bf16")
 

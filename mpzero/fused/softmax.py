@@ -166,7 +166,8 @@ def fused_softmax_supported(b: int, heads: int, sq: int, sk: int, dtype: torch.d
 
 
 def triton_kernel_specs() -> list[KernelSpec]:
-    """Compile-only variants: causal + mask forward and the backward, for each scores dtype, at sk = 1024."""
+    """Compile-only variants, for each scores dtype at sk = 1024: the forward with causal + mask, the
+    causal-only forward (the GPT model's call: another constexpr, so another binary) and the backward."""
     block_m, block_n, warps = row_block(1024, MAX_WIDTH, "scaled_masked_softmax")
     blocks = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     ints = {n: "i32" for n in ("n_rows", "sq", "sk", "heads", "m_sb", "m_sh", "m_sq", "m_sk")}
@@ -176,5 +177,8 @@ def triton_kernel_specs() -> list[KernelSpec]:
         bwd = {"DY": f"*{dt}", "Y": f"*{dt}", "DX": f"*{dt}", "scale": "fp32", "n_rows": "i32", "sk": "i32"}
         specs.append(KernelSpec(f"softmax_fwd_{dt}", _softmax_fwd_kernel, fwd,
                                 {"CAUSAL": True, "HAS_MASK": True, **blocks}, warps))
+        no_mask = {**fwd, "Mask": f"*{dt}"}  # the launch passes the scores as the unread Mask pointer
+        specs.append(KernelSpec(f"softmax_fwd_causal_{dt}", _softmax_fwd_kernel, no_mask,
+                                {"CAUSAL": True, "HAS_MASK": False, **blocks}, warps))
         specs.append(KernelSpec(f"softmax_bwd_{dt}", _softmax_bwd_kernel, bwd, blocks, warps))
     return specs

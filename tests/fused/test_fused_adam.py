@@ -75,3 +75,9 @@ def test_adamw_step_rejects_a_non_flat_partition():
     flat = torch.zeros(8)
     with pytest.raises(ConfigError, match="step counts from 1"):
         adamw_step(flat, flat, flat.clone(), flat.clone(), step=0, impl="torch", **HYPER)
+
+
+def test_adamw_step_rejects_tensors_on_another_device():
+    flat = torch.zeros(8)
+    with pytest.raises(ConfigError, match="exp_avg_sq is on meta but params on cpu"):
+        adamw_step(flat, flat.clone(), flat.clone(), flat.to("meta"), step=1, impl="torch", **HYPER)

@@ -70,3 +70,18 @@ def test_layer_norm_rejects_low_precision_weights():
     x, w, b, _ = _inputs((2, 8), torch.float32, "cpu")
     with pytest.raises(ConfigError, match="weight must be a contiguous fp32 tensor"):
         layer_norm(x, w.half(), b, impl="torch")
+
+
+@needs_triton
+def test_layer_norm_triton_matches_reference_on_empty_input(device):
+    # No rows (an empty micro-batch): the backward still launches one program and gives zero dweight/dbias.
+    x, w, b, dy = _inputs((0, 3, 8), torch.float32, device)
+    for got, want in zip(_run(lambda *a: layer_norm(*a, impl="triton"), x, w, b, dy),
+                         _run(layer_norm_reference, x, w, b, dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # empty tensors and exact zeros
+
+
+def test_layer_norm_rejects_parameters_on_another_device():
+    x, w, b, _ = _inputs((2, 8), torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="bias must be .* on cpu, got torch.float32 \\(8,\\) on meta"):
+        layer_norm(x, w, b.to("meta"), impl="torch")
