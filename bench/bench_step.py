@@ -1,5 +1,6 @@
 """Tokens/s of one training step (forward, backward, AdamW) of mpzero's GPT at TP=1 against a plain eager
 PyTorch GPT-2 of the same size (nanoGPT style, `F.scaled_dot_product_attention`), measured in the same run.
+mpzero runs twice: with Megatron's core attention (the default) and with `--use-flash-attn`.
 
     python bench/bench_step.py [--hidden-size 256 --num-layers 4 --seq-length 256 --micro-batch-size 8]
 """
@@ -7,6 +8,7 @@ PyTorch GPT-2 of the same size (nanoGPT style, `F.scaled_dot_product_attention`)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -81,17 +83,20 @@ def main():
     config = GPTConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                        vocab_size=a.vocab_size, max_position_embeddings=a.seq_length, hidden_dropout=0.0,
                        attention_dropout=0.0)
-    ours = GPTModel(config, groups.tp, seed_everything(1, 0, groups.device))
-    eager = EagerGPT(a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.seq_length)
     tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1))
     n_tokens = a.micro_batch_size * a.seq_length
-    t_ours = time_steps(ours, lambda m, t: m(t[:, :-1], t[:, 1:]).mean(), tokens, a.steps)
+    eager = EagerGPT(a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.seq_length)
     t_eager = time_steps(eager, lambda m, t: m(t[:, :-1], t[:, 1:]), tokens, a.steps)
     print(f"threads {torch.get_num_threads()} | h {a.hidden_size} layers {a.num_layers} seq {a.seq_length} "
           f"batch {a.micro_batch_size} vocab {a.vocab_size}")
-    print(f"mpzero GPT (TP=1)  {n_tokens / t_ours:10.0f} tokens/s  ({t_ours * 1000:.1f} ms/step)")
-    print(f"eager PyTorch GPT  {n_tokens / t_eager:10.0f} tokens/s  ({t_eager * 1000:.1f} ms/step)")
-    print(f"ratio mpzero/eager {t_eager / t_ours:.3f}")
+    print(f"eager PyTorch GPT            {n_tokens / t_eager:10.0f} tokens/s  ({t_eager * 1000:.1f} ms/step)")
+    for flash in (False, True):
+        ours = GPTModel(dataclasses.replace(config, use_flash_attn=flash), groups.tp,
+                        seed_everything(1, 0, groups.device))
+        t_ours = time_steps(ours, lambda m, t: m(t[:, :-1], t[:, 1:]).mean(), tokens, a.steps)
+        name = "mpzero GPT, flash attn" if flash else "mpzero GPT, core attn "
+        print(f"{name}       {n_tokens / t_ours:10.0f} tokens/s  ({t_ours * 1000:.1f} ms/step)  "
+              f"ratio to eager {t_eager / t_ours:.3f}")
 
 
 if __name__ == "__main__":

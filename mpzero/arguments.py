@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--recompute-activations", action="store_true")
     model.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                        help="attention softmax by the PyTorch reference instead of the fused op")
+    model.add_argument("--use-flash-attn", action="store_true",
+                       help="attention through torch's scaled_dot_product_attention (FlashAttention on GPUs)")
     model.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
                        help="LayerNorm by the PyTorch reference instead of the fused op")
     model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
@@ -151,7 +153,8 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      recompute_activations=args.recompute_activations,
                      layernorm_impl="auto" if args.layernorm_fusion else "torch",
-                     softmax_impl="auto" if args.masked_softmax_fusion else "torch")
+                     softmax_impl="auto" if args.masked_softmax_fusion else "torch",
+                     use_flash_attn=args.use_flash_attn)
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:

@@ -101,3 +101,23 @@ def test_bad_shapes_are_one_line_errors():
     bad = GPTConfig(**{**CONFIG.__dict__, "hidden_size": 26})
     with pytest.raises(ConfigError, match="--hidden-size 26 is not divisible by --num-attention-heads 4"):
         bad.validate(1)
+
+
+def test_flash_attention_matches_core_attention():
+    """SDPA and the explicit path differ only in summation order (fp32: 1e-5)."""
+    flash = GPTConfig(**{**CONFIG.__dict__, "use_flash_attn": True})
+    _assert_same_model_outputs(run_ranks(2, _run_model, 2, flash)[1], run_ranks(1, _run_model, 1)[0])
+
+
+def test_recomputation_replays_flash_attention_dropout():
+    def grads(recompute):
+        groups = init_parallel(1)
+        config = GPTConfig(**{**CONFIG.__dict__, "attention_dropout": 0.3, "use_flash_attn": True,
+                              "recompute_activations": recompute})
+        model = GPTModel(config, groups.tp, seed_everything(7, 0, groups.device))
+        tokens = _tokens()
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+    stored, recomputed = run_ranks(1, grads, False)[0], run_ranks(1, grads, True)[0]
+    for name, grad in stored.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0, msg=name)

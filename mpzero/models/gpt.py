@@ -38,6 +38,7 @@ class GPTConfig:
     recompute_activations: bool = False
     layernorm_impl: str = "auto"  # mpzero.fused implementations; --no-layernorm-fusion gives "torch"
     softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
+    use_flash_attn: bool = False  # --use-flash-attn: torch's scaled_dot_product_attention (flash on GPUs)
 
     def validate(self, tp_size: int) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -86,6 +87,7 @@ class SelfAttention(nn.Module):
         self.head_dim = h // config.num_attention_heads
         self.local_heads = config.num_attention_heads // tp.size
         self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
+        self.use_flash_attn = config.use_flash_attn
         self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std), device=device)
         self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), device=device)
 
@@ -93,13 +95,20 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
+        dropout = self.dropout if self.training else 0.0
+        with self.rng.fork():  # heads differ across TP ranks, so must their dropout masks
+            context = self._flash(q, k, v, dropout) if self.use_flash_attn else self._core(q, k, v, dropout)
+        return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s, h] out
+
+    def _core(self, q, k, v, dropout: float) -> torch.Tensor:
+        """Megatron's core attention: explicit scores, fused scale + causal mask + softmax, dropout."""
         scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, s]
         probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(self.head_dim), causal=True, impl=self.softmax_impl)
-        if self.training and self.dropout > 0:
-            with self.rng.fork():  # heads differ across TP ranks, so must their masks
-                probs = F.dropout(probs, self.dropout)
-        context = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)  # [b, s, h/tp]
-        return self.dense(context)
+        return torch.matmul(F.dropout(probs, dropout) if dropout > 0 else probs, v)  # [b, local_heads, s, hd]
+
+    def _flash(self, q, k, v, dropout: float) -> torch.Tensor:
+        """The same maths in one kernel that never materializes [s, s] (FlashAttention on GPUs)."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
 class MLP(nn.Module):
