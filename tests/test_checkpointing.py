@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
-from mpzero.checkpointing import latest_iteration, write_unpublished
+from mpzero.checkpointing import latest_iteration, save_checkpoint, write_unpublished
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
@@ -53,13 +53,19 @@ def test_reload_under_another_layout_gives_the_same_next_step_loss(tmp_path, sav
     assert_close_lists(resumed["losses"], uninterrupted["losses"][5:])
 
 
-def _crash_after_writing_shards(root, argv):
-    """Everything a save of iteration 99 does except its publication, then the process is gone."""
+def _training_state(argv):
+    """What pretrain_gpt builds before its loop: groups, model, optimizer, RNG tracker."""
     args = parse_args(argv)
     groups = init_parallel(args.tensor_model_parallel_size)
     rng = seed_everything(args.seed, groups.tp_rank, groups.device)
     model = GPTModel(gpt_config(args), groups.tp, rng, device=groups.device)
     optimizer = ZeroOptimizer(model, groups, zero_config(args), adam_config(args), precision_config(args))
+    return groups, model, optimizer, rng
+
+
+def _crash_after_writing_shards(root, argv):
+    """Everything a save of iteration 99 does except its publication, then the process is gone."""
+    groups, model, optimizer, rng = _training_state(argv)
     write_unpublished(root, 99, model, optimizer, rng, groups, {"consumed_samples": 0, "skipped_iterations": 0})
 
 
@@ -157,3 +163,18 @@ def test_checkpoint_util_refuses_to_overwrite_a_checkpoint(tmp_path, capsys):
         tool(["from-consolidated", "--input", str(tmp_path / "w.pt"), "--save", str(tmp_path / "b")])
     assert capsys.readouterr().err == (f"error: --save {tmp_path / 'b'} already holds "
                                        f"{tmp_path / 'b' / 'iter_0000000'}: choose an empty directory\n")
+
+
+def _save_and_count_dp_bytes(root, argv):
+    groups, model, optimizer, rng = _training_state(argv)
+    before = groups.dp.stats.total()
+    save_checkpoint(root, 1, model, optimizer, rng, groups, {"consumed_samples": 0, "skipped_iterations": 0})
+    return groups.dp.stats.total() - before
+
+
+def test_each_rank_writes_its_own_partition_without_gathering(tmp_path):
+    """ZeRO-3 at DP=4: no data-parallel traffic during the save, and every rank writes about a quarter."""
+    argv = TINY + ["--zero-stage", "3"]
+    assert run_ranks(4, _save_and_count_dp_bytes, str(tmp_path), argv) == [0, 0, 0, 0]
+    sizes = [os.path.getsize(tmp_path / "iter_0000001" / f"__{r}_0.distcp") for r in range(4)]
+    assert min(sizes) > 0.7 * max(sizes), sizes  # equal partitions; per-chunk headers vary a little

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mpzero.checkpointing.sharding import TensorPlacement, placements, share_loaded, sharded
+from mpzero.checkpointing.sharding import TensorPlacement, chunks, placements, sharded
 from mpzero.errors import ConfigError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker
@@ -54,16 +54,15 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     where = placements(model)
-    weights, state = optimizer.consolidated_state_dict(), optimizer.state_dict()
-    tensors = {f"model/{name}": weights[name] for name in where}
-    for name, entry in state["params"].items():
-        tensors.update({f"optimizer/{key}/{name}": entry[key] for key in MOMENTS})
-    dcp.save({key: sharded(t, where[_param_name(key)], groups) for key, t in tensors.items()}, checkpoint_id=tmp)
+    step = optimizer.adam_step()  # collective: before rank 0 goes its own way
+    dcp.save(_state_views(optimizer, where, ("master",) + MOMENTS, groups, writing=True), checkpoint_id=tmp)
     torch.save(rng.snapshot(), os.path.join(tmp, "rng", f"rank_{groups.world.rank:05d}.pt"))
     if groups.world.rank == 0:
-        meta = {**meta, "iteration": iteration, "optimizer": {k: state[k] for k in ("step", "loss_scaler", "iteration")},
+        keys = [_key(k, name) for k in ("master",) + MOMENTS for name in where]
+        meta = {**meta, "iteration": iteration, "optimizer": {"step": step, "loss_scaler": optimizer.scaler.state_dict(),
+                                                              "iteration": optimizer.iteration},
                 "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
-                "shapes": {key: list(where[_param_name(key)].global_shape(groups.tp_size)) for key in tensors}}
+                "shapes": {key: list(where[_param_name(key)].global_shape(groups.tp_size)) for key in keys}}
         _write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
     dist.barrier()
     return tmp
@@ -95,22 +94,14 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
         meta = json.load(f)
     where = placements(model)
     _check_same_model(meta, where, groups.tp_size, directory)
-    keys = [f"model/{name}" for name in where]
     if load_optim and "optimizer" not in meta:
         raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
+    keys = ("master",) + MOMENTS if load_optim else ("master",)
+    dcp.load(_state_views(optimizer, where, keys, groups, writing=False), checkpoint_id=directory)
     if load_optim:
-        keys += [f"optimizer/{key}/{name}" for key in MOMENTS for name in where]
-    tensors = {key: torch.zeros(where[_param_name(key)].local_shape, device=groups.device) for key in keys}
-    dcp.load({key: sharded(t, where[_param_name(key)], groups) for key, t in tensors.items()}, checkpoint_id=directory)
-    for key, t in tensors.items():
-        share_loaded(t, where[_param_name(key)], groups)
-    weights = {name: tensors[f"model/{name}"] for name in where}
-    if load_optim:
-        optimizer.load_state_dict({**meta["optimizer"], "params": {
-            name: {"master": weights[name], **{k: tensors[f"optimizer/{k}/{name}"] for k in MOMENTS}}
-            for name in where}})
+        optimizer.load_owned_pieces(**meta["optimizer"])
     else:
-        optimizer.load_weights(weights)
+        optimizer.load_owned_pieces()
     if load_rng:
         _load_rng(directory, meta, rng, groups)
     return meta
@@ -134,6 +125,26 @@ def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: in
         if saved.get(name) != here.get(name):
             raise ConfigError(f"{directory} is from another model: {name} is {saved.get(name, 'absent')} there and "
                               f"{here.get(name, 'absent')} here; match the model flags or point --load elsewhere")
+
+
+def _state_views(optimizer, where: dict[str, TensorPlacement], keys: tuple[str, ...], groups: ParallelGroups,
+                 writing: bool) -> dict:
+    """{checkpoint key: ShardedTensor over this rank's own pieces of the optimizer state} for `keys` among
+    master / exp_avg / exp_avg_sq. TP-replicated parameters are written by TP rank 0 alone."""
+    per_key = {}
+    for piece in optimizer.owned_pieces():
+        placement = where[piece.name]
+        if writing and placement.partition_dim is None and groups.tp_rank != 0:
+            continue
+        for k in keys:
+            per_key.setdefault(_key(k, piece.name), []).extend(chunks(piece, k, placement, groups.tp_rank))
+    return {key: sharded(local, where[_param_name(key)].global_shape(groups.tp_size), groups)
+            for key, local in per_key.items() if local}
+
+
+def _key(state: str, name: str) -> str:
+    """Checkpoint keys: model/<name> for the fp32 weights, optimizer/<moment>/<name> for Adam's moments."""
+    return f"model/{name}" if state == "master" else f"optimizer/{state}/{name}"
 
 
 def _param_name(key: str) -> str:

@@ -30,7 +30,8 @@ from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
 from mpzero.zero.stages import Stage0, Stage1, Stage2
-from mpzero.zero.state import consolidated_weights, load_optimizer_state, optimizer_state
+from mpzero.zero.state import (OwnedPiece, consolidated_weights, load_optimizer_state, optimizer_state,
+                               owned_pieces)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,29 @@ class ZeroOptimizer:
                             if name in weights}}
         load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam, keys=("master",))
         self._publish_masters()
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """This rank's own share of the fp32 weights and Adam moments, parameter by parameter, as views:
+        a checkpoint writes them and reads into them directly, with no gather (see `load_owned_pieces`)."""
+        return owned_pieces(self.stage.layouts, self.stage.masters, self.adam)
+
+    def load_owned_pieces(self, step: int | None = None, loss_scaler: dict | None = None,
+                          iteration: int | None = None) -> None:
+        """After new values were written through `owned_pieces()`: set Adam's step, the loss scaler and the
+        iteration (None: leave them, for a weights-only load) and refresh the model's parameters."""
+        if step is not None:
+            for *_, view in self.adam.runs:
+                self.adam.moments(view)["step"].fill_(step)
+        if loss_scaler is not None:
+            self.scaler.load_state_dict(loss_scaler)
+        if iteration is not None:
+            self.iteration = iteration
+        self._publish_masters()
+
+    def adam_step(self) -> int:
+        """Adam's step count (the same on every rank; a rank whose slice is only padding asks the others)."""
+        step = int(self.adam.moments(self.adam.runs[0][3])["step"].item()) if self.adam.runs else 0
+        return int(max(self._uncounted(self.groups.dp.all_gather_objects, step)))
 
     def _publish_masters(self) -> None:
         for shard, master in zip(self.stage.param_shards, self.stage.masters):

@@ -1,9 +1,11 @@
-"""Stage- and layout-independent views of the ZeRO state: full fp32 weights for export, and the
-optimizer state keyed by parameter name (full tensors of this TP rank), so a checkpoint saved at one
-stage and DP size loads at any other. Gathering is a collective over the DP group.
+"""Stage- and layout-independent views of the ZeRO state: full fp32 weights for export, the optimizer
+state keyed by parameter name (full tensors of this TP rank; gathering is a collective over the DP group),
+and, for checkpoints, this rank's own pieces of it by parameter name and element range, without a copy.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -80,3 +82,31 @@ def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: 
     if "exp_avg" in keys:
         for *_, view in adam.runs:
             adam.moments(view)["step"].fill_(state["step"])
+
+
+@dataclass(frozen=True)
+class OwnedPiece:
+    """A run of one parameter's elements that this rank's optimizer state holds: elements [start, end) of the
+    parameter's flattened (TP-local) tensor, and 1-D views of the fp32 master and Adam moments over them.
+    Writing through the views writes the optimizer state itself."""
+    name: str
+    shape: torch.Size
+    start: int
+    end: int
+    tensors: dict[str, torch.Tensor]
+
+
+def owned_pieces(layouts: list[FlatLayout], masters, adam: MasterAdam) -> list[OwnedPiece]:
+    """Every piece of state this rank owns, without copying (checkpoints read and write these in place)."""
+    runs = {}
+    for bucket, start, end, view in adam.runs:
+        runs.setdefault(bucket, []).append((start, end, adam.moments(view)))
+    pieces = []
+    for bucket, (layout, master) in enumerate(zip(layouts, masters)):
+        for i, start, end in layout.owned_pieces():
+            run_start, _, moments = next(r for r in runs[bucket] if r[0] <= start and end <= r[1])
+            offset = layout.shard_start + start - layout.offsets[i]  # where the piece begins in the parameter
+            tensors = {"master": master[start:end]}
+            tensors.update({key: moments[key][start - run_start:end - run_start] for key in KEYS})
+            pieces.append(OwnedPiece(layout.names[i], layout.shapes[i], offset, offset + end - start, tensors))
+    return pieces
