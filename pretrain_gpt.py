@@ -11,6 +11,7 @@ tests; it returns the per-iteration losses, gradient norms and learning rates, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -82,7 +83,7 @@ def _pretrain(args) -> dict:
     memory = optimizer.memory_report()
     if groups.is_logging_rank:
         print(memory.line(), flush=True)
-    iteration, consumed, skipped = _load(args, model, optimizer, rng, groups)
+    iteration, consumed, skipped = _load(args, model, optimizer, rng, groups, schedule)
     optimizer.comm_report()  # measure communication from here on, not the checkpoint's broadcasts
     train_data, valid_data, test_data = _datasets(args, groups)
     tensorboard = TensorBoardLogger(args.tensorboard_dir, groups.is_logging_rank)
@@ -90,7 +91,8 @@ def _pretrain(args) -> dict:
 
     def save():
         if args.save:
-            meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": vars(args)}
+            meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": vars(args),
+                    "lr_schedule": dataclasses.asdict(schedule)}
             where = save_checkpoint(args.save, iteration, model, optimizer, rng, groups, meta)
             if groups.is_logging_rank:
                 print(f"saved checkpoint at iteration {iteration} to {where}", flush=True)
@@ -134,7 +136,7 @@ def _pretrain(args) -> dict:
     return history
 
 
-def _load(args, model, optimizer, rng, groups: ParallelGroups) -> tuple[int, int, int]:
+def _load(args, model, optimizer, rng, groups: ParallelGroups, schedule) -> tuple[int, int, int]:
     """(iteration, consumed samples, skipped iterations) to start from: zeros unless --load finds a
     checkpoint; --finetune takes its weights only and starts at zero."""
     if not args.load:
@@ -148,6 +150,10 @@ def _load(args, model, optimizer, rng, groups: ParallelGroups) -> tuple[int, int
         return 0, 0, 0
     if groups.is_logging_rank:
         print(f"loaded checkpoint from {args.load} at iteration {meta['iteration']}", flush=True)
+        saved_schedule = meta.get("lr_schedule")
+        if saved_schedule and saved_schedule != dataclasses.asdict(schedule) and not args.finetune:
+            print(f"note: the learning-rate schedule differs from the checkpoint's {saved_schedule}: "
+                  f"continuing with this run's flags", flush=True)
     if args.finetune:
         return 0, 0, 0
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]

@@ -178,3 +178,12 @@ def test_each_rank_writes_its_own_partition_without_gathering(tmp_path):
     assert run_ranks(4, _save_and_count_dp_bytes, str(tmp_path), argv) == [0, 0, 0, 0]
     sizes = [os.path.getsize(tmp_path / "iter_0000001" / f"__{r}_0.distcp") for r in range(4)]
     assert min(sizes) > 0.7 * max(sizes), sizes  # equal partitions; per-chunk headers vary a little
+
+
+def test_resume_with_another_lr_schedule_says_so(tmp_path):
+    argv = TINY + ["--eval-iters", "0", "--save", str(tmp_path)]
+    run_ranks(1, quiet_main, argv + ["--exit-interval", "5"])
+    _, same = run_ranks(1, main_capturing_stdout, argv + ["--load", str(tmp_path)])[0]
+    _, other = run_ranks(1, main_capturing_stdout, argv + ["--load", str(tmp_path), "--lr", "2e-3"])[0]
+    assert "schedule differs" not in same
+    assert "note: the learning-rate schedule differs from the checkpoint's" in other
