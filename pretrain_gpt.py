@@ -74,6 +74,7 @@ def _pretrain(args) -> dict:
     num_micro_batches(args.global_batch_size, args.micro_batch_size, groups.dp_size)  # validates
     schedule = schedule_from_args(args)
     args.vocab_size = _vocab_size(args)
+    train_data, valid_data, test_data = _datasets(args, groups)  # bad data paths fail before the model is built
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(vars(args), sort_keys=True), flush=True)
         print("fused ops (auto): " + json.dumps(resolved_impls(groups.device), sort_keys=True), flush=True)
@@ -84,8 +85,7 @@ def _pretrain(args) -> dict:
     if groups.is_logging_rank:
         print(memory.line(), flush=True)
     iteration, consumed, skipped = _load(args, model, optimizer, rng, groups, schedule)
-    optimizer.comm_report()  # measure communication from here on, not the checkpoint's broadcasts
-    train_data, valid_data, test_data = _datasets(args, groups)
+    optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(args.tensorboard_dir, groups.is_logging_rank)
     termination = TerminationSignal(groups.world, groups.device)
 
