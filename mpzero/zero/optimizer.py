@@ -157,21 +157,11 @@ class ZeroOptimizer:
         """Optimizer state keyed by parameter name (full tensors): loads at any stage and DP size."""
         state = self._uncounted(optimizer_state, self.stage.layouts, self.stage.masters, self.adam,
                                 self.groups.dp)
-        return {**state, "loss_scaler": self.scaler.state_dict(), "iteration": self.iteration}
+        return {**state, "step": self.adam_step(), "loss_scaler": self.scaler.state_dict(), "iteration": self.iteration}
 
     def load_state_dict(self, state: dict) -> None:
         load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam)
-        self.scaler.load_state_dict(state["loss_scaler"])
-        self.iteration = state["iteration"]
-        self._publish_masters()
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Full fp32 weights of this TP rank by name (as `consolidated_state_dict` gives them); Adam's
-        moments, the step count and the loss scale stay as they are (fine-tuning, --no-load-optim)."""
-        state = {"params": {name: {"master": weights[name]} for layout in self.stage.layouts for name in layout.names
-                            if name in weights}}
-        load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam, keys=("master",))
-        self._publish_masters()
+        self.load_owned_pieces(state["step"], state["loss_scaler"], state["iteration"])
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """This rank's own share of the fp32 weights and Adam moments, parameter by parameter, as views:

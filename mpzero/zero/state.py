@@ -54,20 +54,17 @@ def optimizer_state(layouts, masters, adam: MasterAdam, dp: CommGroup) -> dict:
     tensors = {"master": _per_param(layouts, masters, dp)}
     for key in KEYS:
         tensors[key] = _per_param(layouts, _moment_shards(layouts, masters, adam, key), dp)
-    step = int(adam.moments(adam.runs[0][3])["step"].item()) if adam.runs else 0
-    step = int(max(dp.all_gather_objects(step)))  # a rank holding only padding has no steps of its own
-    return {"step": step, "params": {name: {key: tensors[key][name] for key in tensors} for name in tensors["master"]}}
+    return {"params": {name: {key: tensors[key][name] for key in tensors} for name in tensors["master"]}}
 
 
-def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: MasterAdam,
-                         keys: tuple[str, ...] = ("master",) + KEYS) -> None:
-    """Copies this rank's slices out of full per-parameter tensors into masters and moments
-    (`keys=("master",)`: the weights alone, moments and step left as they are)."""
+def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: MasterAdam) -> None:
+    """Copies this rank's slices out of full per-parameter tensors into masters and moments (the step count,
+    scaler and parameters are the caller's: `ZeroOptimizer.load_state_dict`)."""
     missing = [name for layout in layouts for name in layout.names if name not in state["params"]]
     if missing:
         raise ConfigError(f"optimizer state has no entry for parameters {missing[:3]}: it was saved from "
                           "another model; load a checkpoint of this one")
-    for key in keys:
+    for key in ("master",) + KEYS:
         for bucket, layout in enumerate(layouts):
             full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=masters[bucket].device)
             for i, name in enumerate(layout.names):
@@ -79,9 +76,6 @@ def load_optimizer_state(state: dict, layouts: list[FlatLayout], masters, adam: 
             for b, start, end, view in adam.runs:
                 if b == bucket:
                     adam.moments(view)[key].copy_(shard[start:end])
-    if "exp_avg" in keys:
-        for *_, view in adam.runs:
-            adam.moments(view)["step"].fill_(state["step"])
 
 
 @dataclass(frozen=True)
