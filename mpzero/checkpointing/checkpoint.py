@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mpzero.checkpointing.sharding import TensorPlacement, chunks, placements, sharded
+from mpzero.checkpointing.sharding import chunks, sharded
 from mpzero.errors import ConfigError
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import RNGStatesTracker
+from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
 
 LATEST = "latest_checkpointed_iteration.txt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -53,7 +53,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    where = placements(model)
+    where = placements(model.named_parameters())
     step = optimizer.adam_step()  # collective: before rank 0 goes its own way
     dcp.save(_state_views(optimizer, where, ("master",) + MOMENTS, groups, writing=True), checkpoint_id=tmp)
     torch.save(rng.snapshot(), os.path.join(tmp, "rng", f"rank_{groups.world.rank:05d}.pt"))
@@ -92,7 +92,7 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
         raise ConfigError(f"{directory} has no meta.json: not an mpzero checkpoint, or damaged")
     with open(meta_path, encoding="utf-8") as f:
         meta = json.load(f)
-    where = placements(model)
+    where = placements(model.named_parameters())
     _check_same_model(meta, where, groups.tp_size, directory)
     if load_optim and "optimizer" not in meta:
         raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")

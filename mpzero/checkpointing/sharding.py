@@ -10,33 +10,13 @@ partition directly into its buffers, so a checkpoint written at one (TP, DP, ZeR
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from mpzero.tensor_parallel.placement import TensorPlacement
 from mpzero.zero.state import OwnedPiece
-
-
-@dataclass(frozen=True)
-class TensorPlacement:
-    """A parameter's TP layout: its TP-local shape, split dimension (None: replicated) and real extent."""
-    local_shape: tuple[int, ...]
-    partition_dim: int | None
-    unpadded_size: int | None
-
-    def global_shape(self, tp_size: int) -> tuple[int, ...]:
-        shape = list(self.local_shape)
-        if self.partition_dim is not None:
-            shape[self.partition_dim] = self.unpadded_size or shape[self.partition_dim] * tp_size
-        return tuple(shape)
-
-
-def placements(model: torch.nn.Module) -> dict[str, TensorPlacement]:
-    return {name: TensorPlacement(tuple(p.shape), p.partition_dim, getattr(p, "unpadded_size", None))
-            for name, p in model.named_parameters()}
 
 
 def rectangles(start: int, end: int, cols: int) -> list[tuple[tuple[int, int], tuple[int, int], int]]:

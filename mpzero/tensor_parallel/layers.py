@@ -2,8 +2,8 @@
 
 Initialization is TP-invariant: every rank builds the FULL weight from the (identically seeded) default
 generator and keeps its own slice, so a model at TP=2 starts from exactly the weights it has at TP=1.
-Every parameter records how it is split: `tensor_parallel` (True when sharded across the TP group) and
-`partition_dim`, so gradient norms, checkpoints and export can gather or reshard it generically.
+Every parameter is marked with how it is split (`placement.mark_tensor_parallel`), so gradient norms,
+checkpoints and export can gather or reshard it generically.
 """
 
 from __future__ import annotations
@@ -17,19 +17,9 @@ from torch import nn
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
 from mpzero.tensor_parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from mpzero.tensor_parallel.placement import mark_tensor_parallel
 
 InitMethod = Callable[[torch.Tensor], None]
-
-
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int | None,
-                         unpadded_size: int | None = None) -> nn.Parameter:
-    """partition_dim None means replicated across the TP group (identical values and gradients).
-    unpadded_size: the real extent along partition_dim when the full tensor is padded past it (the
-    vocabulary), so checkpoints store only real rows and reload at any TP size."""
-    param.tensor_parallel = partition_dim is not None
-    param.partition_dim = partition_dim
-    param.unpadded_size = unpadded_size
-    return param
 
 
 def sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, group: CommGroup,

@@ -1,0 +1,65 @@
+"""Files that are either complete or absent: write to a temporary name beside the target, flush and fsync,
+then rename over the target (atomic on POSIX) and fsync the directory so the rename itself is durable.
+A crash at any moment leaves the old file (or none) and at most a `*.tmp*` file, never a half-written target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import BinaryIO, Callable, Iterator
+
+
+def fsync_directory(path: str) -> None:
+    """Make a rename or creation inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, suffix: str = ".tmp") -> Iterator[BinaryIO]:
+    """`with atomic_open(path) as f: f.write(...)`: `path` appears complete when the block ends without an
+    exception; on one, the temporary file is removed and `path` is untouched."""
+    tmp = path + suffix
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_atomically(path: str, data: bytes | str | Callable[[BinaryIO], None]) -> None:
+    """Write bytes, text (UTF-8) or whatever `data(file)` writes to `path`, atomically."""
+    with atomic_open(path) as f:
+        if callable(data):
+            data(f)
+        else:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def replace_directory(tmp: str, final: str) -> None:
+    """Rename the complete directory `tmp` to `final`. An existing `final` (the same iteration saved again) is
+    renamed aside first and deleted only after: a crash leaves at most a moment in which neither name exists,
+    instead of the whole deletion."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_directory(os.path.dirname(os.path.abspath(final)))
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""The per-parameter partitioning contract between a model and everything that reshards its state.
+
+Every parameter a model hands to ZeRO says how it is split across the tensor-parallel group:
+`mark_tensor_parallel(param, partition_dim)` (a dimension: sharded along it; None: replicated, identical
+values and gradients on every TP rank). `placement_of` reads the mark back as a `TensorPlacement`, and
+refuses an unmarked parameter with one line naming it: the gradient norm (which counts a replicated
+parameter once), checkpoints (which store global shapes) and export all depend on the mark being right,
+so a missing one must fail at construction, not be guessed. The TP layers mark their own parameters; a
+model built from plain `torch.nn` layers at TP 1 marks them all replicated with `mark_replicated(model)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from mpzero.errors import ConfigError
+
+_UNMARKED = object()
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """A parameter's TP layout: its TP-local shape, split dimension (None: replicated) and real extent along
+    it (None: the whole extent; the vocabulary is padded past its real size)."""
+    local_shape: tuple[int, ...]
+    partition_dim: int | None
+    unpadded_size: int | None = None
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.partition_dim is not None
+
+    def global_shape(self, tp_size: int) -> tuple[int, ...]:
+        shape = list(self.local_shape)
+        if self.partition_dim is not None:
+            shape[self.partition_dim] = self.unpadded_size or shape[self.partition_dim] * tp_size
+        return tuple(shape)
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int | None,
+                         unpadded_size: int | None = None) -> nn.Parameter:
+    """partition_dim None means replicated across the TP group (identical values and gradients).
+    unpadded_size: the real extent along partition_dim when the full tensor is padded past it (the
+    vocabulary), so checkpoints store only real rows and reload at any TP size."""
+    if partition_dim is not None and not 0 <= partition_dim < param.ndim:
+        raise ConfigError(f"partition_dim {partition_dim} is not a dimension of a {param.ndim}-D parameter")
+    param.tensor_parallel = partition_dim is not None
+    param.partition_dim = partition_dim
+    param.unpadded_size = unpadded_size
+    return param
+
+
+def mark_replicated(module: nn.Module) -> nn.Module:
+    """Mark every not yet marked parameter of `module` as replicated across TP (a plain model at TP 1)."""
+    for param in module.parameters():
+        if getattr(param, "partition_dim", _UNMARKED) is _UNMARKED:
+            mark_tensor_parallel(param, None)
+    return module
+
+
+def placement_of(name: str, param: nn.Parameter) -> TensorPlacement:
+    partition_dim = getattr(param, "partition_dim", _UNMARKED)
+    if partition_dim is _UNMARKED:
+        raise ConfigError(f"parameter {name!r} does not say how it is split across tensor-parallel ranks: build it "
+                          "with mpzero.tensor_parallel layers, or call mark_tensor_parallel(param, dim or None) "
+                          "or mark_replicated(model) before handing the model to ZeroOptimizer")
+    if partition_dim is not None and not (isinstance(partition_dim, int) and 0 <= partition_dim < param.ndim):
+        raise ConfigError(f"parameter {name!r} has partition_dim {partition_dim!r}, not a dimension of its "
+                          f"{param.ndim}-D shape: fix its mark_tensor_parallel call")
+    return TensorPlacement(tuple(param.shape), partition_dim, getattr(param, "unpadded_size", None))
+
+
+def placements(named_params) -> dict[str, TensorPlacement]:
+    """{name: placement} for (name, parameter) pairs; the first unmarked parameter is a ConfigError."""
+    return {name: placement_of(name, param) for name, param in named_params}
