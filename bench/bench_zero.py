@@ -26,6 +26,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mpzero.parallel import init_parallel  # noqa: E402
+from mpzero.tensor_parallel import mark_replicated  # noqa: E402
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
 from mpzero.zero.accounting import unique_storage_bytes  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -96,7 +97,7 @@ def _torch_peer(name: str, model: nn.Module, world: int):
 
 
 def _mpzero(stage: int, model: nn.Module, groups):
-    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage), AdamConfig(lr=1e-4, clip_grad=1.0), PrecisionConfig())
+    opt = ZeroOptimizer(mark_replicated(model), groups, ZeroConfig(stage=stage), AdamConfig(lr=1e-4, clip_grad=1.0), PrecisionConfig())
 
     def step(tokens, labels):
         opt.backward(model(tokens, labels), last_micro_batch=True)

@@ -35,22 +35,27 @@ def _fp16_with_overflow(stage):
     for step, step_batches in enumerate(make_batches(4, 2, groups.dp_size)):
         inject = step in INF_STEPS and groups.dp_rank == 1
         hook = target.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf"))) if inject else None
-        before = (opt.consolidated_state_dict(), opt.state_dict())
+        before = (opt.consolidated_state_dict(), _optimizer_state(opt))
         for m, micro_batch in enumerate(step_batches):
             opt.backward(model(*micro_batch[groups.dp_rank]).mean() / 2, last_micro_batch=(m == 1))
         stats.append(opt.step())
-        after = (opt.consolidated_state_dict(), opt.state_dict())
+        after = (opt.consolidated_state_dict(), _optimizer_state(opt))
         unchanged.append(_same(before, after))
         if hook is not None:
             hook.remove()
     return stats, unchanged
 
 
+def _optimizer_state(opt) -> tuple[int, dict]:
+    """Adam's step and a copy of every master / moment piece this rank owns."""
+    pieces = {(p.name, p.start): {k: t.clone() for k, t in p.tensors.items()} for p in opt.owned_pieces()}
+    return opt.adam_step(), pieces
+
+
 def _same(before, after) -> bool:
-    (w0, s0), (w1, s1) = before, after
+    (w0, (step0, s0)), (w1, (step1, s1)) = before, after
     same_weights = all(torch.equal(w0[n], w1[n]) for n in w0)
-    same_moments = s0["step"] == s1["step"] and all(
-        torch.equal(s0["params"][n][k], s1["params"][n][k]) for n in s0["params"] for k in s0["params"][n])
+    same_moments = step0 == step1 and all(torch.equal(s0[p][k], s1[p][k]) for p in s0 for k in s0[p])
     return same_weights and same_moments
 
 

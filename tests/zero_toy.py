@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpzero.tensor_parallel import mark_replicated
+
 VOCAB, HIDDEN, FFN, SEQ = 37, 10, 23, 6
 
 
@@ -64,8 +66,9 @@ class ToyGPT(nn.Module):
 
 
 def make_model(seed: int = 0, **kwargs) -> ToyGPT:
+    """A TP-1 model of plain torch.nn layers: every parameter marked replicated, as ZeroOptimizer requires."""
     torch.manual_seed(seed)
-    return ToyGPT(**kwargs)
+    return mark_replicated(ToyGPT(**kwargs))
 
 
 def make_batches(steps: int, micro_batches: int, dp_size: int, batch: int = 2, seed: int = 1):

@@ -10,7 +10,8 @@ that delivers again after its bucket was reported (used in two reentrant regions
 Two ways to reduce, one per family of stages:
 - `ReplicatedGrads` (stages 0, 1): a persistent full gradient buffer per bucket accumulates all
   micro-batches; only the last micro-batch's backward communicates (all-reduce, or a reduce-scatter
-  in place into this rank's slice), bucket by bucket from the hooks when `overlap` is set.
+  in place into this rank's slice: the `reduction` it is built with), bucket by bucket from the hooks
+  when `overlap` is set.
 - `ShardedGrads` (stages 2, 3): only this rank's gradient slice persists. A full bucket buffer exists
   while one micro-batch's backward fills it and is reduce-scattered, then freed, EVERY micro-batch:
   without full gradients there is nothing to accumulate into, so accumulation costs one reduction
@@ -60,9 +61,12 @@ class GradCollector:
 
 class ReplicatedGrads:
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
-                 reduce: Callable[[int, bool], object]):
-        """`reduce(bucket, async_op)` issues the stage's collective on `self.flats[bucket]`."""
-        self.dp, self._overlap, self._reduce = dp, overlap, reduce
+                 reduction: str):
+        """reduction: "all_reduce" (stage 0: every rank keeps the whole averaged gradient) or "reduce_scatter"
+        (stage 1: in place into this rank's slice of the full buffer)."""
+        if reduction not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"reduction {reduction!r} is neither all_reduce nor reduce_scatter")
+        self.dp, self._overlap, self._reduction = dp, overlap, reduction
         self.flats = [torch.zeros(l.padded_numel, dtype=dtype, device=device) for l in layouts]
         self.shards = [f[l.shard_start:l.shard_start + l.shard_numel] for f, l in zip(self.flats, layouts)]
         self._communicate, self._handles, self._launched = False, [], set()
@@ -82,8 +86,11 @@ class ReplicatedGrads:
             raise RuntimeError(f"gradient bucket {bucket} received a gradient after it was reduced (a parameter "
                                "used in two reentrant checkpoint regions?): use ZeroConfig(overlap_comm=False)")
         self._launched.add(bucket)
-        self.flats[bucket].div_(self.dp.size)
-        self._handles.append(self._reduce(bucket, self._overlap))
+        flat = self.flats[bucket].div_(self.dp.size)
+        if self._reduction == "all_reduce":
+            self._handles.append(self.dp.all_reduce(flat, async_op=self._overlap))
+        else:
+            self._handles.append(self.dp.reduce_scatter_into(self.shards[bucket], flat, async_op=self._overlap))
 
     def end_backward(self) -> None:
         if not self._communicate:
@@ -99,6 +106,9 @@ class ReplicatedGrads:
     def zero_(self) -> None:
         for flat in self.flats:
             flat.zero_()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self.flats)
 
 
 class ShardedGrads:
@@ -148,3 +158,6 @@ class ShardedGrads:
     def zero_(self) -> None:
         for shard in self.shards:
             shard.zero_()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self.shards)  # full buckets exist only during one micro-batch's backward

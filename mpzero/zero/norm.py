@@ -2,7 +2,7 @@
 
 norm = sqrt(sum of squared gradient entries of the whole unsharded model). Each rank sums squares
 over its own DP slices (DP slices are disjoint and cover every parameter; unpartitioned buffers count
-on DP rank 0); TP-sharded parameters (`param.tensor_parallel = True`) count on every TP rank,
+on DP rank 0); TP-sharded parameters (their `TensorPlacement`, see tensor_parallel/placement.py) count on every TP rank,
 TP-replicated ones only on TP rank 0 (their gradients are identical on all TP ranks); one all-reduce
 over the world adds everything up.
 So the printed norm equals the single-process one.
@@ -15,17 +15,19 @@ import math
 import torch
 
 from mpzero.parallel import ParallelGroups
+from mpzero.tensor_parallel.placement import TensorPlacement
 from mpzero.zero.flat import FlatLayout
 
 
-def norm_runs(layouts: list[FlatLayout], tp_rank: int, dp_rank: int) -> list[tuple[int, int, int]]:
+def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement], tp_rank: int,
+              dp_rank: int) -> list[tuple[int, int, int]]:
     """(bucket, start, end) slices of this rank's gradient shards that count towards the norm."""
     runs = []
     for bucket, layout in enumerate(layouts):
         if layout.parts == 1 and dp_rank != 0:
             continue  # replicated over DP (stage 0): every DP rank holds the same reduced gradients
         for i, start, end in layout.owned_pieces():
-            if getattr(layout.params[i], "tensor_parallel", False) or tp_rank == 0:
+            if placements[layout.names[i]].is_sharded or tp_rank == 0:
                 runs.append((bucket, start, end))
     return runs
 

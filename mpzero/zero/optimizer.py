@@ -6,12 +6,18 @@
         opt.backward(loss, last_micro_batch=(micro_batch == m - 1))
     stats = opt.step(lr)                                # StepStats(grad_norm, skipped, loss_scale)
 
-The stage object (stages.py, stage3.py) owns parameters and gradients; this front owns the fp32
-master slices with AdamW (adam.py), the loss scaler, the global norm and clipping, and accounting.
-A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; fp16 overflow on
-any rank skips the step everywhere; the global norm is taken and clipped by; AdamW updates the
-master slices; the stage copies them into the parameters (and all-gathers them, stages 1-2).
+Three owners, one job each, behind explicit contracts:
+- the stage (`stage_base.ZeroStage`: stages.py, stage3.py) owns parameter storage and gradient buffers,
+  and spreads updated parameter slices to the model;
+- the master store (`masters.MasterStore`) owns the fp32 master slices and Adam moments, runs AdamW and is
+  the only writer of parameter values;
+- this front owns the loss scaler, the global norm and clipping, and accounting.
+A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; fp16 overflow on any rank
+skips the step everywhere; the global norm is taken and clipped by; the store updates its masters and writes
+the parameter slices; the stage spreads them (all-gathers them, stages 1-2).
 Gradient buffers are zeroed by `step()`; `zero_grad()` discards gradients without stepping.
+Every trainable parameter must say how it is split across TP (`mpzero.tensor_parallel.placement`): the norm
+and checkpoints depend on it, so an unmarked one is refused here, at construction.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ from torch import nn
 from mpzero.errors import ConfigError
 from mpzero.parallel import ParallelGroups
 from mpzero.zero.accounting import CommReport, MemoryReport, comm_theory, memory_report, unique_storage_bytes
-from mpzero.zero.adam import MasterAdam
 from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
 from mpzero.zero.stages import Stage0, Stage1, Stage2
-from mpzero.zero.state import (OwnedPiece, consolidated_weights, load_optimizer_state, optimizer_state,
-                               owned_pieces)
+from mpzero.tensor_parallel.placement import placements
+from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
+from mpzero.zero.stage_base import ZeroStage
+from mpzero.zero.state import consolidated_weights
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class StepStats:
 
 
 def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
-               precision: PrecisionConfig, units):
+               precision: PrecisionConfig, units) -> ZeroStage:
     device = named_params[0][1].device
     if zero.stage == 3:
         return Stage3(model, named_params, groups.dp, precision, zero, device, units)
@@ -67,11 +74,13 @@ class ZeroOptimizer:
         if not named:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
         self.model, self.groups, self.zero, self.adam_config, self.precision = model, groups, zero, adam, precision
+        self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
         self.numel = sum(p.numel() for _, p in named)
         self.stage = make_stage(model, named, groups, zero, precision, units)
-        self.adam = MasterAdam(self.stage.layouts, self.stage.masters, adam)
+        self.masters: MasterStore = DeviceMasters(self.stage.layouts, self.stage.param_shards,
+                                                  self.stage.initial_master_slices(), adam)
         self.scaler = make_loss_scaler(precision)
-        self._norm_runs = norm_runs(self.stage.layouts, groups.tp_rank, groups.dp_rank)
+        self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self.lr, self.iteration = adam.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
@@ -105,8 +114,7 @@ class ZeroOptimizer:
         if not skipped:
             norm = global_grad_norm(grads, self._norm_runs, self.groups)
             clip_grads_(grads, norm, self.adam_config.clip_grad)
-            low_precision = any(s is not m for s, m in zip(self.stage.param_shards, self.stage.masters))
-            self.adam.step(grads, self.lr, self.stage.param_shards if low_precision else None)
+            self.masters.step(grads, self.lr)
             self.stage.after_update()
         self.scaler.update(skipped)
         self._last_micro_batches = self._micro_batches
@@ -127,10 +135,10 @@ class ZeroOptimizer:
     # -- accounting -----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         """Model-state bytes this rank holds (unique storages, padding included) against the formula."""
-        held = self.stage.held_tensors() + self.stage.masters + self.adam.state_tensors()
+        held = self.stage.held_tensors() + self.masters.held_tensors()
         p = self.stage.param_shards[0].element_size()
         g = self.stage.grad_shards[0].element_size()
-        master = 0 if self.precision.dtype == "fp32" else 4
+        master = self.masters.master_bytes_per_param
         padding = sum(layout.padding for layout in self.stage.layouts)
         return memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
                              padding, p, g, master)
@@ -142,55 +150,39 @@ class ZeroOptimizer:
         self._comm_mark = (total, self.iteration)
         p = self.stage.param_shards[0].element_size()
         g = self.stage.grad_shards[0].element_size()
-        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel,
-                                   getattr(self.stage, "root_numel", 0), p, g, self._last_micro_batches)
+        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, self.stage.root_numel, p, g,
+                                   self._last_micro_batches)
         return CommReport(self.zero.stage, self.groups.dp_size, self._last_micro_batches,
                           (total - mark_bytes) / iterations, theory, text)
 
     # -- export and checkpoint (collectives over DP, left out of the communication report) -------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
-        return self._uncounted(consolidated_weights, self.model, self.stage.layouts, self.stage.masters,
+        return self._uncounted(consolidated_weights, self.model, self.stage.layouts, self.masters.masters(),
                                self.groups.dp)
-
-    def state_dict(self) -> dict:
-        """Optimizer state keyed by parameter name (full tensors): loads at any stage and DP size."""
-        state = self._uncounted(optimizer_state, self.stage.layouts, self.stage.masters, self.adam,
-                                self.groups.dp)
-        return {**state, "step": self.adam_step(), "loss_scaler": self.scaler.state_dict(), "iteration": self.iteration}
-
-    def load_state_dict(self, state: dict) -> None:
-        load_optimizer_state(state, self.stage.layouts, self.stage.masters, self.adam)
-        self.load_owned_pieces(state["step"], state["loss_scaler"], state["iteration"])
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """This rank's own share of the fp32 weights and Adam moments, parameter by parameter, as views:
-        a checkpoint writes them and reads into them directly, with no gather (see `load_owned_pieces`)."""
-        return owned_pieces(self.stage.layouts, self.stage.masters, self.adam)
+        a checkpoint writes them and reads into them directly, with no gather (see `load_owned_pieces`).
+        This is the optimizer's one state format: checkpoints store it by name and global shape."""
+        return self.masters.owned_pieces()
 
     def load_owned_pieces(self, step: int | None = None, loss_scaler: dict | None = None,
                           iteration: int | None = None) -> None:
         """After new values were written through `owned_pieces()`: set Adam's step, the loss scaler and the
         iteration (None: leave them, for a weights-only load) and refresh the model's parameters."""
         if step is not None:
-            for *_, view in self.adam.runs:
-                self.adam.moments(view)["step"].fill_(step)
+            self.masters.step_count = step
         if loss_scaler is not None:
             self.scaler.load_state_dict(loss_scaler)
         if iteration is not None:
             self.iteration = iteration
-        self._publish_masters()
+        self.masters.publish()
+        self._uncounted(self.stage.after_update)
 
     def adam_step(self) -> int:
-        """Adam's step count (the same on every rank; a rank whose slice is only padding asks the others)."""
-        step = int(self.adam.moments(self.adam.runs[0][3])["step"].item()) if self.adam.runs else 0
-        return int(max(self._uncounted(self.groups.dp.all_gather_objects, step)))
-
-    def _publish_masters(self) -> None:
-        for shard, master in zip(self.stage.param_shards, self.stage.masters):
-            if shard is not master:
-                shard.copy_(master)
-        self._uncounted(self.stage.after_update)
+        """Adam's step count (the same on every rank: every rank steps, a rank whose slice is padding too)."""
+        return self.masters.step_count
 
     def _uncounted(self, fn, *args):
         before = self.groups.dp.stats.total()

@@ -30,6 +30,7 @@ from mpzero.comm import CommGroup
 from mpzero.zero.config import PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import build_layout, bind_params
 from mpzero.zero.grads import ShardedGrads
+from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.stages import flatten_params
 
 
@@ -60,7 +61,7 @@ def assign_params(model: nn.Module, units: list[nn.Module], named_params) -> lis
     return assigned
 
 
-class Stage3:
+class Stage3(ZeroStage):
     number = 3
 
     def __init__(self, model: nn.Module, named_params, dp: CommGroup, precision: PrecisionConfig,
@@ -72,7 +73,7 @@ class Stage3:
         self.layouts = [build_layout(assigned[u], dp.size, dp.rank) for u in keep]
         self.dp, self.prefetch = dp, zero.prefetch
         dtype = precision.torch_dtype
-        self.param_shards, self.masters = flatten_params(self.layouts, dp, dtype, device, "shard")
+        self.param_shards, self._initial = flatten_params(self.layouts, dp, dtype, device, "shard")
         self._full = [torch.empty(l.padded_numel, dtype=dtype, device=device) for l in self.layouts]
         for layout, full in zip(self.layouts, self._full):
             bind_params(layout, full)
@@ -95,6 +96,10 @@ class Stage3:
     @property
     def grad_shards(self) -> list[torch.Tensor]:
         return self.grads.shards
+
+    def initial_master_slices(self) -> list[torch.Tensor]:
+        initial, self._initial = self._initial, []
+        return initial
 
     # -- gather / release -------------------------------------------------------------------
     def _start_gather(self, u: int) -> None:
@@ -157,7 +162,7 @@ class Stage3:
         if u:
             self._release(u)
 
-    # -- the stage interface used by the optimizer front ---------------------------------------
+    # -- the rest of the ZeroStage contract -----------------------------------------------------
     def begin_backward(self, last_micro_batch: bool) -> None:
         self.in_backward = True
         self.grads.begin_backward(last_micro_batch)
@@ -176,4 +181,4 @@ class Stage3:
             self._release(u)
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return self.param_shards + self.grads.shards + self._full
+        return self.param_shards + self.grads.held_tensors() + self._full

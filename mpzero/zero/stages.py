@@ -7,13 +7,13 @@
 - `Stage2`: as stage 1, but only this rank's gradient slice persists: each bucket is
   reduce-scattered from the gradient hooks while backward still runs, every micro-batch.
 
-A stage exposes, per bucket, this rank's parameter slice (`param_shards`, model dtype), its fp32
-starting values (`masters`: the same tensor as the slice in fp32, else an fp32 copy) and its reduced
-gradient slice (`grad_shards`); the optimizer front updates the masters and calls `after_update()`.
+The stage contract (what each stage exposes to the optimizer front) is `stage_base.ZeroStage`.
 Parameters start from DP rank 0's values (broadcast, as DDP does), so every rank agrees.
 """
 
 from __future__ import annotations
+
+from abc import abstractmethod
 
 import torch
 
@@ -21,13 +21,15 @@ from mpzero.comm import CommGroup
 from mpzero.zero.config import PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import FlatLayout, bind_params, bucket_layouts, initial_values
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
+from mpzero.zero.stage_base import ZeroStage
 
 
 def flatten_params(layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device,
                    keep: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per bucket: the parameters' storage (`keep="full"`: the whole flat buffer, parameters bound
-    to views of it; `keep="shard"`: only this rank's slice) and this rank's fp32 master slice."""
-    stores, masters = [], []
+    to views of it; `keep="shard"`: only this rank's slice) and the fp32 values of this rank's slice
+    (in fp32 the slice itself; in mixed precision an fp32 copy of the unrounded values)."""
+    stores, initial = [], []
     for layout in layouts:
         values = initial_values(layout, device)
         dp.broadcast(values)
@@ -39,25 +41,30 @@ def flatten_params(layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype,
         else:
             stores.append(flat[owned].clone())
         own = stores[-1][owned] if keep == "full" else stores[-1]
-        # fp32 trains the parameters' own slice; mixed precision an fp32 copy of the unrounded values
-        masters.append(own if dtype == torch.float32 else values[owned].clone())
-    return stores, masters
+        initial.append(own if dtype == torch.float32 else values[owned].clone())
+    return stores, initial
 
 
-class _FullParams:
+class _FullParams(ZeroStage):
     """Shared by stages 0-2: full flat parameter buffers, parameters bound to views of them."""
 
-    number: int
     parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
 
     def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device):
         self.dp = dp
         parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
         self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
-        self.param_flats, self.masters = flatten_params(self.layouts, dp, precision.torch_dtype, device, "full")
+        self.param_flats, self._initial = flatten_params(self.layouts, dp, precision.torch_dtype, device, "full")
         self.param_shards = [flat[l.shard_start:l.shard_start + l.shard_numel]
                              for flat, l in zip(self.param_flats, self.layouts)]
         self.grads = self._make_grads(precision.grad_dtype, device, zero.overlap_comm)
+
+    @abstractmethod
+    def _make_grads(self, dtype, device, overlap) -> ReplicatedGrads | ShardedGrads: ...
+
+    def initial_master_slices(self) -> list[torch.Tensor]:
+        initial, self._initial = self._initial, []
+        return initial
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -73,36 +80,26 @@ class _FullParams:
         self.grads.zero_()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return self.param_flats + getattr(self.grads, "flats", self.grads.shards)
+        return self.param_flats + self.grads.held_tensors()
 
-    def gather_params(self) -> None:
-        for flat, shard in zip(self.param_flats, self.param_shards):
-            self.dp.all_gather_into(flat, shard)  # in place: `shard` is this rank's slice of `flat`
+    def after_update(self) -> None:
+        if self.parts_of_dp:  # each rank updated its own slice: gather everyone's
+            for flat, shard in zip(self.param_flats, self.param_shards):
+                self.dp.all_gather_into(flat, shard)  # in place: `shard` is this rank's slice of `flat`
 
 
 class Stage0(_FullParams):
     number, parts_of_dp = 0, False
 
     def _make_grads(self, dtype, device, overlap):
-        def all_reduce(bucket, async_op):
-            return self.dp.all_reduce(self.grads.flats[bucket], async_op=async_op)
-        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, all_reduce)
-
-    def after_update(self) -> None:
-        pass  # every rank updated every element
+        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, "all_reduce")
 
 
 class Stage1(_FullParams):
     number, parts_of_dp = 1, True
 
     def _make_grads(self, dtype, device, overlap):
-        def reduce_scatter(bucket, async_op):  # in place into this rank's slice of the full buffer
-            grads = self.grads
-            return self.dp.reduce_scatter_into(grads.shards[bucket], grads.flats[bucket], async_op=async_op)
-        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, reduce_scatter)
-
-    def after_update(self) -> None:
-        self.gather_params()
+        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, "reduce_scatter")
 
 
 class Stage2(_FullParams):
@@ -110,6 +107,3 @@ class Stage2(_FullParams):
 
     def _make_grads(self, dtype, device, overlap):
         return ShardedGrads(self.layouts, self.dp, dtype, device, overlap)
-
-    def after_update(self) -> None:
-        self.gather_params()

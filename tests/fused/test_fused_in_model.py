@@ -51,11 +51,23 @@ def _loss_and_grads(layernorm_impl, softmax_impl):
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
+def _without_key_bias(name, tensor):
+    """The key bias's gradient is zero analytically (softmax ignores a shift shared by all keys): what autograd
+    gives is round-off, and Adam divides it by its own magnitude, so two correct kernels may move those entries
+    apart by lr-sized amounts. Compare the rest of the QKV bias (laid out head by head: q, k, v)."""
+    if not name.endswith("attention.qkv.bias"):
+        return tensor
+    head_dim = CONFIG.hidden_size // CONFIG.num_attention_heads
+    per_head = tensor.view(CONFIG.num_attention_heads, 3, head_dim)
+    return per_head[:, [0, 2]].reshape(-1)
+
+
 def _assert_same_training(a, b):
     torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), **TOL)
     torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), **TOL)
     for name, value in b[2].items():
-        torch.testing.assert_close(a[2][name], value, **WEIGHT_TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(_without_key_bias(name, a[2][name]), _without_key_bias(name, value),
+                                   **WEIGHT_TOL, msg=lambda m: f"{name}: {m}")
 
 
 @needs_triton

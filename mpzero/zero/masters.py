@@ -1,0 +1,130 @@
+"""The one owner of the fp32 master weights and Adam moments of this rank's ZeRO partition, and the one writer
+of the model's parameter slices.
+
+A `MasterStore` receives, per bucket, this rank's parameter slice (in the model's dtype, owned by the stage)
+and its fp32 starting values. It keeps the masters and moments, runs AdamW over them, and writes the updated
+values into the parameter slices: during the step (the fused kernel writes the bf16/fp16 copy in the same
+pass) or after new values were loaded (`publish`). The stage then spreads the slices (all-gather, release).
+Where the masters live is the store's business alone: `DeviceMasters` keeps them beside the parameters; an
+offload tier (host memory, disk) is another `MasterStore`, with no change to the stages or the front.
+
+AdamW: each bucket's slice is split into at most two runs (weight-decayed, not decayed; see
+`FlatLayout.decay_runs`), each updated in one pass by the fused `adamw_step`. The update is elementwise, so
+with `impl="torch"` (torch.optim.AdamW's single-tensor arithmetic) stages 1-3 match a single-process AdamW
+bit for bit when the gradients do. Moments are created eagerly, so the memory line counts them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from mpzero.fused import adamw_step, resolve_impl
+from mpzero.zero.config import AdamConfig
+from mpzero.zero.flat import FlatLayout
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class OwnedPiece:
+    """A run of one parameter's elements that this rank's optimizer state holds: elements [start, end) of the
+    parameter's flattened (TP-local) tensor, and 1-D views of the fp32 master and Adam moments over them.
+    Writing through the views writes the optimizer state itself."""
+    name: str
+    shape: torch.Size
+    start: int
+    end: int
+    tensors: dict[str, torch.Tensor]
+
+
+class MasterStore(ABC):
+    """What the optimizer front needs from wherever the fp32 state of this rank's partition lives."""
+
+    step_count: int  # AdamW steps taken (the same on every rank: every rank steps, padding-only ones too)
+
+    @property
+    @abstractmethod
+    def master_bytes_per_param(self) -> int:
+        """Bytes per parameter the masters add to the parameters themselves (0 when they are the parameters)."""
+
+    @abstractmethod
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        """AdamW over the masters with this rank's fp32 gradient slices (per bucket; unscaled, averaged,
+        clipped), then the parameter slices hold the new values."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """Write the masters into the parameter slices (after values were loaded through `owned_pieces`)."""
+
+    @abstractmethod
+    def masters(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's fp32 master slice (for export)."""
+
+    @abstractmethod
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """Every piece of state this rank owns, parameter by parameter, as writable views."""
+
+    @abstractmethod
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors the store holds in device memory (for the memory report)."""
+
+
+class DeviceMasters(MasterStore):
+    """Masters and moments in memory on the parameters' device. In fp32 the master IS the parameter slice
+    (one copy, as the ZeRO formula counts it); in bf16/fp16 it is a separate fp32 tensor."""
+
+    def __init__(self, layouts: list[FlatLayout], param_shards: list[torch.Tensor],
+                 initial: list[torch.Tensor], adam: AdamConfig):
+        """initial: per bucket, the fp32 values of this rank's parameter slice (unrounded in mixed precision)."""
+        self.config, self.layouts, self._param_shards = adam, layouts, param_shards
+        self._shares_params = all(p.dtype == torch.float32 for p in param_shards)
+        self._masters = [p if self._shares_params else v.clone() for p, v in zip(param_shards, initial)]
+        device = param_shards[0].device if param_shards else torch.device("cpu")
+        self.impl = resolve_impl("adamw_step", device, adam.impl) if param_shards else "torch"
+        self.step_count = 0
+        self._runs = []  # (bucket, start, end, decay, {moment: tensor}) in shard coordinates
+        for bucket, (layout, master) in enumerate(zip(layouts, self._masters)):
+            for start, end, decay in layout.decay_runs():
+                moments = {key: torch.zeros(end - start, dtype=torch.float32, device=master.device)
+                           for key in MOMENTS}
+                self._runs.append((bucket, start, end, decay, moments))
+
+    @property
+    def master_bytes_per_param(self) -> int:
+        return 0 if self._shares_params else 4
+
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        c = self.config
+        self.step_count += 1
+        for bucket, start, end, decay, moments in self._runs:
+            copy = None if self._shares_params else self._param_shards[bucket][start:end]
+            adamw_step(self._masters[bucket][start:end], grads[bucket][start:end], moments["exp_avg"],
+                       moments["exp_avg_sq"], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                       weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, impl=self.impl,
+                       model_copy=copy)
+
+    def publish(self) -> None:
+        if not self._shares_params:
+            for shard, master in zip(self._param_shards, self._masters):
+                shard.copy_(master)
+
+    def masters(self) -> list[torch.Tensor]:
+        return list(self._masters)
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        pieces = []
+        for bucket, (layout, master) in enumerate(zip(self.layouts, self._masters)):
+            runs = [(s, e, m) for b, s, e, _, m in self._runs if b == bucket]
+            for i, start, end in layout.owned_pieces():
+                run_start, _, moments = next(r for r in runs if r[0] <= start and end <= r[1])
+                offset = layout.shard_start + start - layout.offsets[i]  # where the piece begins in the parameter
+                tensors = {"master": master[start:end]}
+                tensors.update({key: moments[key][start - run_start:end - run_start] for key in MOMENTS})
+                pieces.append(OwnedPiece(layout.names[i], layout.shapes[i], offset, offset + end - start, tensors))
+        return pieces
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return self._masters + [t for *_, moments in self._runs for t in moments.values()]

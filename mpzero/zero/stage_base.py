@@ -1,0 +1,58 @@
+"""The contract every ZeRO stage implements: what the optimizer front (optimizer.py) may ask of a stage.
+
+A stage owns the model's parameter storage and the gradient buffers of this rank, laid out in flat buckets
+(`layouts`, one `FlatLayout` per bucket or stage-3 unit). The front never reaches inside; it uses:
+
+- `param_shards[b]`: this rank's slice of bucket b's parameters, in the model's dtype. The master store
+  (masters.py) writes new values into these and nothing else; `after_update()` then makes the model see
+  them (all-gather into the full buffers for stages 1-2, release of the gathered units for stage 3).
+- `initial_master_slices()`: the fp32 starting values of those slices (unrounded in mixed precision), read
+  once by the master store at construction; the stage keeps no reference to them.
+- `grad_shards[b]`: this rank's reduced (DP-averaged) gradient slice, aligned with `param_shards[b]`, valid
+  after `end_backward()` of the last micro-batch; `zero_grad()` clears them.
+- `begin_backward(last_micro_batch)` / `end_backward()` bracket one micro-batch's backward: gradients are
+  collected (and reduced when the stage reduces every micro-batch, or at the last one) in between.
+- `held_tensors()`: the parameter and gradient storage this stage holds, for the memory report;
+  `root_numel`: elements gathered once per step instead of per use (stage 3's root unit; 0 otherwise),
+  for the communication formula.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from mpzero.zero.flat import FlatLayout
+
+
+class ZeroStage(ABC):
+    number: int  # the ZeRO stage, 0-3
+    layouts: list[FlatLayout]
+    param_shards: list[torch.Tensor]
+
+    @property
+    def root_numel(self) -> int:
+        return 0
+
+    @property
+    @abstractmethod
+    def grad_shards(self) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def initial_master_slices(self) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def begin_backward(self, last_micro_batch: bool) -> None: ...
+
+    @abstractmethod
+    def end_backward(self) -> None: ...
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def after_update(self) -> None: ...
+
+    @abstractmethod
+    def held_tensors(self) -> list[torch.Tensor]: ...
