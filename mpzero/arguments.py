@@ -3,7 +3,9 @@ each component receives. One name per knob: the flag `--hidden-size` is `GPTConf
 `hidden-size` in a `--config` file, and the same name in the configuration saved with checkpoints.
 
 A `--config FILE` (YAML or JSON, keys are flag names without the dashes' prefix) sets defaults; the
-command line overrides it.
+command line overrides it. `parse_args` checks the flags on their own; `run_config` resolves what depends
+on the world (DP size, the default global batch) and on input files (the tokenizer's vocabulary), checks
+every section, and returns the frozen `RunConfig`. The parsed namespace is never modified.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ import argparse
 import json
 import os
 
+from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
+from mpzero.training.batches import num_micro_batches
+from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
+                                    RunConfig, TrainingConfig)
+from mpzero.training.lr_schedule import LRSchedule
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
 
 
@@ -127,8 +134,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in REQUIRED:
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
     if args.mock_data and args.vocab_size is None:
         raise ConfigError("--mock-data needs --vocab-size")
     if not args.mock_data and not args.data_path:
@@ -138,23 +143,77 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("micro_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.seq_length > args.max_position_embeddings:
+    if args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                           f"{args.max_position_embeddings}")
     return args
 
 
-def gpt_config(args: argparse.Namespace) -> GPTConfig:
+def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
+    tp = args.tensor_model_parallel_size
+    if world_size % tp != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
+    dp = world_size // tp
+    global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
+    num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
+    vocab_size = _vocab_size(args)
+    model = gpt_config(args, vocab_size)
+    model.validate(tp)
+    sections = (zero_config(args), adam_config(args), precision_config(args))
+    for section in sections:
+        section.validate()
+    resolved = {"global_batch_size": global_batch, "vocab_size": vocab_size,
+                "max_position_embeddings": model.max_position_embeddings}
+    return RunConfig(
+        model=model,
+        parallel=ParallelConfig(tp, args.distributed_timeout_minutes),
+        training=TrainingConfig(args.micro_batch_size, global_batch, args.train_iters, args.seq_length, args.seed,
+                                args.exit_interval),
+        evaluation=EvalConfig(args.eval_interval, args.eval_iters),
+        data=DataConfig(args.mock_data, tuple(args.data_path) if args.data_path else None, args.split,
+                        args.data_cache_path, vocab_size),
+        checkpoint=CheckpointConfig(args.save, args.load, args.save_interval,
+                                    load_optim=not (args.finetune or args.no_load_optim),
+                                    load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune),
+        logging=LoggingConfig(args.log_interval, args.tensorboard_dir),
+        schedule=lr_schedule(args), zero=sections[0], adam=sections[1], precision=sections[2],
+        flags={**vars(args), **resolved})
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary (before padding for TP); --vocab-size for mock data."""
+    if args.mock_data:
+        return args.vocab_size
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                args.vocab_size)
+    return tokenizer.vocab_size
+
+
+def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                     max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
+                     num_attention_heads=args.num_attention_heads, vocab_size=vocab_size,
+                     max_position_embeddings=args.max_position_embeddings or args.seq_length,
+                     hidden_dropout=args.hidden_dropout,
                      attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
                      layernorm_epsilon=args.layernorm_epsilon,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      recompute_activations=args.recompute_activations,
                      layernorm_impl="auto" if args.layernorm_fusion else "torch",
                      softmax_impl="auto" if args.masked_softmax_fusion else "torch",
-                     use_flash_attn=args.use_flash_attn)
+                     use_flash_attn=args.use_flash_attn, seq_length=args.seq_length)
+
+
+def lr_schedule(args: argparse.Namespace) -> LRSchedule:
+    """Megatron's defaults: decay over --train-iters unless --lr-decay-iters is given; warmup from
+    --lr-warmup-iters, or --lr-warmup-fraction of the decay iterations."""
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ConfigError("give either --lr-warmup-fraction or --lr-warmup-iters, not both")
+    warmup = (int(args.lr_warmup_fraction * decay_iters) if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters)
+    return LRSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=warmup, decay_iters=decay_iters,
+                      decay_style=args.lr_decay_style)
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:

@@ -2,12 +2,16 @@
 within 1e-5 relative: layouts differ only in the order of floating-point sums), and bad sizes are
 one-line errors with a non-zero exit."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+
+import pretrain_gpt
 
 from tests.cli import LINE, ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
@@ -53,10 +57,27 @@ def test_layout_losses_match_single_process(single_process, tp, dp):
     (2, ["--global-batch-size", "6", "--micro-batch-size", "4"],
      "--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2 = 8"),
 ])
-def test_bad_sizes_exit_nonzero_with_one_line(world, extra, message):
-    for code, stderr in run_ranks(world, exit_code_and_stderr, TINY + extra):
-        assert code == 2
-        assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr
+def test_bad_sizes_exit_nonzero_with_one_line_from_one_rank(world, extra, message):
+    results = run_ranks(world, exit_code_and_stderr, TINY + extra)
+    assert [code for code, _ in results] == [2] * world
+    stderr = results[0][1]
+    assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr
+    assert all(other == "" for _, other in results[1:]), "the same error is said once, by rank 0"
+
+
+def test_a_bad_flag_combination_is_reported_before_any_output():
+    out = run_ranks(1, main_capturing_stdout_or_exit, TINY + ["--global-batch-size", "7"])[0]
+    assert out == (2, ""), out  # no configuration dump before the error
+
+
+def main_capturing_stdout_or_exit(argv):
+    """(exit code, stdout) of a run expected to stop with SystemExit."""
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+        try:
+            pretrain_gpt.main(argv)
+        except SystemExit as stop:
+            return stop.code, out.getvalue()
+    return 0, out.getvalue()
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ class GPTConfig:
     layernorm_impl: str = "auto"  # mpzero.fused implementations; --no-layernorm-fusion gives "torch"
     softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
     use_flash_attn: bool = False  # --use-flash-attn: torch's scaled_dot_product_attention (flash on GPUs)
+    seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
 
     def validate(self, tp_size: int) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -50,6 +51,14 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token, forward and backward: Narayanan et al. (2021)'s
+        72 B s l h^2 (1 + s/(6h) + V/(16 l h)) per batch of B sequences, 96 with full recomputation (one more
+        forward). The figure Megatron divides by time for TFLOP/s."""
+        passes = 96 if self.recompute_activations else 72
+        l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
+        return passes * l * h ** 2 * (1 + s / (6 * h) + self.vocab_size / (16 * l * h))
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""

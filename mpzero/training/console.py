@@ -22,15 +22,6 @@ def iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: 
     return " | ".join(fields) + " |"
 
 
-def model_flops_per_iteration(num_layers: int, hidden: int, seq: int, vocab: int, global_batch: int,
-                              recompute: bool) -> float:
-    """Narayanan et al. (2021): 72 B s l h^2 (1 + s/(6h) + V/(16 l h)) for forward + backward, 96 with
-    full recomputation (one more forward). The figure Megatron divides by time for TFLOP/s."""
-    passes = 96 if recompute else 72
-    return passes * global_batch * seq * num_layers * hidden ** 2 * (
-        1 + seq / (6 * hidden) + vocab / (16 * num_layers * hidden))
-
-
 def validation_line(where: str, loss: float) -> str:
     """`where`: "iteration 100", or "the end of training for val data" / "... for test data"."""
     return f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"

@@ -51,14 +51,3 @@ class LRSchedule:
             coefficient = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coefficient * (self.max_lr - self.min_lr)
 
-
-def schedule_from_args(args) -> LRSchedule:
-    """Megatron's defaults: decay over --train-iters unless --lr-decay-iters is given; warmup from
-    --lr-warmup-iters, or --lr-warmup-fraction of the decay iterations."""
-    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise ConfigError("give either --lr-warmup-fraction or --lr-warmup-iters, not both")
-    warmup = (int(args.lr_warmup_fraction * decay_iters) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters)
-    return LRSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=warmup, decay_iters=decay_iters,
-                      decay_style=args.lr_decay_style)

@@ -1,0 +1,78 @@
+"""The typed configuration of a training run: one frozen section per component, resolved and validated once,
+before anything is printed or built. The loop and its helpers read these sections, never the parsed flags.
+
+`RunConfig.model` is whatever the model provider takes (a `GPTConfig` for `pretrain_gpt.py`); the loop never
+looks inside it. `RunConfig.flags` is the resolved flag dictionary (flag names, derived defaults filled in),
+printed at start and saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpzero.training.lr_schedule import LRSchedule
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    distributed_timeout_minutes: float = 10.0
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    micro_batch_size: int
+    global_batch_size: int  # resolved: micro batch size x DP size when the flag is not given
+    train_iters: int
+    seq_length: int
+    seed: int = 1234
+    exit_interval: int | None = None
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    eval_interval: int = 1000
+    eval_iters: int = 100
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    mock_data: bool
+    data_path: tuple[str, ...] | None
+    split: str
+    data_cache_path: str | None
+    vocab_size: int  # resolved: the tokenizer's vocabulary (before padding), or --vocab-size for mock data
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    load_optim: bool = True  # False: --no-load-optim or --finetune
+    load_rng: bool = True  # False: --no-load-rng or --finetune
+    finetune: bool = False  # weights only, start from iteration 0
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: Any  # the model provider's own config section
+    parallel: ParallelConfig
+    training: TrainingConfig
+    evaluation: EvalConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    schedule: LRSchedule
+    zero: ZeroConfig
+    adam: AdamConfig
+    precision: PrecisionConfig
+    flags: dict = field(default_factory=dict, compare=False)

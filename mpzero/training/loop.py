@@ -1,0 +1,240 @@
+"""The training loop, for any model: it takes a `RunConfig` (config.py) and a model provider, and never looks at
+command-line flags or inside the model's own config section.
+
+A model provider is one function, `provider(model_config, groups, rng) -> BuiltModel`: the module (its
+`forward(tokens, labels)` returns per-token losses [b, s]; every trainable parameter marked with its TP
+placement) and its FLOPs per trained token (for TFLOP/s). `pretrain_gpt.py` is this loop plus a GPT provider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.data import build_gpt_datasets
+from mpzero.errors import TrainingError
+from mpzero.fused import resolved_impls
+from mpzero.parallel import ParallelGroups, init_parallel
+from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
+from mpzero.training.batches import load_batch, micro_batch_indices
+from mpzero.training.config import RunConfig
+from mpzero.training.console import iteration_line, perplexity, validation_line
+from mpzero.training.memory import memory_per_rank
+from mpzero.training.mock_data import MockGPTDataset
+from mpzero.training.signals import TerminationSignal
+from mpzero.training.tensorboard import TensorBoardLogger
+from mpzero.zero import ZeroOptimizer
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    module: nn.Module
+    flops_per_token: float  # model FLOPs of forward + backward per trained token
+
+
+ModelProvider = Callable[[Any, ParallelGroups, RNGStatesTracker], BuiltModel]
+
+
+@dataclass
+class TrainingState:
+    """What the loop trains: built once per run by `build_training_state`."""
+    groups: ParallelGroups
+    model: BuiltModel
+    optimizer: ZeroOptimizer
+    rng: RNGStatesTracker
+
+
+def build_training_state(run: RunConfig, provider: ModelProvider, groups: ParallelGroups) -> TrainingState:
+    """Seeds every generator, builds the model through `provider` and its ZeRO optimizer."""
+    rng = seed_everything(run.training.seed, groups.tp_rank, groups.device)
+    built = provider(run.model, groups, rng)
+    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision)
+    return TrainingState(groups, built, optimizer, rng)
+
+
+def train(run: RunConfig, provider: ModelProvider) -> dict:
+    """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
+    groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
+    train_data, valid_data, test_data = _datasets(run, groups)  # bad data paths fail before the model is built
+    if groups.is_logging_rank:
+        print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
+        print("fused ops (auto): " + json.dumps(resolved_impls(groups.device), sort_keys=True), flush=True)
+    state = build_training_state(run, provider, groups)
+    if groups.is_logging_rank:
+        print(state.optimizer.memory_report().line(), flush=True)
+    iteration, consumed, skipped = _load(run, state)
+    state.optimizer.comm_report()  # measure communication from the first iteration on
+    tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
+    termination = TerminationSignal(groups.world, groups.device)
+    training, checkpoint = run.training, run.checkpoint
+
+    def save():
+        if checkpoint.save:
+            meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": run.flags,
+                    "lr_schedule": dataclasses.asdict(run.schedule)}
+            where = save_checkpoint(checkpoint.save, iteration, state.model.module, state.optimizer, state.rng,
+                                    groups, meta)
+            if groups.is_logging_rank:
+                print(f"saved checkpoint at iteration {iteration} to {where}", flush=True)
+
+    history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
+    interval = _new_interval()
+    try:
+        while iteration < training.train_iters:
+            lr = run.schedule.lr(iteration - skipped)  # as in Megatron, skipped (fp16 overflow) steps do not count
+            loss, stats = _train_step(state, train_data, consumed, lr, training)
+            iteration, consumed = iteration + 1, consumed + training.global_batch_size
+            skipped += stats.skipped
+            if not math.isfinite(loss):
+                raise TrainingError(f"lm loss is {loss} at iteration {iteration} (rank {groups.world.rank}): "
+                                    f"lower --lr or enable --clip-grad; the last checkpoint is intact")
+            for key, value in (("losses", loss), ("grad_norms", stats.grad_norm), ("lrs", lr)):
+                history[key].append(value)
+            interval["iterations"] += 1
+            interval["skipped"] += stats.skipped
+            if not stats.skipped:
+                interval["losses"].append(loss)
+            if iteration % run.logging.log_interval == 0:
+                _log_interval(interval, iteration, consumed, lr, stats, run, state, tensorboard)
+                interval = _new_interval()
+            eval_interval = run.evaluation.eval_interval
+            if eval_interval and iteration % eval_interval == 0 and valid_data is not None:
+                history["valid_losses"].append(_evaluate_and_log(
+                    state, valid_data, f"iteration {iteration}", iteration, run, tensorboard))
+            stop = termination.received_anywhere() or bool(
+                training.exit_interval and iteration % training.exit_interval == 0)
+            if stop or (checkpoint.save_interval and iteration % checkpoint.save_interval == 0) \
+                    or iteration == training.train_iters:
+                save()
+            if stop:
+                break
+        if valid_data is not None:
+            history["valid_losses"].append(_evaluate_and_log(
+                state, valid_data, "the end of training for val data", iteration, run, tensorboard))
+        if test_data is not None:
+            history["test_loss"] = _evaluate_and_log(state, test_data, "the end of training for test data",
+                                                     iteration, run, None)
+    finally:
+        termination.restore()
+        tensorboard.close()
+    return history
+
+
+def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
+    """(iteration, consumed samples, skipped iterations) to start from: zeros unless --load finds a
+    checkpoint; --finetune takes its weights only and starts at zero."""
+    checkpoint, groups = run.checkpoint, state.groups
+    if not checkpoint.load:
+        return 0, 0, 0
+    meta = load_checkpoint(checkpoint.load, state.model.module, state.optimizer, state.rng, groups,
+                           load_optim=checkpoint.load_optim, load_rng=checkpoint.load_rng)
+    if meta is None:
+        if groups.is_logging_rank:
+            print(f"note: no checkpoint in --load {checkpoint.load}; training from scratch", flush=True)
+        return 0, 0, 0
+    if groups.is_logging_rank:
+        print(f"loaded checkpoint from {checkpoint.load} at iteration {meta['iteration']}", flush=True)
+        saved_schedule = meta.get("lr_schedule")
+        if saved_schedule and saved_schedule != dataclasses.asdict(run.schedule) and not checkpoint.finetune:
+            print(f"note: the learning-rate schedule differs from the checkpoint's {saved_schedule}: "
+                  f"continuing with this run's flags", flush=True)
+    if checkpoint.finetune:
+        return 0, 0, 0
+    return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
+
+
+def _datasets(run: RunConfig, groups: ParallelGroups):
+    """(train, valid, test), sized for what the run reads: every evaluation reads the first
+    --eval-iters global batches of its split. Mock data: three independent synthetic streams."""
+    training, data = run.training, run.data
+    eval_samples = run.evaluation.eval_iters * training.global_batch_size
+    sizes = (training.train_iters * training.global_batch_size, eval_samples, eval_samples)
+    if data.mock_data:
+        return tuple(MockGPTDataset(data.vocab_size, training.seq_length, training.seed + k, n) if n else None
+                     for k, n in enumerate(sizes))
+    return tuple(build_gpt_datasets(list(data.data_path), data.split, training.seq_length, training.seed, sizes,
+                                    data.data_cache_path, groups))
+
+
+def _train_step(state: TrainingState, dataset, consumed: int, lr: float, training):
+    """One global batch: forward/backward every micro-batch, then one optimizer step.
+    Returns the loss averaged over the global batch and the optimizer's StepStats."""
+    model, optimizer, groups = state.model.module, state.optimizer, state.groups
+    model.train()
+    optimizer.zero_grad()
+    micro_batches = micro_batch_indices(consumed, training.global_batch_size, training.micro_batch_size,
+                                        groups.dp_rank, groups.dp_size)
+    total = torch.zeros((), device=groups.device)
+    for i, indices in enumerate(micro_batches):
+        tokens = load_batch(dataset, indices, groups.device)
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
+        optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
+        total += loss.detach()
+    stats = optimizer.step(lr)
+    groups.dp.all_reduce(total)
+    return total.item() / groups.dp_size, stats
+
+
+@torch.no_grad()
+def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
+    """Mean lm loss over the first `--eval-iters` global batches of `dataset` (the same batches at every
+    evaluation, so the curve shows the model changing, not the sample). Every rank runs every batch."""
+    model, groups, training = state.model.module, state.groups, run.training
+    model.eval()
+    total, batches = torch.zeros((), device=groups.device), 0
+    for k in range(run.evaluation.eval_iters):
+        for indices in micro_batch_indices(k * training.global_batch_size, training.global_batch_size,
+                                           training.micro_batch_size, groups.dp_rank, groups.dp_size):
+            tokens = load_batch(dataset, indices, groups.device)
+            total += model(tokens[:, :-1], tokens[:, 1:]).mean()
+            batches += 1
+    groups.dp.all_reduce(total)
+    model.train()
+    return total.item() / (batches * groups.dp_size)
+
+
+def _evaluate_and_log(state: TrainingState, dataset, where: str, iteration: int, run: RunConfig,
+                      tensorboard) -> float:
+    loss = evaluate(state, dataset, run)
+    if state.groups.is_logging_rank:
+        print(validation_line(where, loss), flush=True)
+    if tensorboard is not None:
+        tensorboard.scalars({"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)}, iteration)
+    return loss
+
+
+def _new_interval() -> dict:
+    return {"iterations": 0, "skipped": 0, "losses": [], "start": time.perf_counter()}
+
+
+def _log_interval(interval, iteration, consumed, lr, stats, run: RunConfig, state: TrainingState, tensorboard):
+    """Megatron's per-interval figures: time over all iterations, loss over the applied ones (0 when
+    every step was skipped), skipped iterations counted since the previous line."""
+    groups, training = state.groups, run.training
+    seconds = (time.perf_counter() - interval["start"]) / interval["iterations"]
+    loss = sum(interval["losses"]) / max(len(interval["losses"]), 1)
+    tokens = training.global_batch_size * training.seq_length
+    tokens_per_s = tokens / seconds
+    tflops = state.model.flops_per_token * tokens / (seconds * groups.world.size * 1e12)
+    memory = memory_per_rank(groups)  # every rank takes part in the gather
+    comm = state.optimizer.comm_report()
+    grad_norm = stats.grad_norm if stats.grad_norm is not None else float("nan")
+    if groups.is_logging_rank:
+        print(iteration_line(iteration, training.train_iters, consumed, seconds * 1000, lr,
+                             training.global_batch_size, loss, stats.loss_scale, grad_norm, interval["skipped"],
+                             nan=0, extra={"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}"}),
+              flush=True)
+        print(comm.line(), flush=True)
+    applied = {"lm loss": loss} if interval["losses"] else {}  # no point plotted for an all-skipped interval
+    tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
+                         "loss-scale": stats.loss_scale,
+                         "batch-size": training.global_batch_size, "throughput": tokens_per_s,
+                         **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)}}, iteration)
