@@ -10,6 +10,7 @@ from mpzero.errors import ConfigError, TrainingError
 
 T = TypeVar("T")
 EXIT_CODES = {ConfigError: 2, TrainingError: 1}  # bad input: 2; a run that cannot go on: 1
+INPUT_ERRORS = {ConfigError: 2, OSError: 2}  # file tools: an unreadable input or unwritable output is bad input
 
 
 def print_error(message: object) -> None:

@@ -64,6 +64,13 @@ class CommGroup:
         self.stats.record("all_reduce", 2 * self._ring(_nbytes(tensor)))
         return dist.all_reduce(tensor, op=op, group=self.pg, async_op=async_op)
 
+    def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `x` (same shape everywhere) concatenated in rank order along `dim`."""
+        x = x.contiguous()
+        gathered = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+        self.all_gather_into(gathered, x.view(-1))
+        return torch.cat(gathered.view(self.size, *x.shape).unbind(0), dim=dim)
+
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op=False):
         """output (size * shard.numel()) <- this rank's `shard` concatenated in group-rank order."""
         if self.size == 1:

@@ -25,6 +25,14 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+def publish_file(tmp: str, path: str) -> None:
+    """Rename the complete, closed file `tmp` to `path`, its bytes and the rename made durable."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
 @contextlib.contextmanager
 def atomic_open(path: str, suffix: str = ".tmp") -> Iterator[BinaryIO]:
     """`with atomic_open(path) as f: f.write(...)`: `path` appears complete when the block ends without an

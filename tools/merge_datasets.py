@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
 
 from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
 
 
@@ -57,13 +58,11 @@ def merge(inputs: list[str], output_prefix: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def run() -> None:
         documents, sequences = merge(args.input, args.output_prefix)
-    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {sequences} sequences")
-    return 0
+        print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {sequences} sequences")
+    return exit_code(run, INPUT_ERRORS)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from mpzero.data.preprocess import PreprocessConfig, output_prefix_for, preprocess  # noqa: E402
 from mpzero.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
 
 
 def parse_args(argv):
@@ -47,11 +47,10 @@ def main(argv=None) -> int:
                  "vocab_file": args.vocab_file, "merge_file": args.merge_file, "vocab_size": args.vocab_size}
     cfg = PreprocessConfig(args.input, args.output_prefix, args.json_keys, tokenizer, args.append_eod,
                            args.workers, max(args.log_interval, 1), args.skip_malformed)
-    try:
-        stats = preprocess(cfg, progress=not args.no_progress)
-    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: _report(preprocess(cfg, progress=not args.no_progress), args), INPUT_ERRORS)
+
+
+def _report(stats, args) -> None:
     seconds = max(stats.seconds, 1e-9)
     for key in args.json_keys:
         print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")
@@ -60,7 +59,6 @@ def main(argv=None) -> int:
           f"{stats.tokens / seconds:.0f} tokens/s)")
     if stats.skipped:
         print(f"skipped {stats.skipped} malformed lines (first: {stats.first_skipped})")
-    return 0
 
 
 if __name__ == "__main__":

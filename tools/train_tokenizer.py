@@ -20,7 +20,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
 
 from mpzero.data.jsonl import check_inputs, iter_texts  # noqa: E402
+from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.files import write_atomically  # noqa: E402
 
 _MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are left out of training (SentencePiece's own limit is 4 KB)
 
@@ -71,29 +73,22 @@ def train(args) -> tuple[bytes, int]:
     return model.getvalue(), len(skipped)
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        model, skipped = train(args)
-    except (ConfigError, OSError) as exc:  # OSError: unreadable input, unwritable output
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: _train_and_write(args), INPUT_ERRORS)
+
+
+def _train_and_write(args) -> None:
+    model, skipped = train(args)
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_proto=model)
     vocab = "".join(f"{sp.IdToPiece(i)}\t{sp.GetScore(i):g}\n" for i in range(sp.GetPieceSize()))
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    _write_atomic(args.output_prefix + ".vocab", vocab.encode("utf-8"))
-    _write_atomic(args.output_prefix + ".model", model)  # last: a .model present means both are complete
+    write_atomically(args.output_prefix + ".vocab", vocab)
+    write_atomically(args.output_prefix + ".model", model)  # last: a .model present means both are complete
     print(f"wrote {args.output_prefix}.model ({sp.GetPieceSize()} pieces, EOD id {sp.eos_id()})"
           + (f"; skipped {skipped} malformed lines" if skipped else ""))
-    return 0
 
 
 if __name__ == "__main__":

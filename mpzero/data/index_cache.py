@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from mpzero.errors import ConfigError
+from mpzero.files import atomic_open
 
 
 def load_or_build(cache_dir: str, kind: str, description: dict, build: Callable[[], dict[str, np.ndarray]],
@@ -57,9 +58,7 @@ def _save(cache_dir: str, arrays: dict[str, np.ndarray], paths: dict[str, str], 
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f".tmp{os.getpid()}"
     for name, path in paths.items():
-        with open(path + tmp, "wb") as f:
+        with atomic_open(path, tmp) as f:
             np.save(f, arrays[name])
-        os.replace(path + tmp, path)
-    with open(marker + tmp, "w") as f:
-        f.write(text)
-    os.replace(marker + tmp, marker)
+    with atomic_open(marker, tmp) as f:
+        f.write(text.encode("utf-8"))

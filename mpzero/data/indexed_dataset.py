@@ -25,6 +25,7 @@ from array import array
 import numpy as np
 
 from mpzero.errors import ConfigError
+from mpzero.files import atomic_open, publish_file
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -191,15 +192,13 @@ class IndexedDatasetBuilder:
         np.cumsum(lengths[:-1], out=pointers[1:])
         pointers *= self.dtype.itemsize
         docs = np.frombuffer(self._doc_indices, dtype=np.int64)
-        idx_tmp = index_file_path(self.path_prefix) + self._tmp
-        with open(idx_tmp, "wb") as f:
+        # .bin first: a present .idx then always has its complete .bin.
+        publish_file(data_file_path(self.path_prefix) + self._tmp, data_file_path(self.path_prefix))
+        with atomic_open(index_file_path(self.path_prefix), self._tmp) as f:
             f.write(_HEADER.pack(_MAGIC, _VERSION, _CODE_OF[self.dtype], len(lengths), len(docs)))
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(docs.tobytes())
-        # .bin first: a present .idx then always has its complete .bin.
-        os.replace(data_file_path(self.path_prefix) + self._tmp, data_file_path(self.path_prefix))
-        os.replace(idx_tmp, index_file_path(self.path_prefix))
 
     def abort(self) -> None:
         self._bin.close()

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mpzero.cli import run_or_exit
 from mpzero.errors import ConfigError
 from mpzero.fused.adam import triton_kernel_specs as adam_specs
 from mpzero.fused.layer_norm import triton_kernel_specs as layer_norm_specs
@@ -62,8 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_or_exit(lambda: main(sys.argv[1:])))

@@ -102,7 +102,4 @@ def gather_full(tensor: torch.Tensor, partition_dim: int | None, group: CommGrou
     """The unsharded tensor from every TP rank's shard (for export, checks and checkpoint conversion)."""
     if partition_dim is None or group.size == 1:
         return tensor.detach().clone()
-    shard = tensor.detach().contiguous()
-    flat = torch.empty(group.size * shard.numel(), dtype=shard.dtype, device=shard.device)
-    group.all_gather_into(flat, shard.view(-1))
-    return torch.cat(flat.view(group.size, *shard.shape).unbind(0), dim=partition_dim)
+    return group.all_gather_cat(tensor.detach(), dim=partition_dim)

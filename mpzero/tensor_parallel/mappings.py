@@ -22,11 +22,7 @@ def _split_last_dim(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    x = x.contiguous()
-    gathered = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
-    group.all_gather_into(gathered, x.view(-1))
-    # [tp, *x.shape] -> concatenate the ranks' chunks along the last dimension
-    return torch.cat(gathered.view(group.size, *x.shape).unbind(0), dim=-1)
+    return group.all_gather_cat(x, dim=-1)
 
 
 class _CopyToTP(torch.autograd.Function):
