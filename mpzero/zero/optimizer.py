@@ -29,15 +29,15 @@ from torch import nn
 
 from mpzero.errors import ConfigError
 from mpzero.parallel import ParallelGroups
+from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.accounting import CommReport, MemoryReport, comm_theory, memory_report, unique_storage_bytes
 from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
-from mpzero.zero.stages import Stage0, Stage1, Stage2
-from mpzero.tensor_parallel.placement import placements
-from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.stage_base import ZeroStage
+from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.state import consolidated_weights
 
 
