@@ -58,7 +58,7 @@ def _training_state(argv):
     args = parse_args(argv)
     groups = init_parallel(args.tensor_model_parallel_size)
     rng = seed_everything(args.seed, groups.tp_rank, groups.device)
-    model = GPTModel(gpt_config(args), groups.tp, rng, device=groups.device)
+    model = GPTModel(gpt_config(args, args.vocab_size), groups.tp, rng, device=groups.device)  # --mock-data
     optimizer = ZeroOptimizer(model, groups, zero_config(args), adam_config(args), precision_config(args))
     return groups, model, optimizer, rng
 
@@ -142,12 +142,12 @@ def test_consolidated_weights_round_trip(tmp_path):
 
 
 def test_saving_an_iteration_again_replaces_it_whole(tmp_path):
-    from mpzero.checkpointing.checkpoint import _replace_directory
+    from mpzero.files import replace_directory
     (tmp_path / "iter.tmp").mkdir()
     (tmp_path / "iter.tmp" / "new").write_text("")
     (tmp_path / "iter").mkdir()
     (tmp_path / "iter" / "old").write_text("")
-    _replace_directory(str(tmp_path / "iter.tmp"), str(tmp_path / "iter"))
+    replace_directory(str(tmp_path / "iter.tmp"), str(tmp_path / "iter"))
     assert sorted(os.listdir(tmp_path)) == ["iter"] and os.listdir(tmp_path / "iter") == ["new"]
 
 

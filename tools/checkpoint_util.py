@@ -21,8 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.checkpointing.checkpoint import LATEST, checkpoint_dir, latest_iteration  # noqa: E402
+from mpzero.checkpointing import (FORMAT, LATEST, checkpoint_dir, checkpoint_key, latest_iteration,  # noqa: E402
+                                  parse_checkpoint_key)
+from mpzero.checkpointing.format import MASTER  # noqa: E402
+from mpzero.cli import run_or_exit  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.files import replace_directory, write_atomically  # noqa: E402
 
 
 def to_consolidated(load: str, iteration: int | None, output: str) -> None:
@@ -33,9 +37,15 @@ def to_consolidated(load: str, iteration: int | None, output: str) -> None:
         raise ConfigError(f"no mpzero checkpoint under {load}{where}")
     with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
-    model = {key: torch.zeros(shape) for key, shape in meta["shapes"].items() if key.startswith("model/")}
+    names = {}  # checkpoint key: parameter name, for the fp32 weights
+    for key in meta["shapes"]:
+        state, name = parse_checkpoint_key(key)
+        if state == MASTER:
+            names[key] = name
+    model = {key: torch.zeros(meta["shapes"][key]) for key in names}
     dcp.load(model, checkpoint_id=directory)  # no process group: read whole tensors in this process
-    _save_atomically({"model": {key[len("model/"):]: t for key, t in model.items()}, "meta": meta}, output)
+    bundle = {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
+    write_atomically(output, lambda f: torch.save(bundle, f))
 
 
 def from_consolidated(input_path: str, save: str) -> None:
@@ -44,7 +54,7 @@ def from_consolidated(input_path: str, save: str) -> None:
     bundle = torch.load(input_path, weights_only=True)
     if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
-    tensors = {f"model/{name}": t.float() for name, t in bundle["model"].items()}
+    tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
     directory = checkpoint_dir(save, 0)
     if os.path.exists(directory):
         raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
@@ -52,21 +62,12 @@ def from_consolidated(input_path: str, save: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
     os.makedirs(tmp)
     dcp.save(tensors, checkpoint_id=tmp)
-    meta = {"iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
+    meta = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
             "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
             "shapes": {key: list(t.shape) for key, t in tensors.items()}}
-    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-    os.replace(tmp, directory)
-    with open(os.path.join(save, LATEST + ".tmp"), "w", encoding="utf-8") as f:
-        f.write("0")
-    os.replace(os.path.join(save, LATEST + ".tmp"), os.path.join(save, LATEST))
-
-
-def _save_atomically(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
+    replace_directory(tmp, directory)
+    write_atomically(os.path.join(save, LATEST), "0")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,14 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     back.add_argument("--input", required=True)
     back.add_argument("--save", required=True)
     args = p.parse_args(argv)
-    try:
-        if args.command == "to-consolidated":
-            to_consolidated(args.load, args.iteration, args.output)
-        else:
-            from_consolidated(args.input, args.save)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    if args.command == "to-consolidated":
+        run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output))
+    else:
+        run_or_exit(lambda: from_consolidated(args.input, args.save))
 
 
 if __name__ == "__main__":

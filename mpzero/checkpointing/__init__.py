@@ -1,6 +1,7 @@
 """Layout-independent sharded checkpoints (torch.distributed.checkpoint) in Megatron's directory layout."""
 
-from mpzero.checkpointing.checkpoint import (checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint,
-                                             write_unpublished)
+from mpzero.checkpointing.checkpoint import latest_iteration, load_checkpoint, save_checkpoint, write_unpublished
+from mpzero.checkpointing.format import FORMAT, LATEST, checkpoint_dir, checkpoint_key, parse_checkpoint_key
 
-__all__ = ["checkpoint_dir", "latest_iteration", "load_checkpoint", "save_checkpoint", "write_unpublished"]
+__all__ = ["FORMAT", "LATEST", "checkpoint_dir", "checkpoint_key", "latest_iteration", "load_checkpoint",
+           "parse_checkpoint_key", "save_checkpoint", "write_unpublished"]

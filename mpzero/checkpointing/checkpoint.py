@@ -2,13 +2,14 @@
 
     SAVE/latest_checkpointed_iteration.txt      "100"
     SAVE/iter_0000100/.metadata, __*.distcp     model weights (fp32) and Adam moments, by name and global shape
-    SAVE/iter_0000100/meta.json                 iteration, consumed samples, optimizer step, loss scaler,
-                                                layout, global shapes, the resolved configuration
+    SAVE/iter_0000100/meta.json                 format, iteration, consumed samples, optimizer step, loss
+                                                scaler, layout, global shapes, the resolved configuration
     SAVE/iter_0000100/rng/rank_00000.pt         each rank's generator states
 
 Saving is atomic: every rank writes into `iter_0000100.tmp`, and only when all are done does rank 0
 rename it and then rewrite the latest pointer (itself through a temporary file). A crash mid-save leaves
 the previous checkpoint and pointer untouched; the stale temporary directory is removed by the next save.
+Each rank writes and reads its own ZeRO partition of every tensor in place (sharding.py's DCP planners).
 """
 
 from __future__ import annotations
@@ -21,18 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mpzero.checkpointing.sharding import chunks, sharded
+from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, MOMENTS, checkpoint_dir, checkpoint_key,
+                                         parse_checkpoint_key)
+from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
 from mpzero.errors import ConfigError
+from mpzero.files import replace_directory, write_atomically
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
-
-LATEST = "latest_checkpointed_iteration.txt"
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
                     meta: dict) -> str:
@@ -40,8 +36,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesT
     tmp = write_unpublished(root, iteration, model, optimizer, rng, groups, meta)
     final = checkpoint_dir(root, iteration)
     if groups.world.rank == 0:
-        _replace_directory(tmp, final)
-        _write_atomically(os.path.join(root, LATEST), str(iteration))
+        replace_directory(tmp, final)
+        write_atomically(os.path.join(root, LATEST), str(iteration))
     dist.barrier()
     return final
 
@@ -55,15 +51,18 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
     dist.barrier()
     where = placements(model.named_parameters())
     step = optimizer.adam_step()  # collective: before rank 0 goes its own way
-    dcp.save(_state_views(optimizer, where, ("master",) + MOMENTS, groups, writing=True), checkpoint_id=tmp)
-    torch.save(rng.snapshot(), os.path.join(tmp, "rng", f"rank_{groups.world.rank:05d}.pt"))
+    dcp.save(_local_shares(optimizer, where, (MASTER,) + MOMENTS, groups, writing=True), checkpoint_id=tmp,
+             planner=ChunksSavePlanner())
+    snapshot = rng.snapshot()
+    write_atomically(os.path.join(tmp, "rng", f"rank_{groups.world.rank:05d}.pt"), lambda f: torch.save(snapshot, f))
     if groups.world.rank == 0:
-        keys = [_key(k, name) for k in ("master",) + MOMENTS for name in where]
-        meta = {**meta, "iteration": iteration, "optimizer": {"step": step, "loss_scaler": optimizer.scaler.state_dict(),
-                                                              "iteration": optimizer.iteration},
-                "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
-                "shapes": {key: list(where[_param_name(key)].global_shape(groups.tp_size)) for key in keys}}
-        _write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
+        shapes = {checkpoint_key(k, name): list(p.global_shape(groups.tp_size))
+                  for k in (MASTER,) + MOMENTS for name, p in where.items()}
+        meta = {**meta, "format": FORMAT, "iteration": iteration,
+                "optimizer": {"step": step, "loss_scaler": optimizer.scaler.state_dict(),
+                              "iteration": optimizer.iteration},
+                "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size}, "shapes": shapes}
+        write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
     dist.barrier()
     return tmp
 
@@ -92,12 +91,16 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
         raise ConfigError(f"{directory} has no meta.json: not an mpzero checkpoint, or damaged")
     with open(meta_path, encoding="utf-8") as f:
         meta = json.load(f)
+    if meta.get("format", 1) > FORMAT:  # format 1 (no field) and 2 store the same keys
+        raise ConfigError(f"{directory} is in checkpoint format {meta['format']}, newer than this mpzero's "
+                          f"({FORMAT}): load it with the mpzero that wrote it")
     where = placements(model.named_parameters())
     _check_same_model(meta, where, groups.tp_size, directory)
     if load_optim and "optimizer" not in meta:
         raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
-    keys = ("master",) + MOMENTS if load_optim else ("master",)
-    dcp.load(_state_views(optimizer, where, keys, groups, writing=False), checkpoint_id=directory)
+    keys = (MASTER,) + MOMENTS if load_optim else (MASTER,)
+    dcp.load(_local_shares(optimizer, where, keys, groups, writing=False), checkpoint_id=directory,
+             planner=ChunksLoadPlanner())
     if load_optim:
         optimizer.load_owned_pieces(**meta["optimizer"])
     else:
@@ -119,7 +122,11 @@ def _load_rng(directory: str, meta: dict, rng: RNGStatesTracker, groups: Paralle
 
 
 def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: int, directory: str) -> None:
-    saved = {key[len("model/"):]: tuple(shape) for key, shape in meta["shapes"].items() if key.startswith("model/")}
+    saved = {}
+    for key, shape in meta["shapes"].items():
+        state, name = parse_checkpoint_key(key)
+        if state == MASTER:
+            saved[name] = tuple(shape)
     here = {name: p.global_shape(tp_size) for name, p in where.items()}
     for name in sorted(set(saved) | set(here)):
         if saved.get(name) != here.get(name):
@@ -127,46 +134,17 @@ def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: in
                               f"{here.get(name, 'absent')} here; match the model flags or point --load elsewhere")
 
 
-def _state_views(optimizer, where: dict[str, TensorPlacement], keys: tuple[str, ...], groups: ParallelGroups,
-                 writing: bool) -> dict:
-    """{checkpoint key: ShardedTensor over this rank's own pieces of the optimizer state} for `keys` among
-    master / exp_avg / exp_avg_sq. TP-replicated parameters are written by TP rank 0 alone."""
-    per_key = {}
+def _local_shares(optimizer, where: dict[str, TensorPlacement], keys: tuple[str, ...], groups: ParallelGroups,
+                  writing: bool) -> dict[str, LocalShare]:
+    """{checkpoint key: this rank's chunks (views into the optimizer's state) of that global tensor} for `keys`
+    among master / exp_avg / exp_avg_sq. TP-replicated parameters are written by TP rank 0 alone."""
+    per_key: dict[str, LocalShare] = {}
     for piece in optimizer.owned_pieces():
         placement = where[piece.name]
         if writing and placement.partition_dim is None and groups.tp_rank != 0:
             continue
         for k in keys:
-            per_key.setdefault(_key(k, piece.name), []).extend(chunks(piece, k, placement, groups.tp_rank))
-    return {key: sharded(local, where[_param_name(key)].global_shape(groups.tp_size), groups)
-            for key, local in per_key.items() if local}
-
-
-def _key(state: str, name: str) -> str:
-    """Checkpoint keys: model/<name> for the fp32 weights, optimizer/<moment>/<name> for Adam's moments."""
-    return f"model/{name}" if state == "master" else f"optimizer/{state}/{name}"
-
-
-def _param_name(key: str) -> str:
-    return key.split("/", 1)[1] if key.startswith("model/") else key.split("/", 2)[2]
-
-
-def _replace_directory(tmp: str, final: str) -> None:
-    """Rename `tmp` to `final`. An existing `final` (the same iteration saved again) is renamed aside
-    first and deleted only after: a crash leaves at most a moment in which neither name exists,
-    instead of the whole deletion."""
-    old = final + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            share = per_key.setdefault(checkpoint_key(k, piece.name),
+                                       LocalShare(placement.global_shape(groups.tp_size), []))
+            share.chunks.extend(chunks(piece, k, placement, groups.tp_rank))
+    return {key: share for key, share in per_key.items() if share.chunks}

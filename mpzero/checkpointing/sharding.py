@@ -1,22 +1,53 @@
-"""Where this rank's share of the training state sits inside the layout-independent tensors a checkpoint stores.
+"""Where this rank's share of the training state sits inside the layout-independent tensors a checkpoint stores,
+and the `torch.distributed.checkpoint` planners that write and read exactly that share.
 
 A checkpoint keys every tensor by parameter name and stores it at its global shape: unsharded across TP,
 vocabulary padding cropped. Each rank writes exactly the elements its ZeRO partition owns (a contiguous run of
 each parameter's flattened TP-local tensor, cut here into at most three rectangles: a partial first row, whole
-rows, a partial last row), straight from the optimizer's buffers: no gather, no copy. `torch.distributed.
-checkpoint` records the rectangles and reshards on load, where each rank reads the rectangles of its new
-partition directly into its buffers, so a checkpoint written at one (TP, DP, ZeRO stage) loads at any other.
+rows, a partial last row), straight from the optimizer's buffers: no gather. DCP records the rectangles as the
+stored tensor's chunks and reshards on load, where each rank reads the rectangles of its new partition
+directly into its buffers, so a checkpoint written at one (TP, DP, ZeRO stage) loads at any other.
+
+The planners work on the public planner API alone: a rank's local save plan is one SHARD `WriteItem` per
+rectangle (DCP's global plan keeps one copy of rectangles several ranks hold, stage 0's DP replicas), and its
+local load plan is `create_read_items_for_chunk_list` over its rectangles against the stored chunks.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+import io
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from mpzero.errors import ConfigError
 from mpzero.tensor_parallel.placement import TensorPlacement
-from mpzero.zero.state import OwnedPiece
+
+if TYPE_CHECKING:
+    from mpzero.zero import OwnedPiece
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A rectangle of a global tensor: its offsets and sizes there, and the view of this rank's buffer that
+    holds it (shape == sizes)."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    view: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LocalShare:
+    """This rank's chunks of one stored tensor of global shape `size` (non-overlapping; possibly none)."""
+    size: tuple[int, ...]
+    chunks: list[Chunk]
 
 
 def rectangles(start: int, end: int, cols: int) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
@@ -35,9 +66,9 @@ def rectangles(start: int, end: int, cols: int) -> list[tuple[tuple[int, int], t
     return out
 
 
-def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int) -> list[tuple]:
-    """(global offsets, sizes, tensor view) for the part of `piece` that is real (not vocabulary padding), in
-    the global tensor's coordinates. 1-D parameters are handled as one row."""
+def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int) -> list[Chunk]:
+    """The part of `piece` that is real (not vocabulary padding), in the global tensor's coordinates, with
+    views into `piece.tensors[key]`. 1-D parameters are handled as one row."""
     if len(piece.shape) > 2:
         raise NotImplementedError(f"{piece.name}: checkpoints handle 1-D and 2-D parameters")
     out = []
@@ -53,36 +84,94 @@ def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int
         elif placement.partition_dim is not None:  # split along the last (or only) dimension
             col += tp_rank * shape[1]
         if len(piece.shape) == 2:
-            out.append(((row, col), (rows, cols), view.view(rows, cols)))
+            out.append(Chunk((row, col), (rows, cols), view.view(rows, cols)))
         else:
-            out.append(((col,), (cols,), view))
+            out.append(Chunk((col,), (cols,), view))
     return out
 
 
-def sharded(local_chunks: list[tuple], global_shape: tuple[int, ...], groups) -> ShardedTensor:
-    """This rank's chunks (global offsets, sizes, tensor view) of one global tensor as a ShardedTensor whose
-    local shards are the views themselves (DCP writes from them and loads into them); no collective.
+class ChunksSavePlanner(DefaultSavePlanner):
+    """Saves a {key: LocalShare} state dict: each rank writes its own chunks, straight from their views.
+    The global plan (DefaultSavePlanner's) drops every repeat of a chunk (same key and offsets) but one and
+    checks that the chunks stay inside their tensors and do not overlap."""
 
-    torch requires a ShardedTensor's metadata to tile the whole tensor, but ZeRO's partitions (and stage 0's
-    replicas) are known only locally, and DCP plans each rank's save and load from its local shards alone.
-    So the rest of the tensor is described as placeholder chunks on another rank; they are never read."""
-    rank, device = groups.world.rank, groups.device
-    mine = f"rank:{rank}/{device.type}" + (f":{device.index}" if device.type == "cuda" else "")
-    elsewhere = f"rank:{(rank + 1) % groups.world.size}/{device.type}" + (":0" if device.type == "cuda" else "")
-    shards = [Shard(t, ShardMetadata(list(offsets), list(sizes), mine)) for offsets, sizes, t in local_chunks]
-    rest = [ShardMetadata(list(o), list(z), elsewhere)
-            for o, z in _complement([(o, z) for o, z, _ in local_chunks], global_shape)]
-    meta = ShardedTensorMetadata([s.metadata for s in shards] + rest, torch.Size(global_shape),
-                                 TensorProperties(dtype=local_chunks[0][2].dtype))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+    def set_up_planner(self, state_dict: dict[str, LocalShare], storage_meta=None,
+                       is_coordinator: bool = False) -> None:
+        self.shares = state_dict
+        self.state_dict = {}
+        self.mappings = {key: (key,) for key in state_dict}  # metadata.planner_data, as for a flat state dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, share in self.shares.items():
+            for chunk in share.chunks:
+                items.append(WriteItem(
+                    index=MetadataIndex(key, chunk.offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(chunk.offsets),
+                                                                           torch.Size(chunk.sizes)),
+                                                properties=TensorProperties(dtype=chunk.view.dtype),
+                                                size=torch.Size(share.size))))
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        return _find(self.shares[write_item.index.fqn].chunks, write_item.index).view
 
 
-def _complement(boxes: list[tuple], shape: tuple[int, ...]) -> list[tuple]:
-    """Boxes (offsets, sizes) tiling the part of `shape` the given non-overlapping boxes leave uncovered:
-    the cells of the grid their edges cut, less the covered cells."""
-    cuts = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + z[d] for o, z in boxes}) for d, n in enumerate(shape)]
-    cells = [((),())]
-    for edges in cuts:
-        cells = [(o + (lo,), z + (hi - lo,)) for o, z in cells for lo, hi in zip(edges, edges[1:])]
-    covered = [lambda o, _o=bo, _z=bz: all(a <= x < a + n for x, a, n in zip(o, _o, _z)) for bo, bz in boxes]
-    return [(o, z) for o, z in cells if not any(inside(o) for inside in covered)]
+class ChunksLoadPlanner(DefaultLoadPlanner):
+    """Loads a {key: LocalShare} state dict in place: every stored chunk that overlaps one of this rank's
+    chunks is read into the overlap's view of this rank's buffer. A key the checkpoint lacks, or holds at
+    another shape, is an error."""
+
+    def set_up_planner(self, state_dict: dict[str, LocalShare], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.shares = state_dict
+        self.state_dict = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        items = []
+        for key, share in self.shares.items():
+            md = stored.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise ConfigError(f"the checkpoint has no tensor {key!r}")
+            if tuple(md.size) != tuple(share.size):
+                raise ConfigError(f"the checkpoint holds {key} at {tuple(md.size)}, not {tuple(share.size)}")
+            wanted = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in share.chunks]
+            items += create_read_items_for_chunk_list(key, md, wanted)
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise ConfigError(f"the checkpoint holds {read_item.dest_index.fqn!r} as bytes, not as a tensor")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self._destination(read_item)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """The reader copies into the view resolve_tensor returned, so the buffer already holds the data;
+        a storage reader that handed out a copy instead (a device or layout it had to convert) is copied
+        back here."""
+        target = self._destination(read_item)
+        same = (tensor.device == target.device and tensor.data_ptr() == target.data_ptr()
+                and tensor.stride() == target.stride())
+        if not same:
+            target.copy_(tensor)
+
+    def _destination(self, read_item: ReadItem) -> torch.Tensor:
+        view = _find(self.shares[read_item.dest_index.fqn].chunks, read_item.dest_index).view
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, start, length)
+        return view
+
+
+def _find(chunks: list[Chunk], index: MetadataIndex) -> Chunk:
+    """The chunk at `index.offset`; `index.index`, where set, is the chunk's position (a hint)."""
+    if index.index is not None and index.index < len(chunks) and chunks[index.index].offsets == tuple(index.offset):
+        return chunks[index.index]
+    for chunk in chunks:
+        if chunk.offsets == tuple(index.offset):
+            return chunk
+    raise KeyError(f"no chunk of {index.fqn} at offsets {tuple(index.offset)} on this rank")

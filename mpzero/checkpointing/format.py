@@ -1,0 +1,40 @@
+"""The names a checkpoint is made of, shared by the trainer and tools/checkpoint_util.py.
+
+Format 1 (no "format" field in meta.json) and format 2 store the same tensors under the same keys and chunks;
+format 2 is written through mpzero's own DCP planners instead of torch's deprecated sharded-tensor class, and
+says so in meta.json, so that a later change of layout can be told apart and refused or converted.
+"""
+
+from __future__ import annotations
+
+import os
+
+FORMAT = 2
+LATEST = "latest_checkpointed_iteration.txt"
+MASTER = "master"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def checkpoint_key(state: str, name: str) -> str:
+    """model/<name> for the fp32 weights (state "master"), optimizer/<moment>/<name> for Adam's moments."""
+    if state == MASTER:
+        return f"model/{name}"
+    if state in MOMENTS:
+        return f"optimizer/{state}/{name}"
+    raise ValueError(f"no checkpoint key for state {state!r}: expected {MASTER!r} or one of {MOMENTS}")
+
+
+def parse_checkpoint_key(key: str) -> tuple[str, str]:
+    """(state, parameter name) of a checkpoint key: the inverse of checkpoint_key."""
+    kind, _, rest = key.partition("/")
+    if kind == "model" and rest:
+        return MASTER, rest
+    if kind == "optimizer":
+        state, _, name = rest.partition("/")
+        if state in MOMENTS and name:
+            return state, name
+    raise ValueError(f"{key!r} is not a checkpoint key (model/<name> or optimizer/<moment>/<name>)")
