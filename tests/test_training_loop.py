@@ -1,12 +1,14 @@
 """The training loop around the step: schedule, --config files, TensorBoard, SIGTERM, NaN, exit interval."""
 
 import json
+import math
 import os
 import re
 import signal
 import threading
 
-from mpzero.training.lr_schedule import LRSchedule
+import pytest
+
 from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import run_ranks
 
@@ -17,8 +19,16 @@ def _run(argv, world=1):
 
 def test_warmup_cosine_lrs_follow_the_closed_form():
     history = _run(TINY + ["--lr-decay-style", "cosine", "--lr-warmup-iters", "3", "--min-lr", "1e-4"])
-    expected = LRSchedule(1e-3, 1e-4, warmup_iters=3, decay_iters=10, decay_style="cosine")
-    assert history["lrs"] == [expected.lr(step) for step in range(10)]
+    # Megatron's formula written out (decay over TINY's 10 train iterations): linear warmup from 0 over
+    # 3 steps, then min_lr + (max_lr - min_lr) * 0.5 * (1 + cos(pi * (step - 3) / (10 - 3))).
+    max_lr, min_lr, warmup, decay = 1e-3, 1e-4, 3, 10
+    expected = [max_lr * step / warmup if step <= warmup else
+                min_lr + (max_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (decay - warmup)))
+                for step in range(10)]
+    assert history["lrs"] == pytest.approx(expected, rel=1e-12, abs=0)
+    # A few by hand: 1e-3 * 2/3 at step 2; at step 3 + 7/2 the cosine is 0, midway between max and min.
+    assert history["lrs"][:4] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3], rel=1e-12, abs=0)
+    assert history["lrs"][9] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 6 / 7)), rel=1e-12)
 
 
 def test_skipped_fp16_steps_match_megatron_schedule_and_console():
@@ -27,8 +37,11 @@ def test_skipped_fp16_steps_match_megatron_schedule_and_console():
                                                                   "--log-interval", "2", "--eval-iters", "0"])[0]
     skipped = [norm is None for norm in history["grad_norms"]]
     assert skipped[:2] == [True, True] and not all(skipped)  # 2^20 overflows fp16 until the scale backs off
-    schedule = LRSchedule(1e-3, 0.0, warmup_iters=0, decay_iters=10)
-    assert history["lrs"] == [schedule.lr(i - sum(skipped[:i])) for i in range(10)]
+    # Megatron's linear decay without warmup, to min_lr 0 over 10 iterations: lr = 1e-3 * (1 - step / 10),
+    # where step counts only the updates applied before iteration i.
+    applied = [i - sum(skipped[:i]) for i in range(10)]
+    assert applied[:3] == [0, 0, 0]  # two skipped iterations: the third still runs at step 0
+    assert history["lrs"] == pytest.approx([1e-3 * (1 - step / 10) for step in applied], rel=1e-12, abs=0)
     per_line = [int(n) for n in re.findall(r"number of skipped iterations: +(\d+)", stdout)]
     assert per_line == [sum(skipped[i:i + 2]) for i in range(0, 10, 2)]
 
