@@ -26,7 +26,7 @@ def test_warmup_cosine_lrs_follow_the_closed_form():
                 min_lr + (max_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (decay - warmup)))
                 for step in range(10)]
     assert history["lrs"] == pytest.approx(expected, rel=1e-12, abs=0)
-    # A few by hand: 1e-3 * 2/3 at step 2; at step 3 + 7/2 the cosine is 0, midway between max and min.
+    # A few by hand: warmup 0, 1/3, 2/3 and all of max_lr at step 3; step 9 is 6/7 of the way along the cosine.
     assert history["lrs"][:4] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3], rel=1e-12, abs=0)
     assert history["lrs"][9] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 6 / 7)), rel=1e-12)
 
