@@ -13,12 +13,11 @@ import time
 import pytest
 import torch
 
-from mpzero.arguments import adam_config, gpt_config, parse_args, precision_config, zero_config
+from mpzero.arguments import parse_args, run_config
 from mpzero.checkpointing import latest_iteration, save_checkpoint, write_unpublished
-from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
-from mpzero.tensor_parallel import seed_everything
-from mpzero.zero import ZeroOptimizer
+from mpzero.training.loop import build_training_state
+from pretrain_gpt import gpt_provider
 from tests.cli import ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import RanksFailed, run_ranks
 
@@ -54,13 +53,12 @@ def test_reload_under_another_layout_gives_the_same_next_step_loss(tmp_path, sav
 
 
 def _training_state(argv):
-    """What pretrain_gpt builds before its loop: groups, model, optimizer, RNG tracker."""
-    args = parse_args(argv)
-    groups = init_parallel(args.tensor_model_parallel_size)
-    rng = seed_everything(args.seed, groups.tp_rank, groups.device)
-    model = GPTModel(gpt_config(args, args.vocab_size), groups.tp, rng, device=groups.device)  # --mock-data
-    optimizer = ZeroOptimizer(model, groups, zero_config(args), adam_config(args), precision_config(args))
-    return groups, model, optimizer, rng
+    """What pretrain_gpt builds before its loop (one shared set-up): groups, model, optimizer, RNG tracker."""
+    import torch.distributed as dist
+    run = run_config(parse_args(argv), dist.get_world_size())
+    groups = init_parallel(run.parallel.tensor_model_parallel_size)
+    state = build_training_state(run, gpt_provider, groups)
+    return groups, state.model.module, state.optimizer, state.rng
 
 
 def _crash_after_writing_shards(root, argv):
