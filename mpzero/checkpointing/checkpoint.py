@@ -30,6 +30,7 @@ from mpzero.files import replace_directory, write_atomically
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
 
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
                     meta: dict) -> str:
     """Collective: every rank calls it. Returns the published directory."""
@@ -50,7 +51,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     where = placements(model.named_parameters())
-    step = optimizer.adam_step()  # collective: before rank 0 goes its own way
+    step = optimizer.adam_step()
     dcp.save(_local_shares(optimizer, where, (MASTER,) + MOMENTS, groups, writing=True), checkpoint_id=tmp,
              planner=ChunksSavePlanner())
     snapshot = rng.snapshot()
