@@ -131,3 +131,24 @@ def test_bad_arguments_are_config_errors(data):
         build_gpt_datasets([data[0] + "_missing"], "1", 8, 1, (1, 0, 0))
     with pytest.raises(ConfigError, match="--split"):
         build_gpt_datasets([data[0]], "a,b", 8, 1, (1, 0, 0))
+
+
+def test_rewritten_dataset_of_same_sizes_gets_new_indices(tmp_path):
+    """Re-preprocessing into the same prefix (same sequence count and .bin size, another document order)
+    must not reuse the old sample index: the cache is keyed by the .idx contents."""
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    sizes = [3, 17, 5, 29, 11, 2, 23, 7] * 5
+
+    def write(order):
+        with IndexedDatasetBuilder(prefix, np.int32) as builder:
+            for d in order:
+                builder.add_document(np.full(sizes[d], d), [sizes[d]])
+
+    def samples(cache_dir):
+        train = build_gpt_datasets([prefix], "1", 8, 1, (30, 0, 0), cache_dir)[0]
+        return [train[i]["tokens"].tolist() for i in range(len(train))]
+
+    write(range(len(sizes)))
+    samples(cache)
+    write(reversed(range(len(sizes))))  # same count, same .bin size, other lengths per position
+    assert samples(cache) == samples(str(tmp_path / "fresh"))

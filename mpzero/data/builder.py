@@ -57,10 +57,11 @@ def _gpt_split(indexed: IndexedDataset, bounds, name: str, seq_length: int, seed
     begin, end = split_document_range(bounds, len(indexed))
     if begin == end:
         return None  # a small share of few documents can round to none
+    # The indices are a function of the sequence lengths (all in the .idx), the split's documents, seq_length,
+    # seed and num_samples: the key holds exactly these. The path is only there for the reader of the file.
     description = {"class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix),
-                   "sequences": len(indexed), "bin_bytes": os.path.getsize(indexed.path_prefix + ".bin"),
-                   "split": name, "documents": [begin, end], "seq_length": seq_length, "seed": seed,
-                   "num_samples": num_samples}
+                   "idx_sha256": indexed.index_digest, "split": name, "documents": [begin, end],
+                   "seq_length": seq_length, "seed": seed, "num_samples": num_samples}
     cache = cache_dir or os.path.join(indexed.path_prefix, "cache", "GPTDataset_indices")
 
     def build():

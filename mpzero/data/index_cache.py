@@ -1,7 +1,9 @@
 """Index arrays built once by one rank, saved as .npy, loaded (memory-mapped) by every rank.
 
-The file names carry an md5 of a description of everything the arrays depend on (data prefix and its
-size, split, sequence length, seed, sample count), so a changed setting never reads a stale cache.
+The file names carry an md5 of a description of everything the arrays depend on (for a GPT dataset: a
+sha256 of its whole .idx file, which holds every sequence length and document boundary, and the split,
+sequence length, seed and sample count), so neither a changed setting nor a dataset re-preprocessed into
+the same prefix ever reads a stale cache.
 The building rank writes each file under a temporary name and renames it; the description file comes
 last and marks the set complete. The other ranks wait at a barrier that also carries the builder's
 error, if any, so a failed build raises on every rank instead of leaving them waiting.

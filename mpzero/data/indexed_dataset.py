@@ -18,6 +18,7 @@ them only once the index is complete, so a crash never leaves a half-written dat
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from array import array
@@ -58,6 +59,7 @@ class IndexedDataset:
 
     def __init__(self, path_prefix: str):
         self.path_prefix = path_prefix
+        self._index_digest = None
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
@@ -95,6 +97,19 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
+
+    @property
+    def index_digest(self) -> str:
+        """sha256 of the whole .idx file: it fixes the dtype, every sequence length and pointer and the
+        document boundaries, so anything derived from sizes alone (sample indices) can be keyed by it.
+        Read once per object, in 16 MB pieces (the .idx is 12 bytes per sequence, small beside the .bin)."""
+        if self._index_digest is None:
+            digest = hashlib.sha256()
+            with open(index_file_path(self.path_prefix), "rb") as f:
+                while piece := f.read(1 << 24):
+                    digest.update(piece)
+            self._index_digest = digest.hexdigest()
+        return self._index_digest
 
     def __getstate__(self):  # pickled for a DataLoader worker: reopen the files, never copy the tokens
         return self.path_prefix
