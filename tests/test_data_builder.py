@@ -152,3 +152,22 @@ def test_rewritten_dataset_of_same_sizes_gets_new_indices(tmp_path):
     samples(cache)
     write(reversed(range(len(sizes))))  # same count, same .bin size, other lengths per position
     assert samples(cache) == samples(str(tmp_path / "fresh"))
+
+
+@pytest.mark.parametrize("order", ["zero first", "zero last"])
+def test_zero_weight_takes_no_samples_wherever_it_stands(data, tmp_path, order):
+    a, b = data
+    path = ["0", a, "1", b] if order == "zero first" else ["1", b, "0", a]
+    train = build_gpt_datasets(path, "100,0,0", 8, 1, (200, 0, 0), str(tmp_path / "cache"))[0]
+    alone = build_gpt_datasets([b], "100,0,0", 8, 1, (200, 0, 0), str(tmp_path / "cache"))[0]
+    assert len(train) >= 200
+    for i in range(200):  # the weight-0 dataset is dropped: the run is B's alone
+        np.testing.assert_array_equal(train[i]["tokens"], alone[i]["tokens"])
+
+
+def test_blending_never_picks_a_zero_weight():
+    from mpzero.data import build_blending_indices
+
+    for weights in ([0.0, 1.0], [0.0, 0.5, 0.0, 0.5]):
+        indices = build_blending_indices(weights, 100)["dataset_index"]
+        assert all(weights[d] > 0 for d in indices.tolist())

@@ -41,3 +41,10 @@ def test_parse_data_path_forms():
 def test_parse_data_path_rejects_bad_lists(bad, message):
     with pytest.raises(ConfigError, match=message):
         parse_data_path(bad)
+
+
+def test_parse_data_path_drops_zero_weights():
+    assert parse_data_path(["0", "A", "1", "B"]) == (["B"], [1.0])
+    assert parse_data_path(["1", "B", "0", "A"]) == (["B"], [1.0])
+    prefixes, weights = parse_data_path(["1", "A", "0", "B", "3", "C"])
+    assert prefixes == ["A", "C"] and weights == pytest.approx([0.25, 0.75])

@@ -1,7 +1,7 @@
 """Several datasets mixed by weight (`--data-path 0.3 A 0.7 B`), with Megatron-LM's blending order.
 
 Sample i goes to the dataset whose count lags its target share the most: the one maximising
-weight_d * max(i, 1) - taken_d (lowest index on ties), and takes that dataset's next sample. After
+weight_d * max(i, 1) - taken_d (lowest index on ties; a dataset of weight 0 never), and takes that dataset's next sample. After
 any prefix of n samples each dataset has supplied weight_d * n of them to within one sample, so a
 run that stops early or resumes from a consumed-samples count still sees the requested mixture.
 """
@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpzero.errors import ConfigError
+
 
 def build_blending_indices(weights: list[float], size: int) -> dict[str, np.ndarray]:
     """dataset_index[i] (which dataset) and dataset_sample_index[i] (its sample) for i < size."""
     dataset_index, dataset_sample_index = [], []
     taken = [0] * len(weights)
-    datasets = range(1, len(weights))
+    # Only positive weights compete: with Megatron's loop a weight-0 dataset listed first wins the tie at
+    # error 0 and is asked for a sample it was never built for.
+    candidates = [d for d, w in enumerate(weights) if w > 0]
+    if not candidates:
+        raise ConfigError(f"blend weights {weights} have no positive weight: give at least one")
+    first, datasets = candidates[0], candidates[1:]
     # A plain loop, as in Megatron's C++ helper; ~1 s per million samples, and it is built once, cached.
     for i in range(size):
         scale = max(i, 1)
-        best, best_error = 0, weights[0] * scale - taken[0]
+        best, best_error = first, weights[first] * scale - taken[first]
         for d in datasets:
             error = weights[d] * scale - taken[d]
             if error > best_error:

@@ -39,7 +39,8 @@ def split_document_range(bounds: tuple[float, float], num_documents: int) -> tup
 
 
 def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
-    """['A'] -> (['A'], [1.0]); ['0.3', 'A', '0.7', 'B'] -> (['A', 'B'], [0.3, 0.7]) with weights normalised."""
+    """['A'] -> (['A'], [1.0]); ['0.3', 'A', '0.7', 'B'] -> (['A', 'B'], [0.3, 0.7]) with weights normalised;
+    a part of weight 0 is dropped (['0', 'A', '1', 'B'] -> (['B'], [1.0]))."""
     if not data_path:
         raise ConfigError("--data-path is empty: give a dataset prefix, or weight/prefix pairs like 0.3 A 0.7 B")
     if len(data_path) == 1:
@@ -56,5 +57,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
                               f"e.g. 0.3 A 0.7 B") from None
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--data-path weights {weights} must be non-negative with a positive sum")
-    total = sum(weights)
-    return prefixes, [w / total for w in weights]
+    # A weight-0 part takes no samples: it is dropped here, wherever it stands (not opened, not blended).
+    kept = [(p, w) for p, w in zip(prefixes, weights) if w > 0]
+    total = sum(w for _, w in kept)
+    return [p for p, _ in kept], [w / total for _, w in kept]
