@@ -13,7 +13,7 @@ import torch
 from torch.optim.adamw import adamw as torch_adamw
 
 from mpzero.errors import ConfigError
-from mpzero.fused.impl import KernelSpec, dispatch, jit, tl, triton
+from mpzero.fused.impl import KernelSpec, dispatch, jit, launch_device, tl, triton
 
 BLOCK = 1024  # elements per program: 4 fp32 per thread at 8 warps
 
@@ -61,8 +61,9 @@ def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, bet
                (1 - beta2 ** step) ** 0.5, eps)
     n = params.numel()
     copy_arg = params if model_copy is None else model_copy  # never written when HAS_COPY is False
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, *scalars,
-                                            HAS_COPY=model_copy is not None, BLOCK=BLOCK, num_warps=8)
+    with launch_device(params):
+        _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, *scalars,
+                                                HAS_COPY=model_copy is not None, BLOCK=BLOCK, num_warps=8)
 
 
 def _torch_fused_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,

@@ -13,6 +13,7 @@ Triton is an optional extra (`pip install mpzero[triton]`); without it the kerne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -83,6 +84,14 @@ def dispatch(op: str, device: torch.device, impl: str, choices: dict[str, Callab
     """The callable for the resolved implementation of `op` on `device`; "compile" compiles choices["torch"]."""
     name = resolve_impl(op, device, impl)
     return compiled(choices["torch"]) if name == "compile" else choices[name]
+
+
+def launch_device(tensor: torch.Tensor):
+    """Context for a Triton launch on `tensor`: Triton launches on the *current* CUDA device and its
+    stream, so a tensor on another GPU (cuda:1 while cuda:0 is current) is made current for the launch."""
+    if tensor.is_cuda:
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 @functools.cache

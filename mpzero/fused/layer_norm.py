@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mpzero.errors import ConfigError
-from mpzero.fused.impl import KernelSpec, dispatch, jit, row_block, tl, triton
+from mpzero.fused.impl import KernelSpec, dispatch, jit, launch_device, row_block, tl, triton
 
 # One row lives in registers; 16384 fp32 is 64 KiB per row, the largest width worth one pass.
 MAX_WIDTH = 16384
@@ -94,8 +94,9 @@ class _TritonLayerNorm(torch.autograd.Function):
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
         grid = (triton.cdiv(n_rows, block_m),)
-        _layer_norm_fwd_kernel[grid](x2, y, weight, bias, mean, rstd, n_rows, n_cols, eps,
-                                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        with launch_device(x2):
+            _layer_norm_fwd_kernel[grid](x2, y, weight, bias, mean, rstd, n_rows, n_cols, eps,
+                                         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -112,9 +113,10 @@ class _TritonLayerNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         db_part = torch.empty_like(dw_part)
-        _layer_norm_bwd_kernel[(programs,)](dy.reshape(-1, n_cols).contiguous(), x2, weight, mean, rstd, dx,
-                                            dw_part, db_part, n_rows, n_cols, rows_per_program,
-                                            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        with launch_device(x2):
+            _layer_norm_bwd_kernel[(programs,)](dy.reshape(-1, n_cols).contiguous(), x2, weight, mean, rstd, dx,
+                                                dw_part, db_part, n_rows, n_cols, rows_per_program,
+                                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         return dx.view(ctx.x_shape), dw_part.sum(0), db_part.sum(0), None
 
 

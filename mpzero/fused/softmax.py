@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.fused.impl import KernelSpec, dispatch, jit, row_block, tl, triton
+from mpzero.fused.impl import KernelSpec, dispatch, jit, launch_device, row_block, tl, triton
 
 MAX_WIDTH = 16384  # keys held in registers per row, as in layer_norm
 
@@ -94,9 +94,10 @@ class _TritonSoftmax(torch.autograd.Function):
             mask_arg = mask.expand(b, heads, sq, sk).view(torch.uint8)  # broadcast dims get stride 0
             strides = mask_arg.stride()
         grid = (triton.cdiv(n_rows, block_m),)
-        _softmax_fwd_kernel[grid](x, y, mask_arg, scale, n_rows, sq, sk, heads, *strides,
-                                  CAUSAL=causal, HAS_MASK=mask is not None,
-                                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        with launch_device(x):
+            _softmax_fwd_kernel[grid](x, y, mask_arg, scale, n_rows, sq, sk, heads, *strides,
+                                      CAUSAL=causal, HAS_MASK=mask is not None,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         ctx.save_for_backward(y)
         ctx.scale = scale
         return y
@@ -108,8 +109,9 @@ class _TritonSoftmax(torch.autograd.Function):
         n_rows = y.numel() // sk
         block_m, block_n, warps = row_block(sk, MAX_WIDTH, "scaled_masked_softmax")
         dx = torch.empty_like(y)
-        _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](dy.contiguous(), y, dx, ctx.scale, n_rows, sk,
-                                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        with launch_device(y):
+            _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](dy.contiguous(), y, dx, ctx.scale, n_rows, sk,
+                                                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         return dx, None, None, None
 
 
