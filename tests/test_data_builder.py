@@ -171,3 +171,31 @@ def test_blending_never_picks_a_zero_weight():
     for weights in ([0.0, 1.0], [0.0, 0.5, 0.0, 0.5]):
         indices = build_blending_indices(weights, 100)["dataset_index"]
         assert all(weights[d] > 0 for d in indices.tolist())
+
+
+def test_train_split_without_documents_is_one_line_at_start(data, tmp_path):
+    cache = str(tmp_path / "cache")
+    with pytest.raises(ConfigError, match=r"--split 0,1,0 gives the train split of .*/a no documents"):
+        build_gpt_datasets([data[0]], "0,1,0", 8, 1, (50, 10, 0), cache)
+    # 200 documents, 1/1000 of them: the train share rounds to none.
+    with pytest.raises(ConfigError, match=r"--split 1,999,0 gives the train split of .*/a no documents"):
+        build_gpt_datasets([data[0]], "1,999,0", 8, 1, (50, 10, 0), cache)
+    # In a blend too: 1/200 of A's 200 documents is one, of B's 100 it rounds to none.
+    with pytest.raises(ConfigError, match=r"--split 1,199,0 gives the train split of .*/b no documents"):
+        build_gpt_datasets(["1", data[0], "1", data[1]], "1,199,0", 8, 1, (50, 10, 0), cache)
+    empty = str(tmp_path / "empty")
+    with IndexedDatasetBuilder(empty, np.uint16):
+        pass  # what an empty JSONL preprocesses to: 0 documents
+    with pytest.raises(ConfigError, match=r".*/empty holds no documents, so its train split has none"):
+        build_gpt_datasets([empty], "969,30,1", 8, 1, (50, 10, 10), cache)
+    # Only the splits the run asks samples of matter: no training samples, no complaint.
+    assert build_gpt_datasets([data[0]], "0,1,0", 8, 1, (0, 10, 0), cache)[0] is None
+
+
+def test_train_split_without_tokens_names_the_dataset(tmp_path):
+    prefix = str(tmp_path / "blank")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for _ in range(5):
+            builder.add_document(np.zeros(0, np.uint16), [0])
+    with pytest.raises(ConfigError, match=r"the train split of .*/blank \(documents \[0, 5\) of --split 1\) holds 0 tokens"):
+        build_gpt_datasets([prefix], "1", 8, 1, (10, 0, 0), str(tmp_path / "cache"))

@@ -30,8 +30,9 @@ _BLEND_SURPLUS = 0.005  # Megatron's extra share per part so rounding never exha
 
 def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                        num_samples: tuple[int, int, int], cache_dir: str | None = None, group=None) -> list:
-    """[train, valid, test]: each a dataset of at least num_samples[k] samples, or None if that split
-    has no documents or no samples were asked of it. `group`: None, a CommGroup or ParallelGroups;
+    """[train, valid, test]: each a dataset of at least num_samples[k] samples, or None if no samples
+    were asked of it or (valid, test) it has no documents. A train split asked for samples that has no
+    documents is a ConfigError naming the dataset and --split, raised here before any index is built. `group`: None, a CommGroup or ParallelGroups;
     its rank 0 builds missing index caches while the others wait, then everyone loads them, so every
     rank of the group must make this call (with the same arguments)."""
     if seq_length < 1 or len(num_samples) != 3 or min(num_samples) < 0:
@@ -40,6 +41,9 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
     prefixes, weights = parse_data_path(data_path)
     bounds = parse_split(split)
     indexed = [IndexedDataset(p) for p in prefixes]
+    if num_samples[0] > 0:  # training reads its split from the first step: it must have data, said now
+        for ds in indexed:
+            _check_train_split(ds, bounds[0], split)
     out = []
     for k, name in enumerate(SPLIT_NAMES):
         if bounds[k] is None or num_samples[k] == 0:
@@ -50,6 +54,23 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
             out.append(_blended_split(indexed, weights, bounds[k], name, seq_length, seed, num_samples[k],
                                       cache_dir, group))
     return out
+
+
+def _check_train_split(indexed: IndexedDataset, bounds, split: str) -> None:
+    """One line naming the dataset and the cause if the train split has no documents or no sample's worth
+    of tokens (valid/test may be empty: evaluation is then skipped, as in Megatron)."""
+    prefix = indexed.path_prefix
+    if len(indexed) == 0:
+        raise ConfigError(f"{prefix} holds no documents, so its train split has none: preprocess a non-empty "
+                          f"input into it (tools/preprocess_data.py reported 0 documents) or drop it from --data-path")
+    begin, end = split_document_range(bounds, len(indexed)) if bounds is not None else (0, 0)
+    if begin == end:
+        raise ConfigError(f"--split {split} gives the train split of {prefix} no documents (its share of the "
+                          f"{len(indexed)} documents rounds to none): give train a larger share, e.g. --split 969,30,1")
+    tokens = int(np.asarray(indexed.sequence_lengths[begin:end], dtype=np.int64).sum())
+    if tokens < 2:
+        raise ConfigError(f"the train split of {prefix} (documents [{begin}, {end}) of --split {split}) holds "
+                          f"{tokens} tokens, too few for one sample: give it more data or a larger share")
 
 
 def _gpt_split(indexed: IndexedDataset, bounds, name: str, seq_length: int, seed: int, num_samples: int,
