@@ -197,5 +197,5 @@ def test_train_split_without_tokens_names_the_dataset(tmp_path):
     with IndexedDatasetBuilder(prefix, np.uint16) as builder:
         for _ in range(5):
             builder.add_document(np.zeros(0, np.uint16), [0])
-    with pytest.raises(ConfigError, match=r"the train split of .*/blank \(documents \[0, 5\) of --split 1\) holds 0 tokens"):
+    with pytest.raises(ConfigError, match=r"train split of .*/blank \(documents \[0, 5\) of --split 1\) holds 0 tok"):
         build_gpt_datasets([prefix], "1", 8, 1, (10, 0, 0), str(tmp_path / "cache"))

@@ -5,7 +5,8 @@ The API `pretrain_gpt.py` uses:
     tok = build_tokenizer(tokenizer_type, tokenizer_model=..., vocab_file=..., merge_file=...)
     tok.vocab_size, tok.eod, tok.tokenize(text), tok.detokenize(ids)
     train, valid, test = build_gpt_datasets(data_path, split, seq_length, seed,
-                                            (n_train, n_valid, n_test), cache_dir, group)
+                                            (n_train, n_valid, n_test), cache_dir, group,
+                                            vocab_size=tok.vocab_size)  # token ids checked against it
     train[i]["tokens"]  # int64[seq_length + 1]; i indexes a fixed global order, independent of DP size
 
 Nothing here imports torch: the preprocessing workers stay light, and groups are used by duck typing.

@@ -1,9 +1,10 @@
 """Several datasets mixed by weight (`--data-path 0.3 A 0.7 B`), with Megatron-LM's blending order.
 
 Sample i goes to the dataset whose count lags its target share the most: the one maximising
-weight_d * max(i, 1) - taken_d (lowest index on ties; a dataset of weight 0 never), and takes that dataset's next sample. After
-any prefix of n samples each dataset has supplied weight_d * n of them to within one sample, so a
-run that stops early or resumes from a consumed-samples count still sees the requested mixture.
+weight_d * max(i, 1) - taken_d (lowest index on ties; a dataset of weight 0 never), and takes that
+dataset's next sample. After any prefix of n samples each dataset has supplied weight_d * n of them to
+within one sample, so a run that stops early or resumes from a consumed-samples count still sees the
+requested mixture.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpzero.data.vocab_check import check_sample
 from mpzero.errors import ConfigError
 
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: shuffle a last epoch used below 80% on its own
@@ -97,8 +98,8 @@ def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
 class GPTDataset:
     """Sample i -> {"tokens": int64[seq_length + 1]}, read through the shuffle and sample indices."""
 
-    def __init__(self, indexed, indices: dict[str, np.ndarray], seq_length: int):
-        self.indexed, self.seq_length = indexed, seq_length
+    def __init__(self, indexed, indices: dict[str, np.ndarray], seq_length: int, *, vocab_size: int | None = None):
+        self.indexed, self.seq_length, self.vocab_size = indexed, seq_length, vocab_size
         self.document_index = indices["document_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"]
@@ -120,4 +121,6 @@ class GPTDataset:
             pieces.append(self.indexed.get(int(doc_ids[-1]), 0, int(last_offset) + 1))
         tokens = np.concatenate(pieces).astype(np.int64)
         assert len(tokens) == self.seq_length + 1, "sample index and sizes disagree"
+        if self.vocab_size is not None:
+            check_sample(tokens, self.vocab_size, f"sample {i} of {self.indexed.path_prefix}")
         return {"tokens": tokens}
