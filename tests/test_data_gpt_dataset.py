@@ -1,11 +1,12 @@
-"""GPT samples: Megatron's sample index on the issue's worked example, and every sample against the
-concatenated token stream it must be a window of."""
+"""GPT samples: Megatron's sample index on the issue's worked example, every sample against the
+concatenated token stream it must be a window of, and the epoch-by-epoch order that asking for more
+samples only extends."""
 
 import numpy as np
 import pytest
 
 from mpzero.data import IndexedDatasetBuilder, IndexedDataset, build_gpt_indices, build_sample_index
-from mpzero.data.gpt_dataset import GPTDataset, build_document_index, build_shuffle_index, num_epochs_needed
+from mpzero.data.gpt_dataset import GPTDataset, block_plan, build_document_index, build_shuffle_index
 from mpzero.errors import ConfigError
 
 
@@ -55,29 +56,63 @@ def test_gpt_dataset_samples_match_shuffled_stream_windows(corpus, num_samples, 
     assert sorted(indices["shuffle_index"].tolist()) == list(range(len(ds)))
 
 
-def test_epochs_and_separate_final_epoch_follow_megatron():
-    sizes = np.full(10, 11, np.int32)  # 110 tokens per epoch: (110 - 1) // 10 = 10 samples per epoch
-    assert num_epochs_needed(110, 10, 10) == 1 and num_epochs_needed(110, 10, 11) == 2
-    # 12 samples: the 2nd epoch supplies 12 - 10 = 2 < int(0.8 * 10) of them -> shuffled on its own.
-    small_last = build_gpt_indices(sizes, np.arange(10, dtype=np.int32), 10, 12, seed=0)
-    first_epoch = (110 - 1) // 10
-    assert sorted(small_last["shuffle_index"][:first_epoch].tolist()) == list(range(first_epoch))
-    assert sorted(small_last["document_index"][:10].tolist()) == list(range(10))  # epochs kept apart
-    # 19 samples: the last epoch supplies 9 >= 8, so everything is shuffled together.
-    full_last = build_gpt_indices(sizes, np.arange(10, dtype=np.int32), 10, 19, seed=0)
-    assert sorted(full_last["shuffle_index"][:first_epoch].tolist()) != list(range(first_epoch))
+def test_every_epoch_covers_every_document_once_and_blocks_shuffle_among_themselves():
+    sizes = np.full(10, 11, np.int32)  # 110 tokens per epoch: (110 - 1) // 10 = 10 samples per block
+    assert block_plan(110, 10, 10) == (1, 10, 1) and block_plan(110, 10, 11) == (1, 10, 2)
+    assert block_plan(5, 10, 3) == (3, 1, 3)  # 5-token epochs: a sample of 11 tokens needs 3 of them
+    indices = build_gpt_indices(sizes, np.arange(10, dtype=np.int32), 10, 25, seed=0)
+    document_index, shuffle_index = indices["document_index"], indices["shuffle_index"]
+    assert len(document_index) == 30 and len(shuffle_index) == 30 == len(indices["sample_index"]) - 1
+    for e in range(3):
+        assert sorted(document_index[10 * e:10 * (e + 1)].tolist()) == list(range(10))  # each doc once per epoch
+        block = shuffle_index[10 * e:10 * (e + 1)].tolist()
+        assert sorted(block) == list(range(10 * e, 10 * (e + 1))) and block != sorted(block)
+    assert document_index[:10].tolist() != document_index[10:20].tolist()  # each epoch its own shuffle
 
 
 def test_index_builders_are_deterministic_in_the_seed():
-    rng_a, rng_b = np.random.RandomState(5), np.random.RandomState(5)
     docs = np.arange(100, dtype=np.int32)
-    np.testing.assert_array_equal(build_document_index(docs, 3, rng_a, True), build_document_index(docs, 3, rng_b, True))
-    np.testing.assert_array_equal(build_shuffle_index(50, 70, rng_a), build_shuffle_index(50, 70, rng_b))
+    np.testing.assert_array_equal(build_document_index(docs, 3, 5), build_document_index(docs, 3, 5))
+    np.testing.assert_array_equal(build_document_index(docs, 3, 5), build_document_index(docs, 5, 5)[:300])
+    np.testing.assert_array_equal(build_shuffle_index(50, 2, 5), build_shuffle_index(50, 2, 5))
+    np.testing.assert_array_equal(build_shuffle_index(50, 2, 5), build_shuffle_index(50, 4, 5)[:100])
     a = build_gpt_indices(np.full(100, 9, np.int32), docs, 4, 300, seed=1)["shuffle_index"]
     b = build_gpt_indices(np.full(100, 9, np.int32), docs, 4, 300, seed=2)["shuffle_index"]
     assert not np.array_equal(a, b)
+    with pytest.raises(ConfigError, match=r"--seed -1 is outside \[0, 2\*\*32\)"):
+        build_gpt_indices(np.full(100, 9, np.int32), docs, 4, 300, seed=-1)
 
 
 def test_gpt_indices_reject_a_split_without_tokens():
     with pytest.raises(ConfigError, match="too few"):
         build_gpt_indices(np.array([0, 1], np.int32), np.arange(2, dtype=np.int32), 4, 10, seed=0)
+
+
+@pytest.mark.parametrize("seq_length", [7, 16, 64])  # 64: a sample needs more than one epoch's tokens
+def test_asking_for_more_samples_only_appends(corpus, seq_length):
+    """Training longer (a larger --train-iters on resume) must not reshuffle what is left: the first n
+    samples are the same whether n or 3n are asked for, over a dataset of several epochs."""
+    indexed, _ = corpus
+    documents = np.arange(0, 12, dtype=np.int32)  # a few hundred tokens: n samples span several epochs
+    tokens_per_epoch = int(indexed.sequence_lengths[documents].astype(np.int64).sum())
+    n = 4 * tokens_per_epoch // seq_length + 3
+    short = GPTDataset(indexed, build_gpt_indices(indexed.sequence_lengths, documents, seq_length, n, seed=3),
+                       seq_length)
+    long = GPTDataset(indexed, build_gpt_indices(indexed.sequence_lengths, documents, seq_length, 3 * n, seed=3),
+                      seq_length)
+    assert len(short) >= n and len(long) >= 3 * n
+    for i in range(n):
+        np.testing.assert_array_equal(short[i]["tokens"], long[i]["tokens"])
+
+
+def test_resumed_run_with_more_iterations_reads_the_same_samples(tmp_path):
+    from mpzero.data import build_gpt_datasets
+
+    prefix = str(tmp_path / "d")
+    with IndexedDatasetBuilder(prefix, np.int32) as builder:
+        for d in range(30):
+            builder.add_document(np.arange(d % 7 + 3) + 100 * d, [d % 7 + 3])
+    first = build_gpt_datasets([prefix], "1", 8, 5, (100, 0, 0))[0]  # ~180 tokens per epoch: 5 epochs
+    longer = build_gpt_datasets([prefix], "1", 8, 5, (400, 0, 0))[0]
+    for i in range(100):
+        np.testing.assert_array_equal(first[i]["tokens"], longer[i]["tokens"])

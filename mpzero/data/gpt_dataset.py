@@ -1,16 +1,35 @@
-"""GPT training samples over an indexed dataset, with Megatron-LM's GPTDataset semantics.
+"""GPT training samples over an indexed dataset: Megatron-LM's GPTDataset windows, epoch-by-epoch order.
 
-Three index arrays define the samples (all built from one `np.random.RandomState(seed)`):
-- document index: the split's documents (sequences) repeated for enough epochs, shuffled;
+Three index arrays define the samples:
+- document index: the split's documents (sequences), one shuffled copy per epoch, epoch after epoch;
 - sample index [num_samples + 1, 2]: (position in the document index, token offset) where sample i
   starts; sample i is the `seq_length + 1` tokens of the concatenated shuffled stream starting at
   token i * seq_length, so consecutive samples share one token (the last input is the next label);
-- shuffle index: a permutation of the samples. If the last epoch is needed for fewer than 80% of its
-  samples it is shuffled separately, after all earlier epochs, so the partial epoch does not leak
-  into the early part of training.
+- shuffle index: a permutation of the samples, block by block: block k is samples [k * P, (k + 1) * P),
+  P = samples per block (below), shuffled among themselves.
 
-Sample order is a pure function of (data, split, seq_length, seed, num_samples): it never depends on
-the number of ranks, and `ds[consumed + k]` after a restart is the sample training would have seen.
+The order of the first n samples does not depend on how many are asked for: asking for more only appends
+epochs and blocks. So a run resumed with a larger --train-iters continues at `consumed samples` in the
+order it started with, instead of a new permutation. This is how:
+- the epochs of the document index are shuffled one after another by one `RandomState([seed, 0])`, and
+  the blocks of the shuffle index one after another by another, `RandomState([seed, 1])`: epoch e's and
+  block k's shuffles draw the same numbers whatever follows them;
+- a block is B epochs' worth of samples, B = the fewest epochs holding one sample (1 unless an epoch has
+  fewer than seq_length + 1 tokens), P = (B * tokens_per_epoch - 1) // seq_length; enough whole blocks
+  are built to cover num_samples (len(dataset) is that multiple of P, up to P - 1 more than asked), and K
+  blocks need K * B epochs of documents. Blocks drift against epochs by at most one sample per block.
+
+Megatron shuffles all samples of all epochs together except a last epoch used for under 80% of its
+samples, which it shuffles on its own after the others (so that a partial epoch's samples are not spread
+through training). Both choices depend on num_samples, which is what made a longer run reshuffle, so
+they are gone: shuffling each block on its own keeps every epoch, the last one included, after the ones
+before it, which is what the separate-last-epoch rule was for, and costs the early-training mixing of
+samples across epochs that nobody relies on. Windows are byte-for-byte Megatron's given the same document
+index; the permutations are not.
+
+Sample order is a pure function of (data, split, seq_length, seed, and for n samples nothing else): it
+never depends on the number of ranks, and `ds[consumed + k]` after a restart is the sample training
+would have seen.
 """
 
 from __future__ import annotations
@@ -20,23 +39,23 @@ import numpy as np
 from mpzero.data.vocab_check import check_sample
 from mpzero.errors import ConfigError
 
-_SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: shuffle a last epoch used below 80% on its own
+
+def block_plan(tokens_per_epoch: int, seq_length: int, num_samples: int) -> tuple[int, int, int]:
+    """(epochs per block B, samples per block P, blocks K) covering num_samples; K * B epochs are needed."""
+    epochs_per_block = max(1, -(-(seq_length + 1) // tokens_per_epoch))
+    per_block = (epochs_per_block * tokens_per_epoch - 1) // seq_length
+    return epochs_per_block, per_block, max(1, -(-num_samples // per_block))
 
 
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose tokens cover num_samples samples of seq_length (+1 shared token)."""
-    needed = num_samples * seq_length + 1
-    return max(1, -(-needed // tokens_per_epoch))
-
-
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
-    """Documents repeated num_epochs times and shuffled (the last epoch on its own if separated)."""
-    if separate_final_epoch and num_epochs > 1:
-        first = build_document_index(documents, num_epochs - 1, rng, False)
-        return np.concatenate((first, build_document_index(documents, 1, rng, False)))
-    index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
-    rng.shuffle(index)
+def build_document_index(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarray:
+    """The documents, shuffled once per epoch, epochs back to back; epoch e is the same for any num_epochs."""
+    documents = np.asarray(documents, dtype=np.int32)
+    rng = np.random.RandomState([seed, 0])
+    index = np.empty(num_epochs * len(documents), dtype=np.int32)
+    for e in range(num_epochs):
+        epoch = index[e * len(documents):(e + 1) * len(documents)]
+        epoch[:] = documents
+        rng.shuffle(epoch)
     return index
 
 
@@ -62,36 +81,33 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     return sample_index
 
 
-def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
-    """A permutation of [0, num_samples) followed by a separate one of [num_samples, total_size)."""
-    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
-    first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
-    if num_samples == total_size:
-        return first
-    last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
-    return np.concatenate((first, last))
+def build_shuffle_index(per_block: int, num_blocks: int, seed: int) -> np.ndarray:
+    """Block k (samples [k * per_block, (k + 1) * per_block)) permuted among itself, blocks in order;
+    block k is the same for any num_blocks."""
+    total = per_block * num_blocks
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    index = np.arange(total, dtype=dtype)
+    rng = np.random.RandomState([seed, 1])
+    for k in range(num_blocks):
+        rng.shuffle(index[k * per_block:(k + 1) * per_block])
+    return index
 
 
 def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
                       seed: int) -> dict[str, np.ndarray]:
-    """The three index arrays for `num_samples` samples over `documents` (ids into `sizes`)."""
+    """The three index arrays for at least `num_samples` samples over `documents` (ids into `sizes`)."""
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"--seed {seed} is outside [0, 2**32), the range numpy's RandomState takes: "
+                          f"choose a seed in it")
     tokens_per_epoch = int(np.asarray(sizes, dtype=np.int64)[documents].sum())
     if tokens_per_epoch < 2:
         raise ConfigError(f"a split of {len(documents)} documents holds {tokens_per_epoch} tokens, too few "
                           f"for one sample: give it more data (--split) or request no samples from it")
-    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
-    separate = False
-    if num_epochs > 1:
-        before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
-        per_epoch = (tokens_per_epoch - 1) // seq_length
-        separate = num_samples - before_final < int(_SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
-    rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng, separate)
-    sample_index = build_sample_index(sizes, document_index, seq_length)
-    total = len(sample_index) - 1
-    shuffle_index = build_shuffle_index(before_final if separate else total, total, rng)
+    epochs_per_block, per_block, num_blocks = block_plan(tokens_per_epoch, seq_length, num_samples)
+    document_index = build_document_index(documents, epochs_per_block * num_blocks, seed)
+    # K * B epochs hold (K * B * T - 1) // s >= K * P samples: keep exactly the K whole blocks.
+    sample_index = build_sample_index(sizes, document_index, seq_length)[:per_block * num_blocks + 1]
+    shuffle_index = build_shuffle_index(per_block, num_blocks, seed)
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
