@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 
+from mpzero.checkpointing import check_save_directory
 from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reduce gradients after backward instead of from its hooks")
     par.add_argument("--no-zero-prefetch", dest="zero_prefetch", action="store_false",
                      help="stage 3: do not gather the next layer's parameters ahead of time")
+    par.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                     action="store_false", help="apply updates with a non-finite loss or gradient norm "
+                     "(by default the run stops before such an update; fp16 skips it)")
 
     precision = p.add_argument_group("mixed precision")
     dtype = precision.add_mutually_exclusive_group()
@@ -105,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--no-load-rng", action="store_true")
     ckpt.add_argument("--finetune", action="store_true",
                       help="load model weights only and start from iteration 0")
+    ckpt.add_argument("--overwrite-checkpoints", action="store_true",
+                      help="let a run that does not continue from --save's latest checkpoint save over it")
 
     data = p.add_argument_group("data")
     data.add_argument("--mock-data", action="store_true", help="train on deterministic synthetic tokens")
@@ -163,19 +169,22 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), adam_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    if args.save:
+        check_save_directory(args.save, args.load, args.finetune, args.overwrite_checkpoints)
     resolved = {"global_batch_size": global_batch, "vocab_size": vocab_size,
                 "max_position_embeddings": model.max_position_embeddings}
     return RunConfig(
         model=model,
         parallel=ParallelConfig(tp, args.distributed_timeout_minutes),
         training=TrainingConfig(args.micro_batch_size, global_batch, args.train_iters, args.seq_length, args.seed,
-                                args.exit_interval),
+                                args.exit_interval, args.check_for_nan_in_loss_and_grad),
         evaluation=EvalConfig(args.eval_interval, args.eval_iters),
         data=DataConfig(args.mock_data, tuple(args.data_path) if args.data_path else None, args.split,
                         args.data_cache_path, vocab_size),
         checkpoint=CheckpointConfig(args.save, args.load, args.save_interval,
                                     load_optim=not (args.finetune or args.no_load_optim),
-                                    load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune),
+                                    load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune,
+                                    overwrite=args.overwrite_checkpoints),
         logging=LoggingConfig(args.log_interval, args.tensorboard_dir),
         schedule=lr_schedule(args), zero=sections[0], adam=sections[1], precision=sections[2],
         flags={**vars(args), **resolved})
@@ -218,7 +227,7 @@ def lr_schedule(args: argparse.Namespace) -> LRSchedule:
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
     return ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
-                      prefetch=args.zero_prefetch)
+                      prefetch=args.zero_prefetch, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
 
 
 def adam_config(args: argparse.Namespace) -> AdamConfig:

@@ -11,6 +11,8 @@ import os
 
 FORMAT = 2
 LATEST = "latest_checkpointed_iteration.txt"
+TMP_SUFFIX = ".tmp"  # iter_0000100.tmp: a save being written (or killed while it was)
+OLD_SUFFIX = ".old"  # iter_0000100.old: a checkpoint of the same iteration being replaced
 MASTER = "master"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -52,6 +52,13 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
+    def architecture(self) -> dict:
+        """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
+        is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
+                 "layernorm_epsilon")
+        return {name: getattr(self, name) for name in names}
+
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token, forward and backward: Narayanan et al. (2021)'s
         72 B s l h^2 (1 + s/(6h) + V/(16 l h)) per batch of B sequences, 96 with full recomputation (one more

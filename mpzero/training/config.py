@@ -23,12 +23,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
+    """check_for_nan: Megatron's --check-for-nan-in-loss-and-grad (a non-finite loss stops the run before
+    the update; the gradient norm's check is the optimizer's, ZeroConfig.check_for_nan_in_grad)."""
     micro_batch_size: int
     global_batch_size: int  # resolved: micro batch size x DP size when the flag is not given
     train_iters: int
     seq_length: int
     seed: int = 1234
     exit_interval: int | None = None
+    check_for_nan: bool = True
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class CheckpointConfig:
     load_optim: bool = True  # False: --no-load-optim or --finetune
     load_rng: bool = True  # False: --no-load-rng or --finetune
     finetune: bool = False  # weights only, start from iteration 0
+    overwrite: bool = False  # --overwrite-checkpoints: may save over --save's checkpoints without continuing them
 
 
 @dataclass(frozen=True)

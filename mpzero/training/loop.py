@@ -12,13 +12,13 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
 from mpzero.data import build_gpt_datasets
 from mpzero.errors import TrainingError
 from mpzero.fused import resolved_impls
@@ -38,6 +38,8 @@ from mpzero.zero import ZeroOptimizer
 class BuiltModel:
     module: nn.Module
     flops_per_token: float  # model FLOPs of forward + backward per trained token
+    architecture: dict = field(default_factory=dict)  # {flag name: value} that give the weights their meaning:
+    # saved with every checkpoint; loading one saved with other values is refused
 
 
 ModelProvider = Callable[[Any, ParallelGroups, RNGStatesTracker], BuiltModel]
@@ -63,10 +65,14 @@ def build_training_state(run: RunConfig, provider: ModelProvider, groups: Parall
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
-    train_data, valid_data, test_data = _datasets(run, groups)  # bad data paths fail before the model is built
+    resumed = _resume_point(run)
+    # bad data paths fail before the model is built
+    train_data, valid_data, test_data = _datasets(run, groups, resumed)
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
         print("fused ops (auto): " + json.dumps(resolved_impls(groups.device), sort_keys=True), flush=True)
+        for note in _resume_notes(run, resumed):
+            print(note, flush=True)
     state = build_training_state(run, provider, groups)
     if groups.is_logging_rank:
         print(state.optimizer.memory_report().line(), flush=True)
@@ -79,23 +85,25 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     def save():
         if checkpoint.save:
             meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": run.flags,
-                    "lr_schedule": dataclasses.asdict(run.schedule)}
+                    "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
             where = save_checkpoint(checkpoint.save, iteration, state.model.module, state.optimizer, state.rng,
                                     groups, meta)
             if groups.is_logging_rank:
                 print(f"saved checkpoint at iteration {iteration} to {where}", flush=True)
 
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
-    interval = _new_interval()
+    interval, terminated = _new_interval(), False
     try:
         while iteration < training.train_iters:
             lr = run.schedule.lr(iteration - skipped)  # as in Megatron, skipped (fp16 overflow) steps do not count
-            loss, stats = _train_step(state, train_data, consumed, lr, training)
+            loss = _forward_backward(state, train_data, consumed, training)
+            if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
+                raise TrainingError(f"lm loss is {loss} at iteration {iteration + 1} (rank {groups.world.rank}): "
+                                    f"stopped before the update, so the last checkpoint is intact; lower --lr or "
+                                    f"enable --clip-grad")
+            stats = state.optimizer.step(lr)
             iteration, consumed = iteration + 1, consumed + training.global_batch_size
             skipped += stats.skipped
-            if not math.isfinite(loss):
-                raise TrainingError(f"lm loss is {loss} at iteration {iteration} (rank {groups.world.rank}): "
-                                    f"lower --lr or enable --clip-grad; the last checkpoint is intact")
             for key, value in (("losses", loss), ("grad_norms", stats.grad_norm), ("lrs", lr)):
                 history[key].append(value)
             interval["iterations"] += 1
@@ -109,13 +117,18 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             if eval_interval and iteration % eval_interval == 0 and valid_data is not None:
                 history["valid_losses"].append(_evaluate_and_log(
                     state, valid_data, f"iteration {iteration}", iteration, run, tensorboard))
-            stop = termination.received_anywhere() or bool(
-                training.exit_interval and iteration % training.exit_interval == 0)
+            terminated = termination.received_anywhere()
+            stop = terminated or bool(training.exit_interval and iteration % training.exit_interval == 0)
             if stop or (checkpoint.save_interval and iteration % checkpoint.save_interval == 0) \
                     or iteration == training.train_iters:
                 save()
             if stop:
                 break
+        if terminated:  # a scheduler's "save and leave now": no end-of-training evaluation in its grace period
+            if groups.is_logging_rank:
+                print(f"stopped by SIGTERM at iteration {iteration}: skipping the end-of-training evaluation",
+                      flush=True)
+            return history
         if valid_data is not None:
             history["valid_losses"].append(_evaluate_and_log(
                 state, valid_data, "the end of training for val data", iteration, run, tensorboard))
@@ -135,7 +148,8 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
     if not checkpoint.load:
         return 0, 0, 0
     meta = load_checkpoint(checkpoint.load, state.model.module, state.optimizer, state.rng, groups,
-                           load_optim=checkpoint.load_optim, load_rng=checkpoint.load_rng)
+                           load_optim=checkpoint.load_optim, load_rng=checkpoint.load_rng,
+                           architecture=state.model.architecture)
     if meta is None:
         if groups.is_logging_rank:
             print(f"note: no checkpoint in --load {checkpoint.load}; training from scratch", flush=True)
@@ -151,12 +165,47 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
 
 
-def _datasets(run: RunConfig, groups: ParallelGroups):
-    """(train, valid, test), sized for what the run reads: every evaluation reads the first
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts, read from the checkpoint's meta.json before anything is built."""
+    iteration: int = 0
+    consumed_samples: int = 0
+    saved_flags: dict = field(default_factory=dict)
+
+
+def _resume_point(run: RunConfig) -> ResumePoint:
+    checkpoint = run.checkpoint
+    found = read_meta(checkpoint.load) if checkpoint.load and not checkpoint.finetune else None
+    if found is None:
+        return ResumePoint()
+    meta = found[1]
+    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}))
+
+
+def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
+    """What a resumed run does differently from the run that saved the checkpoint, said once at start."""
+    saved, notes = resumed.saved_flags, []
+    saved_batch = saved.get("global_batch_size")
+    if saved_batch is not None and saved_batch != run.training.global_batch_size:
+        notes.append(f"note: the global batch size changed from {saved_batch} (checkpoint) to "
+                     f"{run.training.global_batch_size}: continuing at consumed sample {resumed.consumed_samples}")
+    if saved:
+        saved_dtype = "bf16" if saved.get("bf16") else "fp16" if saved.get("fp16") else "fp32"
+        if saved_dtype != run.precision.dtype:
+            fresh = "; its fp16 loss scaler starts fresh" if run.precision.dtype == "fp16" else ""
+            notes.append(f"note: the checkpoint was trained in {saved_dtype}, this run trains in "
+                         f"{run.precision.dtype}{fresh}")
+    return notes
+
+
+def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
+    """(train, valid, test), sized for what the run reads: training from the resume point's consumed samples
+    on, at this run's batch size (it may differ from the checkpoint's), and every evaluation reads the first
     --eval-iters global batches of its split. Mock data: three independent synthetic streams."""
     training, data = run.training, run.data
     eval_samples = run.evaluation.eval_iters * training.global_batch_size
-    sizes = (training.train_iters * training.global_batch_size, eval_samples, eval_samples)
+    remaining = max(training.train_iters - resumed.iteration, 0) * training.global_batch_size
+    sizes = (resumed.consumed_samples + remaining, eval_samples, eval_samples)
     if data.mock_data:
         return tuple(MockGPTDataset(data.vocab_size, training.seq_length, training.seed + k, n) if n else None
                      for k, n in enumerate(sizes))
@@ -164,9 +213,9 @@ def _datasets(run: RunConfig, groups: ParallelGroups):
                                     data.data_cache_path, groups))
 
 
-def _train_step(state: TrainingState, dataset, consumed: int, lr: float, training):
-    """One global batch: forward/backward every micro-batch, then one optimizer step.
-    Returns the loss averaged over the global batch and the optimizer's StepStats."""
+def _forward_backward(state: TrainingState, dataset, consumed: int, training) -> float:
+    """Forward and backward of every micro-batch of one global batch; returns the loss averaged over the global
+    batch (the same on every rank). The optimizer step is the caller's."""
     model, optimizer, groups = state.model.module, state.optimizer, state.groups
     model.train()
     optimizer.zero_grad()
@@ -178,9 +227,8 @@ def _train_step(state: TrainingState, dataset, consumed: int, lr: float, trainin
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
-    stats = optimizer.step(lr)
     groups.dp.all_reduce(total)
-    return total.item() / groups.dp_size, stats
+    return total.item() / groups.dp_size
 
 
 @torch.no_grad()

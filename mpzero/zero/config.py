@@ -23,6 +23,8 @@ class ZeroConfig:
     bucket_numel: int = 40_000_000  # --zero-bucket-numel: elements per gradient bucket (stages 0-2)
     overlap_comm: bool = True  # reduce a bucket from its gradient hooks while backward still runs
     prefetch: bool = True  # stage 3: start gathering the next unit while the current one computes
+    check_for_nan_in_grad: bool = True  # Megatron's --check-for-nan-in-loss-and-grad: a non-finite gradient
+    # norm (bf16/fp32) stops the run before the update; fp16 skips the step instead (loss scaling)
 
     def validate(self) -> None:
         if self.stage not in (0, 1, 2, 3):

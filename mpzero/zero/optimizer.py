@@ -22,12 +22,13 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from mpzero.errors import ConfigError
+from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.accounting import CommReport, MemoryReport, comm_theory, memory_report, unique_storage_bytes
@@ -112,7 +113,11 @@ class ZeroOptimizer:
         skipped = self.precision.dtype == "fp16" and found_inf(grads, self.groups)
         norm = None
         if not skipped:
-            norm = global_grad_norm(grads, self._norm_runs, self.groups)
+            norm = global_grad_norm(grads, self._norm_runs, self.groups)  # the same value on every rank
+            if not math.isfinite(norm) and self.zero.check_for_nan_in_grad:
+                raise TrainingError(f"the gradient norm is {norm} at iteration {self.iteration + 1} (rank "
+                                    f"{self.groups.world.rank}): stopped before the update, so the parameters and "
+                                    f"the last checkpoint are intact; lower --lr or enable --clip-grad")
             clip_grads_(grads, norm, self.adam_config.clip_grad)
             self.masters.step(grads, self.lr)
             self.stage.after_update()

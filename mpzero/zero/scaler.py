@@ -24,7 +24,7 @@ class ConstantLossScaler:
         return {"scale": self.scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        pass  # the scale is the run's own: 1 for bf16/fp32, the flag's for a static --loss-scale (as Megatron)
 
 
 class DynamicLossScaler:
@@ -52,6 +52,10 @@ class DynamicLossScaler:
                 "hysteresis_tracker": self._hysteresis_tracker}
 
     def load_state_dict(self, state: dict) -> None:
+        """A dynamic scaler's state resumes; another kind's (a bf16/fp32 or static-scale checkpoint resumed
+        with dynamic fp16) leaves this fresh scaler as it is."""
+        if not {"growth_tracker", "hysteresis_tracker"} <= state.keys():
+            return
         self.scale = float(state["scale"])
         self._growth_tracker = state["growth_tracker"]
         self._hysteresis_tracker = state["hysteresis_tracker"]

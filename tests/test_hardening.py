@@ -1,0 +1,135 @@
+"""A careful user's worst day, training side: a checkpoint of another architecture with the same shapes, a
+gradient norm that blows up before the update, --save over another run's checkpoints, partial directories
+left by killed saves, a full disk during a save, a resume in another precision or at another batch size, and
+SIGTERM during a run that evaluates at its end. Each case fails in one line, or goes on as stated."""
+
+import os
+import runpy
+import signal
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from mpzero.checkpointing import latest_iteration
+from tests.cli import ROOT, TINY, exit_code_and_stderr, main_capturing_stdout, quiet_main
+from tests.distributed import run_ranks
+
+RUN = TINY + ["--eval-iters", "0"]
+
+
+def _one(fn, *args):
+    return run_ranks(1, fn, *args)[0]
+
+
+def test_a_checkpoint_of_another_architecture_with_the_same_shapes_is_refused(tmp_path):
+    _one(quiet_main, RUN + ["--save", str(tmp_path), "--train-iters", "2"])  # 4 heads of 8
+    code, stderr = _one(exit_code_and_stderr, RUN + ["--load", str(tmp_path), "--num-attention-heads", "8"])
+    assert code == 2 and stderr.count("\n") == 1
+    assert "was saved with --num-attention-heads 4, this run has 8" in stderr
+    code, stderr = _one(exit_code_and_stderr, RUN + ["--load", str(tmp_path), "--layernorm-epsilon", "1e-6"])
+    assert code == 2 and "was saved with --layernorm-epsilon 1e-05, this run has 1e-06" in stderr
+
+
+def test_a_non_finite_gradient_norm_stops_before_the_update_and_the_last_checkpoint_resumes(tmp_path):
+    """--lr 1e4 explodes the weights: the loss of iteration 3 is still finite, its gradient norm is not. The run
+    stops before that update; the checkpoint of iteration 2 holds finite weights, and resuming from it
+    reproduces iteration 3 exactly (the same stop), where a poisoned checkpoint would give a NaN loss."""
+    argv = RUN + ["--lr", "1e4", "--clip-grad", "0", "--train-iters", "30", "--save", str(tmp_path),
+                  "--save-interval", "1"]
+    code, stderr = _one(exit_code_and_stderr, argv)
+    assert code == 1 and stderr.count("\n") == 1
+    assert stderr.startswith("error: the gradient norm is nan at iteration 3 ") and "before the update" in stderr
+    assert latest_iteration(str(tmp_path)) == 2
+    tool = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint_util.py"))
+    tool["to_consolidated"](str(tmp_path), None, str(tmp_path / "weights.pt"))
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)["model"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    code, again = _one(exit_code_and_stderr, argv + ["--load", str(tmp_path)])
+    assert code == 1 and again == stderr
+
+
+def test_save_over_another_runs_checkpoints_is_refused_unless_asked(tmp_path):
+    _one(quiet_main, RUN + ["--save", str(tmp_path), "--train-iters", "4"])
+    code, stderr = _one(exit_code_and_stderr, RUN + ["--save", str(tmp_path), "--train-iters", "2"])
+    assert code == 2 and stderr.count("\n") == 1
+    assert f"--save {tmp_path} already holds checkpoints up to iteration 4" in stderr
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "4"
+    _one(quiet_main, RUN + ["--save", str(tmp_path), "--load", str(tmp_path), "--train-iters", "5"])  # continues
+    _one(quiet_main, RUN + ["--save", str(tmp_path), "--train-iters", "2", "--overwrite-checkpoints"])
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_an_unwritable_save_directory_is_refused_at_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    code, stderr = _one(exit_code_and_stderr, RUN + ["--save", str(tmp_path / "file" / "ckpt")])
+    assert code == 2 and stderr.count("\n") == 1 and "is not a writable directory" in stderr
+
+
+def test_a_successful_save_removes_partial_directories_of_any_iteration(tmp_path):
+    (tmp_path / "iter_0000099.tmp" / "rng").mkdir(parents=True)  # left by a save killed earlier
+    (tmp_path / "iter_0000007.old").mkdir()
+    _one(quiet_main, RUN + ["--save", str(tmp_path), "--train-iters", "2", "--overwrite-checkpoints"])
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 700 KiB file system: room for one TINY checkpoint (~460 KB) but not for two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(small_tmpfs):
+    save = small_tmpfs / "ckpt"
+    argv = RUN + ["--save", str(save), "--save-interval", "1", "--train-iters", "5"]
+    results = run_ranks(2, exit_code_and_stderr, argv)
+    for code, stderr in results:
+        assert code == 1 and stderr.count("\n") == 1, stderr
+        assert "failed" in stderr and "the latest checkpoint (iteration 1) is intact" in stderr
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    history, stdout = _one(main_capturing_stdout, RUN + ["--load", str(save), "--train-iters", "2"])
+    assert "at iteration 1" in stdout and len(history["losses"]) == 1
+
+
+def test_resuming_in_fp16_starts_a_fresh_loss_scaler_and_a_static_scale_is_the_flags(tmp_path):
+    _one(quiet_main, RUN + ["--save", str(tmp_path / "bf16"), "--train-iters", "2", "--bf16"])
+    history, stdout = _one(main_capturing_stdout, RUN + ["--load", str(tmp_path / "bf16"), "--fp16",
+                                                         "--train-iters", "3", "--initial-loss-scale", "1024"])
+    assert "note: the checkpoint was trained in bf16, this run trains in fp16; its fp16 loss scaler starts fresh" \
+        in stdout and "loss scale: 1024.0" in stdout
+    _one(quiet_main, RUN + ["--save", str(tmp_path / "fp16"), "--train-iters", "2", "--fp16",
+                            "--initial-loss-scale", "4096"])
+    _, stdout = _one(main_capturing_stdout, RUN + ["--load", str(tmp_path / "fp16"), "--fp16", "--train-iters", "3",
+                                                   "--loss-scale", "128"])
+    assert "loss scale: 128.0" in stdout
+
+
+def test_resuming_with_another_global_batch_size_reads_the_right_samples(tmp_path):
+    _one(quiet_main, RUN + ["--save", str(tmp_path), "--train-iters", "10", "--exit-interval", "5"])  # 40 samples
+    history, stdout = _one(main_capturing_stdout, RUN + ["--load", str(tmp_path), "--train-iters", "10",
+                                                         "--global-batch-size", "16"])
+    assert "note: the global batch size changed from 8 (checkpoint) to 16: continuing at consumed sample 40" in stdout
+    assert len(history["losses"]) == 5 and "consumed samples:          120 |" in stdout
+
+
+def _sigterm_during(argv, delay):
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return main_capturing_stdout(argv)
+
+
+def test_sigterm_saves_and_leaves_without_the_end_of_training_evaluation(tmp_path):
+    argv = TINY + ["--train-iters", "100000", "--eval-interval", "100000", "--eval-iters", "2",
+                   "--save", str(tmp_path)]
+    history, stdout = _one(_sigterm_during, argv, 1.0)
+    assert "stopped by SIGTERM at iteration" in stdout and "skipping the end-of-training evaluation" in stdout
+    assert history["valid_losses"] == [] and "test_loss" not in history
+    assert f"saved checkpoint at iteration {len(history['losses'])}" in stdout
