@@ -26,4 +26,5 @@ fi
     --data-path data/kjv_text_document --split 949,50,1 \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/kjv_tok.model \
     --log-interval 10 --eval-interval 50 --eval-iters 5 \
-    --tensorboard-dir runs/quickstart --save checkpoints/quickstart --save-interval 100
+    --tensorboard-dir runs/quickstart --save checkpoints/quickstart --save-interval 100 \
+    --overwrite-checkpoints  # each quickstart trains from scratch, over the previous quickstart's checkpoints

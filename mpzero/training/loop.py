@@ -210,7 +210,7 @@ def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
         return tuple(MockGPTDataset(data.vocab_size, training.seq_length, training.seed + k, n) if n else None
                      for k, n in enumerate(sizes))
     return tuple(build_gpt_datasets(list(data.data_path), data.split, training.seq_length, training.seed, sizes,
-                                    data.data_cache_path, groups))
+                                    data.data_cache_path, groups, vocab_size=data.vocab_size))
 
 
 def _forward_backward(state: TrainingState, dataset, consumed: int, training) -> float:
