@@ -3,18 +3,22 @@ gradient norm that blows up before the update, --save over another run's checkpo
 left by killed saves, a full disk during a save, a resume in another precision or at another batch size, and
 SIGTERM during a run that evaluates at its end. Each case fails in one line, or goes on as stated."""
 
+import json
 import os
 import runpy
 import signal
 import subprocess
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from mpzero.checkpointing import latest_iteration
 from tests.cli import ROOT, TINY, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import run_ranks
+
+preprocess_main = runpy.run_path(os.path.join(ROOT, "tools", "preprocess_data.py"))["main"]
 
 RUN = TINY + ["--eval-iters", "0"]
 
@@ -119,6 +123,31 @@ def test_resuming_with_another_global_batch_size_reads_the_right_samples(tmp_pat
                                                          "--global-batch-size", "16"])
     assert "note: the global batch size changed from 8 (checkpoint) to 16: continuing at consumed sample 40" in stdout
     assert len(history["losses"]) == 5 and "consumed samples:          120 |" in stdout
+
+
+def _dataset_with_ids_up_to(tmp_path, largest: int) -> str:
+    """A real preprocessed dataset (NullTokenizer: the text is the ids) whose largest token id is `largest`."""
+    rng = np.random.default_rng(0)
+    docs = [" ".join(str(int(i)) for i in rng.integers(0, largest, size=40)) for _ in range(60)] + [str(largest)]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prefix = str(tmp_path / "ids")
+    assert preprocess_main(["--input", str(tmp_path / "ids.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
+                            "NullTokenizer", "--vocab-size", str(largest + 1), "--no-progress"]) == 0
+    return prefix + "_text_document"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_token_ids_beyond_the_vocabulary_are_refused_at_dataset_open(tmp_path, tp):
+    """Tokenized with ids up to 499, trained with a vocabulary of 300 (NullTokenizer --vocab-size 299 + EOD):
+    one line naming the dataset, the largest id and the vocabulary, on every TP size (TP 2 trained on)."""
+    prefix = _dataset_with_ids_up_to(tmp_path, 499)
+    argv = [a for a in RUN if a not in ("--mock-data",)]
+    argv[argv.index("--vocab-size") + 1] = "299"
+    argv += ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--split", "1,0,0",
+             "--tensor-model-parallel-size", str(tp)]
+    for code, stderr in run_ranks(tp, exit_code_and_stderr, argv):
+        assert code == 2 and stderr.count("\n") == 1, stderr
+        assert stderr.startswith("error: ") and prefix in stderr and "499" in stderr and "300" in stderr, stderr
 
 
 def _sigterm_during(argv, delay):
