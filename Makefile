@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: quickstart test install
+.PHONY: quickstart test install gpu-check
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,9 @@ quickstart: install
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q tests
+
+# The CUDA checks and GPU benchmarks in one run (README.md, "On a GPU"): the machine's own python3 and torch,
+# nothing installed; report.md and raw logs in OUT. Without CUDA: one line, a validated all-skipped report, exit 0.
+OUT ?= gpu-report
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m mpzero.gpu_check --out $(OUT)

@@ -1,0 +1,5 @@
+import sys
+
+from mpzero.gpu_check.cli import main
+
+sys.exit(main())

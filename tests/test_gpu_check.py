@@ -1,0 +1,138 @@
+"""`make gpu-check` without a GPU: one line, exit 0, and a report that names every part (all skipped) written
+atomically into OUT; the report builder and validator on made-up results; the multi-GPU layouts; the
+JUnit parsing of pytest parts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpzero.gpu_check import cli, report, workers
+from mpzero.gpu_check.report import PART_NAMES, PARTS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dry_run_without_cuda_says_so_in_one_line_and_writes_a_valid_report(tmp_path):
+    out = tmp_path / "gpu-report"
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a GPU machine
+    proc = subprocess.run([sys.executable, "-m", "mpzero.gpu_check", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA here"), proc.stdout
+    text = (out / "report.md").read_text()
+    data = json.loads((out / "report.json").read_text())
+    assert [p["name"] for p in data["parts"]] == PART_NAMES
+    report.validate(text, data["parts"])
+    for part in PARTS:
+        assert f"## {part.name}: {part.title}" in text
+        assert f"| {part.name} | skipped: no CUDA |" in text
+    assert "| torch |" in text and "| GPUs | 0 |" in text
+    assert sorted(os.listdir(out)) == ["logs", "report.json", "report.md"]  # no temporary file left
+
+
+def test_report_is_written_atomically_into_out(tmp_path, monkeypatch):
+    renames = []
+    real_replace = os.replace
+
+    def recording_replace(src, dst):
+        renames.append((str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    path = report.write(str(tmp_path), {"device": "none"}, report.skipped_results("no CUDA"), 0.5)
+    assert path == str(tmp_path / "report.md")
+    targets = [dst for _, dst in renames]
+    assert targets == [str(tmp_path / "report.json"), path]
+    for src, dst in renames:  # a temporary beside the target, renamed over it
+        assert os.path.dirname(src) == os.path.dirname(dst) and src != dst
+
+
+def test_a_failed_write_leaves_the_previous_report(tmp_path, monkeypatch):
+    path = report.write(str(tmp_path), {}, report.skipped_results("no CUDA"), 0.0)
+    before = open(path).read()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        report.write(str(tmp_path), {}, report.skipped_results("other"), 0.0)
+    assert open(path).read() == before
+    assert sorted(os.listdir(tmp_path)) == ["report.json", "report.md"]
+
+
+def test_report_shows_figures_statuses_and_logs():
+    results = report.skipped_results("not selected (--only)")
+    results[6] = {**results[6], "status": "pass", "seconds": 61.2, "logs": ["out/logs/bench_gpt2.log"],
+                  "columns": ["model", "tokens/s", "ok"], "rows": [{"model": "eager | SDPA", "tokens/s": 123456.0,
+                                                                    "ok": True}], "notes": ["peak 700 TFLOP/s"]}
+    results[0] = {**results[0], "status": "timeout: killed after 150 s"}
+    text = report.render({"device": "1 x H100"}, results, 70.0, "out")
+    report.validate(text, results)
+    assert "| eager \\| SDPA | 123,456 | True |" in text
+    assert "- raw logs: `out/logs/bench_gpt2.log`" in text and "- peak 700 TFLOP/s" in text
+    assert "| fused_kernels | timeout: killed after 150 s |" in text
+
+
+@pytest.mark.parametrize("damage", ["drop a part", "unknown status", "reorder"])
+def test_validate_refuses_a_broken_report(damage):
+    results = report.skipped_results("no CUDA")
+    text = report.render({}, results, 0.0, "out")
+    if damage == "drop a part":
+        text = text.replace(f"## {PARTS[3].name}: {PARTS[3].title}", "## gone")
+    elif damage == "unknown status":
+        results[2] = {**results[2], "status": "maybe"}
+    else:
+        results = results[::-1]
+    with pytest.raises(ValueError):
+        report.validate(text, results)
+
+
+def test_arguments():
+    assert cli.parse_args([]).out == "gpu-report" and cli.parse_args([]).budget == 440
+    assert cli.parse_args(["--only", "bench_gpt2", "zero_nccl"]).only == ["bench_gpt2", "zero_nccl"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--only", "nonsense"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--budget", "0"])
+
+
+def test_every_part_has_a_runner_within_the_eight_minute_budget():
+    for part in PARTS:
+        assert part.name in cli.PYTEST_FILES or part.name in workers.PARTS or part.name == "bench_kernels"
+        assert 0 < part.limit_s <= 300
+    for files in cli.PYTEST_FILES.values():
+        assert all(os.path.isfile(os.path.join(ROOT, f)) for f in files)
+    assert cli.parse_args([]).budget + 30 < 8 * 60  # start-up and report included
+
+
+def test_multi_gpu_layouts():
+    assert workers.multi_gpu_layouts(1) == []
+    assert workers.multi_gpu_layouts(2) == [(2, 2, 1), (2, 1, 1), (2, 1, 2), (2, 1, 3)]
+    assert workers.multi_gpu_layouts(8) == [(4, 2, 1), (4, 2, 2), (4, 2, 3)]
+
+
+def test_pytest_junit_results_become_rows(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text("""<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="tests.gpu.test_x" name="test_a[fp16]" time="1.5"/>
+<testcase classname="tests.gpu.test_x" name="test_a[bf16]" time="0.5"><failure message="boom">trace</failure></testcase>
+<testcase classname="tests.gpu.test_x" name="test_b" time="0"><skipped message="needs 2 GPUs"/></testcase>
+</testsuite></testsuites>""")
+    counts, rows, notes = cli.pytest_result(str(xml))
+    assert counts == {"passed": 1, "failed": 1, "skipped": 1}
+    assert rows == [{"test": "test_x::test_a", "passed": 1, "failed": 1, "skipped": 0, "seconds": 2.0},
+                    {"test": "test_x::test_b", "passed": 0, "failed": 0, "skipped": 1, "seconds": 0.0}]
+    assert notes == ["FAILED test_x::test_a[bf16]: boom"]
+
+
+def test_a_part_past_its_limit_is_killed_with_its_process_group(tmp_path):
+    log = str(tmp_path / "part.log")
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    rc, seconds = cli.run_logged([sys.executable, "-c", code], log, 1, cli.child_env())
+    assert rc is None and seconds < 15
+    assert "killed after the 1 s limit" in open(log).read()
