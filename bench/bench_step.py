@@ -49,7 +49,7 @@ class EagerGPT(nn.Module):
         self.ln_f = nn.LayerNorm(h)
 
     def forward(self, tokens, labels):
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1), device=tokens.device))
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)

@@ -32,5 +32,7 @@ def micro_batch_indices(consumed: int, global_batch: int, micro_batch: int, dp_r
 
 def load_batch(dataset, indices: range, device: torch.device) -> torch.Tensor:
     """[len(indices), seq+1] int64 token ids; inputs are [:, :-1] and labels [:, 1:]."""
-    rows = np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in indices])
-    return torch.from_numpy(rows).to(device)
+    rows = torch.from_numpy(np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in indices]))
+    if device.type == "cuda":  # pinned host memory: the copy is a DMA that does not block the host
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
