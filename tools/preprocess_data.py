@@ -7,7 +7,9 @@
 writes data/kjv_text_document.bin/.idx (one pair per --json-keys key), usable as `--data-path
 data/kjv_text_document` here and in Megatron-LM. Input: one JSON object per line, plain or .gz; a
 malformed line stops the run with its file and line unless --skip-malformed is given. Progress
-(MB/s, documents/s, tokens) goes to stderr; outputs appear only once complete.
+(MB/s, documents/s, tokens) goes to stderr; outputs appear only once complete. Ctrl-C or SIGTERM
+removes the temporary files and exits with one line (code 128 + signal number); temporary files of a
+run killed outright are removed by the next run of the same --output-prefix.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from mpzero.data.preprocess import PreprocessConfig, output_prefix_for, preprocess  # noqa: E402
 from mpzero.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
+from mpzero.data.interrupts import Interrupted, signals_as_interrupts  # noqa: E402
+from mpzero.cli import INPUT_ERRORS, exit_code, print_error  # noqa: E402
 
 
 def parse_args(argv):
@@ -47,7 +50,13 @@ def main(argv=None) -> int:
                  "vocab_file": args.vocab_file, "merge_file": args.merge_file, "vocab_size": args.vocab_size}
     cfg = PreprocessConfig(args.input, args.output_prefix, args.json_keys, tokenizer, args.append_eod,
                            args.workers, max(args.log_interval, 1), args.skip_malformed)
-    return exit_code(lambda: _report(preprocess(cfg, progress=not args.no_progress), args), INPUT_ERRORS)
+    try:
+        with signals_as_interrupts():  # SIGTERM like Ctrl-C: temporary files removed, one line, exit 128 + signal
+            return exit_code(lambda: _report(preprocess(cfg, progress=not args.no_progress), args), INPUT_ERRORS)
+    except Interrupted as stop:
+        print_error(f"{stop}: nothing written to {args.output_prefix}_*_document and its temporary files removed; "
+                    f"run the same command again")
+        return 128 + stop.signum
 
 
 def _report(stats, args) -> None:

@@ -14,12 +14,17 @@ The .bin file is every sequence's tokens back to back in one dtype. The .idx fil
 A document is one or more sequences (one, unless sentences were split). Files written here and by
 Megatron-LM are interchangeable. The writer streams tokens to disk under temporary names and renames
 them only once the index is complete, so a crash never leaves a half-written dataset behind.
+
+Temporary names are `{prefix}.bin.tmp-{host}-{pid}` (and `.idx`): a writer killed outright (SIGKILL, power
+loss) leaves its own, and the next writer of the same prefix deletes those of processes no longer running
+on its host. Another host's (a shared file system) or a live process's are left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import struct
 from array import array
 
@@ -158,6 +163,44 @@ def _validate(idx_path: str, bin_path: str, ds: IndexedDataset, itemsize: int, b
                           f"count {len(lengths)}; re-run preprocessing")
 
 
+def _temporary_suffix(pid: int | None = None) -> str:
+    return f".tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_temporaries(path_prefix: str) -> list[str]:
+    """Delete `{prefix}.bin/.idx` temporaries of writers on this host that are no longer running (a killed
+    earlier run of the same prefix); returns the paths removed."""
+    directory = os.path.dirname(os.path.abspath(path_prefix))
+    host_tag = _temporary_suffix(0)[:-1]  # ".tmp-{host}-"
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for ext in (".bin", ".idx"):
+        stem = os.path.basename(path_prefix) + ext + host_tag
+        for name in names:
+            pid = name[len(stem):]
+            if name.startswith(stem) and pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+                path = os.path.join(directory, name)
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    continue  # another writer cleaned it first
+                removed.append(path)
+    return removed
+
+
 class IndexedDatasetBuilder:
     """Writes `{prefix}.bin/.idx` incrementally: tokens go straight to disk, only the index stays in
     memory (12 bytes per sequence, 8 per document, in compact arrays). `finalize()` writes the index
@@ -167,7 +210,8 @@ class IndexedDatasetBuilder:
         if np.dtype(dtype) not in _CODE_OF:
             raise ConfigError(f"unsupported token dtype {dtype}: use one of {list(_CODE_OF)}")
         self.path_prefix, self.dtype = path_prefix, np.dtype(dtype)
-        self._tmp = f".tmp{os.getpid()}"
+        remove_stale_temporaries(path_prefix)
+        self._tmp = _temporary_suffix()
         self._bin = open(data_file_path(path_prefix) + self._tmp, "wb")
         self._lengths = array("i")      # int32 sequence lengths
         self._doc_indices = array("q", [0])  # int64, first sequence of each document

@@ -4,7 +4,9 @@ The main process reads raw lines in small batches (bounded: at most `2 * workers
 ~128 KB are in flight), workers parse and tokenize them, and the main process writes the results in
 input order as they complete. With one worker everything runs in the main process: no pickling, so
 its rate stays close to the tokenizer's own. Token arrays go straight to the output .bin; outputs are
-renamed into place only when the whole input was read without error.
+renamed into place only when the whole input was read without error. Under `signals_as_interrupts()`
+(tools/preprocess_data.py) a SIGINT/SIGTERM removes the temporary files like any other error; one that
+arrives while the outputs are being renamed into place lets them all be renamed, and the run completes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpzero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from mpzero.data.interrupts import deferred_interrupts, worker_signals
 from mpzero.data.jsonl import LineBatch, MalformedLine, check_inputs, parse_line, read_batches
 from mpzero.data.tokenizer import build_tokenizer
 from mpzero.errors import ConfigError
@@ -132,6 +135,7 @@ _worker_encoder: list = []
 
 
 def _init_worker(*args) -> None:
+    worker_signals()  # Ctrl-C is the main process's to handle; die with it if it is killed
     _worker_encoder.append(_Encoder(*args))
 
 
@@ -181,8 +185,11 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
                     _show_rates(bar, stats, start)
                 bar.update(nbytes)
             _show_rates(bar, stats, start)
-        for builder in builders.values():
-            builder.finalize()
+        # A signal now waits until every output is renamed into place, then is dropped: the run is complete
+        # (its summary prints and the process ends); raising it would report "nothing written" falsely.
+        with deferred_interrupts(reraise=False):
+            for builder in builders.values():
+                builder.finalize()
     except BaseException:
         for builder in builders.values():
             builder.abort()
