@@ -11,12 +11,13 @@ every section, and returns the frozen `RunConfig`. The parsed namespace is never
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 from mpzero.checkpointing import check_save_directory
+from mpzero.config_file import drop_overridden, read_config_file
 from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
+from mpzero.files import check_output_directory
+from mpzero.flag_ranges import check_ranges
 from mpzero.models import GPTConfig
 from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
@@ -25,9 +26,15 @@ from mpzero.training.lr_schedule import LRSchedule
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a bad number) as a one-line ConfigError instead of usage + exit."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x ZeRO-DP.",
-                                allow_abbrev=False)
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x ZeRO-DP.", allow_abbrev=False)
     p.add_argument("--config", default=None, help="YAML or JSON file of flag values; the command line wins")
     model = p.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=None)
@@ -132,23 +139,22 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, from --config and the command line (which wins), each within its range; never modified after."""
     parser = build_parser()
     config_file = _config_file_from(argv)
     if config_file:
-        parser.set_defaults(**_read_config_file(config_file, parser))
+        parser.set_defaults(**drop_overridden(read_config_file(config_file, parser), parser, argv))
     args = parser.parse_args(argv)
     for name in REQUIRED:
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
+    check_ranges(args)
     if args.mock_data and args.vocab_size is None:
         raise ConfigError("--mock-data needs --vocab-size")
     if not args.mock_data and not args.data_path:
         raise ConfigError("no data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     if args.data_path and args.tokenizer_type is None:
         raise ConfigError("--data-path needs --tokenizer-type (and its --tokenizer-model or --vocab-file/--merge-file)")
-    for flag in ("micro_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                           f"{args.max_position_embeddings}")
@@ -171,6 +177,9 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         section.validate()
     if args.save:
         check_save_directory(args.save, args.load, args.finetune, args.overwrite_checkpoints)
+    for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
+        if path:
+            check_output_directory(path, flag)
     resolved = {"global_batch_size": global_batch, "vocab_size": vocab_size,
                 "max_position_embeddings": model.max_position_embeddings}
     return RunConfig(
@@ -247,29 +256,3 @@ def _config_file_from(argv: list[str] | None) -> str | None:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     return pre.parse_known_args(argv)[0].config
-
-
-def _read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-            values = yaml.safe_load(text) or {}
-        else:
-            values = json.loads(text)
-    except Exception as error:  # noqa: BLE001 - any parse failure is the same one-line answer
-        raise ConfigError(f"--config {path} is not valid {'YAML' if path.endswith(('yaml', 'yml')) else 'JSON'}: "
-                          f"{str(error).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
-    known = {action.dest for action in parser._actions}
-    resolved = {}
-    for key, value in values.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in known or dest == "config":
-            raise ConfigError(f"--config {path}: unknown flag {key!r}")
-        resolved[dest] = value
-    return resolved

@@ -8,7 +8,22 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from typing import BinaryIO, Callable, Iterator
+
+from mpzero.errors import ConfigError
+
+
+def check_output_directory(path: str, flag: str) -> None:
+    """At start: `path` is a directory this process can write (created if missing), else one ConfigError line
+    naming `flag`, instead of a failure after the first hours of work."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{flag} {path} is not a writable directory ({error.strerror or error}): "
+                          f"choose a directory this run can write") from None
 
 
 def fsync_directory(path: str) -> None:

@@ -70,7 +70,8 @@ def test_config_file_sets_flags_and_command_line_wins(tmp_path):
 def test_unknown_config_key_is_a_one_line_error(tmp_path):
     (tmp_path / "bad.yaml").write_text("hiden-size: 3\n")
     code, stderr = run_ranks(1, exit_code_and_stderr, TINY + ["--config", str(tmp_path / "bad.yaml")])[0]
-    assert code == 2 and stderr == f"error: --config {tmp_path / 'bad.yaml'}: unknown flag 'hiden-size'\n"
+    assert code == 2 and stderr == (f"error: --config {tmp_path / 'bad.yaml'}: unknown flag 'hiden-size': "
+                                    f"did you mean 'hidden-size'?\n")
 
 
 def test_nan_loss_stops_with_iteration_and_rank():

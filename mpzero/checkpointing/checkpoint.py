@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, MOMENTS, OLD_SU
                                          checkpoint_key, parse_checkpoint_key)
 from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
 from mpzero.errors import ConfigError, TrainingError
-from mpzero.files import replace_directory, write_atomically
+from mpzero.files import check_output_directory, replace_directory, write_atomically
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
 
@@ -126,13 +125,7 @@ def remove_stale_temporaries(root: str) -> None:
 def check_save_directory(save: str, load: str | None, finetune: bool, overwrite: bool) -> None:
     """At start: `save` must be writable, and a run that does not continue from `save`'s own latest checkpoint
     must not silently save over it (it would move the latest pointer back to its own iterations)."""
-    try:
-        os.makedirs(save, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=save, prefix=".write-test-"):
-            pass
-    except OSError as error:
-        raise ConfigError(f"--save {save} is not a writable directory ({error.strerror or error}): "
-                          f"choose a directory this run can write") from None
+    check_output_directory(save, "--save")
     latest = latest_iteration(save)
     continues = load is not None and os.path.realpath(load) == os.path.realpath(save) and not finetune
     if latest is not None and not continues and not overwrite:

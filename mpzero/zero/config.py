@@ -60,6 +60,8 @@ class PrecisionConfig:
     loss_scale_window: int = 1000  # clean steps before the scale doubles
     hysteresis: int = 2  # overflows tolerated before the scale halves
     loss_scale: float | None = None  # static scale (fp16); None = dynamic
+    max_skips_at_min_scale: int = 10  # consecutive fp16 overflows at the minimum (or static) scale that stop
+    # the run (DeepSpeed's raise_error_at_min_scale): it would otherwise skip every step and save an untrained model
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,6 +81,8 @@ class PrecisionConfig:
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise ConfigError(f"--min-loss-scale {self.min_loss_scale} must be positive and at most "
                               f"--initial-loss-scale {self.initial_loss_scale}")
+        if self.max_skips_at_min_scale < 1:
+            raise ConfigError(f"max_skips_at_min_scale {self.max_skips_at_min_scale} must be at least 1")
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ConfigError(f"--loss-scale-window {self.loss_scale_window} and --hysteresis "
                               f"{self.hysteresis} must be at least 1")

@@ -122,6 +122,11 @@ class ZeroOptimizer:
             self.masters.step(grads, self.lr)
             self.stage.after_update()
         self.scaler.update(skipped)
+        if self.scaler.skips_at_min_scale >= self.precision.max_skips_at_min_scale:
+            raise TrainingError(f"fp16 gradients overflowed at the minimum loss scale {self.scaler.scale:g} for "
+                                f"{self.scaler.skips_at_min_scale} iterations in a row (iteration "
+                                f"{self.iteration + 1}): nothing is being learned; train in bf16, lower --lr, or "
+                                f"lower --min-loss-scale")
         self._last_micro_batches = self._micro_batches
         self.iteration += 1
         self.zero_grad()

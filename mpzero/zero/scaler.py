@@ -12,13 +12,15 @@ from mpzero.zero.config import PrecisionConfig
 
 
 class ConstantLossScaler:
-    """fp32/bf16 (scale 1) or a static fp16 `--loss-scale`: never changes; overflowed steps are still skipped."""
+    """fp32/bf16 (scale 1) or a static fp16 `--loss-scale`: never changes; overflowed steps are still skipped,
+    and at a static scale every one of them is a skip at the lowest scale there is."""
 
     def __init__(self, scale: float = 1.0):
         self.scale = float(scale)
+        self.skips_at_min_scale = 0
 
     def update(self, found_inf: bool) -> None:
-        pass
+        self.skips_at_min_scale = self.skips_at_min_scale + 1 if found_inf else 0
 
     def state_dict(self) -> dict:
         return {"scale": self.scale}
@@ -33,8 +35,10 @@ class DynamicLossScaler:
         self.min_scale, self.window, self.hysteresis = float(min_scale), window, hysteresis
         self._growth_tracker = 0  # clean steps since the last overflow or growth
         self._hysteresis_tracker = hysteresis  # overflows left before backing off
+        self.skips_at_min_scale = 0  # consecutive overflows with nothing left to back off (DeepSpeed's signal)
 
     def update(self, found_inf: bool) -> None:
+        self.skips_at_min_scale = self.skips_at_min_scale + 1 if found_inf and self.scale <= self.min_scale else 0
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1

@@ -1,0 +1,127 @@
+"""`--config FILE` (YAML or JSON; keys are flag names, with or without dashes) read through the command line's own
+parser: every value gets its flag's type and choices, booleans strictly (true/false, not "false" the string),
+an unknown key names the nearest flag, and the flags of a mutually exclusive group may not both be set in the
+file. The command line wins over the file, also across such a group (`--fp16` on the command line overrides
+`bf16: true` in the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+
+from mpzero.errors import ConfigError
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """{dest: typed value} for the flags `path` sets."""
+    values = _load_mapping(path)
+    by_dest, by_option = {}, {}  # a key is a flag name (no-masked-softmax-fusion) or its dest (masked_softmax_fusion)
+    for action in parser._actions:
+        if action.dest in ("help", "config"):
+            continue
+        by_dest[action.dest] = action
+        for option in action.option_strings:
+            by_option[option.lstrip("-").replace("-", "_")] = action
+    typed = {}
+    for key, value in values.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        action = by_option.get(name) or by_dest.get(name)
+        if action is None:
+            near = difflib.get_close_matches(name, list(by_option), n=1)
+            hint = f": did you mean {_flag(near[0])!r}?" if near else ""
+            raise ConfigError(f"--config {path}: unknown flag {key!r}{hint}")
+        typed[action.dest] = _typed(path, key, value, action, given_as_option=name in by_option)
+    for group in parser._mutually_exclusive_groups:
+        both = [a.dest for a in group._group_actions if a.dest in typed and typed[a.dest] != a.default]
+        if len(both) > 1:
+            raise ConfigError(f"--config {path} sets {' and '.join(_flag(d) for d in both)}: they exclude each "
+                              f"other, keep one")
+    return typed
+
+
+def drop_overridden(typed: dict, parser: argparse.ArgumentParser, argv: list[str] | None) -> dict:
+    """The file's values less those of a mutually exclusive group the command line sets a member of."""
+    given = _given_on_command_line(parser, argv)
+    out = dict(typed)
+    for group in parser._mutually_exclusive_groups:
+        dests = {a.dest for a in group._group_actions}
+        if dests & given:
+            for dest in dests - given:
+                out.pop(dest, None)
+    return out
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    options = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            options[option] = action.dest
+    given = set()
+    for token in argv or []:
+        name = token.split("=", 1)[0]
+        if name in options:
+            given.add(options[name])
+    return given
+
+
+def _load_mapping(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    is_yaml = path.endswith((".yaml", ".yml"))
+    try:
+        if is_yaml:
+            import yaml
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+    except Exception as error:  # noqa: BLE001 - any parse failure is the same one-line answer
+        raise ConfigError(f"--config {path} is not valid {'YAML' if is_yaml else 'JSON'}: "
+                          f"{str(error).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
+    return values
+
+
+def _typed(path: str, key, value, action: argparse.Action, given_as_option: bool):
+    where = f"--config {path}: {key}"
+    if action.nargs == 0:  # a switch (store_true / store_false: const is the value it stores when given)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} is {value!r}: write true or false (unquoted)")
+        # `no-overlap-comm: true` gives the switch; `overlap_comm: false` sets its destination directly
+        return (action.const if value else action.default) if given_as_option else value
+    if value is None:
+        return None
+    if action.nargs in ("+", "*"):
+        items = value if isinstance(value, list) else str(value).split()
+        return [_one_value(where, item, action) for item in items]
+    return _one_value(where, value, action)
+
+
+def _one_value(where: str, value, action: argparse.Action):
+    if isinstance(value, (dict, list)) or isinstance(value, bool):
+        raise ConfigError(f"{where} is {value!r}, not a single {_type_name(action)}")
+    kind = action.type
+    if kind is int and isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{where} is {value}, not an integer")
+        value = int(value)
+    try:
+        typed = kind(value) if kind is not None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} is {value!r}, not {_type_name(action)}") from None
+    if action.choices is not None and typed not in action.choices:
+        raise ConfigError(f"{where} is {typed!r}: choose one of {', '.join(map(str, action.choices))}")
+    return typed
+
+
+def _type_name(action: argparse.Action) -> str:
+    return {int: "an integer", float: "a number"}.get(action.type, "a string")
+
+
+def _flag(dest: str) -> str:
+    return dest.replace("_", "-")

@@ -1,0 +1,65 @@
+"""The range of every numeric flag, checked once at start: finite, positive where it must be, and consistent
+with the others. argparse's `float` accepts "nan" and "inf" and its `int` any sign; left unchecked they
+train a whole run at learning rate 0, or fail with a ZeroDivisionError at the end. One line per problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from mpzero.errors import ConfigError
+
+# dest: (lowest, lowest allowed?, highest, highest allowed?); None: unbounded on that side. Every float is finite.
+RANGES = {
+    "num_layers": (1, True, None, False), "hidden_size": (1, True, None, False),
+    "num_attention_heads": (1, True, None, False), "seq_length": (1, True, None, False),
+    "max_position_embeddings": (1, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
+    "hidden_dropout": (0.0, True, 1.0, False), "attention_dropout": (0.0, True, 1.0, False),
+    "init_method_std": (0.0, False, None, False), "layernorm_epsilon": (0.0, False, None, False),
+    "tensor_model_parallel_size": (1, True, None, False), "distributed_timeout_minutes": (0.0, False, None, False),
+    "zero_bucket_numel": (1, True, None, False),
+    "loss_scale": (0.0, False, None, False), "initial_loss_scale": (0.0, False, None, False),
+    "min_loss_scale": (0.0, False, None, False), "loss_scale_window": (1, True, None, False),
+    "hysteresis": (1, True, None, False),
+    "micro_batch_size": (1, True, None, False), "global_batch_size": (1, True, None, False),
+    "train_iters": (1, True, None, False), "lr": (0.0, True, None, False), "min_lr": (0.0, True, None, False),
+    "weight_decay": (0.0, True, None, False), "adam_beta1": (0.0, True, 1.0, False),
+    "adam_beta2": (0.0, True, 1.0, False), "adam_eps": (0.0, False, None, False), "clip_grad": (0.0, True, None, False),
+    "seed": (0, True, 2 ** 32, False), "log_interval": (1, True, None, False),
+    "lr_decay_iters": (1, True, None, False), "lr_warmup_iters": (0, True, None, False),
+    "lr_warmup_fraction": (0.0, True, 1.0, True), "exit_interval": (1, True, None, False),
+    "eval_interval": (1, True, None, False), "eval_iters": (0, True, None, False),
+    "save_interval": (1, True, None, False), "vocab_size": (1, True, None, False),
+}
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    for dest, bounds in RANGES.items():
+        value = getattr(args, dest)
+        if value is not None:
+            _check(dest, value, *bounds)
+    _check_consistency(args)
+
+
+def _check(dest: str, value, low, low_ok: bool, high, high_ok: bool) -> None:
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{flag} {value} must be a finite number")
+    too_low = low is not None and (value < low or (value == low and not low_ok))
+    too_high = high is not None and (value > high or (value == high and not high_ok))
+    if too_low or too_high:
+        lower = "" if low is None else f"{'>=' if low_ok else '>'} {low}"
+        upper = "" if high is None else f"{'<=' if high_ok else '<'} {high}"
+        raise ConfigError(f"{flag} {value} is out of range: it must be {' and '.join(b for b in (lower, upper) if b)}")
+
+
+def _check_consistency(args: argparse.Namespace) -> None:
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale "
+                          f"{args.initial_loss_scale}")
+    if args.lr_warmup_iters > args.train_iters:
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the run (--train-iters "
+                          f"{args.train_iters}): the learning rate would never reach --lr")
