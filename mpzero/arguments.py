@@ -15,6 +15,7 @@ import argparse
 from mpzero.checkpointing import check_save_directory
 from mpzero.config_file import drop_overridden, read_config_file
 from mpzero.data import build_tokenizer
+from mpzero.data.splits import parse_data_path, parse_split
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
 from mpzero.flag_ranges import check_ranges
@@ -175,6 +176,9 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), adam_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    if args.data_path:  # the strings alone, before any file is opened
+        parse_data_path(args.data_path)
+        parse_split(args.split)
     if args.save:
         check_save_directory(args.save, args.load, args.finetune, args.overwrite_checkpoints)
     for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):

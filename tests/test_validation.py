@@ -91,3 +91,16 @@ def test_a_flag_error_under_several_ranks_is_said_once(tmp_path):
 def test_valid_flags_still_train(tmp_path):
     history, _ = run_ranks(1, main_capturing_stdout, RUN + ["--tensorboard-dir", str(tmp_path / "tb")])[0]
     assert len(history["losses"]) == 10
+
+
+@pytest.mark.parametrize("data,split,message", [
+    (["nan", "A", "1", "B"], "1,0,0", "--data-path weights [nan, 1.0] must be finite numbers"),
+    (["inf", "A", "1", "B"], "1,0,0", "--data-path weights [inf, 1.0] must be finite numbers"),
+    (["A"], "nan,1,0", "--split 'nan,1,0' holds a weight that is not a finite number"),
+    (["0.5", "A", "0.5", "A.bin"], "1,0,0", "--data-path lists A twice (as A and A.bin)"),
+])
+def test_data_arguments_are_checked_before_any_file_is_opened(tmp_path, data, split, message):
+    argv = [a for a in RUN if a != "--mock-data"] + ["--tokenizer-type", "NullTokenizer", "--split", split,
+                                                     "--data-path", *data]
+    code, stderr = run_ranks(1, exit_code_and_stderr, argv)[0]
+    assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr

@@ -7,6 +7,8 @@ splits are contiguous, disjoint and cover everything. A zero weight gives no spl
 
 from __future__ import annotations
 
+import math
+import os
 import re
 
 from mpzero.errors import ConfigError
@@ -21,6 +23,8 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
         weights = [float(p) for p in parts]
     except ValueError:
         raise ConfigError(f"--split {split!r} is not numbers: write train,valid,test weights like 969,30,1") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"--split {split!r} holds a weight that is not a finite number: write weights like 969,30,1")
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--split {split!r} needs 1 to 3 non-negative weights with a positive sum, e.g. 969,30,1")
     weights += [0.0] * (3 - len(weights))
@@ -55,8 +59,17 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
         except ValueError:
             raise ConfigError(f"--data-path weight {raw!r} is not a number: give weight/prefix pairs, "
                               f"e.g. 0.3 A 0.7 B") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"--data-path weights {weights} must be finite numbers")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--data-path weights {weights} must be non-negative with a positive sum")
+    seen = {}
+    for prefix in prefixes:
+        key = os.path.abspath(prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix)
+        if key in seen:
+            raise ConfigError(f"--data-path lists {seen[key]} twice (as {seen[key]} and {prefix}): its samples "
+                              f"would be drawn twice per epoch; give it once, with the two weights summed")
+        seen[key] = prefix
     # A weight-0 part takes no samples: it is dropped here, wherever it stands (not opened, not blended).
     kept = [(p, w) for p, w in zip(prefixes, weights) if w > 0]
     total = sum(w for _, w in kept)
