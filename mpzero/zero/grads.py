@@ -15,7 +15,8 @@ Two ways to reduce, one per family of stages:
 - `ShardedGrads` (stages 2, 3): only this rank's gradient slice persists. A full bucket buffer exists
   while one micro-batch's backward fills it and is reduce-scattered, then freed, EVERY micro-batch:
   without full gradients there is nothing to accumulate into, so accumulation costs one reduction
-  per micro-batch (the ZeRO paper's stage 2 trade-off).
+  per micro-batch (the ZeRO paper's stage 2 trade-off). At most MAX_INFLIGHT_REDUCTIONS full buffers
+  wait for their reduce-scatter at a time, so the transient gradient memory is bounded by a few buckets.
 Gradients are divided by the DP size before the sum (Megatron's order: less fp16 overflow), which
 leaves them averaged over the DP ranks.
 """
@@ -111,6 +112,10 @@ class ReplicatedGrads:
         return list(self.flats)
 
 
+MAX_INFLIGHT_REDUCTIONS = 2  # full gradient buffers whose reduce-scatter may still run: more overlap would
+# keep more of them alive (all of them, unbounded: the whole model's gradients at the end of backward)
+
+
 class ShardedGrads:
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
                  after_ready: Callable[[int], None] = lambda bucket: None):
@@ -144,16 +149,22 @@ class ShardedGrads:
         reduced = torch.empty_like(self.shards[bucket])
         handle = self.dp.reduce_scatter_into(reduced, full, async_op=self._overlap)
         self._inflight.append((bucket, handle, reduced, full))
+        while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest reduction, add its result to the shard and drop its full buffer."""
+        bucket, handle, reduced, _ = self._inflight.pop(0)
+        if handle is not None:
+            handle.wait()
+        self.shards[bucket].add_(reduced)
 
     def end_backward(self) -> None:
         for bucket in range(len(self.shards)):
             if bucket not in self._launched or bucket in self._full:  # not yet reduced, or late gradients
                 self._launch(bucket)
-        for bucket, handle, reduced, _ in self._inflight:
-            if handle is not None:
-                handle.wait()
-            self.shards[bucket].add_(reduced)
-        self._inflight = []
+        while self._inflight:
+            self._complete_oldest()
 
     def zero_(self) -> None:
         for shard in self.shards:
