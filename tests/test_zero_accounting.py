@@ -37,12 +37,11 @@ def _expected_comm(stage, dtype, n, m):
     """Per-rank bytes per iteration in the ring model, (N-1)/N of each collective's full size: stage 0
     all-reduces the gradients (2 g P); stage 1 reduce-scatters them once and all-gathers the parameters
     ((g + p) P); stage 2 reduce-scatters on each of the m micro-batches ((m g + p) P); stage 3 gathers every
-    layer for forward and again for backward and reduce-scatters every micro-batch, the root unit gathered
-    only once (m (2 p P - p R + g P)). With g = p: the paper's 2P, 3P."""
+    unit, the root included, for forward and again for backward and reduce-scatters every micro-batch
+    (m (2 p P + g P)). With g = p: the paper's 2P, 3P."""
     p, g, _ = BYTES[dtype]
-    total, root = _counted_params()
-    per_iteration = {0: 2 * g * total, 1: (g + p) * total, 2: (m * g + p) * total,
-                     3: m * (2 * p * total - p * root + g * total)}[stage]
+    total, _ = _counted_params()
+    per_iteration = {0: 2 * g * total, 1: (g + p) * total, 2: (m * g + p) * total, 3: m * (2 * p + g) * total}[stage]
     return per_iteration * (n - 1) / n
 
 

@@ -8,10 +8,12 @@ The measured side sums the unique storages this rank holds, padding included.
 
 Communication per iteration (per rank, ring model, m micro-batches): stage 0 all-reduces gradients,
 2gP(N-1)/N; stage 1 reduce-scatters gradients once and all-gathers parameters, (g+p)P(N-1)/N;
-stage 2 reduce-scatters every micro-batch, (m g + p)P(N-1)/N; stage 3 gathers every unit for forward
-and again for backward and reduce-scatters gradients, every micro-batch, m(2pP - pR + gP)(N-1)/N,
-where R is the root unit's size (gathered once: it stays gathered from forward to backward).
-With g = p these are the paper's 2P and 3P (times N-1/N).
+stage 2 reduce-scatters every micro-batch, (m g + p)P(N-1)/N; stage 3 gathers every unit (the root
+included) for forward and again for backward and reduce-scatters gradients, every micro-batch,
+m(2p + g)P(N-1)/N. With g = p these are the paper's 2P and 3P (times N-1/N).
+
+Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
+in flight (Stage3.peak_working_set), counted by a meter as the buffers are created and freed.
 
 Both report lines are `|`-separated "name value" fields whose value has no spaces:
 `dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])` parses them.
@@ -25,6 +27,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class PeakReport:
+    """The high-water mark inside a step: the shards plus the transient buffers counted at that moment."""
+    measured: int
+    formula: float
+    formula_text: str
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.formula
+
+
+@dataclass(frozen=True)
 class MemoryReport:
     stage: int
     dp_size: int
@@ -33,15 +47,19 @@ class MemoryReport:
     formula: float
     formula_text: str
     padding: int  # padding elements across all flat buffers
+    peak: PeakReport | None = None  # stage 3, once a step has run
 
     @property
     def ratio(self) -> float:
         return self.measured / self.formula
 
     def line(self) -> str:
+        peak = "" if self.peak is None else (
+            f" | peak bytes {self.peak.measured} | peak formula {self.peak.formula_text} | peak formula bytes "
+            f"{self.peak.formula:.0f} | peak ratio {self.peak.ratio:.4f}")
         return (f"zero memory | stage {self.stage} | dp {self.dp_size} | params {self.numel} | "
                 f"measured bytes {self.measured} | formula {self.formula_text} | formula bytes {self.formula:.0f} | "
-                f"ratio {self.ratio:.4f} | padding elements {self.padding}")
+                f"ratio {self.ratio:.4f} | padding elements {self.padding}{peak}")
 
 
 @dataclass(frozen=True)
@@ -92,14 +110,8 @@ def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: 
     return MemoryReport(stage, dp_size, numel, measured, formula, text, padding)
 
 
-def comm_theory(stage: int, dp_size: int, numel: int, root_numel: int, p: int, g: int,
-                micro_batches: int) -> tuple[float, str]:
-    """(bytes per rank per iteration, formula) for P = numel, R = root_numel, m = micro_batches."""
+def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batches: int) -> tuple[float, str]:
+    """(bytes per rank per iteration, formula) for P = numel, m = micro_batches."""
     m = micro_batches
-    terms = {0: [(2 * g, "P")],
-             1: [(g + p, "P")],
-             2: [(m * g + p, "P")],
-             3: [(m * (2 * p + g), "P"), (-m * p, "R")]}[stage]
-    total = sum(coef * (numel if symbol == "P" else root_numel) for coef, symbol in terms)
-    text = "(" + formula_text(terms).replace("+-", "-") + ")(N-1)/N"
-    return total * (dp_size - 1) / dp_size, text
+    coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
+    return coef * numel * (dp_size - 1) / dp_size, f"({formula_text([(coef, 'P')])})(N-1)/N"

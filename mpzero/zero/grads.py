@@ -29,6 +29,7 @@ import torch
 
 from mpzero.comm import CommGroup
 from mpzero.zero.flat import FlatLayout
+from mpzero.zero.meter import TransientMeter
 
 
 class GradCollector:
@@ -112,15 +113,15 @@ class ReplicatedGrads:
         return list(self.flats)
 
 
-MAX_INFLIGHT_REDUCTIONS = 2  # full gradient buffers whose reduce-scatter may still run: more overlap would
+MAX_INFLIGHT_REDUCTIONS = 1  # full gradient buffers whose reduce-scatter may still run: more overlap would
 # keep more of them alive (all of them, unbounded: the whole model's gradients at the end of backward)
 
 
 class ShardedGrads:
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
-                 after_ready: Callable[[int], None] = lambda bucket: None):
+                 meter: TransientMeter, after_ready: Callable[[int], None] = lambda bucket: None):
         self.dp, self._layouts, self._dtype, self._device = dp, layouts, dtype, device
-        self._overlap, self._after_ready = overlap, after_ready
+        self.overlap, self._after_ready, self._meter = overlap, after_ready, meter
         self.shards = [torch.zeros(l.shard_numel, dtype=dtype, device=device) for l in layouts]
         self._full: dict[int, torch.Tensor] = {}  # bucket -> full gradient buffer of this micro-batch
         self._inflight = []  # (bucket, handle, reduced slice, full buffer kept alive until the wait)
@@ -131,6 +132,7 @@ class ShardedGrads:
         if bucket not in self._full:
             numel = self._layouts[bucket].padded_numel
             self._full[bucket] = torch.zeros(numel, dtype=self._dtype, device=self._device)
+            self._meter.add(self._full[bucket].nbytes)
         return self._full[bucket]
 
     def begin_backward(self, last_micro_batch: bool) -> None:
@@ -138,7 +140,7 @@ class ShardedGrads:
         self.collector.reset()
 
     def _ready(self, bucket: int) -> None:
-        if self._overlap:
+        if self.overlap:
             self._launch(bucket)
         self._after_ready(bucket)
 
@@ -147,17 +149,18 @@ class ShardedGrads:
         del self._full[bucket]
         self._launched.add(bucket)
         reduced = torch.empty_like(self.shards[bucket])
-        handle = self.dp.reduce_scatter_into(reduced, full, async_op=self._overlap)
+        handle = self.dp.reduce_scatter_into(reduced, full, async_op=self.overlap)
         self._inflight.append((bucket, handle, reduced, full))
         while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         """Wait for the oldest reduction, add its result to the shard and drop its full buffer."""
-        bucket, handle, reduced, _ = self._inflight.pop(0)
+        bucket, handle, reduced, full = self._inflight.pop(0)
         if handle is not None:
             handle.wait()
         self.shards[bucket].add_(reduced)
+        self._meter.sub(full.nbytes)
 
     def end_backward(self) -> None:
         for bucket in range(len(self.shards)):

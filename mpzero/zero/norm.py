@@ -6,6 +6,12 @@ on DP rank 0); TP-sharded parameters (their `TensorPlacement`, see tensor_parall
 TP-replicated ones only on TP rank 0 (their gradients are identical on all TP ranks); one all-reduce
 over the world adds everything up.
 So the printed norm equals the single-process one.
+
+The squares are summed in fp64, run by run in chunks of `CHUNK` elements (an fp64 copy of at most one chunk
+exists at a time), and the ranks' partial sums are added as one fp64 scalar. An fp32 sum of millions of
+squares is off by ~1e-4 relative, and by a different amount for every way the stages partition it: the
+clipping coefficient then differs between layouts and their losses drift apart (issue 12). In fp64 the sum is
+exact to ~1e-15 whatever the partition, so every layout clips by the same factor.
 """
 
 from __future__ import annotations
@@ -32,12 +38,24 @@ def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement],
     return runs
 
 
+CHUNK = 1 << 22  # elements squared per fp64 pass: a 32 MiB temporary, whatever the bucket size
+
+
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """sum(x**2) of a 1-D tensor as an fp64 scalar on x's device, accumulated in fp64 chunk by chunk."""
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, x.numel(), CHUNK):
+        chunk = x[start:start + CHUNK].to(torch.float64)
+        total += torch.dot(chunk, chunk)
+    return total
+
+
 def global_grad_norm(grads: list[torch.Tensor], runs: list[tuple[int, int, int]], groups: ParallelGroups) -> float:
     device = grads[0].device if grads else groups.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for bucket, start, end in runs:
-        total += torch.linalg.vector_norm(grads[bucket][start:end], dtype=torch.float32) ** 2
-    groups.world.all_reduce(total)
+        total += sum_of_squares(grads[bucket][start:end])
+    groups.world.all_reduce(total)  # an fp64 scalar: gloo and NCCL both reduce float64
     return math.sqrt(total.item())
 
 

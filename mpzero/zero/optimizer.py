@@ -23,6 +23,7 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ from torch import nn
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel.placement import placements
-from mpzero.zero.accounting import CommReport, MemoryReport, comm_theory, memory_report, unique_storage_bytes
+from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, comm_theory, memory_report,
+                                   unique_storage_bytes)
 from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
@@ -150,8 +152,14 @@ class ZeroOptimizer:
         g = self.stage.grad_shards[0].element_size()
         master = self.masters.master_bytes_per_param
         padding = sum(layout.padding for layout in self.stage.layouts)
-        return memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
-                             padding, p, g, master)
+        report = memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
+                               padding, p, g, master)
+        if isinstance(self.stage, Stage3) and self.stage.meter.peak:  # after a step: its high-water mark
+            working_set, text = self.stage.peak_working_set(p, g)
+            report = dataclasses.replace(report, peak=PeakReport(
+                report.measured + self.stage.meter.peak, report.formula + working_set,
+                f"{report.formula_text}+{text}"))
+        return report
 
     def comm_report(self) -> CommReport:
         """Bytes per rank per iteration counted on the DP group since the last report, against theory."""
@@ -160,8 +168,7 @@ class ZeroOptimizer:
         self._comm_mark = (total, self.iteration)
         p = self.stage.param_shards[0].element_size()
         g = self.stage.grad_shards[0].element_size()
-        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, self.stage.root_numel, p, g,
-                                   self._last_micro_batches)
+        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, p, g, self._last_micro_batches)
         return CommReport(self.zero.stage, self.groups.dp_size, self._last_micro_batches,
                           (total - mark_bytes) / iterations, theory, text)
 

@@ -11,10 +11,19 @@ transposed weight) see the gathered values again in backward.
 Schedule: a unit is gathered before its forward (its successor prefetched asynchronously) and
 released after it; gathered again when the gradient reaches its outputs (or when a reentrant
 checkpoint re-runs its forward inside backward), its predecessor prefetched; and released once all
-its gradients have arrived, as they are reduce-scattered. The root is gathered from the start of
-forward to the end of backward: the output projection reuses the word embedding (weight tying), and
-releasing it between forward and backward would only gather it again at once. The unit order is the
-order of the first forward. A unit's parameters must be used only inside that unit's forward.
+its gradients have arrived, as they are reduce-scattered. The root is gathered through forward (its
+parameters open and close it: embeddings, final LayerNorm, the tied output projection), released between
+forward and backward like every unit, so that a rank then holds only its shards, gathered again when the
+gradient reaches the model's output (the output projection's backward needs the tied weight) and kept to
+the end of backward. Every unit is thus gathered twice per micro-batch: 2P parameter bytes, the ZeRO
+paper's 3P with the reduce-scatter. The unit order is the order of the first forward. A unit's parameters
+must be used only inside that unit's forward.
+
+At the peak of a step a rank holds, beyond its shards: the root, the unit computing and the prefetched one
+(parameters), and the root's, the unit's and one in-flight unit's full gradient buffers: (p + g)(R + 2L)
+bytes for a root of R and three or more layer units of at most L elements (`peak_working_set` derives it
+for any number of units, with or without prefetch and overlap). At DP 1 nothing is
+partitioned: parameters are bound to the one whole copy, never gathered or released.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from mpzero.comm import CommGroup
 from mpzero.zero.config import PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import build_layout, bind_params
 from mpzero.zero.grads import ShardedGrads
+from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.stages import flatten_params
 
@@ -71,17 +81,22 @@ class Stage3(ZeroStage):
         keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]  # skip units with nothing to train
         self.modules = [([model] + units)[u] for u in keep]
         self.layouts = [build_layout(assigned[u], dp.size, dp.rank) for u in keep]
-        self.dp, self.prefetch = dp, zero.prefetch
+        self.dp, self.prefetch, self.meter = dp, zero.prefetch, TransientMeter()
+        self.partitioned = dp.size > 1  # at DP 1 the "shard" is the whole unit: nothing to gather or release
         dtype = precision.torch_dtype
         self.param_shards, self._initial = flatten_params(self.layouts, dp, dtype, device, "shard")
-        self._full = [torch.empty(l.padded_numel, dtype=dtype, device=device) for l in self.layouts]
+        self._full = ([torch.empty(l.padded_numel, dtype=dtype, device=device) for l in self.layouts]
+                      if self.partitioned else self.param_shards)
         for layout, full in zip(self.layouts, self._full):
             bind_params(layout, full)
         self._handles = [None] * len(self.layouts)
         self._gathered = [True] * len(self.layouts)
         for u in range(len(self.layouts)):
+            if self.partitioned:
+                self.meter.add(self._full[u].nbytes)  # released at once: the meter starts from zero
             self._release(u)
-        self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm,
+        self.meter.peak = 0
+        self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
                                   after_ready=self._grads_ready)
         self.in_backward, self._order, self._order_frozen = False, [], False
         self._hooks = []
@@ -92,6 +107,23 @@ class Stage3(ZeroStage):
     @property
     def root_numel(self) -> int:
         return self.layouts[0].numel
+
+    def peak_working_set(self, p: int, g: int) -> tuple[int, str]:
+        """(bytes, formula) the schedule holds beyond the shards at its peak, in backward (forward holds less):
+        the root's parameters and full gradient bucket (R elements each: gathered again for the loss, its
+        gradients complete only with the tied embedding's, at the very end), and at the j-th layer unit of
+        backward (each at most L elements) that unit and the prefetched next one (parameters), that unit's
+        gradient bucket and the previous one's still being reduced (MAX_INFLIGHT_REDUCTIONS = 1). At DP 1
+        parameters are never gathered; without overlap every gradient bucket waits for the end of backward."""
+        root = self.layouts[0].padded_numel
+        largest = max((layout.padded_numel for layout in self.layouts[1:]), default=0)
+        units, gathered = len(self.layouts) - 1, p if self.partitioned else 0
+        per_layer = 0
+        for j in range(units):
+            params = 1 + (self.prefetch and j < units - 1)
+            grads = (1 + (j > 0)) if self.grads.overlap else j + 1
+            per_layer = max(per_layer, gathered * params + g * grads)
+        return (gathered + g) * root + per_layer * largest, f"{gathered + g}R+{per_layer}L"
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -106,7 +138,8 @@ class Stage3(ZeroStage):
         if self._gathered[u]:
             return
         full = self._full[u]
-        full.untyped_storage().resize_(full.numel() * full.element_size())
+        full.untyped_storage().resize_(full.nbytes)
+        self.meter.add(full.nbytes)
         self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
         self._gathered[u] = True
 
@@ -117,19 +150,20 @@ class Stage3(ZeroStage):
             self._handles[u] = None
 
     def _release(self, u: int) -> None:
-        if not self._gathered[u]:
+        if not self._gathered[u] or not self.partitioned:
             return
         if self._handles[u] is not None:  # never free a buffer a collective still writes
             self._handles[u].wait()
             self._handles[u] = None
         self._full[u].untyped_storage().resize_(0)
+        self.meter.sub(self._full[u].nbytes)
         self._gathered[u] = False
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
         if not self.prefetch or not self._order:
             return
-        if u == 0:
-            nxt = None if backward else self._order[0]
+        if u == 0:  # the root opens forward and, gathered again for the loss, backward
+            nxt = self._order[-1] if backward else self._order[0]
         elif u in self._order:
             i = self._order.index(u) + (-1 if backward else 1)
             nxt = self._order[i] if 0 <= i < len(self._order) else None
@@ -150,8 +184,10 @@ class Stage3(ZeroStage):
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, u))
-        # Inside backward (a checkpoint's recomputation) the unit's own backward follows at once.
-        if not self.in_backward and (u or not torch.is_grad_enabled()):
+        # Inside backward (a checkpoint's recomputation) the unit's own backward follows at once. The root is
+        # released too: between forward and backward the rank holds only its shards; the gradient reaching the
+        # model's output gathers it again (the tied output projection's backward needs the weight).
+        if not self.in_backward:
             self._release(u)
 
     def _pre_backward(self, u: int, grad) -> None:

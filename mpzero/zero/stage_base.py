@@ -12,9 +12,9 @@ A stage owns the model's parameter storage and the gradient buffers of this rank
   after `end_backward()` of the last micro-batch; `zero_grad()` clears them.
 - `begin_backward(last_micro_batch)` / `end_backward()` bracket one micro-batch's backward: gradients are
   collected (and reduced when the stage reduces every micro-batch, or at the last one) in between.
-- `held_tensors()`: the parameter and gradient storage this stage holds, for the memory report;
-  `root_numel`: elements gathered once per step instead of per use (stage 3's root unit; 0 otherwise),
-  for the communication formula.
+- `held_tensors()`: the parameter and gradient storage this stage holds between steps, and `meter`, the
+  transient buffers (gathered units, full gradient buckets) counted as they come and go, for the memory
+  report.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from mpzero.zero.flat import FlatLayout
+from mpzero.zero.meter import TransientMeter
 
 
 class ZeroStage(ABC):
@@ -31,9 +32,7 @@ class ZeroStage(ABC):
     layouts: list[FlatLayout]
     param_shards: list[torch.Tensor]
 
-    @property
-    def root_numel(self) -> int:
-        return 0
+    meter: TransientMeter
 
     @property
     @abstractmethod

@@ -21,6 +21,7 @@ from mpzero.comm import CommGroup
 from mpzero.zero.config import PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import FlatLayout, bind_params, bucket_layouts, initial_values
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
+from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
 
 
@@ -51,7 +52,7 @@ class _FullParams(ZeroStage):
     parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
 
     def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device):
-        self.dp = dp
+        self.dp, self.meter = dp, TransientMeter()
         parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
         self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
         self.param_flats, self._initial = flatten_params(self.layouts, dp, precision.torch_dtype, device, "full")
@@ -106,4 +107,4 @@ class Stage2(_FullParams):
     number, parts_of_dp = 2, True
 
     def _make_grads(self, dtype, device, overlap):
-        return ShardedGrads(self.layouts, self.dp, dtype, device, overlap)
+        return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter)
