@@ -104,10 +104,6 @@ class Stage3(ZeroStage):
             self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
             self._hooks.append(module.register_forward_hook(partial(self._post_forward, u)))
 
-    @property
-    def root_numel(self) -> int:
-        return self.layouts[0].numel
-
     def peak_working_set(self, p: int, g: int) -> tuple[int, str]:
         """(bytes, formula) the schedule holds beyond the shards at its peak, in backward (forward holds less):
         the root's parameters and full gradient bucket (R elements each: gathered again for the loss, its
