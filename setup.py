@@ -10,9 +10,10 @@ setup(
     # torch: any release from 2.4 on; the CPU wheel on disk (2.13) satisfies it, users keep their CUDA build.
     # sentencepiece (0.2.3: the pybind11 build whose batch encode returns numpy arrays), tokenizers (GPT-2
     # BPE from local files only), tqdm: mpzero.data and tools/;
-    # pyyaml: --config files; tensorboard: --tensorboard-dir.
+    # pyyaml: --config files; tensorboard: --tensorboard-dir; crc32c: checkpoint checksums (hardware CRC-32C,
+    # ~5x zlib's CRC-32; without it mpzero falls back to zlib).
     install_requires=["torch>=2.4,<3", "numpy>=1.24", "sentencepiece>=0.2.3", "tokenizers>=0.15", "tqdm>=4.60",
-                      "pyyaml>=5.4", "tensorboard>=2.10"],
+                      "pyyaml>=5.4", "tensorboard>=2.10", "crc32c>=2.2"],
     # triton: the fused kernels (mpzero.fused); pinned to the release torch 2.13's CUDA wheel pins.
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2"], "triton": ["triton==3.7.1"]},
 )

@@ -78,7 +78,7 @@ def test_stage_0_replicas_are_written_once_and_the_format_is_recorded(tmp_path):
     assert min(sizes) > 0.3 * max(sizes), sizes  # DCP's dedup spreads the replicated chunks over both writers
     with open(directory / "meta.json", encoding="utf-8") as f:
         meta = json.load(f)
-    assert meta["format"] == FORMAT == 2
+    assert meta["format"] == FORMAT == 3
     assert set(volumes) == set(meta["shapes"])
 
 

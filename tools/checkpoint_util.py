@@ -2,11 +2,14 @@
 
     python tools/checkpoint_util.py to-consolidated --load CKPT [--iteration N] --output weights.pt
     python tools/checkpoint_util.py from-consolidated --input weights.pt --save CKPT2
+    python tools/checkpoint_util.py verify --load CKPT [--iteration N]
 
 The consolidated file is `torch.save({"model": {name: full tensor}, "meta": {...}})`: global shapes,
 vocabulary padding removed, loadable anywhere with plain `torch.load`. A checkpoint made from it holds
 weights only (iteration 0): train from it with `--load CKPT2 --finetune` (or `--no-load-optim`) at any
-TP x DP x ZeRO layout. Runs in one process, no torchrun needed.
+TP x DP x ZeRO layout. `verify` reads every file and stored chunk of a checkpoint and checks each chunk
+against the checksum recorded when it was saved: `OK: ...` on stdout, or the first damaged file (and key) in
+one `error:` line and exit code 2. Runs in one process, no torchrun needed.
 """
 
 from __future__ import annotations
@@ -21,29 +24,48 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.checkpointing import (FORMAT, LATEST, checkpoint_dir, checkpoint_key, latest_iteration,  # noqa: E402
-                                  parse_checkpoint_key)
+from mpzero.checkpointing import FORMAT, LATEST, checkpoint_dir, checkpoint_key, parse_checkpoint_key  # noqa: E402
+from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, previous_advice,  # noqa: E402
+                                             read_dcp_metadata, read_meta_file)
+from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums  # noqa: E402
 from mpzero.checkpointing.format import MASTER  # noqa: E402
+from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare  # noqa: E402
+from mpzero.checkpointing.verify import resolve_iteration, single_process, verify_checkpoint  # noqa: E402
 from mpzero.cli import run_or_exit  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
 from mpzero.files import replace_directory, write_atomically  # noqa: E402
 
 
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
+    """Whole tensors as mpzero's planners take them: one chunk each, at offset zero."""
+    return {key: LocalShare(tuple(t.shape), [Chunk((0,) * t.dim(), tuple(t.shape), t)]) for key, t in tensors.items()}
+
+
 def to_consolidated(load: str, iteration: int | None, output: str) -> None:
-    iteration = latest_iteration(load) if iteration is None else iteration
-    directory = checkpoint_dir(load, iteration) if iteration is not None else None
-    if directory is None or not os.path.isfile(os.path.join(directory, "meta.json")):
-        where = f" at iteration {iteration}" if iteration is not None else ""
-        raise ConfigError(f"no mpzero checkpoint under {load}{where}")
-    with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
+    directory, iteration = resolve_iteration(load, iteration)
+    advice = previous_advice(load, iteration)
+    meta = read_meta_file(directory, advice)
+    check_shard_files(directory, read_dcp_metadata(directory, advice), advice)
+    checksums = read_checksums(directory, meta["layout"]["world"], advice) if meta.get("checksums") else None
     names = {}  # checkpoint key: parameter name, for the fp32 weights
     for key in meta["shapes"]:
-        state, name = parse_checkpoint_key(key)
+        try:
+            state, name = parse_checkpoint_key(key)
+        except ValueError:
+            raise ConfigError(f"checkpoint {directory}: meta.json is damaged (key {key!r}): {advice}") from None
         if state == MASTER:
             names[key] = name
     model = {key: torch.zeros(meta["shapes"][key]) for key in names}
-    dcp.load(model, checkpoint_id=directory)  # no process group: read whole tensors in this process
+    try:  # every stored chunk is read whole into its place, so each is checked against its checksum
+        dcp.load(_whole(model), checkpoint_id=directory, planner=ChunksLoadPlanner(checksums, directory, advice),
+                 no_dist=True)
+    except dcp.CheckpointException as failure:
+        error = next(iter(failure.failures.values()), (failure,))
+        error = error[0] if isinstance(error, tuple) else error
+        if isinstance(error, ConfigError):
+            raise error from None
+        raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): {advice}; "
+                          f"`verify` names the damaged file") from None
     bundle = {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
     write_atomically(output, lambda f: torch.save(bundle, f))
 
@@ -51,7 +73,10 @@ def to_consolidated(load: str, iteration: int | None, output: str) -> None:
 def from_consolidated(input_path: str, save: str) -> None:
     if not os.path.isfile(input_path):
         raise ConfigError(f"--input {input_path}: no such file")
-    bundle = torch.load(input_path, weights_only=True)
+    try:
+        bundle = torch.load(input_path, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a damaged or foreign file raises anything
+        raise ConfigError(f"--input {input_path} is not a consolidated checkpoint ({error_reason(error)})") from None
     if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
     tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
@@ -61,10 +86,12 @@ def from_consolidated(input_path: str, save: str) -> None:
     tmp = directory + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
     os.makedirs(tmp)
-    dcp.save(tensors, checkpoint_id=tmp)
+    planner = ChunksSavePlanner(checksums=True)
+    dcp.save(_whole(tensors), checkpoint_id=tmp, planner=planner, no_dist=True)
+    write_rank_checksums(tmp, 0, planner.written_checksums())
     meta = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
             "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
-            "shapes": {key: list(t.shape) for key, t in tensors.items()}}
+            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM}
     write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
     replace_directory(tmp, directory)
     write_atomically(os.path.join(save, LATEST), "0")
@@ -80,11 +107,17 @@ def main(argv: list[str] | None = None) -> None:
     back = sub.add_parser("from-consolidated")
     back.add_argument("--input", required=True)
     back.add_argument("--save", required=True)
+    check = sub.add_parser("verify", help="check every file and stored chunk of a checkpoint")
+    check.add_argument("--load", required=True)
+    check.add_argument("--iteration", type=int, default=None, help="default: the latest")
     args = p.parse_args(argv)
-    if args.command == "to-consolidated":
-        run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output))
-    else:
-        run_or_exit(lambda: from_consolidated(args.input, args.save))
+    with single_process():  # no process group here: DCP's warning about that says nothing
+        if args.command == "to-consolidated":
+            run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output))
+        elif args.command == "verify":
+            print(run_or_exit(lambda: verify_checkpoint(args.load, args.iteration)), flush=True)
+        else:
+            run_or_exit(lambda: from_consolidated(args.input, args.save))
 
 
 if __name__ == "__main__":

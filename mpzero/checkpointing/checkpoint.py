@@ -5,11 +5,18 @@
     SAVE/iter_0000100/meta.json                 format, iteration, consumed samples, optimizer step, loss
                                                 scaler, layout, global shapes, the resolved configuration
     SAVE/iter_0000100/rng/rank_00000.pt         each rank's generator states
+    SAVE/iter_0000100/checksums/rank_00000.json a checksum of every chunk each rank wrote (format 3)
 
 Saving is atomic: every rank writes into `iter_0000100.tmp`, and only when all are done does rank 0
 rename it and then rewrite the latest pointer (itself through a temporary file). A crash mid-save leaves
 the previous checkpoint and pointer untouched; the stale temporary directory is removed by the next save.
 Each rank writes and reads its own ZeRO partition of every tensor in place (sharding.py's DCP planners).
+
+Loading verifies what it reads (checksums.py): each rank checks the checksum of every stored chunk it reads
+(in full, also at another layout); `tools/checkpoint_util.py verify` checks every chunk. A missing or damaged
+file (meta.json, .metadata, a .distcp shard, a checksum or RNG file) is one ConfigError line naming the
+checkpoint, the file, and the previous iteration to load instead. Every rank checks the files before the
+collective read and the ranks agree on the first error, so a failure only one rank sees stops them all.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from mpzero.checkpointing.checksums import ALGORITHM, ALGORITHMS, DIRECTORY, read_checksums, write_rank_checksums
 from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, MOMENTS, OLD_SUFFIX, TMP_SUFFIX, checkpoint_dir,
                                          checkpoint_key, parse_checkpoint_key)
 from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
@@ -32,11 +43,11 @@ from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
-                    meta: dict) -> str:
+                    meta: dict, checksums: bool = True) -> str:
     """Collective: every rank calls it. Returns the published directory. A failed write on any rank (a full
     disk, a read-only file system) is a TrainingError on every rank, with the partial directory removed and
-    the latest pointer still on the previous checkpoint."""
-    tmp = write_unpublished(root, iteration, model, optimizer, rng, groups, meta)
+    the latest pointer still on the previous checkpoint. `checksums=False` (benchmarks) records none."""
+    tmp = write_unpublished(root, iteration, model, optimizer, rng, groups, meta, checksums)
     final = checkpoint_dir(root, iteration)
     if groups.world.rank == 0:
         replace_directory(tmp, final)
@@ -46,7 +57,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesT
     return final
 
 
-def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: ParallelGroups, meta: dict) -> str:
+def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: ParallelGroups, meta: dict,
+                      checksums: bool = True) -> str:
     """Everything but the publication: the complete checkpoint under its temporary name."""
     tmp = checkpoint_dir(root, iteration) + TMP_SUFFIX
     where = placements(model.named_parameters())
@@ -56,11 +68,16 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
         if groups.world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
             os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(os.path.join(tmp, DIRECTORY))
+
+    planner = ChunksSavePlanner(checksums=checksums)
 
     def write_rank_files():
         snapshot = rng.snapshot()
         write_atomically(os.path.join(tmp, "rng", f"rank_{groups.world.rank:05d}.pt"),
                          lambda f: torch.save(snapshot, f))
+        if checksums:
+            write_rank_checksums(tmp, groups.world.rank, planner.written_checksums())
         if groups.world.rank == 0:
             shapes = {checkpoint_key(k, name): list(p.global_shape(groups.tp_size))
                       for k in (MASTER,) + MOMENTS for name, p in where.items()}
@@ -68,13 +85,13 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
                     "optimizer": {"step": step, "loss_scaler": optimizer.scaler.state_dict(),
                                   "iteration": optimizer.iteration},
                     "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
-                    "shapes": shapes}
+                    "shapes": shapes, "checksums": ALGORITHM if checksums else None}
             write_atomically(os.path.join(tmp, "meta.json"), json.dumps(full, indent=1, sort_keys=True))
 
     _agreed(make_directory, tmp, root, groups)
     try:  # DCP gathers every rank's write result: a failure anywhere raises on every rank
         dcp.save(_local_shares(optimizer, where, (MASTER,) + MOMENTS, groups, writing=True), checkpoint_id=tmp,
-                 planner=ChunksSavePlanner())
+                 planner=planner)
     except (OSError, dcp.CheckpointException) as error:  # DCP's exception carries every failed rank's error
         _fail_save(tmp, root, groups, _first_os_error(error))
     _agreed(write_rank_files, tmp, root, groups)
@@ -152,15 +169,89 @@ def read_meta(root: str) -> tuple[str, dict] | None:
     if iteration is None:
         return None
     directory = checkpoint_dir(root, iteration)
+    return directory, read_meta_file(directory, previous_advice(root, iteration))
+
+
+def previous_advice(root: str, iteration: int) -> str:
+    """What to do about a damaged checkpoint of `iteration`: load the latest complete one before it."""
+    earlier = [n for n in _complete_iterations(root) if n < iteration]
+    if not earlier:
+        return f"restore it from a copy; there is no earlier checkpoint under {root}"
+    n = max(earlier)
+    return (f"load the previous iteration ({os.path.basename(checkpoint_dir(root, n))}: put {n} in "
+            f"{os.path.join(root, LATEST)})")
+
+
+def _complete_iterations(root: str) -> list[int]:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return [int(name[len("iter_"):]) for name in names
+            if name.startswith("iter_") and name[len("iter_"):].isdigit() and os.path.isdir(os.path.join(root, name))]
+
+
+def read_meta_file(directory: str, advice: str) -> dict:
+    """meta.json of the checkpoint in `directory`; missing, damaged or from a newer mpzero: one ConfigError line."""
     meta_path = os.path.join(directory, "meta.json")
-    if not os.path.isfile(meta_path):
-        raise ConfigError(f"{directory} has no meta.json: not an mpzero checkpoint, or damaged")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format", 1) > FORMAT:  # format 1 (no field) and 2 store the same keys
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint {directory} is missing (the latest pointer names it): {advice}")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {directory}: meta.json is missing (not an mpzero checkpoint, or damaged): "
+                          f"{advice}") from None
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else "not valid JSON"
+        raise ConfigError(f"checkpoint {directory}: meta.json is unreadable ({reason}): {advice}") from None
+    expected = {"iteration": int, "shapes": dict, "layout": dict}
+    wrong = next((k for k, kind in expected.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), kind)),
+                 None)
+    if wrong is not None:
+        raise ConfigError(f"checkpoint {directory}: meta.json is damaged (no {wrong!r}): {advice}")
+    if not isinstance(meta.get("format", 1), int) or meta.get("format", 1) > FORMAT:
+        # formats 1 (no field), 2 and 3 store the same keys; 3 adds checksums
         raise ConfigError(f"{directory} is in checkpoint format {meta['format']}, newer than this mpzero's "
                           f"({FORMAT}): load it with the mpzero that wrote it")
-    return directory, meta
+    return meta
+
+
+def read_dcp_metadata(directory: str, advice: str) -> Metadata:
+    """DCP's .metadata (the stored chunks and where they lie); missing or damaged: one ConfigError line."""
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {directory}: .metadata is missing: {advice}") from None
+    except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises anything
+        raise ConfigError(f"checkpoint {directory}: .metadata is unreadable ({error_reason(error)}): {advice}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ConfigError(f"checkpoint {directory}: .metadata is damaged (not DCP metadata): {advice}")
+    return metadata
+
+
+def check_shard_files(directory: str, metadata: Metadata, advice: str) -> None:
+    """Every .distcp file the metadata points into exists and is long enough for the chunks stored in it."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+        if isinstance(path, str) and isinstance(offset, int) and isinstance(length, int):
+            needed[path] = max(needed.get(path, 0), offset + length)
+    for name, size in sorted(needed.items()):
+        try:
+            have = os.path.getsize(os.path.join(directory, name))
+        except FileNotFoundError:
+            raise ConfigError(f"checkpoint {directory}: {name} is missing: {advice}") from None
+        if have < size:
+            raise ConfigError(f"checkpoint {directory}: {name} is truncated ({have} of at least {size} bytes): "
+                              f"{advice}")
+
+
+def error_reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1][:200]}" if text else type(error).__name__
 
 
 def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
@@ -168,38 +259,101 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     """Collective. Loads the latest checkpoint under `root` into the model, optimizer and RNG; returns its
     meta (iteration, consumed samples, ...) or None when `root` holds no checkpoint yet. `architecture`: the
     settings that give the weights their meaning ({flag name: value}, saved under meta["architecture"]); the
-    first one that differs from the checkpoint's is a ConfigError, even where the shapes would agree."""
-    found = read_meta(root)
-    if found is None:
+    first one that differs from the checkpoint's is a ConfigError, even where the shapes would agree.
+    A missing or damaged file is one ConfigError line on every rank (the ranks agree before reading)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
         return None
-    directory, meta = found
-    if architecture:
-        _check_same_architecture(meta, architecture, directory)
+    directory = checkpoint_dir(root, iteration)
+    advice = previous_advice(root, iteration)
     where = placements(model.named_parameters())
-    _check_same_model(meta, where, groups.tp_size, directory)
-    if load_optim and "optimizer" not in meta:
-        raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
+    prepared, error = None, None
+    try:
+        prepared = _prepare_load(directory, advice, where, groups, load_optim, load_rng, architecture)
+    except ConfigError as failure:
+        error = str(failure)
+    errors = [e for e in groups.world.all_gather_objects(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    meta, checksums, rng_state, notes = prepared
+    if groups.is_logging_rank:
+        for note in notes:
+            print(note, flush=True)
     keys = (MASTER,) + MOMENTS if load_optim else (MASTER,)
-    dcp.load(_local_shares(optimizer, where, keys, groups, writing=False), checkpoint_id=directory,
-             planner=ChunksLoadPlanner())
+    planner = ChunksLoadPlanner(checksums, directory, advice)
+    try:  # DCP gathers every rank's read result: a failure anywhere raises on every rank
+        dcp.load(_local_shares(optimizer, where, keys, groups, writing=False), checkpoint_id=directory,
+                 planner=planner)
+    except dcp.CheckpointException as failure:
+        raise ConfigError(_load_failure(failure, directory, advice, os.path.dirname(directory), iteration)) from None
     if load_optim:
         optimizer.load_owned_pieces(**meta["optimizer"])
     else:
         optimizer.load_owned_pieces()
-    if load_rng:
-        _load_rng(directory, meta, rng, groups)
+    if rng_state is not None:
+        rng.restore(rng_state)
     return meta
 
 
-def _load_rng(directory: str, meta: dict, rng: RNGStatesTracker, groups: ParallelGroups) -> None:
-    """Per-rank dropout streams only mean something at the layout that drew them."""
+def _prepare_load(directory: str, advice: str, where: dict[str, TensorPlacement], groups: ParallelGroups,
+                  load_optim: bool, load_rng: bool, architecture: dict | None):
+    """Everything a load checks and reads before the collective read of the shards: (meta, checksums, this
+    rank's RNG states or None, notes to print)."""
+    meta = read_meta_file(directory, advice)
+    if architecture:
+        _check_same_architecture(meta, architecture, directory)
+    _check_same_model(meta, where, groups.tp_size, directory)
+    if load_optim and "optimizer" not in meta:
+        raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
+    check_shard_files(directory, read_dcp_metadata(directory, advice), advice)
+    notes, checksums = [], None
+    algorithm = meta.get("checksums")
+    if algorithm:
+        checksums = read_checksums(directory, meta["layout"]["world"], advice)
+        if checksums[0] not in ALGORITHMS:
+            notes.append(f"note: {directory} has {checksums[0]} checksums and this mpzero cannot compute them "
+                         f"(pip install {checksums[0]}): loaded without verifying them")
+    else:
+        notes.append(f"note: {directory} has no checksums (format {meta.get('format', 1)}): loaded unverified")
+    rng_state = None
+    if load_rng:
+        rng_state, note = _read_rng(directory, meta, groups, advice)
+        notes += [note] if note else []
+    return meta, checksums, rng_state, notes
+
+
+def _load_failure(failure: dcp.CheckpointException, directory: str, advice: str, root: str, iteration: int) -> str:
+    """One line for a failed collective read: a rank's own ConfigError (a checksum mismatch) as it is, else
+    the first failed rank's error."""
+    failures = failure.failures
+    for rank in sorted(failures):
+        error = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(error, ConfigError):
+            return str(error)
+    rank = min(failures) if failures else 0
+    error = failures[rank][0] if failures and isinstance(failures[rank], tuple) else failures.get(rank, failure)
+    return (f"checkpoint {directory}: reading its shards failed on rank {rank} ({error_reason(error)}): {advice}; "
+            f"`tools/checkpoint_util.py verify --load {root} --iteration {iteration}` names the damaged file")
+
+
+def _read_rng(directory: str, meta: dict, groups: ParallelGroups, advice: str):
+    """(this rank's generator states, None), or (None, a note) at another layout: per-rank dropout streams
+    only mean something at the layout that drew them. A missing or unreadable file at the same layout is a
+    ConfigError naming it."""
     path = os.path.join(directory, "rng", f"rank_{groups.world.rank:05d}.pt")
-    same_layout = (meta["layout"]["world"], meta["layout"]["tp"]) == (groups.world.size, groups.tp_size)
-    if not (same_layout and os.path.isfile(path)):
-        if groups.is_logging_rank:
-            print(f"note: checkpoint layout {meta['layout']} has no RNG states for this run's: not loaded")
-        return
-    rng.restore(torch.load(path, weights_only=True))
+    name = os.path.relpath(path, directory)
+    if (meta["layout"].get("world"), meta["layout"].get("tp")) != (groups.world.size, groups.tp_size):
+        return None, f"note: checkpoint layout {meta['layout']} has no RNG states for this run's: not loaded"
+    if not os.path.isdir(os.path.dirname(path)):  # made by tools/checkpoint_util.py from-consolidated
+        return None, f"note: {directory} holds no RNG states: not loaded"
+    try:
+        return torch.load(path, weights_only=True), None
+    except FileNotFoundError:
+        problem = "is missing"
+    except Exception as error:  # noqa: BLE001 - a damaged pickle or zip raises anything
+        problem = f"is unreadable ({error_reason(error)})"
+    raise ConfigError(f"checkpoint {directory}: {name} {problem}: {advice}, or pass --no-load-rng to start fresh "
+                      f"dropout streams")
 
 
 def _check_same_architecture(meta: dict, architecture: dict, directory: str) -> None:

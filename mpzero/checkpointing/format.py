@@ -3,13 +3,15 @@
 Format 1 (no "format" field in meta.json) and format 2 store the same tensors under the same keys and chunks;
 format 2 is written through mpzero's own DCP planners instead of torch's deprecated sharded-tensor class, and
 says so in meta.json, so that a later change of layout can be told apart and refused or converted.
+Format 3 adds checksums/rank_NNNNN.json, a checksum of every stored chunk (checksums.py), and says its
+algorithm in meta.json ("checksums"); formats 1 and 2 still load, unverified.
 """
 
 from __future__ import annotations
 
 import os
 
-FORMAT = 2
+FORMAT = 3
 LATEST = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"  # iter_0000100.tmp: a save being written (or killed while it was)
 OLD_SUFFIX = ".old"  # iter_0000100.old: a checkpoint of the same iteration being replaced

@@ -11,6 +11,13 @@ directly into its buffers, so a checkpoint written at one (TP, DP, ZeRO stage) l
 The planners work on the public planner API alone: a rank's local save plan is one SHARD `WriteItem` per
 rectangle (DCP's global plan keeps one copy of rectangles several ranks hold, stage 0's DP replicas), and its
 local load plan is `create_read_items_for_chunk_list` over its rectangles against the stored chunks.
+
+Checksums (format 3, checksums.py): the save planner records a checksum of every chunk DCP asks it for, which
+is exactly the chunks of this rank's final (deduplicated) plan. The load planner, given the recorded checksums,
+verifies every stored chunk this rank reads: a stored chunk that falls whole into one of this rank's chunks is
+read straight into it and checked there; one that this rank needs only part of (a load at another layout), or
+in several pieces, is read whole into a scratch buffer (DCP's reader loads the whole stored chunk anyway),
+checked, and its overlaps copied into place.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from mpzero.checkpointing.checksums import ALGORITHMS, checksum, offsets_text
 from mpzero.errors import ConfigError
 from mpzero.tensor_parallel.placement import TensorPlacement
 
@@ -93,7 +101,14 @@ def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int
 class ChunksSavePlanner(DefaultSavePlanner):
     """Saves a {key: LocalShare} state dict: each rank writes its own chunks, straight from their views.
     The global plan (DefaultSavePlanner's) drops every repeat of a chunk (same key and offsets) but one and
-    checks that the chunks stay inside their tensors and do not overlap."""
+    checks that the chunks stay inside their tensors and do not overlap. With `checksums`, the checksum of each
+    chunk written is recorded as DCP takes it (`written_checksums()` after the save)."""
+
+    def __init__(self, checksums: bool = True) -> None:
+        super().__init__()
+        self.record_checksums = checksums
+        self.checksums: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.written: set[tuple[str, tuple[int, ...]]] = set()
 
     def set_up_planner(self, state_dict: dict[str, LocalShare], storage_meta=None,
                        is_coordinator: bool = False) -> None:
@@ -115,14 +130,42 @@ class ChunksSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
 
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        self.written = {(item.index.fqn, tuple(item.index.offset)) for item in plan.items}
+        return plan
+
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        return _find(self.shares[write_item.index.fqn].chunks, write_item.index).view
+        view = _find(self.shares[write_item.index.fqn].chunks, write_item.index).view
+        if not self.record_checksums:
+            return view
+        data = view.detach().cpu()  # DCP writes from CPU memory: a device tensor is copied once, here
+        self.checksums[(write_item.index.fqn, tuple(write_item.index.offset))] = checksum(data)
+        return data
+
+    def written_checksums(self) -> dict[tuple[str, tuple[int, ...]], int]:
+        """{(key, offsets): checksum} of the chunks this rank wrote."""
+        missing = self.written - set(self.checksums)
+        if missing:
+            raise RuntimeError(f"DCP wrote {len(missing)} chunks without asking for their data, e.g. {min(missing)}")
+        return {where: self.checksums[where] for where in self.written}
 
 
 class ChunksLoadPlanner(DefaultLoadPlanner):
     """Loads a {key: LocalShare} state dict in place: every stored chunk that overlaps one of this rank's
     chunks is read into the overlap's view of this rank's buffer. A key the checkpoint lacks, or holds at
-    another shape, is an error."""
+    another shape, is an error. `checksums`: (algorithm, {(key, offsets text): checksum}) as recorded at save;
+    every stored chunk read is then verified (see the module's docstring), and the first mismatch is a
+    ConfigError naming `directory`, the file and the key, ending with `advice`."""
+
+    def __init__(self, checksums: tuple[str, dict[tuple[str, str], int]] | None = None, directory: str = "",
+                 advice: str = "") -> None:
+        super().__init__()
+        self.checksums = checksums if checksums and checksums[0] in ALGORITHMS else None
+        self.directory, self.advice = directory, advice
+        self.scattered: dict[ReadItem, tuple[list[ReadItem], torch.dtype]] = {}
+        self.scratch: torch.Tensor | None = None
+        self.verified = 0
 
     def set_up_planner(self, state_dict: dict[str, LocalShare], metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
@@ -141,24 +184,76 @@ class ChunksLoadPlanner(DefaultLoadPlanner):
             if tuple(md.size) != tuple(share.size):
                 raise ConfigError(f"the checkpoint holds {key} at {tuple(md.size)}, not {tuple(share.size)}")
             wanted = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in share.chunks]
-            items += create_read_items_for_chunk_list(key, md, wanted)
+            reads = create_read_items_for_chunk_list(key, md, wanted)
+            items += reads if self.checksums is None else self._whole_stored_chunks(key, md, reads)
         return LoadPlan(items)
+
+    def _whole_stored_chunks(self, key: str, md: TensorStorageMetadata, reads: list[ReadItem]) -> list[ReadItem]:
+        """`reads` with every stored chunk read whole: by the one read that already takes all of it, or by one
+        read into a scratch buffer whose overlaps commit_tensor copies into place."""
+        stored = {tuple(c.offsets): c for c in md.chunks}
+        by_chunk: dict[tuple[int, ...], list[ReadItem]] = {}
+        for read in reads:
+            by_chunk.setdefault(tuple(read.storage_index.offset), []).append(read)
+        out = []
+        for offsets, group in by_chunk.items():
+            sizes = tuple(stored[offsets].sizes)
+            first = group[0]
+            if len(group) == 1 and not any(first.storage_offsets) and tuple(first.lengths) == sizes:
+                out.append(first)
+                continue
+            whole = ReadItem(type=LoadItemType.TENSOR, dest_index=first.storage_index,
+                             dest_offsets=torch.Size([0] * len(sizes)), storage_index=first.storage_index,
+                             storage_offsets=torch.Size([0] * len(sizes)), lengths=torch.Size(sizes))
+            self.scattered[whole] = (group, md.properties.dtype)
+            out.append(whole)
+        return out
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise ConfigError(f"the checkpoint holds {read_item.dest_index.fqn!r} as bytes, not as a tensor")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if read_item in self.scattered:
+            self.scratch = torch.empty(tuple(read_item.lengths), dtype=self.scattered[read_item][1])
+            return self.scratch
         return self._destination(read_item)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """The reader copies into the view resolve_tensor returned, so the buffer already holds the data;
         a storage reader that handed out a copy instead (a device or layout it had to convert) is copied
         back here."""
+        if read_item in self.scattered:
+            scratch, self.scratch = tensor, None  # the stored chunk, whole
+            self._verify(read_item, scratch)
+            for part in self.scattered[read_item][0]:
+                source = scratch
+                for dim, (start, length) in enumerate(zip(part.storage_offsets, part.lengths)):
+                    source = source.narrow(dim, start, length)
+                self._destination(part).copy_(source)
+            return
         target = self._destination(read_item)
         same = (tensor.device == target.device and tensor.data_ptr() == target.data_ptr()
                 and tensor.stride() == target.stride())
         if not same:
             target.copy_(tensor)
+        if self.checksums is not None:
+            self._verify(read_item, target)
+
+    def _verify(self, read_item: ReadItem, whole: torch.Tensor) -> None:
+        """`whole` holds the stored chunk `read_item.storage_index` in full: compare its checksum with the
+        recorded one."""
+        algorithm, table = self.checksums
+        key, offsets = read_item.storage_index.fqn, tuple(read_item.storage_index.offset)
+        expected = table.get((key, offsets_text(offsets)))
+        info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata.storage_data else None
+        where = getattr(info, "relative_path", None) or "a .distcp file"
+        if expected is None:
+            raise ConfigError(f"checkpoint {self.directory}: no checksum is recorded for the chunk of {key} at "
+                              f"{list(offsets)} in {where} (checksums/ is incomplete): {self.advice}")
+        if checksum(whole.cpu(), algorithm) != expected:
+            raise ConfigError(f"checkpoint {self.directory}: {where} holds a damaged chunk of {key} at "
+                              f"{list(offsets)} ({algorithm} mismatch): {self.advice}")
+        self.verified += 1
 
     def _destination(self, read_item: ReadItem) -> torch.Tensor:
         view = _find(self.shares[read_item.dest_index.fqn].chunks, read_item.dest_index).view
