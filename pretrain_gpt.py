@@ -30,7 +30,7 @@ from mpzero.training.loop import BuiltModel, train
 
 def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker) -> BuiltModel:
     model = GPTModel(config, groups.tp, rng, device=groups.device)
-    return BuiltModel(model, config.flops_per_token(), config.architecture())
+    return BuiltModel(model, config.flops_per_token(groups.tp_size), config.architecture())
 
 
 def main(argv: list[str] | None = None) -> dict:

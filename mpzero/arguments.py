@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     model.add_argument("--recompute-activations", action="store_true")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="an output projection of its own instead of the input embedding's transpose")
+    model.add_argument("--openai-gelu", action="store_true",
+                       help="GELU's tanh approximation (OpenAI's GPT-2) instead of the exact erf form")
     model.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                        help="attention softmax by the PyTorch reference instead of the fused op")
     model.add_argument("--use-flash-attn", action="store_true",
@@ -223,7 +227,9 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      recompute_activations=args.recompute_activations,
                      layernorm_impl="auto" if args.layernorm_fusion else "torch",
                      softmax_impl="auto" if args.masked_softmax_fusion else "torch",
-                     use_flash_attn=args.use_flash_attn, seq_length=args.seq_length)
+                     use_flash_attn=args.use_flash_attn, seq_length=args.seq_length,
+                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+                     openai_gelu=args.openai_gelu, init_seed=args.seed)
 
 
 def lr_schedule(args: argparse.Namespace) -> LRSchedule:

@@ -57,16 +57,34 @@ def rank_grid(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list
     return tp_groups, dp_groups
 
 
-def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0) -> ParallelGroups:
+BACKENDS = ("nccl", "gloo")
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str | None = None) -> ParallelGroups:
     """Join (or create) the default process group and carve it into TP and DP groups.
 
     Under torchrun the environment names rank and world; as plain `python` a world of one is made,
     so one code path serves 1 and N processes. Collectives fail after `timeout_minutes` instead of
-    hanging when a peer is gone.
+    hanging when a peer is gone. `backend`: "nccl" (ranks compute on their LOCAL_RANK's GPU) or "gloo"
+    (ranks compute on the CPU, also on a GPU host); default `default_backend()`. When the default group
+    already exists (the caller made it), a `backend` given must be the one it has.
     """
     timeout = timedelta(minutes=timeout_minutes)
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, and torch sees no GPU here: use backend='gloo'")
+    if dist.is_initialized():
+        if backend is not None and backend not in dist.get_backend():
+            raise ConfigError(f"the process group already exists with backend {dist.get_backend()!r}, not the "
+                              f"{backend!r} asked for: drop the backend argument or create the group with it")
+    else:
+        backend = backend or default_backend()
         # NCCL binds each rank to its GPU before the first communicator exists (and barriers use it)
         device_id = _device_for_backend(backend) if backend == "nccl" else None
         if "WORLD_SIZE" in os.environ:

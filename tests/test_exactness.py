@@ -2,7 +2,7 @@
 
 The global gradient norm decides the clipping factor of every step, and every layout sums it over a
 different partition of the gradients (stage 1 over DP slices, stage 3 over per-layer units, TP over
-shards). With the squares summed in fp32 (before issue 12) the single process's norm of these 16M
+shards). With the squares summed in fp32 (before issue 12) the single process's norm of these 15M
 elements was 4.8e-5 off the exact one, the layouts' printed norms were up to 6.7e-5 apart (stage 3 and TP 2)
 and their losses up to 1.1e-5 apart after 30 steps: this test failed. Summed in fp64 (mpzero/zero/norm.py)
 the DP layouts' norms agree to 1e-14 and their losses exactly; TP 2 (other gradient sums) within 2e-6."""

@@ -1,13 +1,28 @@
 """GPT-2 built from the tensor-parallel layers.
 
 Learned positions, pre-LayerNorm blocks, causal self-attention with heads split across the TP group,
-GELU MLP of width 4h, final LayerNorm, output projection tied to the vocab-parallel input embedding.
+GELU MLP of width 4h (erf, or tanh with `openai_gelu`), final LayerNorm, output projection tied to the
+vocab-parallel input embedding (or its own column-parallel weight with `untie_embeddings_and_output_weights`).
 Activations are [batch, seq, hidden]. The model knows TP (it takes `groups.tp`) but not ZeRO.
+
+As a library:
+
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000,
+                               max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0),
+                     init_parallel().tp)                      # no RNG tracker needed without dropout
+    loss = model(tokens, labels, reduction="mean")
+
+Initialization draws from a CPU `torch.Generator` the model owns, seeded with `config.init_seed`: building a
+model never touches torch's global RNG, the weights are the same at every TP size (each rank draws every full
+weight and keeps its slice) and on CPU and CUDA (drawn on the CPU, then moved). Dropout draws from torch's
+default generator (hidden dropout, identical on every TP rank when seeded alike) and from the tracker's
+tensor-parallel stream (attention dropout): the caller seeds those (`seed_everything`).
 """
 
 from __future__ import annotations
 
 import math
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,7 +45,7 @@ class GPTConfig:
     num_attention_heads: int
     vocab_size: int
     max_position_embeddings: int
-    hidden_dropout: float = 0.1
+    hidden_dropout: float = 0.1  # Megatron's defaults, as the flags' (--hidden-dropout, --attention-dropout)
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
@@ -40,6 +55,9 @@ class GPTConfig:
     softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
     use_flash_attn: bool = False  # --use-flash-attn: torch's scaled_dot_product_attention (flash on GPUs)
     seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
+    untie_embeddings_and_output_weights: bool = False  # --untie-embeddings-and-output-weights: own output weight
+    openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
+    init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
 
     def validate(self, tp_size: int) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -51,21 +69,36 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def needs_rng(self) -> bool:
+        """Dropout or recomputation draw from (or replay) an RNG tracker; without them none is needed."""
+        return self.hidden_dropout > 0 or self.attention_dropout > 0 or self.recompute_activations
 
     def architecture(self) -> dict:
         """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
         is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                 "layernorm_epsilon")
+                 "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu")
         return {name: getattr(self, name) for name in names}
 
-    def flops_per_token(self) -> float:
-        """Model FLOPs per trained token, forward and backward: Narayanan et al. (2021)'s
-        72 B s l h^2 (1 + s/(6h) + V/(16 l h)) per batch of B sequences, 96 with full recomputation (one more
-        forward). The figure Megatron divides by time for TFLOP/s."""
-        passes = 96 if self.recompute_activations else 72
+    def flops_per_token(self, tp_size: int = 1) -> float:
+        """Matmul FLOPs per trained token, forward and backward, as Megatron counts them
+        (megatron/training/training.py, num_floating_point_operations, for GPT: 72 B s l h^2 (1 + s/(6h)
+        + V/(12 l h)) per batch of B sequences of s tokens, V the padded vocabulary at this TP size).
+        Per token and layer a forward is 24 h^2 (QKV 6h^2, projection 2h^2, MLP 16h^2) + 4 s h (scores and
+        the weighted sum of values, over all s positions: the causal half is not subtracted); the logits add
+        2 h V; backward is twice the forward. Full recomputation (`recompute_activations`) runs the layers'
+        forward once more, not the logits': 96 l h^2 (1 + s/(6h)) + 6 h V (Narayanan et al. 2021's
+        96 B s l h^2 (1 + s/(6h) + V/(16 l h)); Megatron's own printed figure leaves recomputation out)."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
-        return passes * l * h ** 2 * (1 + s / (6 * h) + self.vocab_size / (16 * l * h))
+        vocab = self.padded_vocab_size(tp_size)
+        layer_forward = 24 * l * h ** 2 + 4 * l * s * h
+        layer_passes = 4 if self.recompute_activations else 3
+        return layer_passes * layer_forward + 3 * 2 * h * vocab
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
@@ -73,8 +106,17 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
-def _normal(std: float):
-    return partial(nn.init.normal_, mean=0.0, std=std)
+def _normal(std: float, generator: torch.Generator):
+    return partial(nn.init.normal_, mean=0.0, std=std, generator=generator)
+
+
+def _vocab_rows(std: float, vocab: int, generator: torch.Generator):
+    """Init of a [padded vocabulary, h] weight: only the real rows are drawn (the same draws whatever the padding
+    and the TP size), the padding rows are zero (and, receiving no gradient, stay zero)."""
+    def init(full: torch.Tensor) -> None:
+        nn.init.normal_(full[:vocab], std=std, generator=generator)
+        full[vocab:].zero_()
+    return init
 
 
 class LayerNorm(nn.Module):
@@ -97,22 +139,25 @@ class SelfAttention(nn.Module):
     The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
     column-parallel split hands each rank whole heads with their q, k and v."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
+                 device=None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
         self.head_dim = h // config.num_attention_heads
         self.local_heads = config.num_attention_heads // tp.size
         self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
         self.use_flash_attn = config.use_flash_attn
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std), device=device)
-        self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), device=device)
+        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std, generator), device=device)
+        self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
+                                       device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
         dropout = self.dropout if self.training else 0.0
-        with self.rng.fork():  # heads differ across TP ranks, so must their dropout masks
+        # heads differ across TP ranks, so must their dropout masks (no tracker: no dropout, nothing drawn)
+        with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
             context = self._flash(q, k, v, dropout) if self.use_flash_attn else self._core(q, k, v, dropout)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s, h] out
 
@@ -130,25 +175,28 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """h -> 4h (column-parallel, GELU on this rank's shard) -> h (row-parallel, all-reduced)."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
-        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std), device=device)
-        self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), device=device)
+        self.approximate = "tanh" if config.openai_gelu else "none"
+        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std, generator), device=device)
+        self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
+                                     device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class TransformerLayer(nn.Module):
     """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))); hidden dropout is replicated across TP."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
+                 device=None):
         super().__init__()
         self.input_layernorm = LayerNorm(config, device)
-        self.attention = SelfAttention(config, tp, rng, device)
+        self.attention = SelfAttention(config, tp, rng, generator, device)
         self.post_attention_layernorm = LayerNorm(config, device)
-        self.mlp = MLP(config, tp, device)
+        self.mlp = MLP(config, tp, generator, device)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,20 +208,18 @@ class GPTEmbedding(nn.Module):
     """Vocab-parallel token embedding plus replicated learned positions. Padding rows of the table
     start (and, receiving no gradient, stay) at zero."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None):
         super().__init__()
         std, vocab = config.init_method_std, config.vocab_size
-
-        def init_word(full: torch.Tensor) -> None:
-            nn.init.normal_(full[:vocab], std=std)  # only real rows: the draw is the same at every TP size
-            full[vocab:].zero_()
-
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
-                                                      tp, init_word, device)
+                                                      tp, _vocab_rows(std, vocab, generator), device)
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
         # drawn from the CPU generator like every other weight, so a GPU run starts where a CPU run does
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        nn.init.normal_(self.position_embeddings.weight, std=std)
+        # (given a weight, nn.Embedding skips its own reset_parameters, a draw from the global RNG)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                 _weight=torch.empty(config.max_position_embeddings,
+                                                                     config.hidden_size))
+        nn.init.normal_(self.position_embeddings.weight, std=std, generator=generator)
         self.position_embeddings.to(device)
         mark_tensor_parallel(self.position_embeddings.weight, None)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -183,27 +229,56 @@ class GPTEmbedding(nn.Module):
         return self.dropout(self.word_embeddings(tokens) + self.position_embeddings(positions))
 
 
+REDUCTIONS = ("none", "mean")
+
+
 class GPTModel(nn.Module):
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker, device=None):
+    """`rng`: the dropout streams (`seed_everything`); may be None when the config has no dropout and no
+    recomputation. `tp`: the tensor-parallel group (`init_parallel(...).tp`)."""
+
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None):
         super().__init__()
         config.validate(tp.size)
+        if rng is None and config.needs_rng:
+            raise ConfigError(f"GPTModel needs an RNG tracker (rng=seed_everything(seed, tp_rank, device)) for "
+                              f"hidden dropout {config.hidden_dropout}, attention dropout {config.attention_dropout}"
+                              f" or recomputation {config.recompute_activations}: pass one, or set both dropouts "
+                              f"to 0 and recompute_activations=False")
         self.config, self.tp, self.rng = config, tp, rng
-        self.embedding = GPTEmbedding(config, tp, device)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, device) for _ in range(config.num_layers))
+        generator = torch.Generator().manual_seed(config.init_seed)  # CPU: the same weights for a CUDA model
+        self.embedding = GPTEmbedding(config, tp, generator, device)
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, generator, device)
+                                    for _ in range(config.num_layers))
         self.final_layernorm = LayerNorm(config, device)
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size(tp.size), tp,
+                _vocab_rows(config.init_method_std, config.vocab_size, generator), bias=False, device=device)
+            mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> per-token losses [b, s] if labels are given, else this rank's logits [b, s, V/tp]."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                reduction: str = "none") -> torch.Tensor:
+        """tokens [b, s] -> with labels: per-token losses [b, s] (`reduction="none"`, for a loss mask) or their
+        mean (`reduction="mean"`); without labels: this rank's logits [b, s, V/tp]."""
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if tokens.size(1) > self.config.max_position_embeddings:
             raise ConfigError(f"sequence length {tokens.size(1)} exceeds --max-position-embeddings "
                               f"{self.config.max_position_embeddings}")
         x = self.embedding(tokens)
         for layer in self.layers:
             x = recompute(layer, self.rng, x) if self.config.recompute_activations and self.training else layer(x)
-        x = copy_to_tp(self.final_layernorm(x), self.tp)
-        logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied output projection, [b, s, V/tp]
+        x = self.final_layernorm(x)
+        if self.output_layer is None:  # tied output projection, [b, s, V/tp]
+            logits = F.linear(copy_to_tp(x, self.tp), self.embedding.word_embeddings.weight)
+        else:
+            logits = self.output_layer(x)
         logits = self._mask_vocab_padding(logits)
-        return logits if labels is None else vocab_parallel_cross_entropy(logits, labels, self.tp)
+        if labels is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(logits, labels, self.tp)
+        return losses.mean() if reduction == "mean" else losses
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding ids get -inf logits, so the padded vocabulary never changes the loss."""

@@ -62,6 +62,21 @@ def build_training_state(run: RunConfig, provider: ModelProvider, groups: Parall
     return TrainingState(groups, built, optimizer, rng)
 
 
+def overlap_note(optimizer: ZeroOptimizer) -> str | None:
+    """A line saying that overlapping gradient reduction with backward cannot happen for this model, or None.
+    It cannot when every parameter sits in one gradient bucket (stages 0-2: the bucket is complete, and
+    reduced, only when backward is over) or in one stage-3 unit; with one DP rank nothing is reduced at all."""
+    zero, layouts, numel = optimizer.zero, optimizer.stage.layouts, optimizer.numel
+    if not zero.overlap_comm or optimizer.groups.dp_size == 1 or len(layouts) != 1:
+        return None
+    if zero.stage == 3:
+        return (f"note: ZeRO stage 3 found no units in this model (no nn.ModuleList; all {numel} parameters are "
+                f"one unit), so gathering and reducing cannot overlap with compute: pass units= to ZeroOptimizer")
+    return (f"note: --zero-bucket-numel {zero.bucket_numel} holds all {numel} trainable parameters of this rank "
+            f"in one gradient bucket, reduced only once backward is over: nothing overlaps with it; a bucket of "
+            f"about {max(numel // 4, 1)} elements reduces in 4 parts while backward runs")
+
+
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
@@ -76,6 +91,9 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     state = build_training_state(run, provider, groups)
     if groups.is_logging_rank:
         print(state.optimizer.memory_report().line(), flush=True)
+        note = overlap_note(state.optimizer)
+        if note:
+            print(note, flush=True)
     iteration, consumed, skipped = _load(run, state)
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)

@@ -39,7 +39,8 @@ class AdamConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.01  # decoupled (AdamW); never applied to parameters with ndim < 2
+    weight_decay: float = 0.01  # decoupled (AdamW), on the parameters ZeroOptimizer's `decay` rule picks
+    # (default: Megatron's, those with ndim >= 2: not biases and LayerNorm parameters)
     clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
     impl: str = "auto"  # mpzero.fused adamw_step implementation; --no-adam-fusion gives "torch"
 

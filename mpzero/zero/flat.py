@@ -7,19 +7,68 @@ weight-decayed ones first (so a rank's slice is at most two runs, one decayed an
 total is padded to a multiple of the number of parts, so each rank owns exactly `shard_numel`
 elements [rank*S, (rank+1)*S). Every bucket is partitioned on its own, so reducing a bucket is one
 reduce-scatter whose output is this rank's slice of that bucket; the padding is < parts per bucket.
+
+Which parameters decay is the optimizer's parameter (`ZeroOptimizer(..., decay=...)`): it resolves its rule
+once, at construction, and records each parameter's answer on the parameter (`mark_weight_decay`), the way
+parameters carry their TP placement; the layouts read the record. Unrecorded parameters follow Megatron's
+rule (`default_decay`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from mpzero.errors import ConfigError
 
-def uses_weight_decay(param: nn.Parameter) -> bool:
+DecayRule = Callable[[str, nn.Parameter], bool]
+_DECAY_ATTR = "zero_weight_decay"  # set by mark_weight_decay: True / False
+
+
+def default_decay(name: str, param: nn.Parameter) -> bool:
     """Megatron's rule: no weight decay on biases and LayerNorm parameters (ndim < 2)."""
     return param.ndim >= 2
+
+
+def mark_weight_decay(named_params: list[tuple[str, nn.Parameter]],
+                      decay: DecayRule | Collection[str] | None = None) -> dict[str, bool]:
+    """Decide, for every (name, parameter), whether AdamW decays it, and record it on the parameter for the
+    layouts. `decay`: None (Megatron's rule, `default_decay`), a function (name, parameter) -> bool, or the
+    names of the parameters that decay (every other one does not). Returns {name: decays}."""
+    names = [name for name, _ in named_params]
+    if decay is None:
+        rule = default_decay
+    elif callable(decay):
+        rule = decay
+    elif isinstance(decay, Collection) and not isinstance(decay, (str, bytes)):
+        chosen = set(decay)
+        unknown = sorted(chosen - set(names))
+        if unknown:
+            raise ConfigError(f"decay names {', '.join(map(repr, unknown[:3]))}"
+                              f"{' and more' if len(unknown) > 3 else ''}, not trainable parameters of the model "
+                              f"(they are e.g. {', '.join(map(repr, names[:3]))})")
+        rule = lambda name, param: name in chosen  # noqa: E731
+    else:
+        raise ConfigError(f"decay must be None, a function (name, parameter) -> bool or a set of parameter names, "
+                          f"not {type(decay).__name__}")
+    decisions = {}
+    for name, param in named_params:
+        answer = rule(name, param)
+        if not isinstance(answer, bool):
+            raise ConfigError(f"the decay rule returned {answer!r} for parameter {name!r}: it must return True or "
+                              f"False")
+        setattr(param, _DECAY_ATTR, answer)
+        decisions[name] = answer
+    return decisions
+
+
+def uses_weight_decay(param: nn.Parameter) -> bool:
+    """What `mark_weight_decay` recorded for this parameter; Megatron's rule when nothing was recorded."""
+    recorded = getattr(param, _DECAY_ATTR, None)
+    return default_decay("", param) if recorded is None else recorded
 
 
 @dataclass(frozen=True, eq=False)

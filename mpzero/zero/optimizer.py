@@ -23,6 +23,7 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 import dataclasses
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, comm_theory, memory_report,
                                    unique_storage_bytes)
 from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
 from mpzero.zero.scaler import make_loss_scaler
@@ -67,10 +69,13 @@ class ZeroOptimizer:
     Managed parameters are cast to `precision.dtype` and become views of flat buffers (stage 3:
     released between uses); cast the rest of the model (frozen parameters, buffers) yourself.
     `units` (stage 3 only): the modules gathered one at a time; default `default_units(model)`.
+    `decay`: which parameters AdamW's decoupled weight decay applies to: a function (name, parameter) -> bool,
+    or a set of parameter names; default Megatron's rule (parameters with ndim >= 2, not biases or LayerNorm).
     """
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, zero: ZeroConfig, adam: AdamConfig,
-                 precision: PrecisionConfig, units: list[nn.Module] | None = None):
+                 precision: PrecisionConfig, units: list[nn.Module] | None = None,
+                 decay: DecayRule | Collection[str] | None = None):
         for section in (zero, adam, precision):
             section.validate()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -78,6 +83,7 @@ class ZeroOptimizer:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
         self.model, self.groups, self.zero, self.adam_config, self.precision = model, groups, zero, adam, precision
         self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
+        self.decays = mark_weight_decay(named, decay)  # {name: decays}, recorded for the stage's layouts
         self.numel = sum(p.numel() for _, p in named)
         self.stage = make_stage(model, named, groups, zero, precision, units)
         self.masters: MasterStore = DeviceMasters(self.stage.layouts, self.stage.param_shards,
