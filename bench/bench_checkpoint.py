@@ -7,8 +7,9 @@ ZeroOptimizer, RNG), saved with `save_checkpoint(..., checksums=True/False)` and
 `load_checkpoint` (verifying every stored chunk, or a checkpoint without checksums: nothing verified).
 Save and load alternate between the two variants, best of --repeats each; the files stay in the page cache
 (what a save that is immediately reloaded, or a load of a recent save, sees; a cold read from disk is slower
-and makes the checksum's share smaller). Also timed: the checksum alone over every stored byte (CRC-32C and, for comparison, zlib's CRC-32), and
-`tools/checkpoint_util.py verify`'s full check. Checkpoints are written under --dir and deleted afterwards.
+and makes the checksum's share smaller). Also timed: the checksum alone over every stored byte (CRC-32C and,
+for comparison, zlib's CRC-32), and `tools/checkpoint_util.py verify`'s full check. Checkpoints are written
+under --dir and deleted afterwards.
 """
 
 from __future__ import annotations

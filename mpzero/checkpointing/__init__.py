@@ -4,5 +4,5 @@ from mpzero.checkpointing.checkpoint import (check_save_directory, latest_iterat
                                              read_meta, save_checkpoint, write_unpublished)
 from mpzero.checkpointing.format import FORMAT, LATEST, checkpoint_dir, checkpoint_key, parse_checkpoint_key
 
-__all__ = ["FORMAT", "LATEST", "check_save_directory", "checkpoint_dir", "read_meta", "checkpoint_key", "latest_iteration", "load_checkpoint",
-           "parse_checkpoint_key", "save_checkpoint", "write_unpublished"]
+__all__ = ["FORMAT", "LATEST", "check_save_directory", "checkpoint_dir", "read_meta", "checkpoint_key", "latest_iteration",
+           "load_checkpoint", "parse_checkpoint_key", "save_checkpoint", "write_unpublished"]

@@ -224,7 +224,8 @@ def read_dcp_metadata(directory: str, advice: str) -> Metadata:
     except FileNotFoundError:
         raise ConfigError(f"checkpoint {directory}: .metadata is missing: {advice}") from None
     except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises anything
-        raise ConfigError(f"checkpoint {directory}: .metadata is unreadable ({error_reason(error)}): {advice}") from None
+        raise ConfigError(f"checkpoint {directory}: .metadata is unreadable ({error_reason(error)}): "
+                          f"{advice}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ConfigError(f"checkpoint {directory}: .metadata is damaged (not DCP metadata): {advice}")
     return metadata

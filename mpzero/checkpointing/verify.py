@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from mpzero.checkpointing.checkpoint import (error_reason, check_shard_files, latest_iteration, previous_advice,
+from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, latest_iteration, previous_advice,
                                              read_dcp_metadata, read_meta_file)
 from mpzero.checkpointing.checksums import ALGORITHMS, read_checksums
 from mpzero.checkpointing.format import checkpoint_dir
@@ -142,5 +142,6 @@ def _check_rng_files(directory: str, world, advice: str) -> int:
         except FileNotFoundError:
             raise ConfigError(f"checkpoint {directory}: rng/{name} is missing: {advice}") from None
         except Exception as error:  # noqa: BLE001 - a damaged pickle or zip raises anything
-            raise ConfigError(f"checkpoint {directory}: rng/{name} is unreadable ({error_reason(error)}): {advice}") from None
+            raise ConfigError(f"checkpoint {directory}: rng/{name} is unreadable ({error_reason(error)}): "
+                              f"{advice}") from None
     return len(names)
