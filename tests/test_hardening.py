@@ -36,16 +36,17 @@ def test_a_checkpoint_of_another_architecture_with_the_same_shapes_is_refused(tm
     assert code == 2 and "was saved with --layernorm-epsilon 1e-05, this run has 1e-06" in stderr
 
 
-def test_a_non_finite_gradient_norm_stops_before_the_update_and_the_last_checkpoint_resumes(tmp_path):
-    """--lr 1e4 explodes the weights: the loss of iteration 3 is still finite, its gradient norm is not. The run
-    stops before that update; the checkpoint of iteration 2 holds finite weights, and resuming from it
-    reproduces iteration 3 exactly (the same stop), where a poisoned checkpoint would give a NaN loss."""
+def test_a_non_finite_loss_stops_before_the_update_and_the_last_checkpoint_resumes(tmp_path):
+    """--lr 1e4 explodes the weights: the loss of iteration 4 is NaN. The run stops before that update; the
+    checkpoint of iteration 3 holds finite weights, and resuming from it reproduces iteration 4 exactly (the
+    same stop). (Before the norm was summed in fp64 its squares overflowed fp32 at iteration 3 and the gradient
+    norm stopped the run there; the gradient-norm stop itself is tested in test_exactness.py.)"""
     argv = RUN + ["--lr", "1e4", "--clip-grad", "0", "--train-iters", "30", "--save", str(tmp_path),
                   "--save-interval", "1"]
     code, stderr = _one(exit_code_and_stderr, argv)
     assert code == 1 and stderr.count("\n") == 1
-    assert stderr.startswith("error: the gradient norm is nan at iteration 3 ") and "before the update" in stderr
-    assert latest_iteration(str(tmp_path)) == 2
+    assert stderr.startswith("error: lm loss is nan at iteration 4 ") and "before the update" in stderr
+    assert latest_iteration(str(tmp_path)) == 3
     tool = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint_util.py"))
     tool["to_consolidated"](str(tmp_path), None, str(tmp_path / "weights.pt"))
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)["model"]
