@@ -102,6 +102,8 @@ def train_zero(steps: int, batch: int, stage: int, seed: int) -> list[float]:
         losses.append(total.item() / dp)
         if groups.is_logging_rank:
             print(f"step {step + 1:4d} | loss {losses[-1]:.8e} | grad norm {stats.grad_norm:.6e}", flush=True)
+    if groups.is_logging_rank:  # model-state bytes against the ZeRO formula; at stage 3 also the in-step peak
+        print(optimizer.memory_report().line(), flush=True)
     return losses
 
 

@@ -5,6 +5,8 @@ that trains a plain torch.nn model under torchrun."""
 
 import dataclasses
 import math
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -322,3 +324,18 @@ def test_plain_module_example_under_torchrun_matches_torch_adamw():
     reference = run_ranks(1, lambda: train_plain_module.train_reference(20, 32, 1234))[0]
     assert_close_lists(losses, reference)
     assert reference[-1] < 0.5 * reference[0]  # it learns
+
+
+def _example_memory_line(steps: int) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_plain_module.main(["--steps", str(steps), "--zero-stage", "3"])
+    return next((line for line in out.getvalue().splitlines() if line.startswith("zero memory")), None)  # rank 0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_plain_module_example_stage3_peak_is_at_its_formula(n):
+    line = run_ranks(n, _example_memory_line, 2)[0]
+    fields = dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])
+    assert float(fields["ratio"]) == pytest.approx(1.0, abs=0.02), line
+    assert float(fields["peak ratio"]) == pytest.approx(1.0, abs=0.02), line

@@ -20,7 +20,7 @@ from torch import nn
 
 from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
 from mpzero.data import build_gpt_datasets
-from mpzero.errors import TrainingError
+from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import resolved_impls
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
@@ -77,10 +77,18 @@ def overlap_note(optimizer: ZeroOptimizer) -> str | None:
             f"about {max(numel // 4, 1)} elements reduces in 4 parts while backward runs")
 
 
+def partition_note(optimizer: ZeroOptimizer) -> str | None:
+    """At DP 1 a ZeRO stage above 0 partitions nothing: said once, so nobody reads its memory as savings."""
+    if optimizer.groups.dp_size > 1 or optimizer.zero.stage == 0:
+        return None
+    return (f"note: data-parallel size 1: ZeRO stage {optimizer.zero.stage} partitions nothing (every state is "
+            f"whole on this rank); run more data-parallel ranks to divide it")
+
+
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
-    resumed = _resume_point(run)
+    resumed = _resume_point(run, groups)
     # bad data paths fail before the model is built
     train_data, valid_data, test_data = _datasets(run, groups, resumed)
     if groups.is_logging_rank:
@@ -91,9 +99,10 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     state = build_training_state(run, provider, groups)
     if groups.is_logging_rank:
         print(state.optimizer.memory_report().line(), flush=True)
-        note = overlap_note(state.optimizer)
-        if note:
-            print(note, flush=True)
+        for note in (overlap_note(state.optimizer), partition_note(state.optimizer)):
+            if note:
+                print(note, flush=True)
+    peak_reported = state.optimizer.zero.stage != 3  # stage 3's line is printed again after a step, with its peak
     iteration, consumed, skipped = _load(run, state)
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
@@ -128,6 +137,10 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             interval["skipped"] += stats.skipped
             if not stats.skipped:
                 interval["losses"].append(loss)
+            if not peak_reported:
+                peak_reported = True
+                if groups.is_logging_rank:
+                    print(state.optimizer.memory_report().line(), flush=True)
             if iteration % run.logging.log_interval == 0:
                 _log_interval(interval, iteration, consumed, lr, stats, run, state, tensorboard)
                 interval = _new_interval()
@@ -191,13 +204,21 @@ class ResumePoint:
     saved_flags: dict = field(default_factory=dict)
 
 
-def _resume_point(run: RunConfig) -> ResumePoint:
-    checkpoint = run.checkpoint
-    found = read_meta(checkpoint.load) if checkpoint.load and not checkpoint.finetune else None
-    if found is None:
-        return ResumePoint()
-    meta = found[1]
-    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}))
+def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
+    """Read by every rank; a meta.json that only some ranks cannot read fails on all of them (the exchange of
+    errors is the agreement), not on one while the others wait in the next collective."""
+    checkpoint, error, point = run.checkpoint, None, ResumePoint()
+    try:
+        found = read_meta(checkpoint.load) if checkpoint.load and not checkpoint.finetune else None
+        if found is not None:
+            meta = found[1]
+            point = ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}))
+    except ConfigError as failure:
+        error = str(failure)
+    errors = [e for e in groups.world.all_gather_objects(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return point
 
 
 def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
