@@ -60,13 +60,15 @@ def deferred_interrupts(reraise: bool = True) -> Iterator[None]:
 
 
 def worker_signals() -> None:
-    """For pool worker processes. Ctrl-C (SIGINT to the whole foreground group) is ignored: the main process
-    handles it and shuts the pool down. SIGTERM keeps its default, so a group-wide SIGTERM ends them at once,
-    and on Linux they are sent one when the main process dies, so a SIGKILLed main leaves no orphan workers."""
+    """For pool worker processes. Ctrl-C and SIGTERM sent to the whole process group (a terminal, a batch
+    scheduler, `timeout`) are ignored: the main process handles them and shuts the pool down in order. A
+    worker killed by the signal mid-task could leave the pool's queues locked and the main process waiting on
+    them forever. On Linux a worker gets SIGKILL when the main process dies, so a killed main leaves no
+    orphan workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
         except (OSError, AttributeError):
             pass  # no prctl: orphans then end when their next read from the pool's queue fails
