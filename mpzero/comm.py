@@ -102,6 +102,18 @@ class CommGroup:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def run_agreed(self, fn, catch: tuple[type[BaseException], ...], describe=str):
+        """(fn()'s result or None, the first rank's error message or None): every rank runs its own part, and
+        the exchange of errors (also the barrier) makes a failure on one rank a failure on all, instead of
+        leaving the others waiting in their next collective."""
+        result, error = None, None
+        try:
+            result = fn()
+        except catch as failure:
+            error = describe(failure)
+        errors = [e for e in self.all_gather_objects(error) if e]
+        return result, (errors[0] if errors else None)
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

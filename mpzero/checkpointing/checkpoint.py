@@ -99,16 +99,11 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
 
 
 def _agreed(step, tmp: str, root: str, groups: ParallelGroups) -> None:
-    """Run this rank's part of a save, then agree over the world whether every rank's part succeeded (the
-    exchange is the barrier), so a rank whose disk failed does not leave the others waiting."""
-    error = None
-    try:
-        step()
-    except OSError as failure:
-        error = f"rank {groups.world.rank}: {failure.strerror or failure}"
-    errors = [e for e in groups.world.all_gather_objects(error) if e]
-    if errors:
-        _fail_save(tmp, root, groups, errors[0])
+    """Run this rank's part of a save; a rank whose disk failed fails the save on every rank."""
+    _, error = groups.world.run_agreed(step, (OSError,),
+                                       lambda failure: f"rank {groups.world.rank}: {error_reason(failure)}")
+    if error:
+        _fail_save(tmp, root, groups, error)
 
 
 def _first_os_error(error: BaseException) -> BaseException:
@@ -125,8 +120,7 @@ def _fail_save(tmp: str, root: str, groups: ParallelGroups, error) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     latest = latest_iteration(root)
     kept = f"the latest checkpoint (iteration {latest}) is intact" if latest is not None else "no checkpoint was kept"
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
-    reason = reason.splitlines()[-1][:300] if reason else type(error).__name__
+    reason = error if isinstance(error, str) else error_reason(error)
     raise TrainingError(f"saving a checkpoint to {tmp} failed ({reason}); {kept}: free space on "
                         f"--save {root} or point it elsewhere")
 
@@ -268,14 +262,10 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     directory = checkpoint_dir(root, iteration)
     advice = previous_advice(root, iteration)
     where = placements(model.named_parameters())
-    prepared, error = None, None
-    try:
-        prepared = _prepare_load(directory, advice, where, groups, load_optim, load_rng, architecture)
-    except ConfigError as failure:
-        error = str(failure)
-    errors = [e for e in groups.world.all_gather_objects(error) if e]
-    if errors:
-        raise ConfigError(errors[0])
+    prepared, error = groups.world.run_agreed(
+        lambda: _prepare_load(directory, advice, where, groups, load_optim, load_rng, architecture), (ConfigError,))
+    if error:
+        raise ConfigError(error)
     meta, checksums, rng_state, notes = prepared
     if groups.is_logging_rank:
         for note in notes:

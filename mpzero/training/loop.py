@@ -207,18 +207,15 @@ class ResumePoint:
 def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
     """Read by every rank; a meta.json that only some ranks cannot read fails on all of them (the exchange of
     errors is the agreement), not on one while the others wait in the next collective."""
-    checkpoint, error, point = run.checkpoint, None, ResumePoint()
-    try:
-        found = read_meta(checkpoint.load) if checkpoint.load and not checkpoint.finetune else None
-        if found is not None:
-            meta = found[1]
-            point = ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}))
-    except ConfigError as failure:
-        error = str(failure)
-    errors = [e for e in groups.world.all_gather_objects(error) if e]
-    if errors:
-        raise ConfigError(errors[0])
-    return point
+    checkpoint = run.checkpoint
+    found, error = groups.world.run_agreed(
+        lambda: read_meta(checkpoint.load) if checkpoint.load and not checkpoint.finetune else None, (ConfigError,))
+    if error:
+        raise ConfigError(error)
+    if found is None:
+        return ResumePoint()
+    meta = found[1]
+    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}))
 
 
 def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
