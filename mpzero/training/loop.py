@@ -102,7 +102,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         for note in (overlap_note(state.optimizer), partition_note(state.optimizer)):
             if note:
                 print(note, flush=True)
-    peak_reported = state.optimizer.zero.stage != 3  # stage 3's line is printed again after a step, with its peak
+    peak_reported = False  # a stage that reports its in-step peak prints its line again after the first step
     iteration, consumed, skipped = _load(run, state)
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
@@ -139,8 +139,9 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                 interval["losses"].append(loss)
             if not peak_reported:
                 peak_reported = True
-                if groups.is_logging_rank:
-                    print(state.optimizer.memory_report().line(), flush=True)
+                memory = state.optimizer.memory_report()
+                if memory.peak is not None and groups.is_logging_rank:
+                    print(memory.line(), flush=True)
             if iteration % run.logging.log_interval == 0:
                 _log_interval(interval, iteration, consumed, lr, stats, run, state, tensorboard)
                 interval = _new_interval()

@@ -160,8 +160,9 @@ class ZeroOptimizer:
         padding = sum(layout.padding for layout in self.stage.layouts)
         report = memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
                                padding, p, g, master)
-        if isinstance(self.stage, Stage3) and self.stage.meter.peak:  # after a step: its high-water mark
-            working_set, text = self.stage.peak_working_set(p, g)
+        working = self.stage.peak_working_set(p, g)
+        if working is not None and self.stage.meter.peak:  # after a step: its high-water mark
+            working_set, text = working
             report = dataclasses.replace(report, peak=PeakReport(
                 report.measured + self.stage.meter.peak, report.formula + working_set,
                 f"{report.formula_text}+{text}"))

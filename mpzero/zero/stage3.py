@@ -90,12 +90,10 @@ class Stage3(ZeroStage):
         for layout, full in zip(self.layouts, self._full):
             bind_params(layout, full)
         self._handles = [None] * len(self.layouts)
-        self._gathered = [True] * len(self.layouts)
-        for u in range(len(self.layouts)):
-            if self.partitioned:
-                self.meter.add(self._full[u].nbytes)  # released at once: the meter starts from zero
-            self._release(u)
-        self.meter.peak = 0
+        if self.partitioned:  # full buffers hold memory only while gathered
+            for full in self._full:
+                full.untyped_storage().resize_(0)
+        self._gathered = [not self.partitioned] * len(self.layouts)
         self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
                                   after_ready=self._grads_ready)
         self.in_backward, self._order, self._order_frozen = False, [], False
@@ -104,7 +102,7 @@ class Stage3(ZeroStage):
             self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
             self._hooks.append(module.register_forward_hook(partial(self._post_forward, u)))
 
-    def peak_working_set(self, p: int, g: int) -> tuple[int, str]:
+    def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond the shards at its peak, in backward (forward holds less):
         the root's parameters and full gradient bucket (R elements each: gathered again for the loss, its
         gradients complete only with the tied embedding's, at the very end), and at the j-th layer unit of

@@ -14,7 +14,7 @@ A stage owns the model's parameter storage and the gradient buffers of this rank
   collected (and reduced when the stage reduces every micro-batch, or at the last one) in between.
 - `held_tensors()`: the parameter and gradient storage this stage holds between steps, and `meter`, the
   transient buffers (gathered units, full gradient buckets) counted as they come and go, for the memory
-  report.
+  report; `peak_working_set()`: the formula those transient buffers follow, where the stage states one.
 """
 
 from __future__ import annotations
@@ -55,3 +55,8 @@ class ZeroStage(ABC):
 
     @abstractmethod
     def held_tensors(self) -> list[torch.Tensor]: ...
+
+    def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
+        """(bytes, formula) the schedule holds beyond `held_tensors` at its in-step peak, for stages whose
+        transient buffers follow a stated formula (stage 3); None: no peak is reported."""
+        return None
