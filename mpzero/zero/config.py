@@ -33,6 +33,66 @@ class ZeroConfig:
             raise ConfigError(f"--zero-bucket-numel {self.bucket_numel} must be a positive number of elements")
 
 
+OFFLOAD_TIERS = ("none", "cpu", "disk")
+OFFLOAD_IO = ("auto", "direct", "buffered")
+DIRECT_IO_ALIGN = 4096  # bytes: O_DIRECT offsets, lengths and buffer addresses are multiples of this
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where this rank's ZeRO partition of model states lives beyond the device (ZeRO-Offload, ZeRO-Infinity).
+
+    optimizer: the fp32 masters and Adam moments (stages 1-3), updated by AdamW on the CPU: `cpu` in host
+    memory, `disk` in files under `path`, streamed through `buffer_count` buffers of `sub_group_numel`
+    elements. params: this rank's low-precision parameter shards (stage 3 only, with the optimizer offloaded
+    too), fetched ahead of the gather. Every rank keeps its files under `{path}/rank{global rank:05d}`.
+    """
+    optimizer: str = "none"  # --offload-optimizer none|cpu|disk (Megatron's --optimizer-cpu-offload = cpu)
+    params: str = "none"  # --offload-params none|cpu|disk
+    path: str | None = None  # --offload-path: directory for the disk tier
+    sub_group_numel: int = 16_777_216  # --offload-sub-group-numel: partition elements updated per swap
+    buffer_count: int = 3  # --offload-buffer-count: sub-group buffers (3: read next, update, write previous)
+    io: str = "auto"  # --offload-io: direct (O_DIRECT), buffered, or auto (direct where the file system allows)
+    pin_memory: bool = True  # host buffers page-locked on a CUDA run (--no-offload-pin-memory)
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer != "none" or self.params != "none"
+
+    @property
+    def uses_disk(self) -> bool:
+        return "disk" in (self.optimizer, self.params)
+
+    def validate(self, stage: int) -> None:
+        """Checks that need no file system (the path itself is checked where the run starts)."""
+        for flag, tier in (("--offload-optimizer", self.optimizer), ("--offload-params", self.params)):
+            if tier not in OFFLOAD_TIERS:
+                raise ConfigError(f"{flag} {tier!r} is not one of {', '.join(OFFLOAD_TIERS)}")
+        if self.io not in OFFLOAD_IO:
+            raise ConfigError(f"--offload-io {self.io!r} is not one of {', '.join(OFFLOAD_IO)}")
+        if self.optimizer != "none" and stage == 0:
+            raise ConfigError(f"--offload-optimizer {self.optimizer} needs --zero-stage 1, 2 or 3 (stage 0 "
+                              "replicates the optimizer state on every rank): raise --zero-stage")
+        if self.params != "none" and stage != 3:
+            raise ConfigError(f"--offload-params {self.params} needs --zero-stage 3 (only stage 3 partitions "
+                              f"parameters), got --zero-stage {stage}")
+        if self.params != "none" and self.optimizer == "none":
+            raise ConfigError(f"--offload-params {self.params} needs --offload-optimizer cpu or disk: the "
+                              "parameters are updated where the optimizer state lives")
+        if self.uses_disk and not self.path:
+            raise ConfigError("the disk tier (--offload-optimizer/--offload-params disk) needs --offload-path DIR")
+        if self.path and not self.uses_disk:
+            raise ConfigError("--offload-path is only used by the disk tier: add --offload-optimizer disk "
+                              "(or --offload-params disk), or drop --offload-path")
+        if self.sub_group_numel < 1 or self.buffer_count < 3:
+            raise ConfigError(f"--offload-sub-group-numel {self.sub_group_numel} must be positive and "
+                              f"--offload-buffer-count {self.buffer_count} at least 3 (read, update, write)")
+        if self.io == "direct" and (self.sub_group_numel * 4) % DIRECT_IO_ALIGN:
+            raise ConfigError(f"--offload-io direct needs --offload-sub-group-numel to be a multiple of "
+                              f"{DIRECT_IO_ALIGN // 4} elements (O_DIRECT transfers {DIRECT_IO_ALIGN}-byte "
+                              f"blocks), got {self.sub_group_numel}")
+
+
 @dataclass(frozen=True)
 class AdamConfig:
     lr: float = 1e-4

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.fused import adamw_step, resolve_impl
+from mpzero.offload.sink import TierBytes, Transfers
 from mpzero.zero.config import AdamConfig
 from mpzero.zero.flat import FlatLayout
 
@@ -70,6 +71,17 @@ class MasterStore(ABC):
     @abstractmethod
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the store holds in device memory (for the memory report)."""
+
+    def tier_bytes(self) -> TierBytes:
+        """State and buffers the store holds off the device (offload tiers)."""
+        return TierBytes()
+
+    def transfers(self) -> Transfers:
+        """Bytes moved between device, host and disk since construction."""
+        return Transfers()
+
+    def close(self) -> None:
+        """Release files and threads (offload tiers); the store is unusable afterwards."""
 
 
 class DeviceMasters(MasterStore):

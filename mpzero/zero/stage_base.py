@@ -15,6 +15,9 @@ A stage owns the model's parameter storage and the gradient buffers of this rank
 - `held_tensors()`: the parameter and gradient storage this stage holds between steps, and `meter`, the
   transient buffers (gathered units, full gradient buckets) counted as they come and go, for the memory
   report; `peak_working_set()`: the formula those transient buffers follow, where the stage states one.
+- `param_sink()`: where the master store writes updated parameter values (default: into `param_shards`);
+  `tier_bytes()` / `transfers()`: state held off the device and bytes moved between tiers (stage 3's
+  offloaded parameters; zero otherwise).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from mpzero.offload.sink import ParamSink, TensorParamSink, TierBytes, Transfers
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 
@@ -60,3 +64,12 @@ class ZeroStage(ABC):
         """(bytes, formula) the schedule holds beyond `held_tensors` at its in-step peak, for stages whose
         transient buffers follow a stated formula (stage 3); None: no peak is reported."""
         return None
+
+    def param_sink(self) -> ParamSink:
+        return TensorParamSink(self.param_shards)
+
+    def tier_bytes(self) -> TierBytes:
+        return TierBytes()
+
+    def transfers(self) -> Transfers:
+        return Transfers()
