@@ -11,6 +11,7 @@ every section, and returns the frozen `RunConfig`. The parsed namespace is never
 from __future__ import annotations
 
 import argparse
+import os
 
 from mpzero.checkpointing import check_save_directory
 from mpzero.config_file import drop_overridden, read_config_file
@@ -25,6 +26,7 @@ from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, Lo
                                     RunConfig, TrainingConfig)
 from mpzero.training.lr_schedule import LRSchedule
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.config import OFFLOAD_IO, OFFLOAD_TIERS, OffloadConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,6 +79,29 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                      action="store_false", help="apply updates with a non-finite loss or gradient norm "
                      "(by default the run stops before such an update; fp16 skips it)")
+
+    off = p.add_argument_group("offload (ZeRO-Offload, ZeRO-Infinity)")
+    off.add_argument("--offload-optimizer", choices=OFFLOAD_TIERS, default=None,
+                     help="where this rank's fp32 masters and Adam moments live (stages 1-3): device memory "
+                          "(none, the default), host memory (cpu) or files under --offload-path (disk); "
+                          "AdamW then runs on the CPU. The result is the same bit for bit")
+    off.add_argument("--optimizer-cpu-offload", action="store_true",
+                     help="Megatron's flag: the same as --offload-optimizer cpu")
+    off.add_argument("--offload-params", choices=OFFLOAD_TIERS, default="none",
+                     help="stage 3: where this rank's parameter shards live between uses (with the optimizer "
+                          "offloaded too); fetched ahead of each layer's gather")
+    off.add_argument("--offload-path", default=None,
+                     help="directory for the disk tier; each rank writes under PATH/rankNNNNN")
+    off.add_argument("--offload-sub-group-numel", type=int, default=OffloadConfig.sub_group_numel,
+                     help="partition elements the disk tier updates per swap (host buffers: "
+                          "buffer count x this x 12 bytes)")
+    off.add_argument("--offload-buffer-count", type=int, default=OffloadConfig.buffer_count,
+                     help="sub-group buffers of the disk tier (3: read the next, update one, write the previous)")
+    off.add_argument("--offload-io", choices=OFFLOAD_IO, default=OffloadConfig.io,
+                     help="disk tier I/O: direct (O_DIRECT: page cache bypassed; an error where the file system "
+                          "refuses it), buffered, or auto (direct where possible)")
+    off.add_argument("--no-offload-pin-memory", dest="offload_pin_memory", action="store_false",
+                     help="GPU runs: pageable instead of page-locked host buffers (slower copies, less locked RAM)")
 
     precision = p.add_argument_group("mixed precision")
     dtype = precision.add_mutually_exclusive_group()
@@ -180,6 +205,10 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), adam_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    offload = offload_config(args)
+    offload.validate(args.zero_stage)
+    if offload.path:
+        check_offload_directory(offload)
     if args.data_path:  # the strings alone, before any file is opened
         parse_data_path(args.data_path)
         parse_split(args.split)
@@ -203,7 +232,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                     load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune,
                                     overwrite=args.overwrite_checkpoints),
         logging=LoggingConfig(args.log_interval, args.tensorboard_dir),
-        schedule=lr_schedule(args), zero=sections[0], adam=sections[1], precision=sections[2],
+        schedule=lr_schedule(args), zero=sections[0], adam=sections[1], precision=sections[2], offload=offload,
         flags={**vars(args), **resolved})
 
 
@@ -247,6 +276,34 @@ def lr_schedule(args: argparse.Namespace) -> LRSchedule:
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
     return ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
                       prefetch=args.zero_prefetch, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+
+
+def offload_config(args: argparse.Namespace) -> OffloadConfig:
+    optimizer = args.offload_optimizer or ("cpu" if args.optimizer_cpu_offload else "none")
+    if args.optimizer_cpu_offload and optimizer != "cpu":
+        raise ConfigError(f"--optimizer-cpu-offload means --offload-optimizer cpu, but --offload-optimizer "
+                          f"{optimizer} was given too: keep one of them")
+    return OffloadConfig(optimizer=optimizer, params=args.offload_params, path=args.offload_path,
+                         sub_group_numel=args.offload_sub_group_numel, buffer_count=args.offload_buffer_count,
+                         io=args.offload_io, pin_memory=args.offload_pin_memory)
+
+
+def check_offload_directory(offload: OffloadConfig) -> None:
+    """At start: --offload-path is a writable directory, and supports O_DIRECT when --offload-io direct."""
+    check_output_directory(offload.path, "--offload-path")
+    if offload.io != "direct":
+        return
+    probe = os.path.join(offload.path, f".direct-io-test-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+        os.close(fd)
+    except OSError as error:
+        raise ConfigError(f"--offload-io direct: the file system of --offload-path {offload.path} refuses O_DIRECT "
+                          f"({error.strerror or error}; tmpfs does): use --offload-io buffered or auto, or "
+                          f"another --offload-path") from None
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
 
 
 def adam_config(args: argparse.Namespace) -> AdamConfig:

@@ -31,6 +31,7 @@ RANGES = {
     "lr_warmup_fraction": (0.0, True, 1.0, True), "exit_interval": (1, True, None, False),
     "eval_interval": (1, True, None, False), "eval_iters": (0, True, None, False),
     "save_interval": (1, True, None, False), "vocab_size": (1, True, None, False),
+    "offload_sub_group_numel": (1, True, None, False), "offload_buffer_count": (3, True, None, False),
 }
 
 

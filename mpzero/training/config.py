@@ -13,6 +13,7 @@ from typing import Any
 
 from mpzero.training.lr_schedule import LRSchedule
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.config import OffloadConfig
 
 
 @dataclass(frozen=True)
@@ -79,4 +80,5 @@ class RunConfig:
     zero: ZeroConfig
     adam: AdamConfig
     precision: PrecisionConfig
+    offload: OffloadConfig = OffloadConfig()
     flags: dict = field(default_factory=dict, compare=False)

@@ -58,7 +58,7 @@ def build_training_state(run: RunConfig, provider: ModelProvider, groups: Parall
     """Seeds every generator, builds the model through `provider` and its ZeRO optimizer."""
     rng = seed_everything(run.training.seed, groups.tp_rank, groups.device)
     built = provider(run.model, groups, rng)
-    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision)
+    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision, offload=run.offload)
     return TrainingState(groups, built, optimizer, rng)
 
 
@@ -170,6 +170,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     finally:
         termination.restore()
         tensorboard.close()
+        state.optimizer.close()
     return history
 
 
@@ -322,4 +323,19 @@ def _log_interval(interval, iteration, consumed, lr, stats, run: RunConfig, stat
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
                          "loss-scale": stats.loss_scale,
                          "batch-size": training.global_batch_size, "throughput": tokens_per_s,
-                         **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)}}, iteration)
+                         **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)},
+                         **_offload_scalars(state.optimizer, comm)}, iteration)
+
+
+def _offload_scalars(optimizer: ZeroOptimizer, comm) -> dict[str, float]:
+    """The offload tiers' bytes (this rank) and traffic per iteration, measured and by formula."""
+    if not optimizer.offload.enabled:
+        return {}
+    scalars = {}
+    for tier in optimizer.memory_report().tiers:
+        key = tier.name.replace(" ", "-")
+        scalars.update({f"offload/{key}-bytes": tier.measured, f"offload/{key}-formula-bytes": tier.formula})
+    for transfer in comm.transfers:
+        scalars.update({f"offload/{transfer.name}-bytes-per-iter": transfer.measured,
+                        f"offload/{transfer.name}-theory-bytes-per-iter": transfer.theory})
+    return scalars

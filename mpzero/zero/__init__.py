@@ -4,11 +4,11 @@ Seams: `ZeroStage` (stage_base.py) is what a stage provides to the front; `Maste
 fp32 masters and Adam moments and writes the parameters; `ZeroOptimizer` (optimizer.py) composes them."""
 
 from mpzero.zero.accounting import CommReport, MemoryReport, PeakReport
-from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.optimizer import StepStats, ZeroOptimizer
 from mpzero.zero.stage3 import default_units
 from mpzero.zero.stage_base import ZeroStage
 
-__all__ = ["AdamConfig", "CommReport", "DeviceMasters", "MasterStore", "MemoryReport", "OwnedPiece", "PeakReport",
-           "PrecisionConfig", "StepStats", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "default_units"]
+__all__ = ["AdamConfig", "CommReport", "DeviceMasters", "MasterStore", "MemoryReport", "OffloadConfig", "OwnedPiece",
+           "PeakReport", "PrecisionConfig", "StepStats", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "default_units"]

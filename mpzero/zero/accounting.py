@@ -12,6 +12,13 @@ stage 2 reduce-scatters every micro-batch, (m g + p)P(N-1)/N; stage 3 gathers ev
 included) for forward and again for backward and reduce-scatters gradients, every micro-batch,
 m(2p + g)P(N-1)/N. With g = p these are the paper's 2P and 3P (times N-1/N).
 
+Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer's fp32 masters and moments (12P/N: the master is
+always a separate fp32 copy there) move to host memory or disk, and with stage 3 the parameter shards (pP/N)
+too; the device keeps the rest of the stage's formula. Host staging and swap buffers are a separate, bounded
+term. Bytes moved per iteration: gradients device-to-host 4P/N and parameters host-to-device pP/N (on a
+GPU; zero when the device is the host), the disk tier's states read and written, 12P/N each, and offloaded
+stage-3 parameters fetched for every gather, 2m pP/N (the step then writes pP/N to their tier, not the device).
+
 Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
 in flight (Stage3.peak_working_set), counted by a meter as the buffers are created and freed.
 
@@ -39,6 +46,26 @@ class PeakReport:
 
 
 @dataclass(frozen=True)
+class TierReport:
+    """Bytes one rank holds in an offload tier ("host", "disk", "host buffers") against its formula."""
+    name: str
+    measured: int
+    formula: float
+    formula_text: str
+
+    @property
+    def ratio(self) -> float:
+        if self.formula == 0:
+            return 1.0 if self.measured == 0 else float("inf")
+        return self.measured / self.formula
+
+    def fields(self) -> str:
+        key = self.name.replace(" ", "-")
+        return (f" | {key} bytes {self.measured} | {key} formula {self.formula_text} | {key} formula bytes "
+                f"{self.formula:.0f} | {key} ratio {self.ratio:.4f}")
+
+
+@dataclass(frozen=True)
 class MemoryReport:
     stage: int
     dp_size: int
@@ -48,6 +75,7 @@ class MemoryReport:
     formula_text: str
     padding: int  # padding elements across all flat buffers
     peak: PeakReport | None = None  # stage 3, once a step has run
+    tiers: tuple[TierReport, ...] = ()  # offloaded model states (measured/formula above: the device's share)
 
     @property
     def ratio(self) -> float:
@@ -59,7 +87,22 @@ class MemoryReport:
             f"{self.peak.formula:.0f} | peak ratio {self.peak.ratio:.4f}")
         return (f"zero memory | stage {self.stage} | dp {self.dp_size} | params {self.numel} | "
                 f"measured bytes {self.measured} | formula {self.formula_text} | formula bytes {self.formula:.0f} | "
-                f"ratio {self.ratio:.4f} | padding elements {self.padding}{peak}")
+                f"ratio {self.ratio:.4f} | padding elements {self.padding}{peak}"
+                f"{''.join(tier.fields() for tier in self.tiers)}")
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """Bytes per rank per iteration moved between device, host and disk, against theory."""
+    name: str  # device-to-host, host-to-device, disk-read, disk-written
+    measured: float
+    theory: float
+    theory_text: str
+
+    def fields(self) -> str:
+        ratio = (1.0 if self.measured == 0 else float("inf")) if self.theory == 0 else self.measured / self.theory
+        return (f" | {self.name} bytes/iter {self.measured:.0f} | {self.name} theory {self.theory_text} | "
+                f"{self.name} theory bytes/iter {self.theory:.0f} | {self.name} ratio {ratio:.4f}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +113,7 @@ class CommReport:
     measured: float  # bytes per rank per iteration, counted by CommGroup
     theory: float
     theory_text: str
+    transfers: tuple[TransferReport, ...] = ()  # offload tiers' traffic (DP traffic is measured/theory)
 
     @property
     def ratio(self) -> float:
@@ -80,7 +124,7 @@ class CommReport:
     def line(self) -> str:
         return (f"zero comm | stage {self.stage} | dp {self.dp_size} | micro-batches {self.micro_batches} | "
                 f"measured bytes/iter {self.measured:.0f} | theory {self.theory_text} | theory bytes/iter {self.theory:.0f} | "
-                f"ratio {self.ratio:.4f}")
+                f"ratio {self.ratio:.4f}{''.join(t.fields() for t in self.transfers)}")
 
 
 def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -92,10 +136,59 @@ def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def memory_formula(stage: int, p: int, g: int, master: int) -> tuple[int, int]:
-    """(replicated, partitioned) bytes per parameter: total = replicated*P + partitioned*P/N."""
+def state_terms(stage: int, p: int, g: int, master: int) -> dict[str, tuple[int, int]]:
+    """Per component (parameters, gradients, optimizer), (replicated, partitioned) bytes per parameter:
+    component bytes = replicated*P + partitioned*P/N. The optimizer is K = master + 8 (Adam's moments)."""
     k = master + 8
-    return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
+    return {"params": (0, p) if stage == 3 else (p, 0), "grads": (0, g) if stage >= 2 else (g, 0),
+            "optimizer": (k, 0) if stage == 0 else (0, k)}
+
+
+def memory_formula(stage: int, p: int, g: int, master: int, offloaded: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(replicated, partitioned) bytes per parameter the device holds: total = replicated*P + partitioned*P/N;
+    `offloaded` components ("optimizer", "params") live in another tier instead."""
+    terms = [t for name, t in state_terms(stage, p, g, master).items() if name not in offloaded]
+    return sum(r for r, _ in terms), sum(q for _, q in terms)
+
+
+def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str]) -> dict[str, int]:
+    """Bytes per parameter (all partitioned: times P/N) in each offload tier, for
+    tiers = {"optimizer": "cpu"|"disk"|"none", "params": ...}: {"host": 12, "disk": 2}, say. Offloaded
+    masters are always separate fp32 copies (4 bytes beside the parameters)."""
+    per_tier: dict[str, int] = {}
+    terms = state_terms(stage, p, g, master=4)
+    for component, tier in tiers.items():
+        if tier != "none":
+            name = "host" if tier == "cpu" else tier
+            per_tier[name] = per_tier.get(name, 0) + terms[component][1]
+    return per_tier
+
+
+def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers: dict[str, str],
+                    device_is_host: bool) -> dict[str, tuple[float, str]]:
+    """Bytes per rank per iteration between tiers (see the module docstring), with formulas."""
+    partition = numel / dp_size
+    d2h, h2d, read, written = [], [], [], []
+    if tiers.get("optimizer", "none") != "none":
+        d2h.append((4, "4P/N"))
+        if tiers.get("params", "none") == "none":  # else the step writes the parameters to their own tier
+            h2d.append((p, f"{p}P/N"))
+    if tiers.get("optimizer") == "disk":
+        read.append((12, "12P/N"))
+        written.append((12, "12P/N"))
+    if tiers.get("params", "none") != "none":
+        fetched = 2 * micro_batches * p
+        h2d.append((fetched, f"{fetched}P/N"))
+        if tiers["params"] == "disk":
+            read.append((fetched, f"{fetched}P/N"))
+            written.append((p, f"{p}P/N"))
+    out = {}
+    for name, terms in (("device-to-host", d2h), ("host-to-device", h2d), ("disk-read", read),
+                        ("disk-written", written)):
+        if name in ("device-to-host", "host-to-device") and device_is_host:
+            terms = []
+        out[name] = (sum(c for c, _ in terms) * partition, "+".join(t for _, t in terms) or "0")
+    return out
 
 
 def formula_text(terms: list[tuple[int, str]]) -> str:
@@ -103,8 +196,8 @@ def formula_text(terms: list[tuple[int, str]]) -> str:
 
 
 def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: int,
-                  p: int, g: int, master: int) -> MemoryReport:
-    replicated, partitioned = memory_formula(stage, p, g, master)
+                  p: int, g: int, master: int, offloaded: tuple[str, ...] = ()) -> MemoryReport:
+    replicated, partitioned = memory_formula(stage, p, g, master, offloaded)
     formula = numel * (replicated + partitioned / dp_size)
     text = formula_text([(replicated, "P"), (partitioned, "P/N")])
     return MemoryReport(stage, dp_size, numel, measured, formula, text, padding)

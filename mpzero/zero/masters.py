@@ -80,6 +80,10 @@ class MasterStore(ABC):
         """Bytes moved between device, host and disk since construction."""
         return Transfers()
 
+    def host_buffer_formula(self) -> tuple[int, str]:
+        """(bytes, formula) of the staging and swap buffers the store allocates in host memory."""
+        return 0, "0"
+
     def close(self) -> None:
         """Release files and threads (offload tiers); the store is unusable afterwards."""
 

@@ -23,6 +23,8 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from collections.abc import Collection
 import dataclasses
 from dataclasses import dataclass
@@ -33,9 +35,10 @@ from torch import nn
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel.placement import placements
-from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, comm_theory, memory_report,
-                                   unique_storage_bytes)
-from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.offload.sink import Transfers
+from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
+                                   memory_report, offload_formula, transfer_theory, unique_storage_bytes)
+from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
@@ -54,10 +57,13 @@ class StepStats:
 
 
 def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
-               precision: PrecisionConfig, units) -> ZeroStage:
+               precision: PrecisionConfig, units, offload: OffloadConfig, directory: str | None) -> ZeroStage:
     device = named_params[0][1].device
     if zero.stage == 3:
-        return Stage3(model, named_params, groups.dp, precision, zero, device, units)
+        if offload.params == "none":
+            return Stage3(model, named_params, groups.dp, precision, zero, device, units)
+        return Stage3(model, named_params, groups.dp, precision, zero, device, units, offload=offload,
+                      directory=directory)
     if units is not None:
         raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
     return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device)
@@ -71,28 +77,53 @@ class ZeroOptimizer:
     `units` (stage 3 only): the modules gathered one at a time; default `default_units(model)`.
     `decay`: which parameters AdamW's decoupled weight decay applies to: a function (name, parameter) -> bool,
     or a set of parameter names; default Megatron's rule (parameters with ndim >= 2, not biases or LayerNorm).
+    `offload`: where the optimizer state (stages 1-3) and stage 3's parameter shards live (host memory or
+    disk, `mpzero.offload`); the training result is the same bit for bit. Call `close()` when done with an
+    offloaded optimizer (files and I/O threads).
     """
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, zero: ZeroConfig, adam: AdamConfig,
                  precision: PrecisionConfig, units: list[nn.Module] | None = None,
-                 decay: DecayRule | Collection[str] | None = None):
+                 decay: DecayRule | Collection[str] | None = None, offload: OffloadConfig | None = None):
+        offload = offload or OffloadConfig()
         for section in (zero, adam, precision):
             section.validate()
+        offload.validate(zero.stage)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
         self.model, self.groups, self.zero, self.adam_config, self.precision = model, groups, zero, adam, precision
+        self.offload = offload
         self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
         self.decays = mark_weight_decay(named, decay)  # {name: decays}, recorded for the stage's layouts
         self.numel = sum(p.numel() for _, p in named)
-        self.stage = make_stage(model, named, groups, zero, precision, units)
-        self.masters: MasterStore = DeviceMasters(self.stage.layouts, self.stage.param_shards,
-                                                  self.stage.initial_master_slices(), adam)
+        directory = None
+        if offload.uses_disk:
+            directory = os.path.join(offload.path, f"rank{groups.world.rank:05d}")
+            _agree(groups, lambda: _check_offload_space(offload, directory, self.numel, groups.dp_size,
+                                                        precision.torch_dtype.itemsize))
+        self.stage = make_stage(model, named, groups, zero, precision, units, offload, directory)
+        self.masters = self._make_masters(offload, directory)
         self.scaler = make_loss_scaler(precision)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self.lr, self.iteration = adam.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
+        self._transfer_mark = Transfers()
+
+    def _make_masters(self, offload: OffloadConfig, directory: str | None) -> MasterStore:
+        initial = self.stage.initial_master_slices()
+        if offload.optimizer == "none":
+            return DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.adam_config)
+        from mpzero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
+        device = self.stage.grad_shards[0].device
+        return OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.adam_config, offload,
+                                directory, device)
+
+    def close(self) -> None:
+        """Release the offload tiers' files and threads (a no-op in memory)."""
+        self.masters.close()
+        self.stage.close()
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -154,12 +185,15 @@ class ZeroOptimizer:
     def memory_report(self) -> MemoryReport:
         """Model-state bytes this rank holds (unique storages, padding included) against the formula."""
         held = self.stage.held_tensors() + self.masters.held_tensors()
-        p = self.stage.param_shards[0].element_size()
-        g = self.stage.grad_shards[0].element_size()
+        p, g = self._element_sizes()
         master = self.masters.master_bytes_per_param
         padding = sum(layout.padding for layout in self.stage.layouts)
+        tiers = self._tiers()
+        offloaded = tuple(component for component, tier in tiers.items() if tier != "none")
         report = memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
-                               padding, p, g, master)
+                               padding, p, g, master, offloaded)
+        if offloaded:
+            report = dataclasses.replace(report, tiers=self._tier_reports(tiers, p, g))
         working = self.stage.peak_working_set(p, g)
         if working is not None and self.stage.meter.peak:  # after a step: its high-water mark
             working_set, text = working
@@ -173,11 +207,43 @@ class ZeroOptimizer:
         total, (mark_bytes, mark_iteration) = self.groups.dp.stats.total(), self._comm_mark
         iterations = max(self.iteration - mark_iteration, 1)
         self._comm_mark = (total, self.iteration)
-        p = self.stage.param_shards[0].element_size()
-        g = self.stage.grad_shards[0].element_size()
+        p, g = self._element_sizes()
         theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, p, g, self._last_micro_batches)
+        transfers = ()
+        tiers = self._tiers()
+        if any(tier != "none" for tier in tiers.values()):
+            moved, self._transfer_mark = self._transfers() - self._transfer_mark, self._transfers()
+            expected = transfer_theory(p, self.numel, self.groups.dp_size, self._last_micro_batches, tiers,
+                                       device_is_host=self.stage.grad_shards[0].device.type == "cpu")
+            counted = {"device-to-host": moved.device_to_host, "host-to-device": moved.host_to_device,
+                       "disk-read": moved.disk_read, "disk-written": moved.disk_written}
+            transfers = tuple(TransferReport(name, counted[name] / iterations, *expected[name]) for name in counted)
         return CommReport(self.zero.stage, self.groups.dp_size, self._last_micro_batches,
-                          (total - mark_bytes) / iterations, theory, text)
+                          (total - mark_bytes) / iterations, theory, text, transfers)
+
+    # -- offload accounting -----------------------------------------------------------------------
+    def _element_sizes(self) -> tuple[int, int]:
+        """(p, g): bytes per parameter and per gradient element in the model's precision."""
+        return self.precision.torch_dtype.itemsize, self.precision.grad_dtype.itemsize
+
+    def _tiers(self) -> dict[str, str]:
+        return {"optimizer": self.offload.optimizer, "params": self.offload.params}
+
+    def _transfers(self) -> Transfers:
+        return self.stage.transfers() + self.masters.transfers()
+
+    def _tier_reports(self, tiers: dict[str, str], p: int, g: int) -> tuple[TierReport, ...]:
+        """Host and disk bytes against offload_formula, and the bounded buffers against their own formula."""
+        held = self.stage.tier_bytes() + self.masters.tier_bytes()
+        per_param = offload_formula(self.zero.stage, p, g, tiers)
+        measured = {"host": held.host, "disk": held.disk}
+        reports = [TierReport(name, measured[name], coef * self.numel / self.groups.dp_size, f"{coef}P/N")
+                   for name, coef in per_param.items()]
+        buffers, text = self.masters.host_buffer_formula()
+        stage_buffers, stage_text = self.stage.host_buffer_formula()
+        reports.append(TierReport("host buffers", held.host_buffers, buffers + stage_buffers,
+                                  "+".join(t for t in (text, stage_text) if t != "0") or "0"))
+        return tuple(reports)
 
     # -- export and checkpoint (collectives over DP, left out of the communication report) -------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -214,3 +280,26 @@ class ZeroOptimizer:
         mark_bytes, mark_iteration = self._comm_mark
         self._comm_mark = (mark_bytes + self.groups.dp.stats.total() - before, mark_iteration)
         return result
+
+
+def _agree(groups: ParallelGroups, check) -> None:
+    """Run a collective-free check on every rank; a failure on any rank is a ConfigError on all."""
+    _, error = groups.world.run_agreed(check, (ConfigError, OSError))
+    if error:
+        raise ConfigError(error)
+
+
+def _check_offload_space(offload: OffloadConfig, directory: str, numel: int, dp_size: int, p: int) -> None:
+    """Before any file is written: this rank's folder can be created, and its file system has room for the
+    disk tier's files of every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--offload-path {offload.path}: cannot create {directory} ({error.strerror or error}): "
+                          f"choose a writable directory") from None
+    per_param = (12 if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
+    need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise ConfigError(f"--offload-path {offload.path} has {free / 2**30:.2f} GiB free, the disk tier needs "
+                          f"{need / 2**30:.2f} GiB on this machine: free space or choose another --offload-path")

@@ -73,3 +73,10 @@ class ZeroStage(ABC):
 
     def transfers(self) -> Transfers:
         return Transfers()
+
+    def host_buffer_formula(self) -> tuple[int, str]:
+        """(bytes, formula) of the host staging buffers the stage allocates for offloaded parameters."""
+        return 0, "0"
+
+    def close(self) -> None:
+        """Release files and threads (offloaded parameters)."""
