@@ -1,0 +1,411 @@
+"""ZeRO-Offload and ZeRO-Infinity for the optimizer: this rank's fp32 masters and Adam moments in host memory
+(tier "cpu") or in files (tier "disk"), updated by AdamW on the CPU, bit for bit as `DeviceMasters` on the CPU.
+
+The partition is the concatenation of the buckets' shards (padding included), processed in sub-groups of
+`sub_group_numel` elements that may cross buckets, parameters and decay runs. Per sub-group k:
+
+    gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     CUDA only
+    disk: masters and moments read from three files (k+1 read and k-1 written while k updates)
+    AdamW on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
+
+Host memory of the disk tier is its buffers (`buffer_bytes`), whatever the model size: the files hold the state,
+element i of the partition at byte 4*i of each.
+
+Exactness: torch's fused CPU AdamW runs a SIMD body and a scalar tail that round differently, so a call's result
+depends on where the call starts and ends. Every element is updated through `canonical_windows`, which gives it the
+code path it has in the one-call-per-decay-run of `DeviceMasters`, whatever the sub-groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import deque
+
+import torch
+
+from mpzero.errors import ConfigError
+from mpzero.fused import adamw_step, resolve_impl
+from mpzero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
+from mpzero.zero.config import AdamConfig, OffloadConfig
+from mpzero.zero.flat import FlatLayout
+from mpzero.zero.masters import MOMENTS, MasterStore, OwnedPiece
+
+STATES = ("master",) + MOMENTS  # one file per state on disk, in this order in every buffer
+BLOCK = 256  # canonical grid: a multiple of every CPU SIMD width (fp32: 8 on AVX2, 16 on AVX-512)
+SCRATCH_BYTES = 4 * BLOCK * 4  # parameter, gradient and two moments of one grid block
+
+
+def canonical_windows(run_start: int, run_end: int, lo: int, hi: int, block: int = BLOCK) -> list[tuple[int, int]]:
+    """The AdamW calls that update elements [lo, hi) of the decay run [run_start, run_end) exactly as one call
+    over the whole run does.
+
+    Why: a vectorized CPU kernel runs its SIMD body over floor(n / VEC) * VEC elements of a call and a scalar
+    tail over the rest, and the two can differ in the last bit. Cut the run on a grid of `block` elements
+    anchored at run_start (block a multiple of VEC). A call over whole grid blocks is all SIMD, as the run-wide
+    call is there; the run's last partial block, L = (run_end - run_start) % block elements, called alone has
+    the run-wide call's SIMD part and tail. So each returned window [a, b) is either
+      - inside [lo, hi): update it in place, one call; or
+      - one grid block that [lo, hi) covers in part (lo or hi cuts it): update a scratch copy of the whole block,
+        the wanted elements at their offsets and zeros elsewhere, and keep only [max(a, lo), min(b, hi)).
+    A cut costs at most one scratch block on each side of it (< 2 * block elements per sub-group boundary).
+    """
+    assert run_start <= lo < hi <= run_end, (run_start, lo, hi, run_end)
+    windows, x = [], lo
+    while x < hi:
+        start = run_start + (x - run_start) // block * block  # the grid block holding x
+        end = min(start + block, run_end)
+        if x != start or end > hi:  # the block is cut: scratch
+            windows.append((start, end))
+            x = min(end, hi)
+        elif end - start == block:  # whole blocks, as many as lie in [x, hi): one call
+            last = run_start + (hi - run_start) // block * block
+            windows.append((x, last))
+            x = last
+        else:  # the run's last, partial block, whole in [lo, hi)
+            windows.append((start, end))
+            x = end
+    return windows
+
+
+def _group_numel(offload: OffloadConfig, numel: int) -> int:
+    """Elements per buffer: a sub-group, never more than the partition, rounded up to whole 4096-byte blocks
+    (so the last sub-group's O_DIRECT window fits)."""
+    return round_to_block(min(offload.sub_group_numel, max(numel, 1)))
+
+
+def round_to_block(numel: int) -> int:
+    per_block = ALIGN // 4
+    return -(-numel // per_block) * per_block
+
+
+def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int) -> int:
+    """Host bytes `OffloadedMasters` allocates for buffers over a partition of `numel` elements (exactly: each
+    buffer's storage, alignment slack included; the pinned allocator may round the reservation further).
+    G = min(sub_group_numel, numel) rounded up to 1024 elements; each buffer is aligned_bytes(G, dtype):
+      disk tier: buffer_count x 3 states x fp32;  CUDA: 2 pinned fp32 gradient staging buffers;
+      always: 1 parameter staging buffer in the model's dtype, and a 4 x 256 fp32 scratch (4096 B)."""
+    g = _group_numel(offload, numel)
+    fp32 = round_up(4 * g) + ALIGN  # = aligned_bytes(g, torch.float32)
+    total = round_up(param_bytes * g) + ALIGN + SCRATCH_BYTES
+    if offload.optimizer == "disk":
+        total += offload.buffer_count * len(STATES) * fp32
+    if cuda:
+        total += 2 * fp32
+    return total
+
+
+class OffloadedMasters(MasterStore):
+    """Masters and Adam moments off the device: tier "cpu" (host tensors) or "disk" (three files under
+    `directory`, streamed through `offload.buffer_count` buffers). See the module docstring.
+
+    Single-threaded use: call its methods from one thread; it runs its own I/O threads. Call `close()` when done
+    (stops the threads, closes and removes the files: they are scratch, a checkpoint holds the state).
+    """
+
+    def __init__(self, layouts: list[FlatLayout], sink: ParamSink, initial: list[torch.Tensor], adam: AdamConfig,
+                 offload: OffloadConfig, directory: str | None, device: torch.device):
+        if offload.optimizer not in ("cpu", "disk"):
+            raise ConfigError(f"OffloadedMasters needs --offload-optimizer cpu or disk, got {offload.optimizer!r}")
+        self.config, self.layouts, self.sink, self.offload = adam, layouts, sink, offload
+        self.tier = offload.optimizer
+        self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
+        self.impl = resolve_impl("adamw_step", torch.device("cpu"), adam.impl)
+        self.step_count = 0
+        self._offsets, total = [], 0  # where each bucket's shard starts in the partition
+        for layout in layouts:
+            self._offsets.append(total)
+            total += layout.shard_numel
+        self.numel = total
+        self._runs = [(off + s, off + e, decay) for off, layout in zip(self._offsets, layouts)
+                      for s, e, decay in layout.decay_runs()]
+        # per bucket, the elements a step changes (its runs are adjacent: decayed, then not) and its whole shard
+        self._active = [(b, off + runs[0][0], off + runs[-1][1]) for b, (off, layout) in
+                        enumerate(zip(self._offsets, layouts)) if (runs := layout.decay_runs())]
+        self._spans = [(b, off, off + layout.shard_numel)
+                       for b, (off, layout) in enumerate(zip(self._offsets, layouts))]
+        self.group = min(offload.sub_group_numel, max(total, 1))  # elements per sub-group
+        self._count = -(-total // self.group)
+        capacity = _group_numel(offload, total)
+        pin = self.cuda and offload.pin_memory
+        self._buffers: list[torch.Tensor] = []  # every host buffer, for tier_bytes
+
+        def buffer(dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+            tensor = aligned_empty(capacity, dtype, pinned)
+            self._buffers.append(tensor)
+            return tensor
+
+        self._param_staging = buffer(sink.dtype, pin)
+        self._scratch = torch.zeros(4, BLOCK, dtype=torch.float32)
+        self._buffers.append(self._scratch)
+        self._unflushed = False  # the sink may still read _param_staging
+        self._device_to_host = 0
+        if self.cuda:
+            self._grad_staging = [buffer(torch.float32, pin) for _ in range(2)]
+            self._grad_ready = [torch.cuda.Event() for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._maps: dict[str, torch.Tensor] | None = None
+        self._files: dict[str, SwapFile] = {}
+        self._pipe = None
+        if self.tier == "cpu":
+            # Not pinned: transfers go through the pinned staging buffers, never from the state itself.
+            self._host = {name: torch.zeros(total, dtype=torch.float32) for name in STATES}
+            for (_, off, end), values in zip(self._spans, initial):
+                self._host["master"][off:end].copy_(values)
+            self.io_mode = None
+        else:
+            self._open_files(directory, total)
+            self._pipe = SwapPipeline([{name: buffer(torch.float32) for name in STATES}
+                                       for _ in range(offload.buffer_count)])
+            self._write_initial(initial)
+
+    # ---------------------------------------------------------------- disk tier
+    def _open_files(self, directory: str | None, total: int) -> None:
+        if not directory:
+            raise ConfigError("--offload-optimizer disk needs a directory for its files: pass --offload-path DIR")
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"cannot create the offload directory {directory} ({error.strerror}): choose a "
+                              f"writable --offload-path") from None
+        self.directory = directory
+        # O_DIRECT needs every sub-group to start on a 4096-byte boundary (one sub-group always does).
+        aligned = self._count == 1 or self.group * 4 % ALIGN == 0
+        io = self.offload.io if aligned else "buffered"
+        if self.offload.io == "direct" and not aligned:
+            raise ConfigError(f"--offload-io direct needs --offload-sub-group-numel to be a multiple of "
+                              f"{ALIGN // 4}, got {self.offload.sub_group_numel}")
+        try:
+            for name in STATES:
+                self._files[name] = SwapFile(os.path.join(directory, f"{name}.bin"), total * 4, io)
+        except BaseException:
+            self._close_files()
+            raise
+        self.io_mode = "direct" if self._files["master"].direct else "buffered"
+
+    def _bounds(self, k: int) -> tuple[int, int]:
+        return k * self.group, min((k + 1) * self.group, self.numel)
+
+    def _io_numel(self, n: int) -> int:
+        """Elements one transfer moves for n: O_DIRECT rounds up to whole blocks (the file and the buffer have
+        room; the bytes past the partition are zeros and stay zeros)."""
+        return round_to_block(n) if self.io_mode == "direct" else n
+
+    def _load(self, k: int, names: tuple[str, ...], buf: dict[str, torch.Tensor]) -> None:
+        a, b = self._bounds(k)
+        for name in names:
+            self._files[name].read(4 * a, buf[name][:self._io_numel(b - a)])
+
+    def _store(self, k: int, buf: dict[str, torch.Tensor]) -> None:
+        a, b = self._bounds(k)
+        for name in STATES:
+            self._files[name].write(4 * a, buf[name][:self._io_numel(b - a)])
+
+    def _write_initial(self, initial: list[torch.Tensor]) -> None:
+        """Masters from `initial`, one sub-group at a time (moments: the preallocated files read as zeros)."""
+        buf = self._pipe.acquire()
+        try:
+            master = buf["master"].zero_()
+            for k in range(self._count):
+                a, b = self._bounds(k)
+                for bucket, lo, hi in self._overlaps(self._spans, a, b):
+                    off = self._offsets[bucket]
+                    master[lo - a:hi - a].copy_(initial[bucket][lo - off:hi - off])
+                master[b - a:].zero_()  # the O_DIRECT window past the partition: zeros
+                self._files["master"].write(4 * a, master[:self._io_numel(b - a)])
+        finally:
+            self._pipe.release(buf)
+
+    def _groups(self, names: tuple[str, ...] = STATES, write_back: bool = True):
+        """Yields (a, b, {state: host tensor over partition elements [a, b)}) for every sub-group in order.
+        Disk: read `buffer_count - 2` sub-groups ahead and written back (`write_back`) behind."""
+        if self.tier == "cpu":
+            for k in range(self._count):
+                a, b = self._bounds(k)
+                yield a, b, {name: self._host[name][a:b] for name in names}
+            return
+        ahead, reads, issued = self.offload.buffer_count - 2, deque(), 0
+        try:
+            for k in range(self._count):
+                while issued < self._count and issued <= k + ahead:
+                    buf = self._pipe.acquire()
+                    reads.append((buf, self._pipe.read(buf, functools.partial(self._load, issued, names))))
+                    issued += 1
+                buf, done = reads.popleft()
+                done.result()
+                a, b = self._bounds(k)
+                yield a, b, {name: buf[name][:b - a] for name in names}
+                if write_back:
+                    self._pipe.write(buf, functools.partial(self._store, k))
+                else:
+                    self._pipe.release(buf)
+        finally:  # also on an error in the caller: nothing of ours stays in flight
+            for buf, done in reads:
+                done.exception()
+                self._pipe.release(buf)
+            self._pipe.drain()
+
+    # ---------------------------------------------------------------- the step
+    @staticmethod
+    def _overlaps(spans, a: int, b: int):
+        for bucket, lo, hi in spans:
+            if max(lo, a) < min(hi, b):
+                yield bucket, max(lo, a), min(hi, b)
+
+    def _copy_grads(self, grads: list[torch.Tensor], k: int) -> None:
+        """Sub-group k's gradients device -> pinned staging slot k % 2, on the side stream."""
+        a, b = self._bounds(k)
+        staging = self._grad_staging[k % 2]
+        with torch.cuda.stream(self._copy_stream):
+            for bucket, lo, hi in self._overlaps(self._active, a, b):
+                off = self._offsets[bucket]
+                staging[lo - a:hi - a].copy_(grads[bucket][lo - off:hi - off], non_blocking=True)
+                self._device_to_host += 4 * (hi - lo)
+            self._grad_ready[k % 2].record(self._copy_stream)
+
+    def _grad_view(self, grads: list[torch.Tensor], k: int, a: int, lo: int, hi: int) -> torch.Tensor:
+        """Host fp32 gradients of partition elements [lo, hi) (inside one bucket, inside sub-group k at a)."""
+        if self.cuda:
+            return self._grad_staging[k % 2][lo - a:hi - a]
+        bucket = next(bk for bk, s, e in self._spans if s <= lo and hi <= e)
+        off = self._offsets[bucket]
+        return grads[bucket][lo - off:hi - off]
+
+    def _adamw(self, p, g, m, v, lr: float, decay: bool) -> None:
+        c = self.config
+        adamw_step(p, g, m, v, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                   weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, impl=self.impl)
+
+    def _update(self, k: int, a: int, b: int, states: dict[str, torch.Tensor], grads, lr: float) -> None:
+        """AdamW over the decay runs' elements in sub-group k = [a, b), window by window (`canonical_windows`)."""
+        p, m, v = (states[name] for name in STATES)
+        for run_start, run_end, decay in self._runs:
+            lo, hi = max(run_start, a), min(run_end, b)
+            if lo >= hi:
+                continue
+            for start, end in canonical_windows(run_start, run_end, lo, hi):
+                if lo <= start and end <= hi:
+                    self._adamw(p[start - a:end - a], self._grad_view(grads, k, a, start, end),
+                                m[start - a:end - a], v[start - a:end - a], lr, decay)
+                    continue
+                keep_lo, keep_hi = max(start, lo), min(end, hi)
+                part, inner = slice(keep_lo - a, keep_hi - a), slice(keep_lo - start, keep_hi - start)
+                sp, sg, sm, sv = (row[:end - start] for row in self._scratch.zero_())
+                for dst, src in ((sp, p[part]), (sg, self._grad_view(grads, k, a, keep_lo, keep_hi)),
+                                 (sm, m[part]), (sv, v[part])):
+                    dst[inner].copy_(src)
+                self._adamw(sp, sg, sm, sv, lr, decay)
+                for dst, src in ((p, sp), (m, sm), (v, sv)):
+                    dst[part].copy_(src[inner])
+
+    def _send(self, a: int, master: torch.Tensor, spans) -> None:
+        """Parameter values of `spans` (partition coordinates, inside the sub-group at a) to the sink."""
+        if self._unflushed:  # the sink may still be copying from the staging buffer
+            self.sink.flush()
+        for bucket, lo, hi in spans:
+            values = self._param_staging[lo - a:hi - a]
+            values.copy_(master[lo - a:hi - a])
+            self.sink.write(bucket, lo - self._offsets[bucket], values)
+            self._unflushed = True
+
+    def _finish_sends(self) -> None:
+        self.sink.flush()
+        self._unflushed = False
+
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        self._drop_maps()
+        self.step_count += 1
+        if self.cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are ready
+            self._copy_grads(grads, 0)
+        for k, (a, b, states) in enumerate(self._groups()):
+            if self.cuda:
+                self._grad_ready[k % 2].synchronize()
+                if k + 1 < self._count:
+                    self._copy_grads(grads, k + 1)  # slot (k+1) % 2 held k-1's gradients, used already
+            self._update(k, a, b, states, grads, lr)
+            self._send(a, states["master"], self._overlaps(self._active, a, b))
+        self._finish_sends()
+
+    # ---------------------------------------------------------------- the rest of the contract
+    @property
+    def master_bytes_per_param(self) -> int:
+        return 4  # a separate fp32 copy, always (also in fp32 on a CPU run)
+
+    def publish(self) -> None:
+        self._drop_maps()
+        for a, b, states in self._groups(("master",), write_back=False):
+            self._send(a, states["master"], self._overlaps(self._spans, a, b))
+        self._finish_sends()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """Whole-partition fp32 tensors per state: the host tensors, or memory maps of the files.
+
+        Maps, not copies: a checkpoint save reads and a load writes the state through them in place, so neither
+        ever holds the partition in host memory (the page cache pages it). They are made on demand and dropped
+        at the next step() / publish(), whose reads then see what was written through them (the maps and
+        pread/pwrite, O_DIRECT included, share one coherent view of the file on Linux)."""
+        if self.tier == "cpu":
+            return self._host
+        if self._maps is None:
+            self._maps = {name: torch.from_file(f.path, shared=True, size=self.numel, dtype=torch.float32)
+                          for name, f in self._files.items()}
+        return self._maps
+
+    def _drop_maps(self) -> None:
+        self._maps = None
+
+    def masters(self) -> list[torch.Tensor]:
+        """Per bucket, views of the master slice (host tensors or file maps; valid until the next step)."""
+        master = self._state()["master"]
+        return [master[off:end] for _, off, end in self._spans]
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        state, pieces = self._state(), []
+        for off, layout in zip(self._offsets, self.layouts):
+            for i, start, end in layout.owned_pieces():
+                first = layout.shard_start + start - layout.offsets[i]  # where the piece begins in the parameter
+                tensors = {name: state[name][off + start:off + end] for name in STATES}
+                pieces.append(OwnedPiece(layout.names[i], layout.shapes[i], first, first + end - start, tensors))
+        return pieces
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return []  # nothing on the device
+
+    def tier_bytes(self) -> TierBytes:
+        host = sum(t.untyped_storage().nbytes() for t in self._host.values()) if self.tier == "cpu" else 0
+        return TierBytes(host=host, host_buffers=sum(t.untyped_storage().nbytes() for t in self._buffers),
+                         disk=sum(f.nbytes for f in self._files.values()))
+
+    def host_buffer_formula(self) -> tuple[int, str]:
+        o, parts = self.offload, []
+        if self.tier == "disk":
+            parts.append(f"{o.buffer_count}x3 swap x 4 B")
+        if self.cuda:
+            parts.append("2 grad staging x 4 B")
+        parts.append(f"param staging x {self.sink.dtype.itemsize} B")
+        text = (f"buffers of G = {_group_numel(o, self.numel)} elements (sub-group, at most the partition, in whole "
+                f"4 KiB): {' + '.join(parts)}, each + 4 KiB alignment; + 4 KiB scratch")
+        return buffer_bytes(o, self.numel, self.cuda, self.sink.dtype.itemsize), text
+
+    def transfers(self) -> Transfers:
+        return Transfers(device_to_host=self._device_to_host, host_to_device=self.sink.transfers().host_to_device,
+                         disk_read=sum(f.bytes_read for f in self._files.values()),
+                         disk_written=sum(f.bytes_written for f in self._files.values()))
+
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            f.close(remove=True)
+
+    def close(self) -> None:
+        self._drop_maps()
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+        self._close_files()
+        if self._files:
+            try:
+                os.rmdir(self.directory)  # only when nothing else lives there
+            except OSError:
+                pass
