@@ -30,6 +30,7 @@ PYTEST_FILES = {
     "zero_nccl": ["tests/gpu/test_zero_nccl.py"],
     "mixed_precision": ["tests/gpu/test_mixed_precision.py"],
     "checkpoint_resume": ["tests/gpu/test_checkpoint_resume.py"],
+    "offload": ["tests/gpu/test_offload_cuda.py"],
 }
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "TRITON_INTERPRET")

@@ -37,6 +37,9 @@ PARTS = [
          "pytest tests/gpu/test_mixed_precision.py: losses finite and decreasing"),
     Part("checkpoint_resume", "Checkpoint saved on GPU reloads and resumes bitwise", 120,
          "pytest tests/gpu/test_checkpoint_resume.py: --save/--exit-interval then --load, losses compared"),
+    Part("offload", "ZeRO-Offload tiers on the GPU: optimizer (and stage-3 parameters) in host memory and on disk",
+         120, "pytest tests/gpu/test_offload_cuda.py: losses against the in-memory run, device/host/disk bytes and "
+              "device<->host traffic against their formulas"),
     Part("multi_gpu", "torchrun over every GPU: TP and DP layouts against one GPU", 180,
          "torchrun pretrain_gpt (TP 2 x DP 2 when 4+ GPUs, else TP 2 and DP 2 apart), stages 1-3"),
     Part("bench_gpt2", "GPT-2 124M training step: mpzero against nanoGPT-style eager and torch.compile", 200,
