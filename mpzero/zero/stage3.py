@@ -24,6 +24,13 @@ At the peak of a step a rank holds, beyond its shards: the root, the unit comput
 bytes for a root of R and three or more layer units of at most L elements (`peak_working_set` derives it
 for any number of units, with or without prefetch and overlap). At DP 1 nothing is
 partitioned: parameters are bound to the one whole copy, never gathered or released.
+
+Parameter offload (`offload.params` cpu or disk, ZeRO-Infinity): the shards live in an `offload.params.ParamTier`
+(host memory or a file), which is also where the master store writes the updated values (`param_sink()`).
+A unit's shard is brought to a device staging buffer and all-gathered from there; the prefetch gathers the
+next unit and starts reading the one after it, so reads overlap compute. At DP 1 the shard is copied straight
+into the full buffer, which is then released like a gathered one (the one copy lives off the device). Between
+steps the device holds no parameter bytes, only the gradient shards.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
-from mpzero.zero.config import PrecisionConfig, ZeroConfig
-from mpzero.zero.flat import build_layout, bind_params
+from mpzero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.flat import build_layout, bind_params, initial_values
 from mpzero.zero.grads import ShardedGrads
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
@@ -75,7 +83,10 @@ class Stage3(ZeroStage):
     number = 3
 
     def __init__(self, model: nn.Module, named_params, dp: CommGroup, precision: PrecisionConfig,
-                 zero: ZeroConfig, device, units: list[nn.Module] | None = None):
+                 zero: ZeroConfig, device, units: list[nn.Module] | None = None,
+                 offload: OffloadConfig | None = None, directory: str | None = None):
+        """offload: where the parameter shards live (`offload.params`: none, cpu or disk); directory: this rank's
+        own folder for the disk tier's file."""
         units = default_units(model) if units is None else list(units)
         assigned = assign_params(model, units, named_params)
         keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]  # skip units with nothing to train
@@ -84,16 +95,23 @@ class Stage3(ZeroStage):
         self.dp, self.prefetch, self.meter = dp, zero.prefetch, TransientMeter()
         self.partitioned = dp.size > 1  # at DP 1 the "shard" is the whole unit: nothing to gather or release
         dtype = precision.torch_dtype
-        self.param_shards, self._initial = flatten_params(self.layouts, dp, dtype, device, "shard")
+        self.tier = None
+        if offload is not None and offload.params != "none":
+            from mpzero.offload.params import ParamTier  # only runs that offload parameters
+            self.tier = ParamTier(self.layouts, dtype, device, offload, directory, self.meter, self.partitioned)
+            self.param_shards, self._initial = self.tier.param_shards, self._place_initial(device)
+        else:
+            self.param_shards, self._initial = flatten_params(self.layouts, dp, dtype, device, "shard")
+        self.gathers = self.partitioned or self.tier is not None  # else params are bound to the one copy
         self._full = ([torch.empty(l.padded_numel, dtype=dtype, device=device) for l in self.layouts]
-                      if self.partitioned else self.param_shards)
+                      if self.gathers else self.param_shards)
         for layout, full in zip(self.layouts, self._full):
             bind_params(layout, full)
         self._handles = [None] * len(self.layouts)
-        if self.partitioned:  # full buffers hold memory only while gathered
+        if self.gathers:  # full buffers hold memory only while gathered
             for full in self._full:
                 full.untyped_storage().resize_(0)
-        self._gathered = [not self.partitioned] * len(self.layouts)
+        self._gathered = [not self.gathers] * len(self.layouts)
         self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
                                   after_ready=self._grads_ready)
         self.in_backward, self._order, self._order_frozen = False, [], False
@@ -102,22 +120,50 @@ class Stage3(ZeroStage):
             self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
             self._hooks.append(module.register_forward_hook(partial(self._post_forward, u)))
 
+    def _place_initial(self, device) -> list[torch.Tensor]:
+        """Offload: each unit's starting shard goes to the tier, one unit at a time; returns the fp32 values
+        of this rank's slices, in host memory, for the master store."""
+        initial = []
+        for u, layout in enumerate(self.layouts):
+            values = initial_values(layout, device)
+            self.dp.broadcast(values)
+            own = values[layout.shard_start:layout.shard_start + layout.shard_numel]
+            self.tier.write(u, 0, own.to(self.tier.dtype))
+            initial.append(own.to("cpu", copy=True))
+        self.tier.flush()
+        self.tier.mark()
+        return initial
+
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond the shards at its peak, in backward (forward holds less):
         the root's parameters and full gradient bucket (R elements each: gathered again for the loss, its
         gradients complete only with the tied embedding's, at the very end), and at the j-th layer unit of
         backward (each at most L elements) that unit and the prefetched next one (parameters), that unit's
         gradient bucket and the previous one's still being reduced (MAX_INFLIGHT_REDUCTIONS = 1). At DP 1
-        parameters are never gathered; without overlap every gradient bucket waits for the end of backward."""
+        parameters are never gathered (with offloaded parameters they are, from the tier); without overlap
+        every gradient bucket waits for the end of backward.
+        Offloaded parameters at DP > 1 add device staging of S = the largest layer unit's shard: with prefetch,
+        at layer j the next unit's shard (its gather in flight) and the one after it (read ahead) are staged
+        through that unit's backward: + p(S if a next unit exists + S if a second one does); without
+        prefetch a unit's shard is staged only until its own gather completes, before its gradients come."""
         root = self.layouts[0].padded_numel
         largest = max((layout.padded_numel for layout in self.layouts[1:]), default=0)
-        units, gathered = len(self.layouts) - 1, p if self.partitioned else 0
-        per_layer = 0
+        shard = max((layout.shard_numel for layout in self.layouts[1:]), default=0)
+        units, gathered = len(self.layouts) - 1, p if self.gathers else 0
+        staged = p if self.tier is not None and self.partitioned else 0
+        best = (0, 0, 0)  # (bytes, L coefficient, S coefficient) at the fullest moment of any layer
         for j in range(units):
-            params = 1 + (self.prefetch and j < units - 1)
             grads = (1 + (j > 0)) if self.grads.overlap else j + 1
-            per_layer = max(per_layer, gathered * params + g * grads)
-        return (gathered + g) * root + per_layer * largest, f"{gathered + g}R+{per_layer}L"
+            if self.prefetch:
+                ahead = (j < units - 1) + (j < units - 2)
+                moments = [(gathered * (1 + (j < units - 1)) + g * grads, staged * ahead)]
+            else:
+                moments = [(gathered + g * grads, 0), (gathered + g * (grads - 1), staged)]
+            for l_coef, s_coef in moments:
+                best = max(best, (l_coef * largest + s_coef * shard, l_coef, s_coef))
+        working, l_coef, s_coef = best
+        text = f"{gathered + g}R+{l_coef}L" + (f"+{s_coef}S" if s_coef else "")
+        return (gathered + g) * root + working, text
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -131,40 +177,58 @@ class Stage3(ZeroStage):
     def _start_gather(self, u: int) -> None:
         if self._gathered[u]:
             return
+        if self.tier is not None and not self.tier.can_fetch(u):  # every staging slot feeds a gather in flight
+            for v in range(len(self.layouts)):
+                self._finish(v)
         full = self._full[u]
         full.untyped_storage().resize_(full.nbytes)
         self.meter.add(full.nbytes)
-        self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
+        if self.tier is None:
+            self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
+        elif self.partitioned:
+            self._handles[u] = self.dp.all_gather_into(full, self.tier.fetch(u), async_op=True)
+        else:
+            self._handles[u] = self.tier.fetch(u, into=full)
         self._gathered[u] = True
 
-    def _wait(self, u: int) -> None:
-        self._start_gather(u)
+    def _finish(self, u: int) -> None:
+        """Unit u's gather (or copy) is complete, and its staging free."""
         if self._handles[u] is not None:
             self._handles[u].wait()
             self._handles[u] = None
+            if self.tier is not None:
+                self.tier.done(u)
+
+    def _wait(self, u: int) -> None:
+        self._start_gather(u)
+        self._finish(u)
 
     def _release(self, u: int) -> None:
-        if not self._gathered[u] or not self.partitioned:
+        if not self._gathered[u] or not self.gathers:
             return
-        if self._handles[u] is not None:  # never free a buffer a collective still writes
-            self._handles[u].wait()
-            self._handles[u] = None
+        self._finish(u)  # never free a buffer a collective still writes
         self._full[u].untyped_storage().resize_(0)
         self.meter.sub(self._full[u].nbytes)
         self._gathered[u] = False
 
+    def _next(self, u: int, backward: bool) -> int | None:
+        if u == 0:  # the root opens forward and, gathered again for the loss, backward
+            return self._order[-1] if backward else self._order[0]
+        if u in self._order:
+            i = self._order.index(u) + (-1 if backward else 1)
+            return self._order[i] if 0 <= i < len(self._order) else None
+        return None
+
     def _prefetch_after(self, u: int, backward: bool) -> None:
+        """Gather the unit that comes next; offloaded, also start reading the one after it."""
         if not self.prefetch or not self._order:
             return
-        if u == 0:  # the root opens forward and, gathered again for the loss, backward
-            nxt = self._order[-1] if backward else self._order[0]
-        elif u in self._order:
-            i = self._order.index(u) + (-1 if backward else 1)
-            nxt = self._order[i] if 0 <= i < len(self._order) else None
-        else:
-            nxt = None
+        nxt = self._next(u, backward)
         if nxt is not None:
             self._start_gather(nxt)
+            after = self._next(nxt, backward) if self.tier is not None else None
+            if after is not None and not self._gathered[after]:
+                self.tier.read_ahead(after)
 
     # -- module and tensor hooks --------------------------------------------------------------
     def _pre_forward(self, u: int, module, args) -> None:
@@ -201,6 +265,8 @@ class Stage3(ZeroStage):
         self.grads.end_backward()
         for u in range(len(self.layouts)):
             self._release(u)
+        if self.tier is not None:
+            self.tier.discard()
         self.in_backward, self._order_frozen = False, True
 
     def zero_grad(self) -> None:
@@ -209,6 +275,28 @@ class Stage3(ZeroStage):
     def after_update(self) -> None:
         for u in range(len(self.layouts)):  # the next forward gathers the updated slices
             self._release(u)
+        if self.tier is not None:
+            self.tier.discard()
+            self.tier.flush()
 
     def held_tensors(self) -> list[torch.Tensor]:
+        if self.tier is not None:  # the shards live in the tier; staging exists only within a step
+            return self.grads.held_tensors() + self._full + self.tier.staging()
         return self.param_shards + self.grads.held_tensors() + self._full
+
+    # -- offloaded parameters --------------------------------------------------------------------------
+    def param_sink(self) -> ParamSink:
+        return self.tier if self.tier is not None else super().param_sink()
+
+    def tier_bytes(self) -> TierBytes:
+        return self.tier.tier_bytes() if self.tier is not None else TierBytes()
+
+    def transfers(self) -> Transfers:
+        return self.tier.traffic() if self.tier is not None else Transfers()
+
+    def host_buffer_formula(self) -> tuple[int, str]:
+        return self.tier.host_buffer_formula() if self.tier is not None else (0, "0")
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
