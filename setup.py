@@ -1,4 +1,4 @@
-"""Install mpzero: `pip install -e .` (add `[test]` for the test suite)."""
+"""Install mpzero: `pip install -e .` (add `[test]` for the test suite, `[hf]` for the Hugging Face tools)."""
 from setuptools import find_packages, setup
 
 setup(
@@ -15,5 +15,8 @@ setup(
     install_requires=["torch>=2.4,<3", "numpy>=1.24", "sentencepiece>=0.2.3", "tokenizers>=0.15", "tqdm>=4.60",
                       "pyyaml>=5.4", "tensorboard>=2.10", "crc32c>=2.2"],
     # triton: the fused kernels (mpzero.fused); pinned to the release torch 2.13's CUDA wheel pins.
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"], "triton": ["triton==3.7.1"]},
+    # hf: tools/export_hf.py, tools/import_hf.py (safetensors) and the tests that compare with transformers'
+    # GPT2LMHeadModel; never needed for training.
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40", "safetensors>=0.4"],
+                    "triton": ["triton==3.7.1"], "hf": ["transformers>=4.40", "safetensors>=0.4"]},
 )

@@ -42,6 +42,13 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
 
 
 def to_consolidated(load: str, iteration: int | None, output: str) -> None:
+    bundle = read_consolidated(load, iteration)
+    write_atomically(output, lambda f: torch.save(bundle, f))
+
+
+def read_consolidated(load: str, iteration: int | None) -> dict:
+    """{"model": {parameter name: full fp32 tensor}, "meta": meta.json} of a checkpoint at any layout, every
+    chunk checked against its checksum (tools/export_hf.py and tools/generate.py read checkpoints through it)."""
     directory, iteration = resolve_iteration(load, iteration)
     advice = previous_advice(load, iteration)
     meta = read_meta_file(directory, advice)
@@ -66,8 +73,7 @@ def to_consolidated(load: str, iteration: int | None, output: str) -> None:
             raise error from None
         raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): {advice}; "
                           f"`verify` names the damaged file") from None
-    bundle = {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
-    write_atomically(output, lambda f: torch.save(bundle, f))
+    return {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
 
 
 def from_consolidated(input_path: str, save: str) -> None:
@@ -79,6 +85,12 @@ def from_consolidated(input_path: str, save: str) -> None:
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint ({error_reason(error)})") from None
     if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
+    save_weights_only(bundle, save)
+
+
+def save_weights_only(bundle: dict, save: str) -> None:
+    """A weights-only checkpoint (iteration 0) under `save` from {"model": {name: full tensor}, "meta": {"config":
+    flags}} (tools/import_hf.py writes through it)."""
     tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
     directory = checkpoint_dir(save, 0)
     if os.path.exists(directory):

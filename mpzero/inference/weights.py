@@ -1,0 +1,93 @@
+"""From a checkpoint's full weights to a GPT model at any TP size.
+
+`read_consolidated` (tools/checkpoint_util.py) gives every parameter as one full fp32 tensor by name, whatever
+TP x DP x ZeRO layout saved it; this module turns its meta.json into the `GPTConfig` the run trained, checks
+that the weights are that model's (names and global shapes), and hands each TP rank its slice:
+
+    config = gpt_config_from_meta(meta, directory)
+    check_gpt_weights(weights, config, directory)
+    model = GPTModel(config, groups.tp, device=groups.device)
+    load_full_weights(model, weights)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from mpzero.errors import ConfigError
+from mpzero.models import GPTConfig, GPTModel
+from mpzero.tensor_parallel import placements
+
+# The GPTConfig fields a checkpoint must state (meta["architecture"], else the run's flags in meta["config"]).
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+OPTIONAL = ("layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "init_method_std",
+            "make_vocab_size_divisible_by")
+
+
+def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
+    """The model the checkpoint's run trained, with dropout and recomputation off (inference; the run's dropout
+    rates stay in meta["config"])."""
+    flags = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    saved = {**flags, **(meta.get("architecture") or {})}
+    missing = [name for name in REQUIRED if not isinstance(saved.get(name), int)]
+    if missing:
+        raise ConfigError(f"checkpoint {directory} does not state its model's --{missing[0].replace('_', '-')} in "
+                          f"meta.json: not a GPT checkpoint written by pretrain_gpt.py or tools/import_hf.py")
+    known = {name: saved[name] for name in REQUIRED + OPTIONAL if saved.get(name) is not None}
+    config = GPTConfig(**known, layernorm_impl="auto" if flags.get("layernorm_fusion", True) else "torch",
+                       softmax_impl="auto" if flags.get("masked_softmax_fusion", True) else "torch")
+    return dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0, recompute_activations=False)
+
+
+def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """{parameter name: global shape} of a GPTModel with this config (vocabulary unpadded, as checkpoints store)."""
+    h, v = config.hidden_size, config.vocab_size
+    shapes = {"embedding.word_embeddings.weight": (v, h),
+              "embedding.position_embeddings.weight": (config.max_position_embeddings, h),
+              "final_layernorm.weight": (h,), "final_layernorm.bias": (h,)}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
+                       p + "attention.qkv.weight": (3 * h, h), p + "attention.qkv.bias": (3 * h,),
+                       p + "attention.dense.weight": (h, h), p + "attention.dense.bias": (h,),
+                       p + "post_attention_layernorm.weight": (h,), p + "post_attention_layernorm.bias": (h,),
+                       p + "mlp.fc1.weight": (4 * h, h), p + "mlp.fc1.bias": (4 * h,),
+                       p + "mlp.fc2.weight": (h, 4 * h), p + "mlp.fc2.bias": (h,)})
+    if config.untie_embeddings_and_output_weights:
+        shapes["output_layer.weight"] = (v, h)
+    return shapes
+
+
+def check_gpt_weights(weights: dict[str, torch.Tensor], config: GPTConfig, source: str) -> None:
+    """One ConfigError line naming the first parameter that is missing, extra or of another shape than the
+    GPT of `config` has (a checkpoint of another architecture, or a meta.json that does not match its weights)."""
+    expected = expected_shapes(config)
+    for name in sorted(set(expected) | set(weights)):
+        have = tuple(weights[name].shape) if name in weights else None
+        if have != expected.get(name):
+            there = list(have) if have is not None else "absent"
+            wanted = list(expected[name]) if name in expected else "absent"
+            raise ConfigError(f"{source} is not the GPT its meta.json describes ({config.num_layers} layers, hidden "
+                              f"{config.hidden_size}, vocabulary {config.vocab_size}): {name} is {there} there, "
+                              f"{wanted} in that model")
+
+
+def load_full_weights(model: GPTModel, weights: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into this TP rank's parameters: sharded ones padded (the vocabulary) and sliced along
+    their partition dimension, replicated ones whole."""
+    tp_size, tp_rank = model.tp.size, model.tp.rank
+    where = placements(model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full, placement = weights[name].float(), where[name]
+            if placement.partition_dim is not None:
+                dim = placement.partition_dim
+                padded = placement.local_shape[dim] * tp_size
+                if full.size(dim) < padded:  # zero rows past the real vocabulary, as the model starts with
+                    pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded - full.size(dim)]
+                    full = F.pad(full, pad)
+                full = full.chunk(tp_size, dim=dim)[tp_rank]
+            param.copy_(full)

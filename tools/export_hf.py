@@ -1,0 +1,161 @@
+"""Export an mpzero checkpoint (any TP x DP x ZeRO layout) as a Hugging Face GPT-2 directory.
+
+    python tools/export_hf.py --load checkpoints/quickstart --output hf/kjv
+    python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/kjv')"
+
+Writes config.json (every architecture choice that changes the logits: activation, LayerNorm epsilon, tied or
+untied output weights, the real vocabulary without its padding), model.safetensors, generation_config.json,
+the tokenizer (GPT-2 BPE: vocab.json, merges.txt and tokenizer_config.json, loadable with AutoTokenizer;
+SentencePiece: sentencepiece.model) and README.md saying where it came from and how to load the tokenizer.
+The weights are read with tools/checkpoint_util.py's reader (every chunk checksummed). The directory appears
+complete or not at all: it is written beside --output and renamed into place. Needs `pip install mpzero[hf]`
+(safetensors). A bad input is one `error:` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
+from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
+from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.files import replace_directory  # noqa: E402
+from mpzero.inference import (check_gpt_weights, gpt_config_from_meta, hf_config, run_tokenizer,  # noqa: E402
+                              to_hf_state_dict)
+from tools.checkpoint_util import read_consolidated  # noqa: E402
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
+
+
+def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", overwrite: bool = False,
+           tokenizer_overrides: dict | None = None) -> str:
+    """Writes the HF directory `output`; returns the line to print. Everything is checked before writing."""
+    save_file = _safetensors_writer()
+    _check_output(output, overwrite)
+    directory, iteration = resolve_iteration(load, iteration)
+    meta = read_meta_file(directory, previous_advice(load, iteration))
+    config = gpt_config_from_meta(meta, directory)
+    flags = meta.get("config") or {}
+    run_tok = run_tokenizer(flags, load, tokenizer_overrides)
+    tokenizer = run_tok.build(config.vocab_size)
+    eod = tokenizer.eod if run_tok.tokenizer_type else None
+    weights = read_consolidated(load, iteration)["model"]
+    check_gpt_weights(weights, config, directory)
+    torch_dtype, dtype_name = DTYPES[dtype]
+    state = to_hf_state_dict(weights, config, torch_dtype)
+
+    tmp = os.path.abspath(output).rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
+    os.makedirs(tmp)
+    try:
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _write_json(tmp, "config.json", hf_config(config, flags, eod, dtype_name))
+        _write_json(tmp, "generation_config.json", {"bos_token_id": eod, "eos_token_id": eod})
+        note = _write_tokenizer(tmp, output, run_tok, tokenizer, config.max_position_embeddings)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(_readme(directory, iteration, meta, config, note, output))
+        replace_directory(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(t.numel() for t in state.values())
+    return (f"exported {directory} (iteration {iteration}, {size:,} parameters, {dtype_name}) to {output}: "
+            f"GPT2LMHeadModel.from_pretrained({output!r})")
+
+
+def _safetensors_writer():
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("tools/export_hf.py needs safetensors: pip install -e '.[hf]'") from None
+    return save_file
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    if os.path.exists(output) and not overwrite:
+        if not os.path.isdir(output) or os.listdir(output):
+            raise ConfigError(f"--output {output} already exists: choose a new directory, or pass --overwrite")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--output {output}: its parent directory {parent} is missing or not writable")
+
+
+def _write_json(directory: str, name: str, content: dict) -> None:
+    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+        f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: int) -> str:
+    """Copy the run's tokenizer files; returns the README's paragraph on loading the tokenizer."""
+    kind = run_tok.tokenizer_type
+    if kind == "GPT2BPETokenizer":
+        shutil.copyfile(run_tok.vocab_file, os.path.join(directory, "vocab.json"))
+        shutil.copyfile(run_tok.merge_file, os.path.join(directory, "merges.txt"))
+        special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+        _write_json(directory, "special_tokens_map.json", special)
+        _write_json(directory, "tokenizer_config.json", {**special, "tokenizer_class": "GPT2Tokenizer",
+                                                          "add_prefix_space": False, "model_max_length": positions})
+        return ("The run's GPT-2 byte-level BPE (vocab.json, merges.txt): `AutoTokenizer.from_pretrained(dir)` "
+                "encodes text as mpzero's GPT2BPETokenizer does. End of document: `<|endoftext|>` "
+                f"(id {tokenizer.eod}).")
+    if kind == "GPTSentencePieceTokenizer":
+        shutil.copyfile(run_tok.tokenizer_model, os.path.join(directory, "sentencepiece.model"))
+        path = os.path.join(final, "sentencepiece.model")
+        return ("The run's SentencePiece model is `sentencepiece.model`; transformers has no GPT-2 tokenizer for it. "
+                "Load it with `sentencepiece`:\n\n"
+                "    import sentencepiece\n"
+                f"    sp = sentencepiece.SentencePieceProcessor(model_file={path!r})\n"
+                "    ids = sp.encode('In the beginning')   # no BOS/EOS added, as mpzero trains\n"
+                "    text = sp.decode(ids)\n\n"
+                f"End of document is the model's end-of-sentence id {tokenizer.eod} (`eos_token_id` in config.json), "
+                "so `model.generate(torch.tensor([ids]))` stops there.")
+    if kind == "NullTokenizer":
+        return (f"The run used NullTokenizer: inputs are token ids, {tokenizer.eod} is end-of-document. "
+                "No tokenizer files.")
+    return "The run trained on --mock-data: there is no tokenizer; inputs are token ids."
+
+
+def _readme(directory: str, iteration: int, meta: dict, config, note: str, output: str) -> str:
+    layout = meta.get("layout", {})
+    return (f"# GPT-2 exported from mpzero\n\n"
+            f"Checkpoint `{directory}`, iteration {iteration}, saved at TP {layout.get('tp')} x DP {layout.get('dp')} "
+            f"(ZeRO stage {(meta.get('config') or {}).get('zero_stage')}); {config.num_layers} layers, hidden "
+            f"{config.hidden_size}, {config.num_attention_heads} heads, vocabulary {config.vocab_size}, "
+            f"{config.max_position_embeddings} positions, GELU "
+            f"{'tanh (--openai-gelu)' if config.openai_gelu else 'erf'}, output weights "
+            f"{'untied' if config.untie_embeddings_and_output_weights else 'tied'}.\n\n"
+            f"    from transformers import GPT2LMHeadModel\n"
+            f"    model = GPT2LMHeadModel.from_pretrained({output!r})\n\n"
+            f"## Tokenizer\n\n{note}\n\n"
+            f"Back to mpzero: `python tools/import_hf.py --input {output} --save CKPT`.\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="the --save directory of a run")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--output", required=True, help="the Hugging Face model directory to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="of the stored weights (default fp32)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--tokenizer-type", default=None, help="default: the run's (meta.json)")
+    p.add_argument("--tokenizer-model", default=None, help="default: the run's")
+    p.add_argument("--vocab-file", default=None, help="default: the run's")
+    p.add_argument("--merge-file", default=None, help="default: the run's")
+    args = p.parse_args(argv)
+    overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
+    with single_process():  # no process group here: DCP's warning about that says nothing
+        return exit_code(lambda: print(export(args.load, args.iteration, args.output, args.dtype, args.overwrite,
+                                              overrides), flush=True), INPUT_ERRORS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

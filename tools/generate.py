@@ -1,0 +1,192 @@
+"""Generate text from an mpzero checkpoint at any TP size, with a KV cache.
+
+    python tools/generate.py --load checkpoints/quickstart --prompt "In the beginning" --max-new-tokens 40
+    torchrun --nproc_per_node 2 tools/generate.py --load CKPT --tensor-model-parallel-size 2 \
+        --prompt-file prompts.txt --greedy --output-format jsonl
+    echo "And God said" | python tools/generate.py --load CKPT --temperature 0.8 --top-k 40 --top-p 0.95 --seed 7
+
+Prompts: each --prompt, else one per line of --prompt-file, else one per line of stdin; an empty prompt starts
+from end-of-document (unconditional samples). Prompts are encoded with the run's tokenizer (meta.json; the
+--tokenizer-* flags point elsewhere) and run in batches of --batch-size. Sampling: --greedy (argmax, as
+transformers' generate(do_sample=False)), else --temperature, --top-k, --top-p and --seed; a continuation
+ends at --max-new-tokens, at end-of-document (unless --ignore-eod) or at the model's last position.
+Output (rank 0): each prompt followed by its continuation and a blank line, or with --output-format jsonl one
+{"prompt", "text", "tokens", "stop"} line per prompt (stop: end_of_document, max_new_tokens or
+max_position_embeddings); --output FILE writes it there, complete or not at all.
+Under torchrun the world is the TP group: its ranks each hold their heads and vocabulary shard and draw the
+same tokens. Everything (checkpoint, tokenizer, prompt lengths) is checked before any output: a problem is one
+`error:` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
+from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
+from mpzero.cli import print_error  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.files import write_atomically  # noqa: E402
+from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,  # noqa: E402
+                              load_full_weights, run_tokenizer)
+from mpzero.models import GPTModel  # noqa: E402
+from mpzero.parallel import init_parallel  # noqa: E402
+from tools.checkpoint_util import read_consolidated  # noqa: E402
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="the --save directory of a run (or of tools/import_hf.py)")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", default=None, help="one prompt per line (default: stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ignore-eod", action="store_true", help="go on past end-of-document")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default: the world size")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole prefix at every step")
+    p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
+    p.add_argument("--output", default=None, help="write here instead of stdout")
+    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
+        p.add_argument(flag, default=None, help="default: the run's (meta.json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The whole command; returns [{"prompt", "text", "tokens", "stop"}] (every rank) for tests and notebooks."""
+    args = build_parser().parse_args(argv)
+    owns_world = not dist.is_initialized()  # else the caller (a test) owns the process group
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    tp_size = args.tensor_model_parallel_size or world_size
+    try:
+        if tp_size != world_size:
+            _fail(f"--tensor-model-parallel-size {tp_size} must equal the number of processes {world_size}: "
+                  f"generation runs one TP group")
+        groups = init_parallel(tp_size)
+        with single_process():
+            prepared, error = groups.world.run_agreed(lambda: _prepare(args), (ConfigError, OSError))
+        if error:
+            _fail(error)
+        config, weights, tokenizer, prompts = prepared
+        model = GPTModel(config, groups.tp, device=groups.device)
+        load_full_weights(model, weights)
+        model.to(DTYPES[args.dtype]).eval()
+        del weights
+        results = _generate_all(model, tokenizer, prompts, _sampling(args), not args.no_kv_cache, args.batch_size)
+        if groups.world.rank == 0:
+            _write(results, args)
+        return results
+    finally:
+        if owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _fail(message: str) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print_error(message)
+    raise SystemExit(2)
+
+
+def _sampling(args) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eod=not args.ignore_eod)
+
+
+def _prepare(args):
+    """(model config, full weights, tokenizer, [(prompt text, ids)]), every input checked."""
+    _sampling(args).validate()
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.output:
+        parent = os.path.dirname(os.path.abspath(args.output))
+        if os.path.isdir(args.output) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--output {args.output} is not a file this command can write")
+    directory, iteration = resolve_iteration(args.load, args.iteration)
+    meta = read_meta_file(directory, previous_advice(args.load, iteration))
+    config = gpt_config_from_meta(meta, directory)
+    overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
+    tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size)
+    prompts = []
+    for number, text in enumerate(_read_prompts(args), start=1):
+        try:
+            ids = tokenizer.tokenize(text) if text else [tokenizer.eod]
+        except ValueError as error:  # NullTokenizer: not a list of ids
+            raise ConfigError(f"prompt {number} is not token ids for this run's tokenizer ({error})") from None
+        if len(ids) >= config.max_position_embeddings:
+            raise ConfigError(f"prompt {number} is {len(ids)} tokens, and the model sees at most "
+                              f"{config.max_position_embeddings} positions (--max-position-embeddings): no room to "
+                              f"generate; shorten it")
+        prompts.append((text, ids))
+    weights = read_consolidated(args.load, iteration)["model"]
+    check_gpt_weights(weights, config, directory)
+    return config, weights, tokenizer, prompts
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        prompts = args.prompt
+    elif args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts = f.read().splitlines()
+    else:
+        prompts = sys.stdin.read().splitlines()
+    if not prompts:
+        raise ConfigError("no prompts: pass --prompt TEXT, --prompt-file FILE or lines on stdin")
+    return prompts
+
+
+def _generate_all(model, tokenizer, prompts, sampling: SamplingConfig, use_cache: bool, batch_size: int):
+    results = []
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        new = generate(model, [ids for _, ids in batch], sampling, tokenizer.eod, use_cache=use_cache)
+        for (text, ids), tokens in zip(batch, new):
+            at_eod = sampling.stop_at_eod and bool(tokens) and tokens[-1] == tokenizer.eod
+            shown = tokens[:-1] if at_eod else tokens
+            stop = ("end_of_document" if at_eod else "max_new_tokens" if len(tokens) == sampling.max_new_tokens
+                    else "max_position_embeddings")
+            results.append({"prompt": text, "text": _continuation(tokenizer, ids if text else [], shown),
+                            "tokens": tokens, "stop": stop})
+    return results
+
+
+def _continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add after the prompt (decoded together: a SentencePiece word's space is kept)."""
+    whole, prefix = tokenizer.detokenize(prompt_ids + new_ids), tokenizer.detokenize(prompt_ids)
+    return whole[len(prefix):] if whole.startswith(prefix) else tokenizer.detokenize(new_ids)
+
+
+def _write(results: list[dict], args) -> None:
+    out = io.StringIO()
+    for r in results:
+        if args.output_format == "jsonl":
+            out.write(json.dumps(r, ensure_ascii=False) + "\n")
+        else:
+            out.write(f"{r['prompt']}{r['text']}\n\n")
+    if args.output:
+        write_atomically(args.output, out.getvalue())
+    else:
+        sys.stdout.write(out.getvalue())
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Import a local Hugging Face GPT-2 directory (saved by `save_pretrained`) as an mpzero checkpoint.
+
+    python tools/import_hf.py --input hf/gpt2 --save checkpoints/gpt2
+    torchrun --nproc_per_node 4 pretrain_gpt.py --load checkpoints/gpt2 --finetune --save checkpoints/ft \
+        --tensor-model-parallel-size 2 ...   # the model flags this command prints, then your data and schedule
+
+Reads config.json and model.safetensors (or a sharded model.safetensors.index.json, or pytorch_model.bin);
+nothing is downloaded. Writes a weights-only checkpoint (iteration 0, as tools/checkpoint_util.py
+from-consolidated does) whose meta.json states the model, so `--load ... --finetune` continues from it at any
+TP x DP x ZeRO layout with the same logits, and tools/generate.py and tools/export_hf.py read it. The tokenizer
+files (vocab.json + merges.txt, or sentencepiece.model) are copied to SAVE/tokenizer/ and recorded. A model
+mpzero's GPT cannot compute (another model type, activation, MLP width, attention scaling) or a directory that
+is not a GPT-2 model is one `error:` line and exit code 2; --save appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.checkpointing.checkpoint import error_reason  # noqa: E402
+from mpzero.checkpointing.verify import single_process  # noqa: E402
+from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
+from mpzero.data import build_tokenizer  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.files import replace_directory  # noqa: E402
+from mpzero.inference import from_hf_state_dict, gpt_config_from_hf, model_flags  # noqa: E402
+from mpzero.inference.hf_gpt2 import command_line  # noqa: E402
+from tools.checkpoint_util import save_weights_only  # noqa: E402
+
+
+def import_hf(input_dir: str, save: str) -> str:
+    """Writes the checkpoint under `save`; returns the lines to print. Everything is checked before writing."""
+    source = f"--input {input_dir}"
+    config_path = os.path.join(input_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{source} is not a Hugging Face model directory (no config.json)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except ValueError:
+        raise ConfigError(f"{source}: config.json is not valid JSON") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source}: config.json is not a JSON object")
+    config = gpt_config_from_hf(hf, source)
+    weights = from_hf_state_dict(_read_state(input_dir, source), config, source)
+    tokenizer_files, tokenizer_flags, note = _tokenizer(input_dir, config.vocab_size, save)
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise ConfigError(f"--save {save} already exists and is not empty: choose a new directory")
+    parent = os.path.dirname(os.path.abspath(save))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--save {save}: its parent directory {parent} is missing or not writable")
+
+    tmp = os.path.abspath(save).rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import
+    try:
+        os.makedirs(os.path.join(tmp, "tokenizer"))
+        for name in tokenizer_files:
+            shutil.copyfile(os.path.join(input_dir, name), os.path.join(tmp, "tokenizer", name))
+        flags = {**model_flags(config), **tokenizer_flags}
+        save_weights_only({"model": weights, "meta": {"config": flags}}, tmp)
+        replace_directory(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tokenizer_args = [f"--{k.replace('_', '-')} {v}" for k, v in tokenizer_flags.items() if k != "vocab_size"]
+    size = sum(t.numel() for t in weights.values())
+    return (f"imported {input_dir} ({size:,} parameters) to {save} (iteration 0, weights only){note}\n"
+            f"train from it: pretrain_gpt.py --load {save} --finetune {' '.join(command_line(config))} "
+            f"{' '.join(tokenizer_args)} --seq-length N ...")
+
+
+def _read_state(input_dir: str, source: str) -> dict[str, torch.Tensor]:
+    """The state dict of model.safetensors, a sharded model.safetensors.index.json, or pytorch_model.bin."""
+    single = os.path.join(input_dir, "model.safetensors")
+    index = os.path.join(input_dir, "model.safetensors.index.json")
+    binary = os.path.join(input_dir, "pytorch_model.bin")
+    try:
+        if os.path.isfile(single) or os.path.isfile(index):
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise ConfigError("tools/import_hf.py needs safetensors: pip install -e '.[hf]'") from None
+            if os.path.isfile(single):
+                return load_file(single)
+            with open(index, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return {k: t for shard in shards for k, t in load_file(os.path.join(input_dir, shard)).items()}
+        if os.path.isfile(binary):
+            return torch.load(binary, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a damaged file raises anything
+        raise ConfigError(f"{source}: its weights are unreadable ({error_reason(error)})") from None
+    raise ConfigError(f"{source} has no weights (model.safetensors, model.safetensors.index.json or "
+                      f"pytorch_model.bin): save the model with save_pretrained")
+
+
+def _tokenizer(input_dir: str, vocab_size: int, save: str) -> tuple[list[str], dict, str]:
+    """(files to copy, tokenizer flags for meta.json, a note): GPT-2 BPE, SentencePiece, or none."""
+    where = os.path.join(os.path.abspath(save), "tokenizer")
+    if all(os.path.isfile(os.path.join(input_dir, n)) for n in ("vocab.json", "merges.txt")):
+        files, flags = ["vocab.json", "merges.txt"], {"tokenizer_type": "GPT2BPETokenizer",
+                                                      "vocab_file": os.path.join(where, "vocab.json"),
+                                                      "merge_file": os.path.join(where, "merges.txt")}
+        tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=os.path.join(input_dir, "vocab.json"),
+                                    merge_file=os.path.join(input_dir, "merges.txt"))
+    elif os.path.isfile(os.path.join(input_dir, "sentencepiece.model")):  # as tools/export_hf.py writes it
+        files, flags = ["sentencepiece.model"], {"tokenizer_type": "GPTSentencePieceTokenizer",
+                                                 "tokenizer_model": os.path.join(where, "sentencepiece.model")}
+        tokenizer = build_tokenizer("GPTSentencePieceTokenizer", os.path.join(input_dir, "sentencepiece.model"))
+    else:
+        return [], {}, "; no tokenizer files (vocab.json + merges.txt): pass your own --tokenizer-* flags"
+    if tokenizer.vocab_size != vocab_size:
+        return [], {}, (f"; its tokenizer has {tokenizer.vocab_size} tokens and the model {vocab_size}, so it is "
+                        f"not recorded: pass a tokenizer of {vocab_size} tokens")
+    return files, flags, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", required=True, help="a local Hugging Face GPT-2 directory (save_pretrained)")
+    p.add_argument("--save", required=True, help="a new directory for the mpzero checkpoint")
+    args = p.parse_args(argv)
+    with single_process():  # no process group here: DCP's warning about that says nothing
+        return exit_code(lambda: print(import_hf(args.input, args.save), flush=True), INPUT_ERRORS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
