@@ -22,8 +22,8 @@ CORPUS = os.path.join(ROOT, "..", "shared", "corpus", "fortunes.jsonl")
 TOOLS = os.path.join(ROOT, "tools")
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "128"]
-TRAIN = ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "5e-3",
-         "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "4", "--log-interval", "30",
+TRAIN = ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "1e-2",
+         "--min-lr", "1e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "4", "--log-interval", "30",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "98,1,1", "--save-interval", "30"]
 _RUNS: dict = {}
 

@@ -120,6 +120,11 @@ def next_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch
     """[b, V] fp32 logits on the CPU -> [b] token ids."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
+    return torch.multinomial(filter_logits(logits, sampling).softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def filter_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The logits a token is drawn from: / temperature, then -inf outside the top k and outside the top p."""
     logits = logits / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.size(-1)), dim=-1).values[:, -1:]
@@ -129,7 +134,7 @@ def next_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - sampling.top_p
         drop[:, -1] = False  # the most likely token always stays
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    return logits
 
 
 @torch.no_grad()
