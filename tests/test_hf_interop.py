@@ -118,6 +118,23 @@ def test_import_then_export_gives_identical_tensors(exported, tmp_path, name):
             assert open(os.path.join(exported[name], file), "rb").read() == (tmp_path / "again" / file).read_bytes()
 
 
+def test_import_reads_the_original_gpt2_layout(exported, tmp_path):
+    """openai-community/gpt2's files: keys without `transformer.`, the causal-mask buffers of older transformers,
+    pytorch_model.bin; the buffers are dropped and the weights are the same."""
+    state = load_file(os.path.join(exported["sp"], "model.safetensors"))
+    old = {key.removeprefix("transformer."): t for key, t in state.items()}
+    old.update({f"h.{i}.attn.bias": torch.ones(1, 1, 128, 128).tril() for i in range(2)})
+    old.update({f"h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)})
+    os.makedirs(tmp_path / "old")
+    for name in ("config.json", "sentencepiece.model"):
+        (tmp_path / "old" / name).write_bytes(open(os.path.join(exported["sp"], name), "rb").read())
+    torch.save(old, tmp_path / "old" / "pytorch_model.bin")
+    assert import_main(["--input", str(tmp_path / "old"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "again")]) == 0
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert again.keys() == state.keys() and all(torch.equal(state[k], again[k]) for k in state)
+
+
 def test_imported_model_finetunes_at_tp2_from_the_same_loss(exported, tmp_path):
     """lr 0 for one step: the iteration-1 loss is HF's on the same (mock) batch, and the saved weights are HF's."""
     assert import_main(["--input", exported["bpe"], "--save", str(tmp_path / "imported")]) == 0
