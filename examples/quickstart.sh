@@ -3,7 +3,8 @@
 #   1. train a SentencePiece BPE tokenizer on the bundled King James Bible sample,
 #   2. preprocess the sample into Megatron's .bin/.idx format,
 #   3. train a small GPT with tensor parallelism 2 x ZeRO-2 data parallelism 2 (4 processes),
-#      evaluating as it goes, logging to TensorBoard (runs/quickstart) and checkpointing (checkpoints/quickstart).
+#      evaluating as it goes, logging to TensorBoard (runs/quickstart) and checkpointing (checkpoints/quickstart),
+#   4. sample a few lines from the trained model with tools/generate.py (KV cache; loaded here at TP 1).
 # Usage: bash examples/quickstart.sh [python]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,3 +29,8 @@ fi
     --log-interval 10 --eval-interval 50 --eval-iters 5 \
     --tensorboard-dir runs/quickstart --save checkpoints/quickstart --save-interval 100 \
     --overwrite-checkpoints  # each quickstart trains from scratch, over the previous quickstart's checkpoints
+echo
+echo "Samples from the trained model (tools/generate.py; README.md, \"Using the trained model\"):"
+echo
+"$PY" tools/generate.py --load checkpoints/quickstart --max-new-tokens 40 --temperature 0.8 --top-k 40 --seed 1234 \
+    --prompt "In the beginning" --prompt "And the LORD said unto Moses," --prompt "Blessed are"

@@ -74,13 +74,15 @@ def _cached_attention(attention, x: torch.Tensor, keys: torch.Tensor, values: to
         context = attention._flash(q, k, v, 0.0) if attention.use_flash_attn else attention._core(q, k, v, 0.0)
     else:  # query i (position start + i) sees keys [0, start + i]
         k, v = keys[:, :, :start + s], values[:, :, :start + s]
-        future = (torch.arange(start + s, device=x.device) > torch.arange(start, start + s, device=x.device)[:, None])
+        future = None  # one new position sees every key
+        if s > 1:
+            future = torch.arange(start + s, device=x.device) > torch.arange(start, start + s, device=x.device)[:, None]
         if attention.use_flash_attn:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=~future if s > 1 else None)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future)
         else:
             scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, start + s]
-            probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(attention.head_dim), causal=False,
-                                          mask=future if s > 1 else None, impl=attention.softmax_impl)
+            probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(attention.head_dim), causal=False, mask=future,
+                                          impl=attention.softmax_impl)
             context = torch.matmul(probs, v)
     return attention.dense(context.transpose(1, 2).reshape(b, s, -1))
 
@@ -117,7 +119,7 @@ def forward_full(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """[b, V] fp32 logits on the CPU -> [b] token ids."""
+    """[b, V] fp32 logits (on the CPU to sample: `generator` is a CPU generator) -> [b] token ids."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(filter_logits(logits, sampling).softmax(dim=-1), 1, generator=generator).squeeze(1)
@@ -164,7 +166,8 @@ def generate(model: GPTModel, prompts: list[list[int]], sampling: SamplingConfig
         else:
             logits = forward_full(model, tokens[:, :position].to(device))
         computed = position
-        choice = next_tokens(logits.cpu(), sampling, generator)
+        # greedy: the argmax where the logits are (one id per row to the host); sampling: the CPU generator's draw
+        choice = next_tokens(logits if sampling.greedy else logits.cpu(), sampling, generator).cpu()
         generating = (lengths <= position) & ~done  # rows past their prompt and not finished
         tokens[:, position] = torch.where(generating, choice, tokens[:, position])
         produced += generating.long()
