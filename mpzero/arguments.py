@@ -51,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--init-method-std", type=float, default=0.02)
     model.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    model.add_argument("--recompute-activations", action="store_true")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="an output projection of its own instead of the input embedding's transpose")
     model.add_argument("--openai-gelu", action="store_true",
@@ -64,6 +63,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="LayerNorm by the PyTorch reference instead of the fused op")
     model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
                        help="AdamW by torch.optim.AdamW's single-tensor arithmetic instead of the fused op")
+
+    act = p.add_argument_group("activation memory (Megatron's recomputation and sequence-parallel flags)")
+    act.add_argument("--recompute-activations", action="store_true",
+                     help="selective recomputation, the same as --recompute-granularity selective: the core "
+                          "attention (scores, softmax, dropout, attention over values) is recomputed in backward, "
+                          "everything else stored. Whole-layer recomputation is --recompute-granularity full")
+    act.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                     help="full: whole layers recomputed (--recompute-method, --recompute-num-layers); selective: "
+                          "the core attention only")
+    act.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                     help="with --recompute-granularity full: uniform cuts the layers into chunks of "
+                          "--recompute-num-layers and keeps only each chunk's input; block recomputes the first "
+                          "--recompute-num-layers layers one by one and stores the rest (default uniform)")
+    act.add_argument("--recompute-num-layers", type=int, default=None,
+                     help="layers per chunk (uniform) or layers recomputed (block); default 1")
+    act.add_argument("--distribute-saved-activations", action="store_true",
+                     help="with full recomputation and TP > 1: keep each checkpoint as a 1/TP slice per rank, "
+                          "all-gathered when the layer is recomputed (ZeRO-R's partitioned activations)")
+    act.add_argument("--sequence-parallel", action="store_true",
+                     help="TP > 1: LayerNorms, dropouts and residual adds on a 1/TP slice of the sequence; the "
+                          "column-parallel input all-gathered and the row-parallel output reduce-scattered")
+    act.add_argument("--offload-activations", choices=("none", "cpu"), default="none",
+                     help="cpu: keep the checkpoints (full recomputation) or else every tensor the transformer "
+                          "layers save for backward in pinned host memory (torch.autograd.graph.save_on_cpu); "
+                          "meant for GPU runs (on a CPU run it is a copy within host memory)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -254,6 +278,10 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      layernorm_epsilon=args.layernorm_epsilon,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      recompute_activations=args.recompute_activations,
+                     recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                     recompute_num_layers=args.recompute_num_layers,
+                     distribute_saved_activations=args.distribute_saved_activations,
+                     sequence_parallel=args.sequence_parallel, offload_activations=args.offload_activations,
                      layernorm_impl="auto" if args.layernorm_fusion else "torch",
                      softmax_impl="auto" if args.masked_softmax_fusion else "torch",
                      use_flash_attn=args.use_flash_attn, seq_length=args.seq_length,
