@@ -30,12 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpzero.activations import ActivationSetting, activation_region, host_offload
+from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
-from mpzero.fused import layer_norm, scaled_masked_softmax
+from mpzero.fused import layer_norm, resolve_impl, scaled_masked_softmax
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy)
+from mpzero.tensor_parallel.layers import linear_with_sequence_gather
+from mpzero.tensor_parallel.mappings import scatter_to_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,13 @@ class GPTConfig:
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     make_vocab_size_divisible_by: int = 128
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # Megatron's flag: selective recomputation (= recompute_granularity "selective")
+    recompute_granularity: str | None = None  # "selective" (the core attention) or "full" (whole layers)
+    recompute_method: str | None = None  # full: "uniform" (chunks of N layers; the default) or "block" (first N)
+    recompute_num_layers: int | None = None  # full: N (default 1: every layer recomputed on its own)
+    distribute_saved_activations: bool = False  # full, TP > 1: each checkpoint kept as a 1/t slice (ZeRO-R Pa)
+    sequence_parallel: bool = False  # TP > 1: LayerNorms, dropouts, residuals on a 1/t slice of the sequence
+    offload_activations: str = "none"  # "cpu": checkpoints (full) or the layers' saved tensors in host memory
     layernorm_impl: str = "auto"  # mpzero.fused implementations; --no-layernorm-fusion gives "torch"
     softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
     use_flash_attn: bool = False  # --use-flash-attn: torch's scaled_dot_product_attention (flash on GPUs)
@@ -59,7 +69,21 @@ class GPTConfig:
     openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
 
+    @property
+    def granularity(self) -> str | None:
+        """The recomputation in effect: --recompute-activations is Megatron's selective recomputation."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
+
+    @property
+    def resolved_recompute_method(self) -> str | None:
+        return (self.recompute_method or "uniform") if self.granularity == "full" else None
+
+    @property
+    def resolved_recompute_num_layers(self) -> int | None:
+        return (self.recompute_num_layers or 1) if self.granularity == "full" else None
+
     def validate(self, tp_size: int) -> None:
+        self._validate_activation_memory(tp_size)
         if self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                               f"{self.num_attention_heads}: choose sizes whose ratio is the head size")
@@ -73,10 +97,51 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
 
+    def _validate_activation_memory(self, tp_size: int) -> None:
+        """Megatron's rules for the recomputation and sequence-parallel flags, each a one-line error."""
+        g = self.recompute_granularity
+        if g not in (None, "selective", "full"):
+            raise ConfigError(f"--recompute-granularity {g} is not one of full, selective")
+        if self.recompute_activations and g == "full":
+            raise ConfigError("--recompute-activations is selective recomputation, but --recompute-granularity full "
+                              "was given too: keep one of them")
+        granularity = self.granularity
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ConfigError(f"--recompute-method {self.recompute_method} is not one of uniform, block")
+        for flag, value in (("--recompute-method", self.recompute_method),
+                            ("--recompute-num-layers", self.recompute_num_layers)):
+            if value is not None and granularity != "full":
+                raise ConfigError(f"{flag} {value} needs --recompute-granularity full (selective recomputation "
+                                  f"recomputes the core attention of every layer)")
+        n = self.recompute_num_layers
+        if n is not None and not 1 <= n <= self.num_layers:
+            raise ConfigError(f"--recompute-num-layers {n} is out of range: it must be between 1 and --num-layers "
+                              f"{self.num_layers}")
+        if self.sequence_parallel:
+            if tp_size == 1:
+                raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1: it splits the "
+                                  "sequence across the TP group (Megatron turns it off at TP 1)")
+            seq = self.seq_length or self.max_position_embeddings
+            if seq % tp_size:
+                raise ConfigError(f"--sequence-parallel: --seq-length {seq} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp_size}")
+        if self.distribute_saved_activations:
+            if tp_size == 1:
+                raise ConfigError("--distribute-saved-activations needs --tensor-model-parallel-size > 1: it keeps "
+                                  "each checkpoint as 1/t slices across the TP group")
+            if granularity != "full":
+                raise ConfigError("--distribute-saved-activations needs --recompute-granularity full: only full "
+                                  "recomputation keeps checkpoints to distribute")
+            if self.sequence_parallel:
+                raise ConfigError("--distribute-saved-activations cannot be combined with --sequence-parallel (as in "
+                                  "Megatron): the checkpoints are already 1/t slices of the sequence")
+        if self.offload_activations not in ("none", "cpu"):
+            raise ConfigError(f"--offload-activations {self.offload_activations} is not one of none, cpu")
+
     @property
     def needs_rng(self) -> bool:
         """Dropout or recomputation draw from (or replay) an RNG tracker; without them none is needed."""
-        return self.hidden_dropout > 0 or self.attention_dropout > 0 or self.recompute_activations
+        return self.hidden_dropout > 0 or self.attention_dropout > 0 or self.granularity is not None
 
     def architecture(self) -> dict:
         """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
@@ -93,12 +158,20 @@ class GPTConfig:
         the weighted sum of values, over all s positions: the causal half is not subtracted); the logits add
         2 h V; backward is twice the forward. Full recomputation (`recompute_activations`) runs the layers'
         forward once more, not the logits': 96 l h^2 (1 + s/(6h)) + 6 h V (Narayanan et al. 2021's
-        96 B s l h^2 (1 + s/(6h) + V/(16 l h)); Megatron's own printed figure leaves recomputation out)."""
+        96 B s l h^2 (1 + s/(6h) + V/(16 l h)); Megatron's own printed figure leaves recomputation out); with
+        --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
+        core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
+        al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h)."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
         vocab = self.padded_vocab_size(tp_size)
-        layer_forward = 24 * l * h ** 2 + 4 * l * s * h
-        layer_passes = 4 if self.recompute_activations else 3
-        return layer_passes * layer_forward + 3 * 2 * h * vocab
+        per_layer = 24 * h ** 2 + 4 * s * h
+        recomputed = 0
+        if self.granularity == "full":
+            n = self.resolved_recompute_num_layers
+            recomputed = (l if self.resolved_recompute_method == "uniform" else n) * per_layer
+        elif self.granularity == "selective":
+            recomputed = l * 4 * s * h
+        return 3 * l * per_layer + recomputed + 3 * 2 * h * vocab
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
@@ -122,22 +195,31 @@ def _vocab_rows(std: float, vocab: int, generator: torch.Generator):
 class LayerNorm(nn.Module):
     """y = (x - mean) / sqrt(var + eps) * weight + bias over the hidden dimension (mpzero.fused.layer_norm);
     replicated across the TP group. Statistics, weight and bias are used in fp32 whatever the
-    parameters' storage dtype (ZeRO stores them in bf16/fp16 under mixed precision)."""
+    parameters' storage dtype (ZeRO stores them in bf16/fp16 under mixed precision). With `tp` given
+    (sequence parallelism) it normalizes this rank's sequence slice, and the weight and bias gradients are
+    all-reduced over the TP group on their way back (Megatron's allreduce of `sequence_parallel` grads)."""
 
-    def __init__(self, config: GPTConfig, device=None):
+    def __init__(self, config: GPTConfig, device=None, tp: CommGroup | None = None):
         super().__init__()
         self.eps, self.impl = config.layernorm_epsilon, config.layernorm_impl
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.weight = mark_tensor_parallel(nn.Parameter(torch.ones(config.hidden_size, device=device)), None)
         self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(config.hidden_size, device=device)), None)
+        self.weight.sequence_parallel = self.bias.sequence_parallel = self.tp is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight.float(), self.bias.float(), self.eps, impl=self.impl)
+        weight, bias = self.weight.float(), self.bias.float()
+        if self.tp is not None:
+            weight, bias = copy_to_tp(weight, self.tp), copy_to_tp(bias, self.tp)
+        return layer_norm(x, weight, bias, self.eps, impl=self.impl)
 
 
 class SelfAttention(nn.Module):
     """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp).
     The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
-    column-parallel split hands each rank whole heads with their q, k and v."""
+    column-parallel split hands each rank whole heads with their q, k and v. Selective recomputation keeps
+    q, k and v and recomputes the core attention (scores, softmax, dropout, the weighted sum of values) in
+    backward, its dropout masks replayed from the saved RNG states."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
                  device=None):
@@ -147,19 +229,27 @@ class SelfAttention(nn.Module):
         self.local_heads = config.num_attention_heads // tp.size
         self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
         self.use_flash_attn = config.use_flash_attn
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std, generator), device=device)
+        self.selective = config.granularity == "selective"
+        sp = config.sequence_parallel
+        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
-                                       device=device)
+                                       device=device, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
-        dropout = self.dropout if self.training else 0.0
+        qkv = self.qkv(x)  # [b, s, 3h/tp]: the whole sequence, also when x is a sequence-parallel slice
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        dropout = self.dropout if self.training else 0.0  # each [b, local_heads, s, head_dim]
+        if self.selective and self.training:
+            context = recompute(partial(self._core_attention, dropout=dropout), self.rng, q, k, v)
+        else:
+            context = self._core_attention(q, k, v, dropout)
+        return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s(/tp), h] out
+
+    def _core_attention(self, q, k, v, dropout: float) -> torch.Tensor:
         # heads differ across TP ranks, so must their dropout masks (no tracker: no dropout, nothing drawn)
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
-            context = self._flash(q, k, v, dropout) if self.use_flash_attn else self._core(q, k, v, dropout)
-        return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s, h] out
+            return self._flash(q, k, v, dropout) if self.use_flash_attn else self._core(q, k, v, dropout)
 
     def _core(self, q, k, v, dropout: float) -> torch.Tensor:
         """Megatron's core attention: explicit scores, fused scale + causal mask + softmax, dropout."""
@@ -178,26 +268,45 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
+        sp = config.sequence_parallel
         self.approximate = "tanh" if config.openai_gelu else "none"
-        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std, generator), device=device)
+        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
         self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
-                                     device=device)
+                                     device=device, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
+class _HiddenDropout(nn.Dropout):
+    """Dropout on the hidden state: from the default generator (the same mask on every TP rank, which all hold
+    the same activations) or, under sequence parallelism, from the tracker's tensor-parallel stream (each rank
+    holds another slice of the sequence, as in Megatron)."""
+
+    def __init__(self, p: float, rng: RNGStatesTracker | None, sequence_parallel: bool):
+        super().__init__(p)
+        self.rng, self.sequence_parallel = rng, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.training and self.p > 0:
+            with self.rng.fork():
+                return super().forward(x)
+        return super().forward(x)
+
+
 class TransformerLayer(nn.Module):
-    """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))); hidden dropout is replicated across TP."""
+    """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))); hidden dropout is replicated across TP
+    (sequence parallel: x, the LayerNorms, dropouts and residual adds are this rank's slice of the sequence)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
                  device=None):
         super().__init__()
-        self.input_layernorm = LayerNorm(config, device)
+        sp_group = tp if config.sequence_parallel else None
+        self.input_layernorm = LayerNorm(config, device, sp_group)
         self.attention = SelfAttention(config, tp, rng, generator, device)
-        self.post_attention_layernorm = LayerNorm(config, device)
+        self.post_attention_layernorm = LayerNorm(config, device, sp_group)
         self.mlp = MLP(config, tp, generator, device)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.input_layernorm(x)))
@@ -206,11 +315,14 @@ class TransformerLayer(nn.Module):
 
 class GPTEmbedding(nn.Module):
     """Vocab-parallel token embedding plus replicated learned positions. Padding rows of the table
-    start (and, receiving no gradient, stay) at zero."""
+    start (and, receiving no gradient, stay) at zero. Under sequence parallelism the sum (all-reduced over
+    the vocabulary shards) is cut to this rank's sequence slice before the dropout, as in Megatron."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None,
+                 rng: RNGStatesTracker | None = None):
         super().__init__()
         std, vocab = config.init_method_std, config.vocab_size
+        self.tp, self.sequence_parallel = tp, config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
                                                       tp, _vocab_rows(std, vocab, generator), device)
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
@@ -222,14 +334,23 @@ class GPTEmbedding(nn.Module):
         nn.init.normal_(self.position_embeddings.weight, std=std, generator=generator)
         self.position_embeddings.to(device)
         mark_tensor_parallel(self.position_embeddings.weight, None)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.size(1), device=tokens.device)
-        return self.dropout(self.word_embeddings(tokens) + self.position_embeddings(positions))
+        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel(x, self.tp)
+        return self.dropout(x)
 
 
 REDUCTIONS = ("none", "mean")
+
+
+def _run_chunk(layers, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 class GPTModel(nn.Module):
@@ -242,19 +363,20 @@ class GPTModel(nn.Module):
         if rng is None and config.needs_rng:
             raise ConfigError(f"GPTModel needs an RNG tracker (rng=seed_everything(seed, tp_rank, device)) for "
                               f"hidden dropout {config.hidden_dropout}, attention dropout {config.attention_dropout}"
-                              f" or recomputation {config.recompute_activations}: pass one, or set both dropouts "
-                              f"to 0 and recompute_activations=False")
+                              f" or recomputation {config.granularity}: pass one, or set both dropouts "
+                              f"to 0 and no recomputation")
         self.config, self.tp, self.rng = config, tp, rng
         generator = torch.Generator().manual_seed(config.init_seed)  # CPU: the same weights for a CUDA model
-        self.embedding = GPTEmbedding(config, tp, generator, device)
+        self.embedding = GPTEmbedding(config, tp, generator, device, rng)
         self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, generator, device)
                                     for _ in range(config.num_layers))
-        self.final_layernorm = LayerNorm(config, device)
+        self.final_layernorm = LayerNorm(config, device, tp if config.sequence_parallel else None)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size(tp.size), tp,
-                _vocab_rows(config.init_method_std, config.vocab_size, generator), bias=False, device=device)
+                _vocab_rows(config.init_method_std, config.vocab_size, generator), bias=False, device=device,
+                sequence_parallel=config.sequence_parallel)
             mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
@@ -266,12 +388,17 @@ class GPTModel(nn.Module):
         if tokens.size(1) > self.config.max_position_embeddings:
             raise ConfigError(f"sequence length {tokens.size(1)} exceeds --max-position-embeddings "
                               f"{self.config.max_position_embeddings}")
-        x = self.embedding(tokens)
-        for layer in self.layers:
-            x = recompute(layer, self.rng, x) if self.config.recompute_activations and self.training else layer(x)
+        if self.config.sequence_parallel and tokens.size(1) % self.tp.size:
+            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} is not divisible by "
+                              f"--tensor-model-parallel-size {self.tp.size}")
+        x = self._layers(self.embedding(tokens))  # sequence parallel: this rank's slice [b, s/tp, h]
         x = self.final_layernorm(x)
         if self.output_layer is None:  # tied output projection, [b, s, V/tp]
-            logits = F.linear(copy_to_tp(x, self.tp), self.embedding.word_embeddings.weight)
+            weight = self.embedding.word_embeddings.weight
+            if self.config.sequence_parallel:
+                logits = linear_with_sequence_gather(x, weight, None, self.tp)
+            else:
+                logits = F.linear(copy_to_tp(x, self.tp), weight)
         else:
             logits = self.output_layer(x)
         logits = self._mask_vocab_padding(logits)
@@ -279,6 +406,50 @@ class GPTModel(nn.Module):
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp)
         return losses.mean() if reduction == "mean" else losses
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformer layers, each in its activation-counting region (`mpzero.activations`), with full
+        recomputation as configured: uniform N cuts the layers into chunks of N and keeps each chunk's input;
+        block N recomputes the first N layers one by one and stores the rest (Megatron's per-stage rule; one
+        stage here). The host tier keeps the checkpoints (full) or every tensor the layers save in host
+        memory, through torch.autograd.graph.save_on_cpu."""
+        config, layers = self.config, self.layers
+        full = config.granularity == "full" and self.training
+        method, n = config.resolved_recompute_method, config.resolved_recompute_num_layers
+        distribute = self.tp if config.distribute_saved_activations else None
+        host = config.offload_activations == "cpu" and self.training
+        i = 0
+        while i < len(layers):
+            if full and (method == "uniform" or i < n):
+                end = min(i + n, len(layers)) if method == "uniform" else i + 1
+                with activation_region(i), host_offload(host):
+                    x = recompute(partial(_run_chunk, layers[i:end]), self.rng, x, distribute=distribute)
+                i = end
+            else:
+                with activation_region(i), host_offload(host and not full):
+                    x = layers[i](x)
+                i += 1
+        return x
+
+    def activation_setting(self, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
+                           device: torch.device) -> ActivationSetting:
+        """What `mpzero.activations.formula` needs for this model's activation bytes on this rank."""
+        c, device = self.config, torch.device(device)
+        return ActivationSetting(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads, num_layers=c.num_layers, vocab_size=c.vocab_size,
+            padded_vocab_size=c.padded_vocab_size(self.tp.size), tp=self.tp.size, tp_rank=self.tp.rank,
+            dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,
+            hidden_dropout=c.hidden_dropout > 0, attention_dropout=c.attention_dropout > 0,
+            sequence_parallel=c.sequence_parallel, recompute_granularity=c.granularity,
+            recompute_method=c.resolved_recompute_method, recompute_num_layers=c.resolved_recompute_num_layers,
+            distribute_saved_activations=c.distribute_saved_activations,
+            offload_activations=c.offload_activations == "cpu",
+            layernorm_impl=resolve_impl("layer_norm", device, c.layernorm_impl),
+            softmax_impl=resolve_impl("scaled_masked_softmax", device, c.softmax_impl),
+            flash_attention=c.use_flash_attn,
+            rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
+            rng_streams=len(self.rng.states) if self.rng is not None else 1)
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding ids get -inf logits, so the padded vocabulary never changes the loss."""

@@ -4,6 +4,13 @@ Initialization is TP-invariant: every rank builds the FULL weight from the (iden
 generator and keeps its own slice, so a model at TP=2 starts from exactly the weights it has at TP=1.
 Every parameter is marked with how it is split (`placement.mark_tensor_parallel`), so gradient norms,
 checkpoints and export can gather or reshard it generically.
+
+Sequence parallelism (`sequence_parallel=True`, Megatron's SP): the column-parallel input arrives as this
+rank's 1/t slice of the sequence and is all-gathered along it (`linear_with_sequence_gather`: only the slice
+is kept for backward, the whole input gathered again there, as Megatron's
+LinearWithGradAccumulationAndAsyncCommunication); the row-parallel output is reduce-scattered along the
+sequence instead of all-reduced, and its replicated bias, added to a slice, has its gradient all-reduced over
+the TP group (`copy_to_tp` on the parameter), so every rank holds the same bias gradient.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from torch import nn
 
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
-from mpzero.tensor_parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
+                                             reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
+                                             scatter_to_tp)
 from mpzero.tensor_parallel.placement import mark_tensor_parallel
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -40,20 +49,55 @@ def _bias(size: int, partition_dim: int | None, device) -> nn.Parameter:
     return mark_tensor_parallel(nn.Parameter(torch.zeros(size, device=device)), partition_dim)
 
 
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """y = gather_seq(x) W^T + b for x [b, s/t, in], this rank's sequence slice: keeps the slice, not the
+    gathered input, for backward, where it gathers it again for the weight gradient and reduce-scatters the
+    input gradient along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = gather_sequence(x, ctx.group)
+        grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.group)
+        grad_2d = grad.reshape(-1, grad.size(-1))
+        grad_weight = grad_2d.t().matmul(full.reshape(-1, full.size(-1)))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                group: CommGroup) -> torch.Tensor:
+    """F.linear over the whole sequence from this rank's slice x [b, s/t, in] (sequence parallelism)."""
+    if group.size == 1:
+        return F.linear(x, weight, bias)
+    return _LinearWithSequenceGather.apply(x, weight, bias, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across the TP group; y stays sharded
-    unless `gather_output`. The input is replicated, so its gradient is all-reduced on the way back."""
+    unless `gather_output`. The input is replicated, so its gradient is all-reduced on the way back
+    (with `sequence_parallel` the input is this rank's sequence slice, gathered; its gradient reduce-scattered)."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
-                 bias: bool = True, gather_output: bool = False, device=None):
+                 bias: bool = True, gather_output: bool = False, device=None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel and group.size > 1
         local_out = _divide(out_features, group.size, "output size")
         self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, device)
         self.bias = _bias(local_out, 0, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)  # [..., out/tp]
+        if self.sequence_parallel:
+            y = linear_with_sequence_gather(x, self.weight, self.bias, self.group)  # [b, s, out/tp]
+        else:
+            y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)  # [..., out/tp]
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -62,16 +106,22 @@ class RowParallelLinear(nn.Module):
     partial product from its input shard, the partials are all-reduced, then the replicated bias is added."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
-                 bias: bool = True, input_is_parallel: bool = True, device=None):
+                 bias: bool = True, input_is_parallel: bool = True, device=None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel and group.size > 1
         _divide(in_features, group.size, "input size")
         self.weight = sharded_parameter((out_features, in_features), 1, group, init_method, device)
         self.bias = _bias(out_features, None, device) if bias else None
+        if self.bias is not None:
+            self.bias.sequence_parallel = self.sequence_parallel  # Megatron's mark: gradient all-reduced over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
+        if self.sequence_parallel:  # [b, s, in/tp] -> this rank's summed sequence slice [b, s/tp, out]
+            y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.group)
+            return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
         y = reduce_from_tp(F.linear(x, self.weight), self.group)  # [..., out], full sum
         return y + self.bias if self.bias is not None else y
 

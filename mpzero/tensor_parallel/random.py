@@ -79,33 +79,55 @@ def seed_everything(seed: int, tp_rank: int, device: torch.device) -> RNGStatesT
 
 
 class _Recompute(torch.autograd.Function):
-    """Run `function` without keeping activations; in backward, replay it with the RNG states it saw."""
+    """Run `function` without keeping activations; in backward, replay it with the RNG states it saw.
+    The inputs and the RNG states are saved through `save_for_backward`, so saved-tensor hooks see (count,
+    offload) them. `distribute` (a TP `CommGroup`, ZeRO-R's partitioned activation checkpoints / Megatron's
+    --distribute-saved-activations): the first input is kept as this rank's 1/t slice of its flattened
+    elements and all-gathered before the replay: the same values, a t-fold smaller checkpoint."""
 
     @staticmethod
-    def forward(ctx, function, tracker: RNGStatesTracker, *inputs):
-        ctx.function, ctx.tracker = function, tracker
-        ctx.rng_state = _get_rng_state(tracker.device)
-        ctx.tracker_states = tracker.get_states()
-        ctx.save_for_backward(*inputs)
+    def forward(ctx, function, tracker: RNGStatesTracker, distribute, *inputs):
+        ctx.function, ctx.tracker, ctx.distribute = function, tracker, distribute
+        ctx.stream_names = list(tracker.states)
+        rng_state, streams = _get_rng_state(tracker.device), tracker.get_states()
+        saved = list(inputs)
+        if distribute is not None:
+            first = inputs[0]
+            if first.numel() % distribute.size != 0:
+                raise ValueError(f"a checkpoint of {first.numel()} elements does not split into "
+                                 f"{distribute.size} equal slices (--distribute-saved-activations)")
+            ctx.first_shape = first.shape
+            saved[0] = first.detach().reshape(-1).chunk(distribute.size)[distribute.rank].clone()
+        ctx.num_inputs = len(inputs)
+        ctx.save_for_backward(*saved, rng_state, *(streams[name] for name in ctx.stream_names))
         with torch.no_grad():
             return function(*inputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        saved = ctx.saved_tensors
+        inputs, rng_state = list(saved[:ctx.num_inputs]), saved[ctx.num_inputs]
+        streams = dict(zip(ctx.stream_names, saved[ctx.num_inputs + 1:]))
+        if ctx.distribute is not None:
+            first = inputs[0]
+            full = torch.empty(first.numel() * ctx.distribute.size, dtype=first.dtype, device=first.device)
+            ctx.distribute.all_gather_into(full, first)
+            inputs[0] = full.view(ctx.first_shape).requires_grad_(ctx.needs_input_grad[3])
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
         tracker, device = ctx.tracker, ctx.tracker.device
         rng_now, tracker_now = _get_rng_state(device), tracker.get_states()
-        _set_rng_state(device, ctx.rng_state)
-        tracker.set_states(ctx.tracker_states)
+        _set_rng_state(device, rng_state)
+        tracker.set_states(streams)
         with torch.enable_grad():
             outputs = ctx.function(*inputs)
         _set_rng_state(device, rng_now)
         tracker.set_states(tracker_now)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         torch.autograd.backward(outputs, grads)
-        return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
+        return (None, None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
-def recompute(function, tracker: RNGStatesTracker, *inputs: torch.Tensor):
-    """function(*inputs), with its activations recomputed in backward instead of stored."""
-    return _Recompute.apply(function, tracker, *inputs)
+def recompute(function, tracker: RNGStatesTracker, *inputs: torch.Tensor, distribute=None):
+    """function(*inputs), with its activations recomputed in backward instead of stored; `distribute`: the TP
+    group across which the first input is kept partitioned until the replay (None: kept whole)."""
+    return _Recompute.apply(function, tracker, distribute, *inputs)

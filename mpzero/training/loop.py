@@ -8,6 +8,7 @@ placement) and its FLOPs per trained token (for TFLOP/s). `pretrain_gpt.py` is t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,6 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mpzero.activations import SavedBytesCounter
+from mpzero.activations.report import report_activation_memory
 from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
 from mpzero.data import build_gpt_datasets
 from mpzero.errors import ConfigError, TrainingError
@@ -103,6 +106,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             if note:
                 print(note, flush=True)
     peak_reported = False  # a stage that reports its in-step peak prints its line again after the first step
+    activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward
     iteration, consumed, skipped = _load(run, state)
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
@@ -123,7 +127,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     try:
         while iteration < training.train_iters:
             lr = run.schedule.lr(iteration - skipped)  # as in Megatron, skipped (fp16 overflow) steps do not count
-            loss = _forward_backward(state, train_data, consumed, training)
+            loss = _forward_backward(state, train_data, consumed, training, activations)
             if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration + 1} (rank {groups.world.rank}): "
                                     f"stopped before the update, so the last checkpoint is intact; lower --lr or "
@@ -142,6 +146,10 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                 memory = state.optimizer.memory_report()
                 if memory.peak is not None and groups.is_logging_rank:
                     print(memory.line(), flush=True)
+            if activations is not None:  # the `activation memory` lines, counted against the formula
+                report_activation_memory(activations, state.model.module, groups, training.micro_batch_size,
+                                         training.seq_length, run.precision.torch_dtype, tensorboard, iteration)
+                activations = None
             if iteration % run.logging.log_interval == 0:
                 _log_interval(interval, iteration, consumed, lr, stats, run, state, tensorboard)
                 interval = _new_interval()
@@ -251,9 +259,11 @@ def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
                                     data.data_cache_path, groups, vocab_size=data.vocab_size))
 
 
-def _forward_backward(state: TrainingState, dataset, consumed: int, training) -> float:
+def _forward_backward(state: TrainingState, dataset, consumed: int, training,
+                      activations: SavedBytesCounter | None = None) -> float:
     """Forward and backward of every micro-batch of one global batch; returns the loss averaged over the global
-    batch (the same on every rank). The optimizer step is the caller's."""
+    batch (the same on every rank). The optimizer step is the caller's. `activations`: counts what the first
+    micro-batch's forward saves for backward (it only looks)."""
     model, optimizer, groups = state.model.module, state.optimizer, state.groups
     model.train()
     optimizer.zero_grad()
@@ -262,7 +272,8 @@ def _forward_backward(state: TrainingState, dataset, consumed: int, training) ->
     total = torch.zeros((), device=groups.device)
     for i, indices in enumerate(micro_batches):
         tokens = load_batch(dataset, indices, groups.device)
-        loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
+        with activations.counting() if activations is not None and i == 0 else contextlib.nullcontext():
+            loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
     groups.dp.all_reduce(total)

@@ -1,0 +1,100 @@
+"""Counting the bytes a forward keeps for its backward, with `torch.autograd.graph.saved_tensors_hooks`.
+
+    counter = SavedBytesCounter(model)
+    with counter.counting():
+        loss = model(tokens, labels)          # a normal training forward: the hooks only look
+    counter.device_bytes    # {region: bytes}: unique storages, parameters' storages excluded
+    counter.host_bytes      # {region: bytes} packed into host memory by the host tier (save_on_cpu)
+
+A region is what the model names with `activation_region(i)` around a piece of its forward (the GPT names
+each transformer layer by its index; everything else is region None). A storage is counted once, in the
+region that saves it first, whatever views of it are saved; a storage that belongs to a parameter (a
+weight saved by a linear, a ZeRO flat buffer) is not an activation and is left out. The pack hook returns the
+tensor itself: counting changes nothing in the computation.
+
+`host_offload(enabled)`: torch's `save_on_cpu(pin_memory=True)` (pinned host memory on CUDA runs; on a CPU
+run a copy within host memory), its packed copies reported to the active counter. Nested saved-tensor hooks
+replace the outer ones, so what the host tier packs is not on the device and not in `device_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from contextvars import ContextVar
+
+import torch
+from torch import nn
+
+_REGION: ContextVar = ContextVar("mpzero_activation_region", default=None)
+_ACTIVE: list = []  # the counter counting now (at most one)
+
+
+@contextlib.contextmanager
+def activation_region(name):
+    """Saved tensors packed inside are attributed to `name` (a layer index) by an active counter."""
+    token = _REGION.set(name)
+    try:
+        yield
+    finally:
+        _REGION.reset(token)
+
+
+class SavedBytesCounter:
+    def __init__(self, model: nn.Module):
+        self.params = list(model.parameters())
+        self.device_bytes: dict = defaultdict(int)
+        self.host_bytes: dict = defaultdict(int)
+        self.saved_tensors = 0
+        self._seen: set = set()
+
+    def _parameter_storages(self) -> set:
+        # taken afresh at every pack: ZeRO stage 3 gathers into (and releases) storages during forward
+        return {(p.device, p.untyped_storage().data_ptr()) for p in self.params}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved_tensors += 1
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if storage.nbytes() and key not in self._seen and key not in self._parameter_storages():
+            self._seen.add(key)
+            self.device_bytes[_REGION.get()] += storage.nbytes()
+        return tensor
+
+    def note_host(self, packed: torch.Tensor) -> None:
+        self.host_bytes[_REGION.get()] += packed.untyped_storage().nbytes()
+
+    @contextlib.contextmanager
+    def counting(self):
+        if _ACTIVE:
+            raise RuntimeError("another SavedBytesCounter is counting")
+        _ACTIVE.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+                yield self
+        finally:
+            _ACTIVE.pop()
+
+    def layer_bytes(self, num_layers: int) -> list[int]:
+        return [self.device_bytes.get(i, 0) for i in range(num_layers)]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.device_bytes.values())
+
+
+def host_offload(enabled: bool):
+    """torch.autograd.graph.save_on_cpu(pin_memory=True) when enabled (else a no-op context); the bytes it
+    packs are reported to the counter counting now, if any."""
+    if not enabled:
+        return contextlib.nullcontext()
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    pack = hooks.pack_hook
+
+    def counted_pack(tensor):
+        packed = pack(tensor)
+        if _ACTIVE:
+            _ACTIVE[-1].note_host(packed[1])
+        return packed
+    hooks.pack_hook = counted_pack
+    return hooks

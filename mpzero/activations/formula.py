@@ -1,0 +1,335 @@
+"""Activation memory by formula: the bytes one TP rank keeps for backward, per transformer layer and per
+micro-batch, for every recomputation mode. The one source of truth: the training loop prints it beside the
+counted bytes (`count.py`), and a memory planner imports it.
+
+The layer's terms are Korthikanti et al. 2022's (Eq. 1, Table 2) evaluated with e-byte activations and 1-byte
+dropout masks (e = 2 gives Table 2 to the byte), plus the implementation terms mpzero adds, each derived
+from what the code saves (never fitted to a count):
+
+- reference LayerNorm (`layernorm_impl` "torch", the CPU choice) computes on `x.float()`: it keeps its input
+  as a 4-byte copy (4 - e extra bytes per element), fp32 mean and rstd (4 + 4 bytes per row), and, when the
+  parameters are stored in e < 4 bytes, fp32 copies of its weight and bias (4h + 4h). The Triton LayerNorm
+  keeps its e-byte input (the Table 2 term), the statistics and the fp32 weight copy (4h), not the bias;
+- reference softmax keeps its output in fp32 (4 - e extra bytes per score) and a bool [s, s] causal mask;
+  without attention dropout the value matmul keeps its own e-byte copy of the probabilities (the masked,
+  cast output), where Table 2 has the dropout output. The Triton softmax keeps its e-byte output only;
+- dropout on the CPU keeps its mask in the input dtype (`torch.nn.functional.dropout`'s CPU path multiplies
+  by an e-byte noise tensor; CUDA's fused path keeps a bool): mask_bytes - 1 extra bytes per element;
+- recomputation keeps the RNG states it replays: the default generator's and each tracker stream's
+  (5056 bytes each on the CPU, 16 on CUDA);
+- outside the layers (`outside_terms`): token ids, position ids, the embedding dropout mask, the final
+  LayerNorm, the logits' input, the vocabulary-padding mask, and the cross entropy's fp32 softmax, targets
+  and target mask. The token ids are counted as the training loop passes them: inputs and labels are views
+  of one [b, s + 1] int64 batch, kept whole by the embedding at TP 1.
+
+Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
+With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+GRANULARITIES = ("selective", "full")
+METHODS = ("uniform", "block")
+CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state(): the MT19937 state of the CPU generator
+CUDA_RNG_STATE_BYTES = 16  # torch.cuda.get_rng_state(): Philox seed and offset
+
+
+@dataclass(frozen=True)
+class ActivationSetting:
+    """Everything the activation bytes of one rank depend on."""
+    seq_length: int  # s
+    micro_batch_size: int  # b
+    hidden_size: int  # h
+    num_attention_heads: int  # a
+    num_layers: int
+    vocab_size: int  # the real vocabulary
+    padded_vocab_size: int  # all TP ranks together
+    tp: int = 1  # t
+    tp_rank: int = 0  # only the vocabulary padding mask depends on it
+    dtype_bytes: int = 4  # e: activations and parameters (ZeRO casts both)
+    mask_bytes: int | None = None  # m: dropout masks; None: e (the CPU path); 1 on CUDA
+    hidden_dropout: bool = True
+    attention_dropout: bool = True
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # None, "selective", "full"
+    recompute_method: str | None = None  # with "full": "uniform" or "block"
+    recompute_num_layers: int | None = None  # with "full"
+    distribute_saved_activations: bool = False
+    offload_activations: bool = False  # host tier: checkpoints (full) or every saved tensor of a layer
+    layernorm_impl: str = "torch"
+    softmax_impl: str = "torch"
+    flash_attention: bool = False
+    rng_state_bytes: int = CPU_RNG_STATE_BYTES
+    rng_streams: int = 1  # tracker streams saved beside the default generator
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    text: str  # in s, b, h, a, t, e, m, with e and m substituted
+    bytes: int
+    paper: bool = False  # a Korthikanti item; else an implementation term mpzero adds
+
+
+@dataclass(frozen=True)
+class LayerFormula:
+    kind: str  # "stored", "selective", "checkpoint", "in chunk"
+    terms: tuple[Term, ...]
+    paper_text: str  # Korthikanti's expression of the paper terms (Table 2's row at e = 2 with dropout)
+    host: bool = False  # kept in host memory (--offload-activations cpu): nothing on the device
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def paper_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.paper)
+
+    @property
+    def device_bytes(self) -> int:
+        return 0 if self.host else self.bytes
+
+    @property
+    def host_bytes(self) -> int | None:
+        """Bytes in host memory: exact for checkpoints (each saved tensor its own storage); None for a whole
+        layer, whose save_on_cpu copies views and parameters apart (not modeled)."""
+        if not self.host:
+            return 0
+        return self.bytes if self.kind in ("checkpoint", "in chunk") else None
+
+    def text(self) -> str:
+        extras = [t for t in self.terms if not t.paper]
+        parts = [f"{self.paper_text} = {self.paper_bytes:,}"] + [f"{t.name} {t.text} = {t.bytes:,}" for t in extras]
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class ActivationFormula:
+    setting: ActivationSetting
+    layers: tuple[LayerFormula, ...]
+    outside: tuple[Term, ...]
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """Device bytes each layer keeps."""
+        return [layer.device_bytes for layer in self.layers]
+
+    @property
+    def outside_bytes(self) -> int:
+        return sum(t.bytes for t in self.outside)
+
+    @property
+    def micro_batch_bytes(self) -> int:
+        """Device bytes one micro-batch's forward keeps for its backward."""
+        return sum(self.layer_bytes) + self.outside_bytes
+
+    @property
+    def stored_layer_bytes(self) -> int:
+        """What one layer keeps without recomputation, in this setting (the ratio's denominator)."""
+        return layer_formula(self.setting, "stored").bytes
+
+
+def check_setting(setting: ActivationSetting) -> None:
+    """The combinations the code runs; raises ValueError otherwise (flags are checked earlier, in one line)."""
+    g, method, n = setting.recompute_granularity, setting.recompute_method, setting.recompute_num_layers
+    if g not in (None,) + GRANULARITIES:
+        raise ValueError(f"recompute granularity {g!r} is not one of {GRANULARITIES}")
+    if g == "full" and (method not in METHODS or not n or not 1 <= n <= setting.num_layers):
+        raise ValueError(f"full recomputation needs a method in {METHODS} and 1 <= layers <= {setting.num_layers}")
+    if g != "full" and (method is not None or n is not None or setting.distribute_saved_activations):
+        raise ValueError("a recompute method, layer count or distributed checkpoints need full recomputation")
+    if setting.distribute_saved_activations and (setting.tp == 1 or setting.sequence_parallel):
+        raise ValueError("distributed checkpoints need TP > 1 and no sequence parallelism")
+    if setting.sequence_parallel and (setting.tp == 1 or setting.seq_length % setting.tp):
+        raise ValueError("sequence parallelism needs TP > 1 and a sequence length divisible by TP")
+
+
+def modeled(setting: ActivationSetting) -> str | None:
+    """None when the formula covers this setting; else why not (one phrase)."""
+    if setting.flash_attention:
+        return "scaled_dot_product_attention (--use-flash-attn) keeps kernel-specific tensors"
+    if setting.layernorm_impl not in ("torch", "triton") or setting.softmax_impl not in ("torch", "triton"):
+        return "torch.compile'd fused ops keep what the compiler chooses"
+    return None
+
+
+def activation_formula(setting: ActivationSetting) -> ActivationFormula:
+    """Per-layer and outside-layer terms for this setting (see the module docstring)."""
+    check_setting(setting)
+    if modeled(setting) is not None:
+        raise ValueError(f"no activation formula: {modeled(setting)}")
+    layers = tuple(layer_formula(setting, kind) for kind in layer_kinds(setting))
+    return ActivationFormula(setting, layers, tuple(outside_terms(setting)))
+
+
+def layer_kinds(setting: ActivationSetting) -> list[str]:
+    """What each layer keeps: "stored" (everything), "selective" (all but the core attention), "checkpoint"
+    (the input of a recomputed chunk), "in chunk" (nothing: a later layer of a uniform chunk).
+    uniform N: layers cut into chunks of N (the last may be shorter), each chunk's input kept; block N: the
+    first N layers recomputed one by one, the rest stored (Megatron's per-stage rule, one stage here)."""
+    L, g = setting.num_layers, setting.recompute_granularity
+    if g is None:
+        return ["stored"] * L
+    if g == "selective":
+        return ["selective"] * L
+    n = setting.recompute_num_layers
+    if setting.recompute_method == "uniform":
+        return ["checkpoint" if i % n == 0 else "in chunk" for i in range(L)]
+    return ["checkpoint" if i < n else "stored" for i in range(L)]
+
+
+def _frac_text(coef: Fraction, unit: str) -> str:
+    return f"{coef.numerator}{unit}" if coef.denominator == 1 else f"{coef.numerator}/{coef.denominator}{unit}"
+
+
+def _sbh_text(rep: Fraction, shard: Fraction, attn: Fraction, t: int, sp: bool) -> str:
+    """Korthikanti's way of writing sbh(rep + shard/t + attn*as/(ht)), simplified for t = 1 and SP."""
+    if t == 1:
+        inner = [_frac_text(rep + shard, "")] if rep + shard else []
+        if attn:
+            inner.append(_frac_text(attn, "as/h"))
+    elif sp:
+        inner = [_frac_text(rep + shard, "/t")] if rep + shard else []
+        if attn:
+            inner.append(_frac_text(attn, "as/(ht)"))
+    else:
+        inner = ([_frac_text(rep, "")] if rep else []) + ([_frac_text(shard, "/t")] if shard else [])
+        if attn:
+            inner.append(_frac_text(attn, "as/(ht)"))
+    if not inner:
+        return "0"
+    if len(inner) == 1 and not attn:
+        return inner[0].replace("/t", "sbh/t") if inner[0].endswith("/t") else f"{inner[0]}sbh"
+    return f"sbh({' + '.join(inner)})"
+
+
+def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
+    st = setting
+    s, b, h, a, t = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp
+    e = st.dtype_bytes
+    m = st.mask_bytes if st.mask_bytes is not None else e
+    sp = st.sequence_parallel
+    rep_div = t if sp else 1  # replicated-region tensors: whole per rank, or a 1/t slice of the sequence
+    host = st.offload_activations and (kind in ("checkpoint", "in chunk") or st.recompute_granularity != "full")
+    rng = (1 + st.rng_streams) * st.rng_state_bytes
+    rng_term = Term("RNG states", f"{1 + st.rng_streams}x{st.rng_state_bytes}", rng)
+    sbh, as2b = s * b * h, a * s * s * b
+    if kind == "in chunk":
+        return LayerFormula(kind, (), "0", host)
+    if kind == "checkpoint":
+        div = t if (sp or st.distribute_saved_activations) else 1
+        text = f"{e}sbh" + ("/t" if div > 1 else "")  # Table 2's 2sbh (/t) at e = 2
+        return LayerFormula(kind, (Term("checkpointed input", text, e * sbh // div, paper=True), rng_term),
+                            text, host)
+
+    hidden, attn_drop = st.hidden_dropout, st.attention_dropout
+    core = kind == "stored"  # the core attention's tensors are kept (selective recomputes them)
+    # Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t)
+    rep_items = [("LayerNorm inputs", 2 * e), ("QKV input", e), ("MLP input", e)] + (
+        [("hidden dropout masks", 2)] if hidden else [])
+    shard_items = [("Q, K", 2 * e), ("V", e), ("projection input", e), ("GELU input", 4 * e), ("fc2 input", 4 * e)]
+    attn_items = ([("softmax output", e), ("value-matmul input (dropout output)", e)]
+                  + ([("attention dropout mask", 1)] if attn_drop else [])) if core else []
+    rep = Fraction(sum(c for _, c in rep_items))
+    shard = Fraction(sum(c for _, c in shard_items))
+    attn = Fraction(sum(c for _, c in attn_items))
+    if core and not attn_drop:  # Table 2 without dropout: the softmax output serves the value matmul too
+        attn -= e
+    paper_bytes = Fraction(sbh) * rep / rep_div + Fraction(sbh) * shard / t + Fraction(as2b) * attn / t
+    paper_text = _sbh_text(rep, shard, attn, t, sp)  # Table 2's row when e = 2 and dropout is on
+    terms = [Term("Table 2 items", paper_text, _exact(paper_bytes), paper=True)]
+
+    div = "/t" if sp else ""
+    ln_torch = st.layernorm_impl == "torch"
+    if ln_torch and e < 4:
+        terms.append(Term("LayerNorm inputs kept in fp32", f"{2 * (4 - e)}sbh{div}", 2 * (4 - e) * sbh // rep_div))
+    terms.append(Term("LayerNorm mean+rstd fp32", f"16sb{div}", 16 * s * b // rep_div))
+    if e < 4:
+        copies = 4 if ln_torch else 2  # weight and bias (reference) or weight only (Triton)
+        terms.append(Term("LayerNorm fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
+    if core:
+        if st.softmax_impl == "torch":
+            if e < 4:
+                terms.append(Term("softmax output in fp32", f"{4 - e}as^2b/t", (4 - e) * as2b // t))
+            terms.append(Term("causal mask (bool)", "s^2", s * s))
+            if not attn_drop:
+                terms.append(Term("probabilities copied for the value matmul", f"{e}as^2b/t", e * as2b // t))
+        if attn_drop and m != 1:
+            terms.append(Term("attention dropout mask in the input dtype", f"{m - 1}as^2b/t", (m - 1) * as2b // t))
+    if hidden and m != 1:
+        terms.append(Term("hidden dropout masks in the input dtype", f"{2 * (m - 1)}sbh{div}",
+                          2 * (m - 1) * sbh // rep_div))
+    if kind == "selective":
+        terms.append(rng_term)
+    return LayerFormula(kind, tuple(terms), paper_text, host)
+
+
+def _exact(value: Fraction) -> int:
+    if value.denominator != 1:
+        raise ValueError(f"activation bytes {value} are not whole: a shape not divisible by TP")
+    return int(value)
+
+
+def outside_terms(setting: ActivationSetting) -> list[Term]:
+    """What a micro-batch keeps outside the transformer layers (embedding, final LayerNorm, logits, loss)."""
+    st = setting
+    s, b, h, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp, st.dtype_bytes
+    m = st.mask_bytes if st.mask_bytes is not None else e
+    sp = st.sequence_parallel
+    rep_div, div = (t, "/t") if sp else (1, "")
+    local_vocab = st.padded_vocab_size // t
+    terms = []
+    if t == 1:
+        terms.append(Term("token ids (the [b, s+1] int64 batch)", "8b(s+1)", 8 * b * (s + 1)))
+    else:
+        terms += [Term("shard-local token ids (int64)", "8sb", 8 * s * b),
+                  Term("ids outside the vocabulary shard (bool)", "sb", s * b)]
+    terms.append(Term("position ids (int64)", "8s", 8 * s))
+    if st.hidden_dropout:
+        terms.append(Term("embedding dropout mask", f"{m}sbh{div}", m * s * b * h // rep_div))
+    ln_torch = st.layernorm_impl == "torch"
+    ln_in = 4 if ln_torch else e
+    terms.append(Term("final LayerNorm input", f"{ln_in}sbh{div}", ln_in * s * b * h // rep_div))
+    terms.append(Term("final LayerNorm mean+rstd fp32", f"8sb{div}", 8 * s * b // rep_div))
+    if e < 4:
+        copies = 2 if ln_torch else 1
+        terms.append(Term("final LayerNorm fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
+    terms.append(Term("logits input", f"{e}sbh{div}", e * s * b * h // rep_div))
+    first_padding = st.vocab_size - st.tp_rank * local_vocab
+    if first_padding < local_vocab:
+        terms.append(Term("vocabulary padding mask (bool)", "V/t", local_vocab))
+    terms += [Term("cross-entropy softmax fp32", "4sbV/t", 4 * s * b * local_vocab),
+              Term("cross-entropy targets (int64) and mask (bool)", "9sb", 9 * s * b)]
+    return terms
+
+
+def paper_row(setting: ActivationSetting) -> str:
+    """Korthikanti Table 2's row for the setting's mode (the per-layer expression at 2-byte activations)."""
+    t, sp, g = setting.tp, setting.sequence_parallel, setting.recompute_granularity
+    if g == "full":
+        return "2sbh/t" if (sp or setting.distribute_saved_activations) else "2sbh"
+    if g == "selective":
+        return "34sbh" if t == 1 else ("34sbh/t" if sp else "sbh(10 + 24/t)")
+    return "sbh(34 + 5as/h)" if t == 1 else ("sbh(34/t + 5as/(ht))" if sp else "sbh(10 + 24/t + 5as/(ht))")
+
+
+def mode_name(setting: ActivationSetting) -> str:
+    g = setting.recompute_granularity
+    mode = ("no recomputation" if g is None else "selective recomputation" if g == "selective" else
+            f"full recomputation ({setting.recompute_method} {setting.recompute_num_layers})")
+    if setting.distribute_saved_activations:
+        mode += ", distributed checkpoints"
+    if setting.sequence_parallel:
+        mode += ", sequence parallel"
+    if setting.offload_activations:
+        mode += ", host tier"
+    return mode
+
+
+__all__ = ["ActivationSetting", "ActivationFormula", "LayerFormula", "Term", "activation_formula", "layer_formula",
+           "layer_kinds", "outside_terms", "paper_row", "mode_name", "modeled", "check_setting",
+           "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES"]
