@@ -89,6 +89,21 @@ def test_exported_logits_match_mpzero_at_tp1_and_tp2(trained, exported, name):
             assert (a - b).abs().max().item() <= LOGIT_TOLERANCE
 
 
+def test_export_from_an_offloaded_zero3_checkpoint(tmp_path):
+    """Optimizer and parameters offloaded to host memory (ZeRO-Infinity's tiers), DP 2: the same export."""
+    argv = MODEL + ["--mock-data", "--vocab-size", "300", "--micro-batch-size", "2", "--global-batch-size", "4",
+                    "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "1", "--eval-interval", "1000",
+                    "--log-interval", "1", "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params",
+                    "cpu", "--save", str(tmp_path / "ckpt")]
+    run_ranks(2, quiet_main, argv)
+    assert export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")]) == 0
+    ids = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        reference = _hf_model(str(tmp_path / "hf"))(torch.tensor([ids])).logits[0]
+    ours = run_ranks(1, _mpzero_logits, str(tmp_path / "ckpt"), [ids], 1)[0][0]
+    assert (ours - reference).abs().max().item() <= LOGIT_TOLERANCE
+
+
 def test_export_carries_architecture_and_tokenizer(trained, exported):
     bpe = json.load(open(os.path.join(exported["bpe"], "config.json")))
     assert (bpe["activation_function"], bpe["tie_word_embeddings"], bpe["vocab_size"], bpe["n_positions"],
