@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> dict:
     owns_world = not dist.is_initialized()  # else the caller (a test, a notebook) owns the process group
     try:
         run = _validated_run(argv)
+        if run.flags.get("dry_run"):  # one rank of a --world-size job on fake tensors (mpzero/dry_run.py)
+            from mpzero.dry_run import dry_run
+            flags = run.flags
+            return run_or_exit(lambda: dry_run(run, gpt_provider, flags["world_size"] or 1, flags["rank"] or 0))
         return run_or_exit(lambda: _train_reporting_peer_failures(run))
     finally:
         if owns_world and dist.is_initialized():
@@ -49,7 +53,13 @@ def _validated_run(argv):
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (
         int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     try:
-        return run_config(parse_args(argv), world_size)
+        args = parse_args(argv)
+        if args.dry_run or args.world_size is not None or args.rank is not None:
+            from mpzero.dry_run import check_flags
+            check_flags(args)
+            if args.dry_run:  # this process is the whole (simulated) job: it prints its own errors
+                rank, world_size = 0, args.world_size or 1
+        return run_config(args, world_size)
     except ConfigError as error:
         if rank == 0:
             print_error(error)

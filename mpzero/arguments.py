@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                      action="store_false", help="apply updates with a non-finite loss or gradient norm "
                      "(by default the run stops before such an update; fp16 skips it)")
 
+    dry = p.add_argument_group("dry run (mpzero/dry_run.py)")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="build the model and ZeRO optimizer of rank --rank of a --world-size job on fake tensors "
+                          "and a fake process group, run one iteration, print its memory and communication lines "
+                          "and the planner's: nothing is allocated, no GPU needed")
+    dry.add_argument("--world-size", type=int, default=None, help="--dry-run: the job's number of ranks")
+    dry.add_argument("--rank", type=int, default=None, help="--dry-run: the global rank to simulate (default 0)")
+
     off = p.add_argument_group("offload (ZeRO-Offload, ZeRO-Infinity)")
     off.add_argument("--offload-optimizer", choices=OFFLOAD_TIERS, default=None,
                      help="where this rank's fp32 masters and Adam moments live (stages 1-3): device memory "

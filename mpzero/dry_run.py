@@ -1,0 +1,143 @@
+"""`pretrain_gpt.py --dry-run --world-size N --rank R ...`: rank R of an N-rank job, in one process, on fake
+tensors and a fake process group. Nothing is allocated and no GPU is needed.
+
+The run builds the real model and the real ZeRO optimizer for that rank (the same `build_training_state` as
+training), runs one iteration of the real forward/backward/step code (every micro-batch of one global batch,
+on mock tokens) and prints the lines a real run prints at start and after its first iteration: `zero memory`
+(model states against their formula; stage 3 with its in-step peak), `zero comm` (DP bytes per iteration
+against theory). Then it prints what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the
+same layout and whether every figure is equal: model states, the peak, DP and TP communication, and the
+activation bytes (the `activation memory` line's count, from the activation-memory module).
+
+How: `torch.distributed.init_process_group("fake", rank=R, world_size=N)` (torch's fake backend: collectives
+return at once and move nothing; the bytes `CommGroup` counts are the real ones) and `FakeTensorMode`
+(`mpzero.planner.fake`: tensors carry shapes, dtypes and storages, no data). A fake scalar reads as 0: the loss
+and the gradient norm print 0. Fake tensors are CPU tensors, so the run simulates the CPU device type
+(device<->host traffic is zero; plan a GPU with `tools/plan_memory.py`, which also prints `--device cpu`
+figures equal to these). The disk offload tier would write files: refused here, planned by the planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import time
+
+import torch.distributed as dist
+
+from mpzero.errors import ConfigError
+from mpzero.parallel import init_parallel
+from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
+from mpzero.planner.fake import fake_tensors
+from mpzero.planner.shapes import model_shapes
+from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
+from mpzero.training.batches import num_micro_batches
+from mpzero.training.config import RunConfig
+from mpzero.training.loop import _forward_backward, build_training_state, overlap_note, partition_note
+from mpzero.training.mock_data import MockGPTDataset
+
+try:  # the activation-memory module (issue 11): the dry run prints its line where it exists
+    from mpzero.activations import SavedBytesCounter
+    from mpzero.activations.report import activation_line, rank_report
+except ImportError:
+    SavedBytesCounter = None
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """--world-size/--rank belong to --dry-run; the rank lies in the world; no disk tier (it would write files)."""
+    if not args.dry_run:
+        if args.world_size is not None or args.rank is not None:
+            raise ConfigError("--world-size and --rank describe the job a --dry-run simulates: add --dry-run (a real "
+                              "run takes its world from torchrun)")
+        return
+    world, rank = args.world_size or 1, args.rank or 0
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"--dry-run --rank {rank} must lie in [0, --world-size {world})")
+    if "disk" in (args.offload_optimizer, args.offload_params):
+        raise ConfigError("--dry-run keeps every tier in (fake) memory, and the disk tier would write real files: "
+                          "plan disk offload with tools/plan_memory.py, or dry-run --offload-* cpu")
+
+
+def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
+    """Rank `rank` of a `world_size`-rank job, one iteration on fake tensors; prints the run's lines and the
+    planner's; returns {"memory", "memory_at_start", "comm", "tp_comm", "activations", "plan", "plan_tp_comm",
+    "plan_activations", "checks", "equal", "max_rss", "seconds"}."""
+    start = time.perf_counter()
+    if dist.is_initialized():
+        raise ConfigError("--dry-run makes its own (fake) process group: run it as plain python, not under torchrun "
+                          "or inside a process that already has one")
+    dist.init_process_group("fake", rank=rank, world_size=world_size)  # torch supplies its FakeStore
+    groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
+    training = run.training
+    micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
+    say = print  # the simulated rank speaks for itself: it is the only process
+    say(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size} x DP {groups.dp_size}: TP rank "
+        f"{groups.tp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
+        f"{training.micro_batch_size} x {training.seq_length} tokens, on fake tensors and a fake process group",
+        flush=True)
+    with fake_tensors():
+        state = build_training_state(run, provider, groups)
+        optimizer = state.optimizer
+        at_start = optimizer.memory_report()
+        say(at_start.line(), flush=True)
+        for note in (overlap_note(optimizer), partition_note(optimizer)):
+            if note:
+                say(note, flush=True)
+        optimizer.comm_report()  # count from the first iteration on, as training does
+        tp_mark = groups.tp.stats.total()
+        data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
+        counter = SavedBytesCounter(state.model.module) if SavedBytesCounter else None
+        _forward_backward(state, data, 0, training, **({"activations": counter} if counter else {}))
+        optimizer.step(run.schedule.lr(0))
+        memory, comm = optimizer.memory_report(), optimizer.comm_report()
+        tp_comm = groups.tp.stats.total() - tp_mark
+        optimizer.close()
+    say(memory.line(), flush=True)
+    say(comm.line(), flush=True)
+    activations = None
+    if counter is not None:  # the line training prints after its first iteration, for this rank
+        dtype = run.precision.torch_dtype
+        setting_of = getattr(state.model.module, "activation_setting", None)
+        setting = setting_of(training.micro_batch_size, training.seq_length, dtype, groups.device) if setting_of \
+            else None
+        activations = rank_report(counter, setting)
+        say(activation_line(rank, activations, dtype), flush=True)
+    plan = plan_states(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision, groups.dp_size,
+                       groups.dp_rank, run.offload, micro_batches, cuda=False)
+    plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                            element_sizes(run.precision)[0], micro_batches)
+    plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank)
+    checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts)
+    say("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
+        + f" | {'equal' if all(_same(a, b) for _, a, b in checks) else 'DIFFERENT'}", flush=True)
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    seconds = time.perf_counter() - start
+    say(f"dry run | peak RSS {max_rss / 2**20:.0f} MiB | {seconds:.1f} s", flush=True)
+    return {"memory": memory, "memory_at_start": at_start, "comm": comm, "tp_comm": tp_comm,
+            "activations": activations, "plan": plan, "plan_tp_comm": plan_tp, "plan_activations": plan_acts,
+            "checks": checks, "equal": all(_same(a, b) for _, a, b in checks), "max_rss": max_rss,
+            "seconds": seconds}
+
+
+def compare(memory, comm, tp_comm: float, plan: StatePlan, plan_tp: float, activations: dict | None = None,
+            plan_acts: ActivationPlan | None = None) -> list[tuple[str, float, float]]:
+    """(figure, the dry run's, the planner's) for every figure both give."""
+    checks = [("model-state bytes", memory.measured, plan.report.measured),
+              ("formula bytes", memory.formula, plan.report.formula),
+              ("DP bytes/iter", comm.measured, plan.comm.measured),
+              ("TP bytes/iter", tp_comm, plan_tp)]
+    if memory.peak is not None:
+        checks.append(("peak bytes", memory.peak.measured, plan.report.peak.measured))
+    if activations is not None and plan_acts is not None:
+        checks.append(("activation bytes", activations["total"], plan_acts.saved))
+    ours = {tier.name: tier for tier in plan.report.tiers}
+    for tier in memory.tiers:
+        if tier.name in ours:
+            checks.append((f"{tier.name} bytes", tier.measured, ours[tier.name].measured))
+    return checks
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.5)

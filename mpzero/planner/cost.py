@@ -1,0 +1,88 @@
+"""The planner's cost model: seconds per iteration of a layout, from FLOPs and bytes, stated in full.
+
+    T = max(T_compute, T_dp, T_fetch) + T_tp + T_offload
+
+- T_compute = FLOPs per rank per iteration / (device peak FLOP/s x efficiency). FLOPs per token are Megatron's
+  (`GPTConfig.flops_per_token`, forward + backward = 3 forwards); full recomputation adds one forward of the
+  layers (24 l h^2 + 4 l s h per token), selective the core attention's (4 l s h: its two matmuls).
+- T_dp = DP bytes per rank per iteration (the `zero comm` figure) / DP bandwidth: overlapped with compute
+  (gradient buckets reduce while backward runs, stage 3 prefetches), so only the excess over compute counts.
+- T_fetch = stage 3's offloaded parameters read for every gather: host-to-device bytes / PCIe bandwidth, and
+  disk reads / this rank's share of the node's disk bandwidth; prefetched, so overlapped with compute too.
+- T_tp = TP bytes per rank per iteration / TP bandwidth: on the critical path (each all-reduce waits).
+- T_offload = the optimizer step off the device, after backward: gradients down and parameters up over PCIe,
+  the disk tier's state read and written (12 P/N each way, the rank's share of the node's disk bandwidth), and
+  AdamW on the CPU (this rank's partition / the CPU's AdamW rate per rank).
+Throughput = tokens per iteration / T. Memory decides what fits; this model only orders what fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device_tflops: float = 312.0  # dense bf16/fp16 peak per device (A100: 312; H100 SXM: 989; V100: 125)
+    efficiency: float = 0.5  # fraction of the peak the matmuls reach
+    dp_bandwidth: float = 25e9  # bytes/s per rank for DP collectives (e.g. one 200 Gb/s NIC per GPU)
+    tp_bandwidth: float = 150e9  # bytes/s per rank for TP collectives (NVLink within a node)
+    pcie_bandwidth: float = 25e9  # bytes/s per rank device<->host
+    disk_bandwidth: float = 3e9  # bytes/s per node, read or write
+    cpu_adam_rate: float = 1e9  # parameters per second per rank that AdamW on the CPU updates
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Cost:
+    compute: float
+    dp: float
+    fetch: float
+    tp: float
+    offload: float
+    tokens: int  # per iteration
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute, self.dp, self.fetch) + self.tp + self.offload
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def flops_per_token(config, tp: int, recompute: str) -> float:
+    base = dataclasses.replace(config, recompute_activations=False).flops_per_token(tp) \
+        if hasattr(config, "recompute_activations") else config.flops_per_token(tp)
+    l, h = config.num_layers, config.hidden_size
+    s = config.seq_length or config.max_position_embeddings
+    extra = {"none": 0, "selective": 4 * l * s * h, "full": 24 * l * h ** 2 + 4 * l * s * h}[recompute]
+    return base + extra
+
+
+def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float, p: int, cuda: bool = True) -> Cost:
+    """The cost of `layout` (a `plan.Layout`) whose model states are `plan` (a `StatePlan`), parameters of `p`
+    bytes; `cuda`: the device is a GPU (else device<->host copies cost nothing: the device is the host)."""
+    tokens = layout.global_batch * (config.seq_length or config.max_position_embeddings)
+    flops = flops_per_token(config, layout.tp, layout.recompute) * tokens / world
+    compute = flops / (hw.device_tflops * 1e12 * hw.efficiency)
+    dp = plan.comm_bytes / hw.dp_bandwidth
+    ranks_per_node = min(hw.gpus_per_node, world)
+    disk = hw.disk_bandwidth / ranks_per_node
+    shard = plan.numel / layout.dp
+    pcie = hw.pcie_bandwidth if cuda else float("inf")
+    m = layout.global_batch // (layout.micro_batch * layout.dp)
+    fetch = offload = 0.0
+    if layout.offload_params != "none":
+        fetched = 2 * m * p * shard
+        fetch = fetched / pcie + (fetched / disk if layout.offload_params == "disk" else 0.0)
+    if layout.offload_optimizer != "none":
+        down = 4 * shard
+        up = p * shard if layout.offload_params == "none" else 0.0
+        offload = (down + up) / pcie + shard / hw.cpu_adam_rate
+        if layout.offload_optimizer == "disk":
+            offload += 2 * 12 * shard / disk
+        if layout.offload_params == "disk":
+            offload += p * shard / disk
+    return Cost(compute, dp, fetch, tp_bytes / hw.tp_bandwidth, offload, tokens)

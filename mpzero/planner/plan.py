@@ -1,0 +1,236 @@
+"""Layouts of a training run and what each needs per rank: the planner's core, without any I/O.
+
+A `Layout` is one way to run the same model on `world` ranks: TP size, ZeRO stage, offload tiers, recomputation,
+micro-batch. `Planner.evaluate(layout)` resolves the run's sections exactly as `pretrain_gpt.py` does (the
+flags' own functions in `mpzero.arguments`), counts the model states with `states.plan_states` (the code's
+layouts and formulas), the activations with `activations.activation_plan` (the activation-memory module), the
+TP traffic, and the cost (`cost.py`), and says whether it fits the machine.
+
+Device bytes per rank at the peak of a step = model states between steps + the in-step working set (stage 3's
+gathered units, prefetch and gradient buckets; stage 2's full gradient buckets) + activations (a micro-batch's
+saved tensors, plus one recomputed layer in backward) + the reserve the user states (CUDA context, allocator
+slack, fragmentation: not modeled). Summing the working set and the activations is an upper bound: both peak
+in backward, the activations at its start.
+Host bytes per node = ranks per node x (offloaded states + host buffers); disk bytes per node likewise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from mpzero.arguments import gpt_config, offload_config, precision_config, zero_config
+from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
+from mpzero.planner.cost import Cost, Hardware, layout_cost
+from mpzero.planner.shapes import model_shapes
+from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
+
+TIERS = ("none", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    dp: int
+    stage: int
+    micro_batch: int
+    global_batch: int
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    recompute: str = "none"  # none, selective, full
+    sequence_parallel: bool = False
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    def describe(self) -> str:
+        offload = "" if self.offload_optimizer == "none" else (
+            f", optimizer on {self.offload_optimizer}" + (f", params on {self.offload_params}"
+                                                          if self.offload_params != "none" else ""))
+        sp = " + SP" if self.sequence_parallel else ""
+        return (f"TP {self.tp} x DP {self.dp}, ZeRO-{self.stage}{offload}, recompute {self.recompute}{sp}, "
+                f"micro-batch {self.micro_batch} x {self.micro_batches}")
+
+
+@dataclass(frozen=True)
+class Machine:
+    world_size: int
+    device_memory: float  # bytes per device
+    host_memory: float | None = None  # bytes per node; None: not checked
+    disk_space: float | None = None  # bytes per node; None: no disk tier
+    device_reserve: float = 0.0  # bytes per device kept free (CUDA context, allocator slack)
+    cuda: bool = True  # the device is a GPU; False: the CPU (device and host are one memory)
+    hardware: Hardware = field(default_factory=Hardware)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.hardware.gpus_per_node, self.world_size)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    layout: Layout
+    states: StatePlan
+    activations: ActivationPlan | None  # None: not counted (no activation-memory module for this setting)
+    tp_comm: float  # bytes per rank per iteration on the TP group
+    cost: Cost
+    device_peak: int
+    host_per_rank: int
+    host_per_node: int
+    disk_per_node: int
+    fits: bool
+    why: str  # what does not fit ("" when it fits)
+
+    def components(self) -> dict[str, int | None]:
+        """Bytes per rank of each component at the peak of a step (device unless named host/disk)."""
+        s, a = self.states, self.activations
+        return {"parameters": s.params, "gradients": s.grads, "optimizer states": s.optimizer,
+                "gathered/buckets (in step)": s.working_set,
+                "activations": None if a is None else a.peak, "device peak": self.device_peak,
+                "host states": s.host, "host buffers": s.host_buffers, "disk": s.disk}
+
+    def to_json(self) -> dict:
+        s = self.states
+        return {"layout": dataclasses.asdict(self.layout), "micro_batches": self.layout.micro_batches,
+                "fits": self.fits, "why": self.why, "bytes_per_rank": self.components(),
+                "working_set_formula": s.working_text,
+                "activation_formula": None if self.activations is None else self.activations.text,
+                "activations_saved": None if self.activations is None else self.activations.saved,
+                "host_per_node": self.host_per_node, "disk_per_node": self.disk_per_node,
+                "model_state_formula": s.report.formula_text, "model_state_formula_bytes": s.report.formula,
+                "dp_bytes_per_iter": s.comm_bytes, "dp_theory_bytes_per_iter": s.comm.theory,
+                "tp_bytes_per_iter": self.tp_comm,
+                "transfers_per_iter": {t.name: t.theory for t in s.comm.transfers},
+                "seconds_per_iter": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_second,
+                "cost": {"compute": self.cost.compute, "dp": self.cost.dp, "fetch": self.cost.fetch,
+                         "tp": self.cost.tp, "offload": self.cost.offload},
+                "zero_memory_line": s.report.line(), "zero_comm_line": s.comm.line()}
+
+
+def recompute_modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The recomputation modes this mpzero's flags offer: selective only where `--recompute-granularity` exists."""
+    return ("none", "selective", "full") if hasattr(args, "recompute_granularity") else ("none", "full")
+
+
+def sequence_parallel_available(args: argparse.Namespace) -> bool:
+    return hasattr(args, "sequence_parallel")
+
+
+def layout_flags(args: argparse.Namespace, layout: Layout) -> dict:
+    """The flag values (argparse destinations) that select `layout` in pretrain_gpt.py."""
+    flags = {"tensor_model_parallel_size": layout.tp, "zero_stage": layout.stage,
+             "micro_batch_size": layout.micro_batch, "global_batch_size": layout.global_batch,
+             "offload_optimizer": layout.offload_optimizer, "optimizer_cpu_offload": False,
+             "offload_params": layout.offload_params}
+    if hasattr(args, "recompute_granularity"):  # Megatron's flags (issue 11): --recompute-activations = selective
+        full = layout.recompute == "full"
+        flags.update(recompute_activations=False,
+                     recompute_granularity=None if layout.recompute == "none" else layout.recompute,
+                     recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None)
+    else:
+        if layout.recompute == "selective":
+            raise ValueError("selective recomputation needs --recompute-granularity (issue 11)")
+        flags["recompute_activations"] = layout.recompute == "full"
+    if sequence_parallel_available(args):
+        flags["sequence_parallel"] = layout.sequence_parallel
+    elif layout.sequence_parallel:
+        raise ValueError("sequence parallelism needs --sequence-parallel (issue 11)")
+    return flags
+
+
+class Planner:
+    """Evaluates layouts of the run the flags `args` describe (parsed by `mpzero.arguments.parse_args`),
+    `vocab_size` its tokenizer's vocabulary, on `machine`."""
+
+    def __init__(self, args: argparse.Namespace, vocab_size: int, machine: Machine):
+        self.args, self.vocab_size, self.machine = args, vocab_size, machine
+        self.precision = precision_config(args)
+        self.p, self.g = element_sizes(self.precision)
+        self.seq = args.seq_length
+
+    def flags_for(self, layout: Layout) -> argparse.Namespace:
+        ns = copy.copy(self.args)
+        for name, value in layout_flags(self.args, layout).items():
+            setattr(ns, name, value)
+        return ns
+
+    @functools.lru_cache(maxsize=None)
+    def _activations(self, config, tp: int, micro_batch: int) -> ActivationPlan | None:
+        return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda)
+
+    def evaluate(self, layout: Layout) -> LayoutPlan:
+        ns = self.flags_for(layout)
+        config = gpt_config(ns, self.vocab_size)
+        config.validate(layout.tp)
+        zero, offload = zero_config(ns), offload_config(ns)
+        if offload.uses_disk and not offload.path:  # the path only matters to a run; checked there
+            offload = dataclasses.replace(offload, path="OFFLOAD_PATH")
+        zero.validate()
+        offload.validate(zero.stage)
+        shapes = model_shapes(normalized(config), layout.tp)
+        states = plan_states(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
+                             cuda=self.machine.cuda)
+        acts = self._activations(config, layout.tp, layout.micro_batch)
+        tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
+        machine, hw = self.machine, self.machine.hardware
+        cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
+        device_peak = states.device_peak + (acts.peak if acts is not None else 0)
+        host_per_rank = states.host + states.host_buffers + (acts.host if acts is not None else 0)
+        host_per_node = machine.ranks_per_node * host_per_rank
+        disk_per_node = machine.ranks_per_node * states.disk
+        why = []
+        if device_peak + machine.device_reserve > machine.device_memory:
+            why.append("device")
+        if machine.host_memory is not None and host_per_node > machine.host_memory:
+            why.append("host")
+        if states.disk and (machine.disk_space is None or disk_per_node > machine.disk_space):
+            why.append("disk")
+        return LayoutPlan(layout, states, acts, tp_comm, cost, device_peak, host_per_rank, host_per_node,
+                          disk_per_node, not why, ",".join(why))
+
+    def layouts(self, tps=None, stages=None, tiers=None, recompute=None, micro_batches=None,
+                max_micro_batch: int = 64) -> list[Layout]:
+        """Every layout of the world: TP in the divisors of the head count that divide the world, ZeRO stages,
+        offload tiers allowed at each stage (disk only with disk space), recomputation modes, micro-batch sizes
+        (powers of two, or the given ones) that divide the global batch's share of a DP rank (without
+        --global-batch-size: the global batch is micro-batch x DP, as in pretrain_gpt.py)."""
+        world, heads = self.machine.world_size, self.args.num_attention_heads
+        tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
+        stages = stages if stages is not None else (0, 1, 2, 3)
+        tiers = [t for t in (tiers or TIERS) if t != "disk" or self.machine.disk_space is not None]
+        modes = [m for m in (recompute or recompute_modes(self.args)) if m in recompute_modes(self.args)]
+        sizes = micro_batches or [1 << k for k in range(max_micro_batch.bit_length()) if 1 << k <= max_micro_batch]
+        out = []
+        for tp in tps:
+            dp = world // tp
+            for stage in stages:
+                for optimizer, params in _offloads(stage, tiers):
+                    for mode in modes:
+                        for sp in ((False, True) if sequence_parallel_available(self.args) and tp > 1
+                                   and self.seq % tp == 0 else (False,)):
+                            for mbs in sizes:
+                                gbs = self.args.global_batch_size or mbs * dp
+                                if gbs % (mbs * dp):
+                                    continue
+                                out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp))
+        return out
+
+
+def _offloads(stage: int, tiers) -> list[tuple[str, str]]:
+    pairs = [("none", "none")]
+    if stage >= 1:
+        pairs += [(o, "none") for o in tiers if o != "none"]
+    if stage == 3:
+        pairs += [(o, p) for o in tiers if o != "none" for p in tiers if p != "none"]
+    return pairs
+
+
+def rank_plans(plans: list[LayoutPlan]) -> list[LayoutPlan]:
+    """Layouts that fit, fastest first (then the least device memory); the rest after, smallest overflow first."""
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: (-p.cost.tokens_per_second, p.device_peak))
+    others = sorted((p for p in plans if not p.fits), key=lambda p: p.device_peak)
+    return fitting + others

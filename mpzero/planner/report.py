@@ -1,0 +1,113 @@
+"""The planner's output: a table of layouts, their components per rank, and the command of the best one."""
+
+from __future__ import annotations
+
+import shlex
+
+from mpzero.planner.plan import Layout, LayoutPlan, Machine
+
+GIB = 2 ** 30
+
+# flags a layout sets (and the number of values each takes): removed from the user's command line before the
+# layout's own are added
+LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--zero-stage": 1, "--micro-batch-size": 1,
+                "--global-batch-size": 1, "--offload-optimizer": 1, "--optimizer-cpu-offload": 0,
+                "--offload-params": 1, "--recompute-activations": 0, "--recompute-granularity": 1,
+                "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0}
+
+
+def gib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def layout_argv(layout: Layout, selective_flags: bool, offload_path: str | None) -> list[str]:
+    argv = ["--tensor-model-parallel-size", str(layout.tp), "--zero-stage", str(layout.stage),
+            "--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(layout.global_batch)]
+    if layout.recompute == "full":
+        argv += (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+                 if selective_flags else ["--recompute-activations"])
+    elif layout.recompute == "selective":
+        argv += ["--recompute-granularity", "selective"]
+    if layout.sequence_parallel:
+        argv += ["--sequence-parallel"]
+    if layout.offload_optimizer != "none":
+        argv += ["--offload-optimizer", layout.offload_optimizer]
+    if layout.offload_params != "none":
+        argv += ["--offload-params", layout.offload_params]
+    if "disk" in (layout.offload_optimizer, layout.offload_params):
+        argv += ["--offload-path", offload_path or "/nvme/mpzero-swap"]
+    return argv
+
+
+def without_layout_flags(argv: list[str]) -> list[str]:
+    out, skip = [], 0
+    for token in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = token.split("=", 1)[0]
+        if name in LAYOUT_FLAGS:
+            skip = LAYOUT_FLAGS[name] if "=" not in token else 0
+            continue
+        if name == "--offload-path":
+            skip = 0 if "=" in token else 1
+            continue
+        out.append(token)
+    return out
+
+
+def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, selective_flags: bool,
+                     offload_path: str | None) -> str:
+    per_node = machine.ranks_per_node
+    nodes = machine.world_size // per_node
+    launcher = ["torchrun"] + (["--nnodes", str(nodes)] if nodes > 1 else []) + ["--nproc-per-node", str(per_node)]
+    if nodes > 1:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
+    argv = without_layout_flags(user_argv) + layout_argv(layout, selective_flags, offload_path)
+    return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
+
+
+HEADER = ("  #  TP   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ  "
+          "| device peak  host/node   disk/node | DP GB/it  TP GB/it |   s/iter  tokens/s  fits")
+
+
+def row(i: int, plan: LayoutPlan) -> str:
+    lay, c = plan.layout, plan.components()
+    recompute = lay.recompute + ("+SP" if lay.sequence_parallel else "")
+    offload = f"{lay.offload_optimizer}/{lay.offload_params}"
+    return (f"{i:>3}  {lay.tp:>2} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
+            f"{lay.micro_batch:>3} x {lay.micro_batches:<3} {gib(c['parameters']):>7} {gib(c['gradients']):>6} "
+            f"{gib(c['optimizer states']):>6} {gib(c['gathered/buckets (in step)']):>8} "
+            f"{gib(c['activations']):>6}  | {gib(plan.device_peak):>11} {gib(plan.host_per_node):>10} "
+            f"{gib(plan.disk_per_node):>11} | {plan.states.comm_bytes / 1e9:>8.2f} {plan.tp_comm / 1e9:>9.2f} | "
+            f"{plan.cost.seconds:>8.3f} {plan.cost.tokens_per_second:>9.0f}  {'yes' if plan.fits else 'no: ' + plan.why}")
+
+
+def components_text(plan: LayoutPlan) -> list[str]:
+    s, a = plan.states, plan.activations
+    lines = [f"  parameters        {gib(s.params):>9} GiB",
+             f"  gradients         {gib(s.grads):>9} GiB",
+             f"  optimizer states  {gib(s.optimizer):>9} GiB   (formula {s.report.formula_text}: "
+             f"{gib(s.report.formula)} GiB for all three, padding {s.padding} elements)",
+             f"  in-step buffers   {gib(s.working_set):>9} GiB   ({s.working_text}: gathered units, prefetch, "
+             f"gradient buckets in flight)"]
+    if a is None:
+        lines.append("  activations               -       (not counted: no activation-memory formula for this setting)")
+    else:
+        lines.append(f"  activations       {gib(a.peak):>9} GiB   (saved {gib(a.saved)} GiB + one recomputed layer "
+                     f"{gib(a.recompute_transient)} GiB; per layer: {a.text})")
+    lines += [f"  device peak       {gib(plan.device_peak):>9} GiB",
+              f"  host              {gib(plan.host_per_rank):>9} GiB per rank (states {gib(s.host)}, buffers "
+              f"{gib(s.host_buffers)}), {gib(plan.host_per_node)} GiB per node",
+              f"  disk              {gib(s.disk):>9} GiB per rank, {gib(plan.disk_per_node)} GiB per node",
+              f"  DP traffic        {s.comm_bytes / 1e9:>9.3f} GB per rank per iteration (theory "
+              f"{s.comm.theory_text} = {s.comm.theory / 1e9:.3f} GB)",
+              f"  TP traffic        {plan.tp_comm / 1e9:>9.3f} GB per rank per iteration"]
+    for t in s.comm.transfers:
+        if t.theory:
+            lines.append(f"  {t.name:<17} {t.theory / 1e9:>9.3f} GB per rank per iteration ({t.theory_text})")
+    cost = plan.cost
+    lines.append(f"  cost              {cost.seconds:.3f} s/iteration = max(compute {cost.compute:.3f}, DP "
+                 f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f} + offloaded step {cost.offload:.3f}; "
+                 f"{cost.tokens_per_second:.0f} tokens/s")
+    return lines

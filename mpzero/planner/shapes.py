@@ -1,0 +1,63 @@
+"""The model's trainable parameters at a TP size, read from the real model built on fake tensors (no memory),
+and the ZeRO layouts the code would build from them, through the code's own functions: the planner never
+restates a parameter shape, a bucket boundary or a padding rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpzero.comm import CommGroup
+from mpzero.models import GPTConfig, GPTModel
+from mpzero.planner.fake import fake_tensors
+from mpzero.tensor_parallel import RNGStatesTracker
+from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
+from mpzero.zero.stage3 import assign_params, default_units
+
+
+@dataclass(frozen=True, eq=False)
+class ModelShapes:
+    """One TP rank's model (fake tensors) and its trainable parameters in registration order."""
+    config: GPTConfig
+    tp: int
+    model: nn.Module
+    named: tuple[tuple[str, nn.Parameter], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for _, p in self.named)
+
+    @property
+    def largest_param(self) -> int:
+        return max(p.numel() for _, p in self.named)
+
+    def layer_numel(self) -> int:
+        """Trainable elements of one transformer layer (of this TP rank)."""
+        return sum(p.numel() for p in self.model.layers[0].parameters() if p.requires_grad)
+
+    @functools.lru_cache(maxsize=None)
+    def layouts(self, stage: int, dp: int, dp_rank: int, bucket_numel: int) -> tuple[FlatLayout, ...]:
+        """The flat layouts `ZeroOptimizer` builds for this model: buckets (stages 0-2; replicated at stage 0)
+        or the root and one unit per layer with trainable parameters (stage 3)."""
+        named = list(self.named)
+        if stage == 3:
+            assigned = assign_params(self.model, default_units(self.model), named)
+            keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]
+            return tuple(build_layout(assigned[u], dp, dp_rank) for u in keep)
+        parts, rank = (dp, dp_rank) if stage > 0 else (1, 0)
+        return tuple(bucket_layouts(named, bucket_numel, parts, rank))
+
+
+@functools.lru_cache(maxsize=16)
+def model_shapes(config: GPTConfig, tp: int) -> ModelShapes:
+    """The GPT of `config` as TP rank 0 of `tp` builds it (every TP rank's shapes are the same), on fake tensors."""
+    group = CommGroup(None, tuple(range(tp)), 0)
+    with fake_tensors():
+        model = GPTModel(config, group, RNGStatesTracker(torch.device("cpu")), device=torch.device("cpu"))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    mark_weight_decay(named, None)  # ZeroOptimizer's default rule, recorded as it records it
+    return ModelShapes(config, tp, model, tuple(named))

@@ -1,0 +1,242 @@
+"""Model-state bytes of one rank for a layout, exactly as the code allocates them, and the lines the code prints.
+
+From the layouts (`shapes.ModelShapes.layouts`, the code's own bucketing, unit assignment and padding) this
+module counts what each ZeRO stage and master store allocates per rank, so the prediction equals the
+`zero memory` line's measured bytes, padding included. The formulas beside them are the code's own
+(`mpzero.zero.accounting`: memory_formula, offload_formula, comm_theory, transfer_theory), stage 3's in-step
+working set is `Stage3.peak_working_set` itself, the offload buffers `mpzero.offload.masters.buffer_bytes` and the
+parameter tier's own sizes: `memory_line()` / `comm_line()` render the very lines a run prints.
+
+Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b / N owned (shard) elements,
+p / g bytes per parameter / gradient element:
+  parameters   stages 0-2: p sum E_b (full flat buffers);  stage 3: p sum S_b (shards; DP 1: the whole copy);
+               none on the device when stage 3 offloads them
+  gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards)
+  optimizer    fp32 masters 4 sum S_b in mixed precision (in fp32 the master is the parameter slice), Adam
+               moments 8 x the owned elements that are not padding; none on the device when offloaded
+  offload      host: 12 sum S_b (optimizer, tier cpu) + p sum S_b (parameters, tier cpu); disk: three files of
+               4 sum S_b and one of the 4 KiB-aligned unit regions, each rounded up to 4 KiB; host buffers:
+               `buffer_bytes` (+ the parameter tier's 2 slots of the largest region on disk)
+Transient, inside a step (beyond the states above):
+  stage 3      `Stage3.peak_working_set`: gathered units, prefetch, gradient buckets, staging ((p + g)(R + 2L))
+  stage 2      full gradient buckets: g x the two largest consecutive buckets with overlap (the one filling and
+               the one being reduce-scattered; gradients arrive in reverse registration order), all of them
+               without overlap
+  stages 0-1   none (persistent full gradient buffers, reduced in place)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from mpzero.offload.masters import buffer_bytes
+from mpzero.offload.params import SLOTS
+from mpzero.offload.swap import aligned_bytes, round_up
+from mpzero.planner.shapes import ModelShapes
+from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
+                                   memory_report, offload_formula, transfer_theory)
+from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.flat import FlatLayout
+from mpzero.zero.grads import MAX_INFLIGHT_REDUCTIONS
+from mpzero.zero.stage3 import Stage3
+
+OPTIMIZER_STATES = 3  # fp32 master, exp_avg, exp_avg_sq
+LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """One rank's model states for a layout: device bytes by component, offload tiers, the in-step working set,
+    DP communication per iteration; `report`/`comm` are the MemoryReport/CommReport the code would build."""
+    stage: int
+    dp: int
+    numel: int  # P: trainable parameters of this TP rank
+    padding: int
+    params: int  # device bytes
+    grads: int
+    optimizer: int
+    host: int  # offloaded states in host memory
+    disk: int
+    host_buffers: int
+    working_set: int  # transient model-state bytes at the in-step peak
+    working_text: str
+    comm_bytes: float  # DP bytes per rank per iteration (padding included), as CommGroup counts them
+    report: MemoryReport  # what `ZeroOptimizer.memory_report()` returns (after a step: with the peak)
+    comm: CommReport  # what `ZeroOptimizer.comm_report()` returns after one iteration
+
+    @property
+    def device(self) -> int:
+        """Model-state bytes on the device between steps (= the `zero memory` line's measured bytes)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_peak(self) -> int:
+        return self.device + self.working_set
+
+
+def element_sizes(precision: PrecisionConfig) -> tuple[int, int]:
+    """(p, g) as ZeroOptimizer._element_sizes: the parameters' and the gradients' bytes per element."""
+    return precision.torch_dtype.itemsize, precision.grad_dtype.itemsize
+
+
+def _owned_unpadded(layout: FlatLayout) -> int:
+    return sum(end - start for start, end, _ in layout.decay_runs())
+
+
+def stage3_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool) -> tuple[int, str]:
+    """`Stage3.peak_working_set` itself, called on the attributes it reads, for layouts built without tensors."""
+    partitioned = dp > 1
+    stand_in = SimpleNamespace(layouts=list(layouts), partitioned=partitioned,
+                               gathers=partitioned or params_offloaded,
+                               tier=object() if params_offloaded else None, prefetch=zero.prefetch,
+                               grads=SimpleNamespace(overlap=zero.overlap_comm))
+    return Stage3.peak_working_set(stand_in, p, g)
+
+
+def stage2_working_set(layouts, g: int, overlap: bool) -> tuple[int, str]:
+    sizes = [layout.padded_numel for layout in layouts]
+    if not overlap:
+        return g * sum(sizes), f"{g}x(all buckets)"
+    alive = MAX_INFLIGHT_REDUCTIONS + 1  # the bucket filling and those still being reduce-scattered
+    best = max(sum(sizes[i:i + alive]) for i in range(len(sizes)))
+    return g * best, f"{g}x({alive} largest consecutive buckets)"
+
+
+def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfig, dp: int, dp_rank: int = 0,
+                offload: OffloadConfig | None = None, micro_batches: int = 1, cuda: bool = True,
+                after_step: bool = True) -> StatePlan:
+    """The model states of DP rank `dp_rank` of `dp` for this layout. `cuda`: the device is a GPU (offload
+    staging buffers and device<->host traffic exist); `after_step`: the report carries stage 3's peak, as
+    the line printed after the first step does."""
+    offload = offload or OffloadConfig()
+    stage, p, g = zero.stage, *element_sizes(precision)
+    layouts = shapes.layouts(stage, dp, dp_rank, zero.bucket_numel)
+    padded = sum(layout.padded_numel for layout in layouts)
+    shard = sum(layout.shard_numel for layout in layouts)
+    owned = sum(_owned_unpadded(layout) for layout in layouts)
+    numel = sum(layout.numel for layout in layouts)
+    opt_off, par_off = offload.optimizer != "none", offload.params != "none"
+
+    if stage < 3:
+        params = p * padded
+    elif par_off:
+        params = 0
+    else:
+        params = p * shard
+    grads = g * (padded if stage < 2 else shard)
+    master = 4 if opt_off or p != 4 else 0  # DeviceMasters shares fp32 parameters; offloaded masters never do
+    optimizer = 0 if opt_off else master * shard + 8 * owned
+
+    host = disk = host_buffers = 0
+    if opt_off:
+        state = 4 * shard
+        if offload.optimizer == "cpu":
+            host += OPTIMIZER_STATES * state
+        else:
+            disk += OPTIMIZER_STATES * round_up(state)
+        host_buffers += buffer_bytes(offload, shard, cuda, p)
+    if par_off:
+        if offload.params == "cpu":
+            host += p * shard
+        else:
+            regions = [round_up(layout.shard_numel * p) // p for layout in layouts]
+            disk += round_up(sum(regions) * p)
+            host_buffers += SLOTS * aligned_bytes(max(regions, default=0), precision.torch_dtype)
+
+    if stage == 3:
+        working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off)
+    elif stage == 2:
+        working, working_text = stage2_working_set(layouts, g, zero.overlap_comm)
+    else:
+        working, working_text = 0, "0"
+
+    tiers = {"optimizer": offload.optimizer, "params": offload.params}
+    offloaded = tuple(c for c, tier in tiers.items() if tier != "none")
+    report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, offloaded)
+    if offloaded:
+        per_param = offload_formula(stage, p, g, tiers)
+        measured = {"host": host, "disk": disk}
+        tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
+                        for name, coef in per_param.items()]
+        tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
+                                       _host_buffer_text(offload, cuda, p)))
+        report = dataclasses.replace(report, tiers=tuple(tier_reports))
+    if stage == 3 and after_step:
+        report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
+                                                             f"{report.formula_text}+{working_text}"))
+
+    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, micro_batches, par_off)
+    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
+    transfers = ()
+    if offloaded:
+        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda)
+        transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
+    comm = CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
+    return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
+                     working, working_text, comm_bytes, report, comm)
+
+
+def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int) -> str:
+    """The formula text the code prints for the host buffers (masters' text, then the parameter tier's)."""
+    parts = []
+    if offload.optimizer == "disk":
+        parts.append(f"{offload.buffer_count}x3 swap x 4 B")
+    if cuda:
+        parts.append("2 grad staging x 4 B")
+    parts.append(f"param staging x {p} B")
+    return "buffers: " + " + ".join(parts) + (f" + {SLOTS}U" if offload.params == "disk" else "")
+
+
+def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: int,
+                  params_offloaded: bool = False) -> float:
+    """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
+    stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
+    stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
+    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units; plus the training
+    loop's all-reduce of the iteration's loss (an fp32 scalar) for its log line."""
+    if dp == 1:
+        return 0.0
+    m = micro_batches
+    coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
+    states = sum(coef * layout.padded_numel * (dp - 1) / dp for layout in layouts)
+    return states + LOSS_ALL_REDUCE * (dp - 1) / dp
+
+
+def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int) -> float:
+    """Bytes per rank per iteration on the TP group (ring model: an all-reduce of B bytes moves 2B(t-1)/t, an
+    all-gather or reduce-scatter of a B-byte whole B(t-1)/t), for the GPT `config` (its recomputation and
+    sequence-parallel settings), B = b s h p the bytes of one [b, s, h] activation. Per micro-batch:
+      each layer     forward: the attention and MLP outputs all-reduced (4B); backward: the QKV and fc1 input
+                     gradients all-reduced (4B). Sequence parallel: forward 2 all-gathers + 2 reduce-scatters
+                     (4B), backward the inputs gathered again, their gradients reduce-scattered and the outputs'
+                     gradients gathered (6B), plus the LayerNorms' fp32 weight and bias gradients (2 x 2 x 8h)
+                     and the row-parallel biases' (2 x 2ph) all-reduced
+      recomputation  full: each recomputed layer's forward again (4B); distributed checkpoints: each one
+                     all-gathered before its replay (B); selective: none (the core attention has no TP traffic)
+      outside        the embedding's all-reduce (2B; sequence parallel + its slice's gradient gathered, B), the
+                     output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
+                     backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
+                     the cross entropy's three fp32 [b, s] all-reduces (24bs)
+    all times (t-1)/t."""
+    if tp == 1:
+        return 0.0
+    r = (tp - 1) / tp
+    h, L = config.hidden_size, config.num_layers
+    B = micro_batch * seq * h * p
+    sp = config.sequence_parallel
+    granularity = getattr(config, "granularity", "full" if getattr(config, "recompute_activations", False) else None)
+    recomputed = checkpoints = 0
+    if granularity == "full":
+        method = getattr(config, "resolved_recompute_method", "uniform")
+        n = getattr(config, "resolved_recompute_num_layers", 1)
+        recomputed = L if method == "uniform" else n
+        checkpoints = -(-L // n) if method == "uniform" else n
+    layer = (10 * B + 32 * h + 4 * h * p) if sp else 8 * B
+    total = L * layer + recomputed * 4 * B
+    if getattr(config, "distribute_saved_activations", False):
+        total += checkpoints * B
+    total += (3 * B + 16 * h + 3 * B) if sp else (2 * B + 2 * B)
+    total += 24 * micro_batch * seq
+    return total * r * micro_batches

@@ -1,0 +1,197 @@
+"""Will it fit? Every layout of a GPT run on N devices, the bytes per rank of each component, and the fastest
+layout that fits, with its torchrun command.
+
+    python tools/plan_memory.py --world-size 512 --device-memory 80GiB --host-memory 1TiB \
+        --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --vocab-size 51200 \
+        --global-batch-size 1536 --bf16 [--json]
+
+Takes pretrain_gpt.py's model and training flags (or --config FILE); --train-iters, --lr and --micro-batch-size
+may be left out, data flags too (--vocab-size, default 50257, stands for the tokenizer). The layout flags
+(TP size, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses: each is enumerated unless
+restricted (--tp-sizes, --zero-stages, --offload-tiers, --recompute-modes, --micro-batch-sizes); the global
+batch is kept when given. Sizes take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB; a bare number
+is GiB. Every figure comes from the code's own functions (mpzero.planner): the `zero memory` and `zero comm`
+lines it predicts are the lines the run prints, and `pretrain_gpt.py --dry-run` runs the real code for any rank
+to confirm them (`--device cpu` gives the dry run's figures exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mpzero.arguments import _vocab_size, build_parser, parse_args  # noqa: E402
+from mpzero.cli import exit_code  # noqa: E402
+from mpzero.config_file import read_config_file  # noqa: E402
+from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.planner.activations import available as activations_available  # noqa: E402
+from mpzero.planner.cost import Hardware  # noqa: E402
+from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes  # noqa: E402
+from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command  # noqa: E402
+
+UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30,
+         "tib": 2 ** 40, "": 2 ** 30}
+DEFAULTS = {"--micro-batch-size": "1", "--train-iters": "1", "--lr": "1e-4"}
+
+
+def size(text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 80GiB, 1.5TB, 32)")
+    return float(match.group(1)) * UNITS[match.group(2).lower()]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def words(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def planner_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan_memory.py", description=__doc__.split("\n\n")[0], add_help=True,
+                                allow_abbrev=False)
+    m = p.add_argument_group("machine")
+    m.add_argument("--world-size", type=int, required=True, help="ranks (devices) of the job")
+    m.add_argument("--device-memory", type=size, required=True, help="memory per device")
+    m.add_argument("--host-memory", type=size, default=None, help="host memory per node (default: not checked)")
+    m.add_argument("--disk-space", type=size, default=None,
+                   help="disk space per node for the disk tier (default: no disk tier)")
+    m.add_argument("--device-reserve", type=size, default=0.0,
+                   help="memory per device kept free for the CUDA context and allocator slack (default 0)")
+    m.add_argument("--gpus-per-node", type=int, default=8)
+    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the device is host memory (no device<->host copies; CPU activation terms)")
+    m.add_argument("--offload-path", default=None, help="where the disk tier goes in the printed command")
+    c = p.add_argument_group("cost model (mpzero/planner/cost.py)")
+    c.add_argument("--device-tflops", type=float, default=Hardware.device_tflops)
+    c.add_argument("--efficiency", type=float, default=Hardware.efficiency)
+    c.add_argument("--dp-bandwidth", type=size, default=Hardware.dp_bandwidth, help="per rank, e.g. 25GB")
+    c.add_argument("--tp-bandwidth", type=size, default=Hardware.tp_bandwidth, help="per rank, e.g. 150GB")
+    c.add_argument("--pcie-bandwidth", type=size, default=Hardware.pcie_bandwidth, help="per rank")
+    c.add_argument("--disk-bandwidth", type=size, default=Hardware.disk_bandwidth, help="per node")
+    c.add_argument("--cpu-adam-rate", type=float, default=Hardware.cpu_adam_rate,
+                   help="parameters per second per rank AdamW updates on the CPU")
+    e = p.add_argument_group("layouts")
+    e.add_argument("--tp-sizes", type=ints, default=None)
+    e.add_argument("--zero-stages", type=ints, default=None)
+    e.add_argument("--offload-tiers", type=words, default=None, help="subset of none,cpu,disk")
+    e.add_argument("--recompute-modes", type=words, default=None, help="subset of none,selective,full")
+    e.add_argument("--micro-batch-sizes", type=ints, default=None)
+    e.add_argument("--max-micro-batch-size", type=int, default=64)
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="layouts shown (fastest that fit first)")
+    o.add_argument("--all", action="store_true", help="show every layout, also those that do not fit")
+    o.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
+
+
+def training_argv(rest: list[str]) -> list[str]:
+    """pretrain_gpt.py's flags with what a plan does not need filled in."""
+    present = {token.split("=", 1)[0] for token in rest if token.startswith("--")}
+    config = None
+    if "--config" in present:
+        config = rest[rest.index("--config") + 1] if "--config" in rest else next(
+            t.split("=", 1)[1] for t in rest if t.startswith("--config="))
+        present |= {f"--{key}" for key in read_config_file(config, build_parser())}
+    extra = [token for flag, value in DEFAULTS.items() if flag not in present for token in (flag, value)]
+    if "--data-path" not in present and "--mock-data" not in present:
+        extra.append("--mock-data")
+        if "--vocab-size" not in present:
+            extra += ["--vocab-size", "50257"]
+    return rest + extra
+
+
+def plan(argv: list[str]) -> dict:
+    opts, rest = planner_parser().parse_known_args(argv)
+    args = parse_args(training_argv(rest))
+    hw = Hardware(opts.device_tflops, opts.efficiency, opts.dp_bandwidth, opts.tp_bandwidth, opts.pcie_bandwidth,
+                  opts.disk_bandwidth, opts.cpu_adam_rate, opts.gpus_per_node)
+    machine = Machine(opts.world_size, opts.device_memory, opts.host_memory, opts.disk_space, opts.device_reserve,
+                      opts.device == "cuda", hw)
+    if opts.world_size < 1:
+        raise ConfigError(f"--world-size {opts.world_size} must be positive")
+    planner = Planner(args, _vocab_size(args), machine)
+    layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
+                              opts.micro_batch_sizes, opts.max_micro_batch_size)
+    if not layouts:
+        raise ConfigError("no layout to evaluate: the head count, the world size, the global batch and the "
+                          "restrictions given leave none")
+    plans = rank_plans([planner.evaluate(layout) for layout in layouts])
+    best = plans[0] if plans[0].fits else None
+    selective_flags = "selective" in recompute_modes(args)
+    command = (torchrun_command(training_argv(rest), best.layout, machine, selective_flags, opts.offload_path)
+               if best else None)
+    result = {"plans": plans, "best": best, "command": command, "machine": machine, "planner": planner,
+              "opts": opts, "rest": rest}
+    if opts.json:
+        print(json.dumps({"machine": {"world_size": machine.world_size, "device_memory": machine.device_memory,
+                                      "host_memory": machine.host_memory, "disk_space": machine.disk_space,
+                                      "device_reserve": machine.device_reserve, "cuda": machine.cuda,
+                                      "ranks_per_node": machine.ranks_per_node, "hardware": vars(hw)},
+                          "activations_counted": activations_available(),
+                          "layouts": [p.to_json() for p in plans], "best": best.to_json() if best else None,
+                          "command": command}, default=float))
+    else:
+        print_text(result)
+    return result
+
+
+def print_text(result: dict) -> None:
+    plans, best, machine, planner, opts = (result[k] for k in ("plans", "best", "machine", "planner", "opts"))
+    args, hw = planner.args, machine.hardware
+    first = plans[0].states
+    print(f"model: GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+          f"sequence {args.seq_length}, vocabulary {planner.vocab_size}; {planner.precision.dtype} "
+          f"({planner.p}-byte parameters, {planner.g}-byte gradients)")
+    print(f"machine: {machine.world_size} ranks ({machine.ranks_per_node} per node), {opts.device_memory / GIB:.2f} "
+          f"GiB per device (reserve {machine.device_reserve / GIB:.2f}), host "
+          f"{'not checked' if machine.host_memory is None else f'{machine.host_memory / GIB:.0f} GiB per node'}, "
+          f"disk {'none' if machine.disk_space is None else f'{machine.disk_space / GIB:.0f} GiB per node'}; "
+          f"cost model: {hw.device_tflops:g} TFLOP/s x {hw.efficiency:g}, DP {hw.dp_bandwidth / 1e9:g} GB/s, "
+          f"TP {hw.tp_bandwidth / 1e9:g} GB/s, PCIe {hw.pcie_bandwidth / 1e9:g} GB/s, disk "
+          f"{hw.disk_bandwidth / 1e9:g} GB/s per node, CPU AdamW {hw.cpu_adam_rate:g} params/s per rank")
+    if not activations_available():
+        print("note: activations are not counted (the activation-memory module mpzero.activations is missing)")
+    fitting = sum(p.fits for p in plans)
+    reasons = {}
+    for p in plans:
+        for why in filter(None, p.why.split(",")):
+            reasons[why] = reasons.get(why, 0) + 1
+    print(f"layouts: {len(plans)} evaluated, {fitting} fit"
+          + "".join(f"; {n} over the {why} budget" for why, n in sorted(reasons.items()))
+          + f" (trainable parameters per TP rank at TP {plans[0].layout.tp}: {first.numel:,})")
+    print(HEADER + "    (GiB per rank unless per node)")
+    shown = plans if opts.all else [p for p in plans if p.fits][:opts.top]
+    for i, p in enumerate(shown, start=1):
+        print(row(i, p))
+    if best is None:
+        closest = min(plans, key=lambda p: p.device_peak)
+        print(f"nothing fits; the smallest device peak is {closest.device_peak / GIB:.2f} GiB: "
+              f"{closest.layout.describe()}")
+        return
+    print(f"best: {best.layout.describe()}")
+    for line in components_text(best):
+        print(line)
+    print("the run prints (at start; stage 3 adds its peak after the first iteration):")
+    print("  " + best.states.report.line())
+    print("  " + best.states.comm.line())
+    print("command:")
+    print("  " + result["command"])
+    dry = result["command"].split(" pretrain_gpt.py ", 1)[1]
+    print("confirm any rank without a GPU (fake tensors; its figures are this plan's with --device cpu):")
+    print(f"  python pretrain_gpt.py --dry-run --world-size {machine.world_size} --rank 0 {dry}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: plan(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
