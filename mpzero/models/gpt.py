@@ -238,16 +238,18 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [b, s, 3h/tp]: the whole sequence, also when x is a sequence-parallel slice
         b, s = qkv.shape[:2]
-        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        dropout = self.dropout if self.training else 0.0  # each [b, local_heads, s, head_dim]
-        if self.selective and self.training:
-            context = recompute(partial(self._core_attention, dropout=dropout), self.rng, q, k, v)
+        dropout = self.dropout if self.training else 0.0
+        if self.selective and self.training:  # keeps qkv itself (whose views q, k, v are), not copies
+            context = recompute(partial(self._core_attention, dropout=dropout), self.rng, qkv)
         else:
-            context = self._core_attention(q, k, v, dropout)
+            context = self._core_attention(qkv, dropout)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s(/tp), h] out
 
-    def _core_attention(self, q, k, v, dropout: float) -> torch.Tensor:
-        # heads differ across TP ranks, so must their dropout masks (no tracker: no dropout, nothing drawn)
+    def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        # each [b, local_heads, s, head_dim]; heads differ across TP ranks, so must their dropout masks (no
+        # tracker: no dropout, nothing drawn)
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
             return self._flash(q, k, v, dropout) if self.use_flash_attn else self._core(q, k, v, dropout)
 

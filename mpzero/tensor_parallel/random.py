@@ -112,8 +112,9 @@ class _Recompute(torch.autograd.Function):
             first = inputs[0]
             full = torch.empty(first.numel() * ctx.distribute.size, dtype=first.dtype, device=first.device)
             ctx.distribute.all_gather_into(full, first)
-            inputs[0] = full.view(ctx.first_shape).requires_grad_(ctx.needs_input_grad[3])
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+            inputs[0] = full.view(ctx.first_shape)
+        # from needs_input_grad, not the saved tensors' flags: a saved-tensor hook (save_on_cpu) unpacks copies
+        inputs = [x.detach().requires_grad_(needs) for x, needs in zip(inputs, ctx.needs_input_grad[3:])]
         tracker, device = ctx.tracker, ctx.tracker.device
         rng_now, tracker_now = _get_rng_state(device), tracker.get_states()
         _set_rng_state(device, rng_state)
