@@ -32,7 +32,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def build(args, groups):
     """(mpzero model, its full weights by name)."""
     if args.load:
-        from tools.checkpoint_util import read_consolidated
+        sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+        from checkpoint_util import read_consolidated
         bundle = read_consolidated(args.load, None)
         config = gpt_config_from_meta(bundle["meta"], args.load)
         weights = bundle["model"]

@@ -25,7 +25,7 @@ from mpzero.inference import (KVCache, SamplingConfig, filter_logits, forward_ca
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
 from tests.distributed import run_ranks
-from tests.trained_gpt import TOOLS, _gpt2_bpe, corpus_texts, runs
+from tests.trained_gpt import TOOLS, corpus_texts, gpt2_bpe_files, runs
 from tools.checkpoint_util import read_consolidated
 
 generate_main = runpy.run_path(os.path.join(TOOLS, "generate.py"))["main"]
@@ -38,7 +38,7 @@ SAMPLING = ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.95"]
 def gpt2(tmp_path_factory):
     """(mpzero checkpoint, HF model exported from it, tokenizer, prompts of 4 to ~20 tokens)."""
     base = tmp_path_factory.mktemp("generate")
-    flags = _gpt2_bpe(base, corpus_texts(2000))
+    flags = gpt2_bpe_files(base, corpus_texts(2000))
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=flags[3], merge_file=flags[5])
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3,

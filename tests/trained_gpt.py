@@ -58,7 +58,7 @@ def runs(tmp_path_factory) -> Runs:
 def _train(base) -> Runs:
     docs = base / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts(3000)))
-    bpe_flags = _gpt2_bpe(base, corpus_texts(3000))
+    bpe_flags = gpt2_bpe_files(base, corpus_texts(3000))
     sp_flags = _sentencepiece(base, docs)
     preprocess = runpy.run_path(os.path.join(TOOLS, "preprocess_data.py"))["main"]
     for name, flags in (("bpe", bpe_flags), ("sp", sp_flags)):
@@ -75,7 +75,7 @@ def _train(base) -> Runs:
     return Runs(bpe, sp, tuple(corpus_texts(8, skip=5000)))
 
 
-def _gpt2_bpe(base, texts: list[str]) -> list[str]:
+def gpt2_bpe_files(base, texts: list[str]) -> list[str]:
     """A GPT-2 style vocab.json + merges.txt (byte-level BPE, <|endoftext|>) of 512 tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

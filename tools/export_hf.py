@@ -23,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
 from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
 from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
@@ -30,7 +31,7 @@ from mpzero.errors import ConfigError  # noqa: E402
 from mpzero.files import replace_directory  # noqa: E402
 from mpzero.inference import (check_gpt_weights, gpt_config_from_meta, hf_config, run_tokenizer,  # noqa: E402
                               to_hf_state_dict)
-from tools.checkpoint_util import read_consolidated  # noqa: E402
+from checkpoint_util import read_consolidated  # noqa: E402
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}

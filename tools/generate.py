@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
 from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
 from mpzero.cli import print_error  # noqa: E402
@@ -39,7 +40,7 @@ from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_c
                               load_full_weights, run_tokenizer)
 from mpzero.models import GPTModel  # noqa: E402
 from mpzero.parallel import init_parallel  # noqa: E402
-from tools.checkpoint_util import read_consolidated  # noqa: E402
+from checkpoint_util import read_consolidated  # noqa: E402
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
