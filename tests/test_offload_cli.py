@@ -106,6 +106,8 @@ def test_memory_and_traffic_lines_split_the_tiers_against_their_formulas(tmp_pat
     for key in ("ratio", "disk ratio"):  # padding to the DP size and 4 KiB file alignment only
         assert 1.0 <= float(memory[key]) < 1.02, memory
     assert int(memory["host-buffers bytes"]) == int(memory["host-buffers formula bytes"]) > 0
+    # 3 buffers x 3 states x fp32 + bf16 parameter staging, per sub-group element; 10 blocks of alignment + scratch
+    assert memory["host-buffers formula"] == "38G+11x4KiB(G=4096)", memory
     comm = _fields([line for line in stdout.splitlines() if line.startswith("zero comm")][-1])
     for name in ("disk-read", "disk-written"):
         assert comm[f"{name} theory"] == "12P/N"

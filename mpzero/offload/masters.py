@@ -379,15 +379,16 @@ class OffloadedMasters(MasterStore):
                          disk=sum(f.nbytes for f in self._files.values()))
 
     def host_buffer_formula(self) -> tuple[int, str]:
-        o, parts = self.offload, []
+        """(bytes, text): G-element buffers (G: see buffer_bytes), each + 4 KiB of alignment, + the scratch; the
+        text has no spaces (the memory line's fields are "name value")."""
+        o, p = self.offload, self.sink.dtype.itemsize
+        per_g, buffers = p, 1  # the parameter staging buffer
         if self.tier == "disk":
-            parts.append(f"{o.buffer_count}x3 swap x 4 B")
+            per_g, buffers = per_g + o.buffer_count * len(STATES) * 4, buffers + o.buffer_count * len(STATES)
         if self.cuda:
-            parts.append("2 grad staging x 4 B")
-        parts.append(f"param staging x {self.sink.dtype.itemsize} B")
-        text = (f"buffers of G = {_group_numel(o, self.numel)} elements (sub-group, at most the partition, in whole "
-                f"4 KiB): {' + '.join(parts)}, each + 4 KiB alignment; + 4 KiB scratch")
-        return buffer_bytes(o, self.numel, self.cuda, self.sink.dtype.itemsize), text
+            per_g, buffers = per_g + 2 * 4, buffers + 2
+        text = f"{per_g}G+{buffers + 1}x4KiB(G={_group_numel(o, self.numel)})"
+        return buffer_bytes(o, self.numel, self.cuda, p), text
 
     def transfers(self) -> Transfers:
         return Transfers(device_to_host=self._device_to_host, host_to_device=self.sink.transfers().host_to_device,
