@@ -34,7 +34,8 @@ from mpzero.activations import ActivationSetting, activation_region, host_offloa
 from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
-from mpzero.fused import layer_norm, resolve_impl, scaled_masked_softmax
+from mpzero.fused import layer_norm, scaled_masked_softmax
+from mpzero.fused.impl import CPU_CHOICE
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy)
@@ -173,10 +174,42 @@ class GPTConfig:
             recomputed = l * 4 * s * h
         return 3 * l * per_layer + recomputed + 3 * 2 * h * vocab
 
+    def activation_setting(self, tp_size: int, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
+                           device: torch.device | str = "cpu", tp_rank: int = 0,
+                           rng_streams: int = 1) -> ActivationSetting:
+        """The shape and modes `mpzero.activations.formula` needs for the activation bytes of TP rank `tp_rank`
+        (only the vocabulary padding mask depends on it), with activations and parameters in `dtype`, on a
+        device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes)."""
+        device = torch.device(device)
+        return ActivationSetting(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
+            padded_vocab_size=self.padded_vocab_size(tp_size), tp=tp_size, tp_rank=tp_rank,
+            dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,
+            hidden_dropout=self.hidden_dropout > 0, attention_dropout=self.attention_dropout > 0,
+            sequence_parallel=self.sequence_parallel, recompute_granularity=self.granularity,
+            recompute_method=self.resolved_recompute_method,
+            recompute_num_layers=self.resolved_recompute_num_layers,
+            distribute_saved_activations=self.distribute_saved_activations,
+            offload_activations=self.offload_activations == "cpu",
+            layernorm_impl=_planned_impl("layer_norm", device, self.layernorm_impl),
+            softmax_impl=_planned_impl("scaled_masked_softmax", device, self.softmax_impl),
+            flash_attention=self.use_flash_attn,
+            rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
+            rng_streams=rng_streams)
+
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
         multiple = self.make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple
+
+
+def _planned_impl(op: str, device: torch.device, impl: str) -> str:
+    """The implementation `auto` runs on `device` (mpzero.fused.impl's rule), without requiring it installed
+    here: a CPU machine plans a CUDA run's activations."""
+    if impl != "auto":
+        return impl
+    return "triton" if device.type == "cuda" else CPU_CHOICE[op]
 
 
 def _normal(std: float, generator: torch.Generator):
@@ -436,22 +469,9 @@ class GPTModel(nn.Module):
     def activation_setting(self, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
                            device: torch.device) -> ActivationSetting:
         """What `mpzero.activations.formula` needs for this model's activation bytes on this rank."""
-        c, device = self.config, torch.device(device)
-        return ActivationSetting(
-            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=c.hidden_size,
-            num_attention_heads=c.num_attention_heads, num_layers=c.num_layers, vocab_size=c.vocab_size,
-            padded_vocab_size=c.padded_vocab_size(self.tp.size), tp=self.tp.size, tp_rank=self.tp.rank,
-            dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,
-            hidden_dropout=c.hidden_dropout > 0, attention_dropout=c.attention_dropout > 0,
-            sequence_parallel=c.sequence_parallel, recompute_granularity=c.granularity,
-            recompute_method=c.resolved_recompute_method, recompute_num_layers=c.resolved_recompute_num_layers,
-            distribute_saved_activations=c.distribute_saved_activations,
-            offload_activations=c.offload_activations == "cpu",
-            layernorm_impl=resolve_impl("layer_norm", device, c.layernorm_impl),
-            softmax_impl=resolve_impl("scaled_masked_softmax", device, c.softmax_impl),
-            flash_attention=c.use_flash_attn,
-            rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
-            rng_streams=len(self.rng.states) if self.rng is not None else 1)
+        return self.config.activation_setting(self.tp.size, micro_batch_size, seq_length, dtype, device,
+                                              tp_rank=self.tp.rank,
+                                              rng_streams=len(self.rng.states) if self.rng is not None else 1)
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding ids get -inf logits, so the padded vocabulary never changes the loss."""
