@@ -191,3 +191,33 @@ def test_help_says_what_the_flags_mean(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.split())
     assert "selective recomputation, the same as --recompute-granularity selective" in text
     assert "Whole-layer recomputation is --recompute-granularity full" in text
+
+
+class _Scalars:
+    def __init__(self):
+        self.values = {}
+
+    def scalars(self, values, iteration):
+        self.values.update({(tag, iteration): value for tag, value in values.items()})
+
+
+def _report_to_tensorboard():
+    from mpzero.activations.report import report_activation_memory
+    groups = init_parallel(2)
+    model = GPTModel(dataclasses.replace(BASE, **MODES["sp full"]), groups.tp,
+                     seed_everything(3, groups.tp_rank, groups.device))
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    counter, board = SavedBytesCounter(model), _Scalars()
+    with counter.counting():  # the forward only: the replay in backward saves what it frees again
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+    loss.backward()
+    report_activation_memory(counter, model, groups, 2, 16, torch.float32, board, iteration=1)
+    return board.values
+
+
+def test_tensorboard_gets_every_ranks_counted_and_formula_bytes():
+    values = run_ranks(2, _report_to_tensorboard)[0]
+    for rank in (0, 1):
+        for what in ("layers", "micro-batch"):
+            counted = values[f"activations/rank-{rank}-{what}-bytes", 1]
+            assert counted > 0 and counted == values[f"activations/rank-{rank}-{what}-formula-bytes", 1]
