@@ -46,6 +46,11 @@ def modes(num_layers: int, tp: int) -> dict[str, dict]:
     return table
 
 
+def _selected(args) -> dict[str, dict]:
+    table = modes(args.num_layers, args.tp)
+    return {name: table[name] for name in args.modes} if args.modes else table
+
+
 def _rank(args):
     groups = init_parallel(args.tp)
     base = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
@@ -54,7 +59,7 @@ def _rank(args):
     tokens = torch.randint(0, 1024, (args.micro_batch_size, args.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
     built, bytes_, times = {}, {}, {}
-    for name, change in modes(args.num_layers, args.tp).items():
+    for name, change in _selected(args).items():
         config = dataclasses.replace(base, **change)
         rng = seed_everything(1, groups.tp_rank, groups.device)
         built[name] = (GPTModel(config, groups.tp, rng), config)
@@ -90,7 +95,7 @@ def budget_table(args) -> list[tuple[str, int, int]]:
                      vocab_size=1024, max_position_embeddings=1 << 20, hidden_dropout=args.dropout,
                      attention_dropout=args.dropout)
     rows = []
-    for name, change in modes(args.num_layers, args.tp).items():
+    for name, change in _selected(args).items():
         config = dataclasses.replace(base, **change)
 
         def fits(b, s):
@@ -126,6 +131,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--budget-mib", type=float, default=512)
+    p.add_argument("--modes", nargs="+", default=None, help="a subset of the modes, by name (\"none\" first)")
     args = p.parse_args(argv)
     results = run_ranks(args.tp, _rank, args, deadline=3600)[0]
     print(f"GPT h {args.hidden_size} s {args.seq_length} a {args.heads} L {args.num_layers} b "

@@ -17,6 +17,15 @@ model never touches torch's global RNG, the weights are the same at every TP siz
 weight and keeps its slice) and on CPU and CUDA (drawn on the CPU, then moved). Dropout draws from torch's
 default generator (hidden dropout, identical on every TP rank when seeded alike) and from the tracker's
 tensor-parallel stream (attention dropout): the caller seeds those (`seed_everything`).
+
+Activation memory (Megatron's flags, Korthikanti et al. 2022): `recompute_activations` / granularity "selective"
+recomputes the core attention in backward; granularity "full" recomputes whole layers (method uniform: chunks
+of N layers, each chunk's input kept; block: the first N layers); `distribute_saved_activations` keeps each
+full-recomputation checkpoint as a 1/t slice per TP rank; `sequence_parallel` runs LayerNorms, dropouts and
+residual adds on a 1/t slice of the sequence (hidden dropout then draws from the tracker's stream, the
+LayerNorm and row-parallel bias gradients are all-reduced over TP); `offload_activations` "cpu" keeps the
+checkpoints (full) or every tensor a layer saves in host memory (`save_on_cpu`). Replays draw the same masks.
+What each mode keeps is `mpzero.activations.formula`, counted against it at the start of training.
 """
 
 from __future__ import annotations
@@ -251,8 +260,8 @@ class SelfAttention(nn.Module):
     """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp).
     The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
     column-parallel split hands each rank whole heads with their q, k and v. Selective recomputation keeps
-    q, k and v and recomputes the core attention (scores, softmax, dropout, the weighted sum of values) in
-    backward, its dropout masks replayed from the saved RNG states."""
+    the QKV output (q, k and v are its views) and recomputes the core attention (scores, softmax, dropout, the
+    weighted sum of values) in backward, its dropout masks replayed from the saved RNG states."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
                  device=None):

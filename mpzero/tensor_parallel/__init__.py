@@ -3,15 +3,18 @@ and the per-parameter placement contract (`placement.py`) every parameter handed
 
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                           gather_full, sharded_parameter)
+                                           gather_full, linear_with_sequence_gather, sharded_parameter)
 from mpzero.tensor_parallel.placement import (TensorPlacement, mark_replicated, mark_tensor_parallel, placement_of,
                                               placements)
-from mpzero.tensor_parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence_parallel, gather_from_tp,
+                                             reduce_from_tp, reduce_scatter_to_sequence_parallel,
+                                             scatter_to_sequence_parallel, scatter_to_tp)
 from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_everything
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "mark_tensor_parallel", "mark_replicated",
     "placement_of", "placements", "TensorPlacement", "sharded_parameter", "gather_full", "RNGStatesTracker",
-    "recompute", "seed_everything",
+    "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
+    "gather_from_sequence_parallel", "linear_with_sequence_gather",
 ]

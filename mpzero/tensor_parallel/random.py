@@ -3,7 +3,9 @@
 Dropout on replicated activations (hidden dropout) must draw the same mask on every TP rank, so it uses
 the default generator, seeded identically. Dropout on sharded activations (attention probabilities of this
 rank's heads) must differ across TP ranks, so it runs inside `tracker.fork()`, a stream seeded with
-seed + 2718 + tp_rank as in Megatron. Recomputation saves and restores both, so replayed masks are identical.
+seed + 2718 + tp_rank as in Megatron. Recomputation saves and restores both, so replayed masks are identical;
+under sequence parallelism hidden dropout draws from the tensor-parallel stream too (each rank holds another
+slice of the sequence). `recompute(..., distribute=tp)` keeps the checkpoint as 1/t slices (ZeRO-R's Pa).
 """
 
 from __future__ import annotations
