@@ -10,31 +10,37 @@ same layout and whether every figure is equal: model states, the peak, DP and TP
 activation bytes (the `activation memory` line's count, from the activation-memory module).
 
 How: `torch.distributed.init_process_group("fake", rank=R, world_size=N)` (torch's fake backend: collectives
-return at once and move nothing; the bytes `CommGroup` counts are the real ones) and `FakeTensorMode`
-(`mpzero.planner.fake`: tensors carry shapes, dtypes and storages, no data). A fake scalar reads as 0: the loss
-and the gradient norm print 0. Fake tensors are CPU tensors, so the run simulates the CPU device type
-(device<->host traffic is zero; plan a GPU with `tools/plan_memory.py`, which also prints `--device cpu`
-figures equal to these). The disk offload tier would write files: refused here, planned by the planner.
+return at once and move nothing; the bytes `CommGroup` counts are the real ones) and tensors without data
+(`mpzero.planner.fake`: shapes, dtypes and storages, no memory): meta tensors, or torch's `FakeTensorMode` when a
+tier is offloaded to host memory (its tensors report the CPU device, as the offload code expects). A scalar read
+from them is 0: the loss and the gradient norm are 0. The run simulates the CPU device type (device<->host traffic
+is zero, CPU activation terms; `tools/plan_memory.py --device cpu` prints these figures, its default plans a GPU).
+The disk offload tier would write files: refused here, planned by the planner.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import resource
 import time
 
+import torch
 import torch.distributed as dist
 
 from mpzero.errors import ConfigError
 from mpzero.parallel import init_parallel
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
-from mpzero.planner.fake import fake_tensors
+from mpzero.planner.fake import engine_device, no_data
 from mpzero.planner.shapes import model_shapes
 from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import RunConfig
-from mpzero.training.loop import _forward_backward, build_training_state, overlap_note, partition_note
+from mpzero.tensor_parallel import seed_everything
+from mpzero.training.loop import (TrainingState, _forward_backward, build_training_state, overlap_note,
+                                  partition_note)
+from mpzero.zero import ZeroOptimizer
 from mpzero.training.mock_data import MockGPTDataset
 
 try:  # the activation-memory module (issue 11): the dry run prints its line where it exists
@@ -76,8 +82,16 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
         f"{groups.tp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
         f"{training.micro_batch_size} x {training.seq_length} tokens, on fake tensors and a fake process group",
         flush=True)
-    with fake_tensors():
-        state = build_training_state(run, provider, groups)
+    engine = "fake" if run.offload.enabled else "meta"  # see mpzero.planner.fake: meta is 10x faster, fake exact
+    with no_data(engine):
+        if engine == "meta":  # the model and optimizer on the meta device; generators stay on the CPU
+            groups = dataclasses.replace(groups, device=engine_device(engine))
+            rng = seed_everything(training.seed, groups.tp_rank, torch.device("cpu"))
+            built = provider(run.model, groups, rng)
+            state = TrainingState(groups, built, ZeroOptimizer(built.module, groups, run.zero, run.adam,
+                                                                run.precision, offload=run.offload), rng)
+        else:
+            state = build_training_state(run, provider, groups)
         optimizer = state.optimizer
         at_start = optimizer.memory_report()
         say(at_start.line(), flush=True)
@@ -87,7 +101,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
         optimizer.comm_report()  # count from the first iteration on, as training does
         tp_mark = groups.tp.stats.total()
         data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
-        counter = SavedBytesCounter(state.model.module) if SavedBytesCounter else None
+        counter = _Counter(state.model.module) if SavedBytesCounter else None
         _forward_backward(state, data, 0, training, **({"activations": counter} if counter else {}))
         optimizer.step(run.schedule.lr(0))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
@@ -119,6 +133,19 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
             "activations": activations, "plan": plan, "plan_tp_comm": plan_tp, "plan_activations": plan_acts,
             "checks": checks, "equal": all(_same(a, b) for _, a, b in checks), "max_rss": max_rss,
             "seconds": seconds}
+
+
+if SavedBytesCounter is not None:
+    class _Counter(SavedBytesCounter):
+        """The activation counter, its parameter storages taken once: a fake storage's key is its identity, which
+        stays when ZeRO-3 resizes it, so what the counter re-reads at every saved tensor (storage addresses move
+        as real units are gathered and released) cannot change here; re-reading it made a dry run quadratic in
+        the layers."""
+
+        def _parameter_storages(self) -> set:
+            if getattr(self, "_parameter_keys", None) is None:
+                self._parameter_keys = super()._parameter_storages()
+            return self._parameter_keys
 
 
 def compare(memory, comm, tp_comm: float, plan: StatePlan, plan_tp: float, activations: dict | None = None,

@@ -1,20 +1,26 @@
-"""mpzero's own code on fake tensors: shapes, dtypes and storages, no memory (torch's `FakeTensorMode`).
+"""mpzero's own code on tensors without data: shapes, dtypes and storages, no memory.
 
-The planner builds the real model under it to read parameter shapes and ZeRO layouts; the dry run
-(`mpzero/dry_run.py`) runs a whole step under it. Four things the real code does that fake tensors do not
-support as-is are handled here, in one place, only while `fake_tensors()` is active:
+Two engines, the same patches, the same figures:
+- "meta": tensors on torch's meta device (a factory call without a device lands there too). Every op is a C++
+  shape function: about 25 us per op here. The device type reads "meta", which the code treats as the CPU
+  except in one place: an offload tier's device<->host traffic is expected whenever the device is not "cpu".
+- "fake": torch's `FakeTensorMode` (the approach torchtitan's estimator took): tensors report the CPU device, so
+  every code path is the CPU's, offload tiers included (a parameter shard copied `.to("cpu")` stays fake). Every
+  op goes through Python (about 250 us per op here), so a 175B-parameter step takes 10x longer.
+The planner builds models on "meta"; the dry run (`mpzero/dry_run.py`) uses "meta" unless a tier is offloaded.
 
-- a scalar read from a tensor (`.item()`: the loss, the gradient norm, fp16's overflow flag) has no value on a
-  fake tensor: it reads 0 (no overflow, a zero norm: the step runs, nothing is clipped);
-- a storage's `data_ptr()` is 0 for every fake storage, so the counts that tell storages apart by it (the
-  memory report's `accounting.unique_storage_bytes`, the activation counter's `SavedBytesCounter`) would see
-  one storage: a fake (meta-device) storage's `data_ptr()` is its identity instead (the StorageImpl's address),
-  which groups tensors into storages exactly as data pointers do on real memory;
-- a generator state saved for recomputation is cloned into a fake tensor, which has no bytes to restore:
+What the code does that data-less tensors do not support as-is is handled here, only while the context is active:
+- a scalar read from a tensor (`.item()`: the loss, the gradient norm, fp16's overflow flag) has no value: it
+  reads 0 (no overflow, a zero norm: the step runs, nothing is clipped);
+- a storage's `data_ptr()` is 0 for every meta or fake storage, so the counts that tell storages apart by it (the
+  memory report's `accounting.unique_storage_bytes`, the activation counter's `SavedBytesCounter`) would see one
+  storage: such a storage's `data_ptr()` is its identity instead (the StorageImpl's address), which groups tensors
+  into storages exactly as data pointers do on real memory;
+- (fake) a generator state saved for recomputation is cloned into a fake tensor, which has no bytes to restore:
   `torch.set_rng_state` of a fake state leaves the generator as it is (nothing draws real numbers here);
-- `nn.Module.to(device)` of a module whose parameters are already fake tensors on that device (GPTEmbedding's
-  position table) tries `torch.utils.swap_tensors` on the parameter, which fake tensors refuse: it is the
-  identity there, as it is for real tensors already on the device.
+- (fake) `nn.Module.to(device)` of a module whose parameters are already fake tensors on that device (GPTEmbedding's
+  position table) tries `torch.utils.swap_tensors` on the parameter, which fake tensors refuse: it is the identity
+  there, as it is for real tensors already on the device.
 """
 
 from __future__ import annotations
@@ -26,26 +32,41 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+ENGINES = ("meta", "fake")
+_DEVICE = torch.ops.prim.device.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
+def _zero_of(dtype: torch.dtype):
+    return False if dtype == torch.bool else 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+class _FakeMode(FakeTensorMode):
+    """FakeTensorMode in which `.item()` returns 0 of the tensor's kind, with a fast path for device queries (the
+    autograd engine asks one for every tensor it touches)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and not self.in_kernel_invocation:
+            return args[0].fake_device
+        if func is _SCALAR:
+            return _zero_of(args[0].dtype)
+        return self.dispatch(func, types, args, kwargs)  # FakeTensorMode.__torch_dispatch__ minus its wrappers
+
+
 _storage_data_ptr = torch.UntypedStorage.data_ptr
+_tensor_item = torch.Tensor.item
+_module_to = nn.Module.to
+_set_rng_state = torch.set_rng_state
 
 
 def _data_ptr_or_identity(self: torch.UntypedStorage) -> int:
-    if self.device.type == "meta":  # fake tensors' storages: no address, one identity each
+    if self.device.type == "meta":  # meta and fake storages: no address, one identity each
         return self._cdata
     return _storage_data_ptr(self)
 
 
-class _ScalarReadsAreZero(FakeTensorMode):
-    """FakeTensorMode in which `.item()` (aten._local_scalar_dense) returns 0 of the tensor's kind."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            dtype = args[0].dtype
-            return False if dtype == torch.bool else 0.0 if dtype.is_floating_point or dtype.is_complex else 0
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-_module_to = nn.Module.to
+def _item_or_zero(self: torch.Tensor):
+    return _zero_of(self.dtype) if self.device.type == "meta" else _tensor_item(self)
 
 
 def _to_on_fake(self: nn.Module, *args, **kwargs):
@@ -57,23 +78,37 @@ def _to_on_fake(self: nn.Module, *args, **kwargs):
     return _module_to(self, *args, **kwargs)
 
 
-_set_rng_state = torch.set_rng_state
-
-
 def _set_rng_state_on_fake(new_state: torch.Tensor) -> None:
     if not isinstance(new_state, FakeTensor):
         _set_rng_state(new_state)
 
 
+def engine_device(engine: str) -> torch.device:
+    """The device the code is handed under `engine`: tensors are created there."""
+    return torch.device("meta" if engine == "meta" else "cpu")
+
+
 @contextlib.contextmanager
-def fake_tensors():
-    """Every tensor created inside is fake (no memory); see the module docstring for what changes.
-    Not re-entrant, and not thread-safe: it patches three torch functions for its duration."""
-    nn.Module.to, torch.set_rng_state = _to_on_fake, _set_rng_state_on_fake
+def no_data(engine: str = "meta"):
+    """Every tensor made inside has no data (see the module docstring). Not re-entrant, not thread-safe: it
+    patches torch functions for its duration."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
     torch.UntypedStorage.data_ptr = _data_ptr_or_identity
     try:
-        with _ScalarReadsAreZero(allow_non_fake_inputs=True):
-            yield
+        if engine == "meta":
+            torch.Tensor.item = _item_or_zero
+            with torch.device("meta"):
+                yield
+        else:
+            nn.Module.to, torch.set_rng_state = _to_on_fake, _set_rng_state_on_fake
+            with _FakeMode(allow_non_fake_inputs=True):
+                yield
     finally:
+        torch.UntypedStorage.data_ptr, torch.Tensor.item = _storage_data_ptr, _tensor_item
         nn.Module.to, torch.set_rng_state = _module_to, _set_rng_state
-        torch.UntypedStorage.data_ptr = _storage_data_ptr
+
+
+def fake_tensors():
+    """`no_data("fake")`."""
+    return no_data("fake")

@@ -1,4 +1,4 @@
-"""The model's trainable parameters at a TP size, read from the real model built on fake tensors (no memory),
+"""The model's trainable parameters at a TP size, read from the real model built on meta tensors (no memory),
 and the ZeRO layouts the code would build from them, through the code's own functions: the planner never
 restates a parameter shape, a bucket boundary or a padding rule.
 """
@@ -13,7 +13,7 @@ from torch import nn
 
 from mpzero.comm import CommGroup
 from mpzero.models import GPTConfig, GPTModel
-from mpzero.planner.fake import fake_tensors
+from mpzero.planner.fake import engine_device, no_data
 from mpzero.tensor_parallel import RNGStatesTracker
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.stage3 import assign_params, default_units
@@ -21,7 +21,7 @@ from mpzero.zero.stage3 import assign_params, default_units
 
 @dataclass(frozen=True, eq=False)
 class ModelShapes:
-    """One TP rank's model (fake tensors) and its trainable parameters in registration order."""
+    """One TP rank's model (meta tensors) and its trainable parameters in registration order."""
     config: GPTConfig
     tp: int
     model: nn.Module
@@ -54,10 +54,10 @@ class ModelShapes:
 
 @functools.lru_cache(maxsize=16)
 def model_shapes(config: GPTConfig, tp: int) -> ModelShapes:
-    """The GPT of `config` as TP rank 0 of `tp` builds it (every TP rank's shapes are the same), on fake tensors."""
+    """The GPT of `config` as TP rank 0 of `tp` builds it (every TP rank's shapes are the same), on meta tensors."""
     group = CommGroup(None, tuple(range(tp)), 0)
-    with fake_tensors():
-        model = GPTModel(config, group, RNGStatesTracker(torch.device("cpu")), device=torch.device("cpu"))
+    with no_data("meta"):
+        model = GPTModel(config, group, RNGStatesTracker(torch.device("cpu")), device=engine_device("meta"))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mark_weight_decay(named, None)  # ZeroOptimizer's default rule, recorded as it records it
     return ModelShapes(config, tp, model, tuple(named))
