@@ -61,43 +61,37 @@ def check_flags(args: argparse.Namespace) -> None:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--dry-run --rank {rank} must lie in [0, --world-size {world})")
     if "disk" in (args.offload_optimizer, args.offload_params):
-        raise ConfigError("--dry-run keeps every tier in (fake) memory, and the disk tier would write real files: "
+        raise ConfigError("--dry-run keeps every tier in memory without data, and the disk tier would write real files: "
                           "plan disk offload with tools/plan_memory.py, or dry-run --offload-* cpu")
 
 
-def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
-    """Rank `rank` of a `world_size`-rank job, one iteration on fake tensors; prints the run's lines and the
-    planner's; returns {"memory", "memory_at_start", "comm", "tp_comm", "activations", "plan", "plan_tp_comm",
+def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | None = None) -> dict:
+    """Rank `rank` of a `world_size`-rank job: one iteration on tensors without data (`engine` "meta" or "fake";
+    by default fake where a tier is offloaded to host memory, else meta), the run's lines and the planner's.
+    Returns {"memory", "memory_at_start", "comm", "tp_comm", "activations", "plan", "plan_tp_comm",
     "plan_activations", "checks", "equal", "max_rss", "seconds"}."""
     start = time.perf_counter()
     if dist.is_initialized():
         raise ConfigError("--dry-run makes its own (fake) process group: run it as plain python, not under torchrun "
                           "or inside a process that already has one")
+    if engine is None:
+        engine = "fake" if run.offload.enabled else "meta"
     dist.init_process_group("fake", rank=rank, world_size=world_size)  # torch supplies its FakeStore
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
     training = run.training
     micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
-    say = print  # the simulated rank speaks for itself: it is the only process
-    say(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size} x DP {groups.dp_size}: TP rank "
-        f"{groups.tp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
-        f"{training.micro_batch_size} x {training.seq_length} tokens, on fake tensors and a fake process group",
-        flush=True)
-    engine = "fake" if run.offload.enabled else "meta"  # see mpzero.planner.fake: meta is 10x faster, fake exact
+    print(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size} x DP {groups.dp_size}: TP rank "
+          f"{groups.tp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
+          f"{training.micro_batch_size} x {training.seq_length} tokens, on {engine} tensors and a fake process group",
+          flush=True)
     with no_data(engine):
-        if engine == "meta":  # the model and optimizer on the meta device; generators stay on the CPU
-            groups = dataclasses.replace(groups, device=engine_device(engine))
-            rng = seed_everything(training.seed, groups.tp_rank, torch.device("cpu"))
-            built = provider(run.model, groups, rng)
-            state = TrainingState(groups, built, ZeroOptimizer(built.module, groups, run.zero, run.adam,
-                                                                run.precision, offload=run.offload), rng)
-        else:
-            state = build_training_state(run, provider, groups)
+        state = _build(run, provider, groups, engine)
         optimizer = state.optimizer
         at_start = optimizer.memory_report()
-        say(at_start.line(), flush=True)
+        print(at_start.line(), flush=True)
         for note in (overlap_note(optimizer), partition_note(optimizer)):
             if note:
-                say(note, flush=True)
+                print(note, flush=True)
         optimizer.comm_report()  # count from the first iteration on, as training does
         tp_mark = groups.tp.stats.total()
         data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
@@ -107,16 +101,17 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
         optimizer.close()
-    say(memory.line(), flush=True)
-    say(comm.line(), flush=True)
+    print(memory.line(), flush=True)
+    print(comm.line(), flush=True)
     activations = None
-    if counter is not None:  # the line training prints after its first iteration, for this rank
+    setting_of = getattr(state.model.module, "activation_setting", None)
+    if counter is not None:  # the line training prints after its first iteration, here for this rank
         dtype = run.precision.torch_dtype
-        setting_of = getattr(state.model.module, "activation_setting", None)
         setting = setting_of(training.micro_batch_size, training.seq_length, dtype, groups.device) if setting_of \
             else None
         activations = rank_report(counter, setting)
-        say(activation_line(rank, activations, dtype), flush=True)
+        print(activation_line(rank, activations, dtype), flush=True)
+
     plan = plan_states(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision, groups.dp_size,
                        groups.dp_rank, run.offload, micro_batches, cuda=False)
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
@@ -124,15 +119,27 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int) -> dict:
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                                 run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank)
     checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts)
-    say("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
-        + f" | {'equal' if all(_same(a, b) for _, a, b in checks) else 'DIFFERENT'}", flush=True)
+    equal = all(_same(a, b) for _, a, b in checks)
+    print("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
+          + f" | {'equal' if equal else 'DIFFERENT'}", flush=True)
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     seconds = time.perf_counter() - start
-    say(f"dry run | peak RSS {max_rss / 2**20:.0f} MiB | {seconds:.1f} s", flush=True)
+    print(f"dry run | peak RSS {max_rss / 2**20:.0f} MiB | {seconds:.1f} s", flush=True)
     return {"memory": memory, "memory_at_start": at_start, "comm": comm, "tp_comm": tp_comm,
             "activations": activations, "plan": plan, "plan_tp_comm": plan_tp, "plan_activations": plan_acts,
-            "checks": checks, "equal": all(_same(a, b) for _, a, b in checks), "max_rss": max_rss,
-            "seconds": seconds}
+            "checks": checks, "equal": equal, "max_rss": max_rss, "seconds": seconds}
+
+
+def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
+    """The training state as `build_training_state` makes it; on meta tensors the model and optimizer are handed
+    the meta device while the generators stay on the CPU (the meta device has none: nothing is drawn anyway)."""
+    if engine == "fake":
+        return build_training_state(run, provider, groups)
+    groups = dataclasses.replace(groups, device=engine_device(engine))
+    rng = seed_everything(run.training.seed, groups.tp_rank, torch.device("cpu"))
+    built = provider(run.model, groups, rng)
+    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision, offload=run.offload)
+    return TrainingState(groups, built, optimizer, rng)
 
 
 if SavedBytesCounter is not None:

@@ -1,0 +1,121 @@
+"""`pretrain_gpt.py --dry-run --world-size N --rank R`: the real model and ZeRO optimizer of one rank of an N-rank
+job, one iteration on tensors without data and a fake process group.
+
+- It prints the lines the real run prints: the same `zero memory` (at start and with stage 3's peak), `zero comm`
+  and `activation memory` lines, character for character, as a 4-rank gloo run of the same flags.
+- At scale: GPT-3 175B at TP 8 x DP 64 and a 1T-parameter GPT on 512 ranks with ZeRO-3, every figure equal to the
+  planner's (model states, peak, DP and TP bytes, activations), and equal to what tools/plan_memory.py predicts
+  for that layout; nothing is allocated (peak RSS stays that of an idle torch process).
+- Both engines (meta tensors, torch's FakeTensorMode) print the same lines; bad flags are one line, exit 2.
+"""
+
+import json
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+import pretrain_gpt
+from mpzero.arguments import parse_args, run_config
+from mpzero.dry_run import dry_run
+from tests.cli import ROOT, TINY, exit_code_and_stderr, main_capturing_stdout
+from tests.distributed import run_ranks
+from tests.test_planner import _plan
+
+LAYOUT = ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "--bf16", "--train-iters", "1",
+          "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--sequence-parallel", "--recompute-activations"]
+KINDS = ("zero memory", "zero comm", "activation memory rank 0 ", "activation memory rank 3 ")
+
+
+def _lines(stdout: str, kind: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(kind)]
+
+
+def test_dry_run_prints_the_lines_of_the_real_run():
+    argv = TINY + LAYOUT
+    real = run_ranks(4, main_capturing_stdout, argv)[0][1]  # rank 0 prints every rank's activation line
+    for rank in (0, 3):
+        _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "4", "--rank", str(rank)])
+        assert "| equal" in _lines(dry, "planner |")[0]
+        kinds = KINDS if rank == 0 else KINDS[3:]  # only rank 0's memory and comm lines are printed by a real run
+        for kind in kinds:
+            if kind.startswith("activation") and not kind.endswith(f"rank {rank} "):
+                continue
+            assert _lines(dry, kind) == _lines(real, kind) and _lines(real, kind), (rank, kind)
+    assert len(_lines(real, "zero memory")) == 2  # at start, and with the peak after the first iteration
+
+
+def test_both_engines_print_the_same_lines(capsys):
+    run = run_config(parse_args(TINY + LAYOUT), 4)
+    outputs = []
+    for engine in ("meta", "fake"):
+        try:
+            result = dry_run(run, pretrain_gpt.gpt_provider, 4, 1, engine=engine)
+        finally:
+            dist.destroy_process_group()
+        assert result["equal"]
+        lines = capsys.readouterr().out.splitlines()
+        outputs.append([line for line in lines if line.startswith(("zero", "activation"))])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
+
+
+GPT3 = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+        "--vocab-size", "51200", "--micro-batch-size", "1", "--bf16"]
+ONE_T = ["--num-layers", "128", "--hidden-size", "25600", "--num-attention-heads", "160", "--seq-length", "2048",
+         "--vocab-size", "51200", "--micro-batch-size", "1", "--bf16"]
+GPT3_LAYOUT = ["--tensor-model-parallel-size", "8", "--zero-stage", "1", "--recompute-activations",
+               "--sequence-parallel"]
+ONE_T_LAYOUT = ["--tensor-model-parallel-size", "8", "--zero-stage", "3", "--recompute-activations",
+                "--sequence-parallel"]
+TRAINING = ["--train-iters", "1", "--lr", "1e-4", "--mock-data", "--global-batch-size", "64"]
+AT_SCALE = """
+import contextlib, io, json, resource, sys, time
+import pretrain_gpt
+runs = []
+for argv in json.loads(sys.argv[1]):
+    out, start = io.StringIO(), time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        pretrain_gpt.main(argv)
+    runs.append({"stdout": out.getvalue(), "seconds": time.perf_counter() - start})
+print(json.dumps({"runs": runs, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_175b_and_1t_dry_runs_equal_the_plan_and_allocate_nothing():
+    runs = [GPT3 + GPT3_LAYOUT + TRAINING + ["--dry-run", "--world-size", "512", "--rank", "9"],
+            ONE_T + ONE_T_LAYOUT + TRAINING + ["--dry-run", "--world-size", "512", "--rank", "511"]]
+    out = subprocess.run([sys.executable, "-c", AT_SCALE, json.dumps(runs)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["max_rss"] < 1.5 * 2 ** 30  # an idle torch process: no model state, no activation allocated
+    (gpt3, one_t) = (r["stdout"] for r in result["runs"])
+    for stdout, params_per_tp_rank in ((gpt3, 21_855_215_616), (one_t, 126_067_968_000)):
+        assert _lines(stdout, "planner |")[0].endswith("| equal")
+        assert f"params {params_per_tp_rank} " in _lines(stdout, "zero memory")[0]
+    assert 174e9 < 8 * 21_855_215_616 < 176e9 and 1.0e12 < 8 * 126_067_968_000 < 1.02e12
+    assert "peak bytes" in _lines(one_t, "zero memory")[1]
+    # tools/plan_memory.py predicts these lines for the layout (--device cpu: the dry run's device type)
+    for model, layout, stdout in ((GPT3, GPT3_LAYOUT, gpt3), (ONE_T, ONE_T_LAYOUT, one_t)):
+        stage = layout[layout.index("--zero-stage") + 1]
+        code, planned, _ = _plan("--world-size", "512", "--device-memory", "80GiB", "--device", "cpu", "--json",
+                                 "--tp-sizes", "8", "--zero-stages", stage, "--offload-tiers", "none",
+                                 "--recompute-modes", "selective", "--micro-batch-sizes", "1",
+                                 *model, "--global-batch-size", "64")
+        assert code == 0
+        (sp,) = [x for x in json.loads(planned)["layouts"] if x["layout"]["sequence_parallel"]]
+        assert sp["zero_memory_line"] == _lines(stdout, "zero memory")[-1]
+        assert sp["zero_comm_line"] == _lines(stdout, "zero comm")[0]
+        counted = int(_lines(stdout, "activation memory")[0].split("| micro-batch ")[1].split(" B")[0].replace(",", ""))
+        assert sp["activations_saved"] == counted
+
+
+def test_bad_flags_are_one_line():
+    cases = [(["--world-size", "4"], "describe the job a --dry-run simulates"),
+             (["--dry-run", "--world-size", "4", "--rank", "4"], "must lie in [0, --world-size 4)"),
+             (["--dry-run", "--world-size", "4", "--zero-stage", "2", "--offload-optimizer", "disk",
+               "--offload-path", "/tmp"], "the disk tier would write real files"),
+             (["--dry-run", "--world-size", "6", "--tensor-model-parallel-size", "4"], "not divisible")]
+    for flags, message in cases:
+        code, stderr = exit_code_and_stderr(TINY + flags)
+        assert code == 2 and message in stderr and stderr.count("\n") == 1, (flags, stderr)
