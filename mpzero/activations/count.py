@@ -9,7 +9,8 @@
 A region is what the model names with `activation_region(i)` around a piece of its forward (the GPT names
 each transformer layer by its index; everything else is region None). A storage is counted once, in the
 region that saves it first, whatever views of it are saved; a storage that belongs to a parameter (a
-weight saved by a linear, a ZeRO flat buffer) is not an activation and is left out. The pack hook returns the
+weight saved by a linear, a ZeRO flat buffer) is not an activation and is left out. Count the forward only:
+a recomputation inside backward saves again what it frees right after. The pack hook returns the
 tensor itself: counting changes nothing in the computation.
 
 `host_offload(enabled)`: torch's `save_on_cpu(pin_memory=True)` (pinned host memory on CUDA runs; on a CPU
@@ -47,15 +48,19 @@ class SavedBytesCounter:
         self.host_bytes: dict = defaultdict(int)
         self.saved_tensors = 0
         self._seen: set = set()
+        self._params: set | None = None
 
     def _parameter_storages(self) -> set:
-        # taken afresh at every pack: ZeRO stage 3 gathers into (and releases) storages during forward
-        return {(p.device, p.untyped_storage().data_ptr()) for p in self.params}
+        """The parameters' storages, by identity (the storage object, not its address: ZeRO stage 3 resizes its
+        flat buffers in place, which moves their memory but keeps the storage); taken once."""
+        if self._params is None:
+            self._params = {_storage_key(p) for p in self.params}
+        return self._params
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.saved_tensors += 1
         storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr())
+        key = _storage_key(tensor)
         if storage.nbytes() and key not in self._seen and key not in self._parameter_storages():
             self._seen.add(key)
             self.device_bytes[_REGION.get()] += storage.nbytes()
@@ -81,6 +86,12 @@ class SavedBytesCounter:
     @property
     def total_bytes(self) -> int:
         return sum(self.device_bytes.values())
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """A storage's identity: every view of it has the same, and it survives a resize (also on meta tensors,
+    whose addresses are all 0)."""
+    return tensor.device, tensor.untyped_storage()._cdata
 
 
 def host_offload(enabled: bool):
