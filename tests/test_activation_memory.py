@@ -30,8 +30,10 @@ MODES = {
     "sp": dict(sequence_parallel=True), "sp selective": dict(sequence_parallel=True, recompute_activations=True),
     "sp full": dict(FULL, sequence_parallel=True), "distributed": dict(FULL, distribute_saved_activations=True),
     "distributed uniform 2": dict(FULL, recompute_num_layers=2, distribute_saved_activations=True),
+    "untied, tanh GELU": dict(untie_embeddings_and_output_weights=True, openai_gelu=True),
+    "sp untied": dict(sequence_parallel=True, untie_embeddings_and_output_weights=True),
 }
-TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2")
+TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2", "sp untied")
 
 
 def _count(groups, config, dtype, batch=2, seq=16):
@@ -63,7 +65,7 @@ def _count_every_mode(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_counted_bytes_equal_the_formula_in_every_mode(tp):
     for rank, results in enumerate(run_ranks(tp, _count_every_mode, tp)):
-        assert len(results) == (20 if tp == 1 else 40)
+        assert len(results) == (24 if tp == 1 else 48)
         for key, (layers, total, formula_layers, formula_total) in results.items():
             assert layers == formula_layers, (rank, key)
             assert total == formula_total, (rank, key)
