@@ -7,7 +7,9 @@ and sequence each mode fits in an activation budget per rank.
 One GPT (mpzero.models.GPTModel, fp32, vocabulary 1024 so the logits stay small), TP ranks forked on the CPU
 (gloo, one thread each). Every mode is built from the same weights; a round times one forward + backward of
 one micro-batch per mode, modes interleaved, so a slower moment of a shared machine hits them all; the
-fastest round is reported, the median beside it (the first round is warm-up). Bytes: what the first forward saved for
+fastest round is reported, the median beside it (the first round is warm-up), and the median CPU time of the
+rank's process (its compute and copies, not the time it waits for another process to get a core: the figure
+that a loaded machine disturbs least). Bytes: what the first forward saved for
 backward per layer (saved-tensor hooks, unique storages, parameters excluded), checked against
 mpzero.activations.formula. Ratios are to no recomputation in the same run. The budget table comes from the
 formula (equal to the counted bytes, tests/test_activation_memory.py): the whole micro-batch, embedding and
@@ -58,18 +60,18 @@ def _rank(args):
                      hidden_dropout=args.dropout, attention_dropout=args.dropout)
     tokens = torch.randint(0, 1024, (args.micro_batch_size, args.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
-    built, bytes_, times = {}, {}, {}
+    built, bytes_, times, cpu = {}, {}, {}, {}
     for name, change in _selected(args).items():
         config = dataclasses.replace(base, **change)
         rng = seed_everything(1, groups.tp_rank, groups.device)
         built[name] = (GPTModel(config, groups.tp, rng), config)
-        times[name] = []
+        times[name], cpu[name] = [], []
     for round_ in range(args.rounds + 1):
         for name, (model, config) in built.items():
             counter = SavedBytesCounter(model) if round_ == 0 else None
             model.zero_grad(set_to_none=True)
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             if counter is not None:
                 with counter.counting():
                     loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
@@ -79,13 +81,15 @@ def _rank(args):
             torch.distributed.barrier()
             if counter is None:
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
             else:
                 formula = activation_formula(model.activation_setting(args.micro_batch_size, args.seq_length,
                                                                       torch.float32, groups.device))
                 layers = counter.layer_bytes(config.num_layers)
                 bytes_[name] = (sum(layers) / len(layers), counter.total_bytes,
                                 layers == formula.layer_bytes and counter.total_bytes == formula.micro_batch_bytes)
-    return {name: (bytes_[name], min(times[name]), statistics.median(times[name])) for name in built}
+    return {name: (bytes_[name], min(times[name]), statistics.median(times[name]), statistics.median(cpu[name]))
+            for name in built}
 
 
 def budget_table(args) -> list[tuple[str, int, int]]:
@@ -138,12 +142,14 @@ def main(argv=None):
           f"{args.micro_batch_size}, TP {args.tp} on {args.tp} CPU ranks (1 thread each), fp32, dropout "
           f"{args.dropout}; forward+backward of one micro-batch, fastest (median) of {args.rounds} rounds; "
           f"rank 0's bytes")
-    print("| mode | bytes per layer | vs none | micro-batch bytes | = formula | step ms | vs none |")
-    print("|---|---:|---:|---:|---|---:|---:|")
-    (none_layer, _, _), none_best, none_median = results["none"]
-    for name, ((layer, total, equal), best, median) in results.items():
+    print("| mode | bytes per layer | vs none | micro-batch bytes | = formula | step ms, fastest (median) | vs none "
+          "| CPU ms | vs none |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    (none_layer, _, _), none_best, none_median, none_cpu = results["none"]
+    for name, ((layer, total, equal), best, median, cpu) in results.items():
         print(f"| {name} | {layer:,.0f} | {layer / none_layer:.2f}x | {total:,} | {'yes' if equal else 'NO'} | "
-              f"{best * 1e3:.0f} ({median * 1e3:.0f}) | {best / none_best:.2f}x ({median / none_median:.2f}x) |")
+              f"{best * 1e3:.0f} ({median * 1e3:.0f}) | {best / none_best:.2f}x ({median / none_median:.2f}x) | "
+              f"{cpu * 1e3:.0f} | {cpu / none_cpu:.2f}x |")
     print(f"\nlargest micro-batch (at s {args.seq_length}) and sequence (at b 1, multiples of 64) within "
           f"{args.budget_mib:g} MiB of activations per rank (whole micro-batch, by formula)")
     print("| mode | micro-batch | sequence |")
