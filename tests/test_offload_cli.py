@@ -212,3 +212,17 @@ def test_disk_tier_holds_its_buffers_in_host_memory_not_the_optimizer_state(tmp_
     assert disk >= 10 * buffers
     moments = 8 * params
     assert in_memory - offloaded >= moments - buffers - (16 << 20), (in_memory, offloaded, moments, buffers)
+
+
+def test_stage3_disk_traffic_is_at_its_theory_when_sub_groups_cut_units(tmp_path):
+    """Sub-groups of 1237 elements cut every unit into many pieces: the parameter tier still writes each unit once
+    per step (pP/N) and reads it once per gather (2m pP/N), besides the optimizer's 12P/N each way (a flush per
+    sub-group once rewrote a unit at every cut: 12x)."""
+    argv = TINY + ["--hidden-size", "128", "--bf16", "--zero-stage", "3", "--offload-optimizer", "disk",
+                   "--offload-params", "disk", "--offload-path", str(tmp_path), "--train-iters", "4",
+                   "--eval-iters", "0", "--global-batch-size", "4"] + SUB_GROUP
+    _, stdout = run_ranks(2, main_capturing_stdout, argv)[0]
+    comm = _fields([line for line in stdout.splitlines() if line.startswith("zero comm")][-1])
+    assert comm["disk-read theory"] == "12P/N+4P/N" and comm["disk-written theory"] == "12P/N+2P/N", comm
+    for name in ("disk-read", "disk-written"):  # 4 KiB alignment of each unit's region: under 1%
+        assert 1.0 <= float(comm[f"{name} ratio"]) < 1.01, comm

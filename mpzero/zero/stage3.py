@@ -130,7 +130,7 @@ class Stage3(ZeroStage):
             own = values[layout.shard_start:layout.shard_start + layout.shard_numel]
             self.tier.write(u, 0, own.to(self.tier.dtype))
             initial.append(own.to("cpu", copy=True))
-        self.tier.flush()
+        self.tier.finish()
         self.tier.mark()
         return initial
 
@@ -277,7 +277,7 @@ class Stage3(ZeroStage):
             self._release(u)
         if self.tier is not None:
             self.tier.discard()
-            self.tier.flush()
+            self.tier.finish()
 
     def held_tensors(self) -> list[torch.Tensor]:
         if self.tier is not None:  # the shards live in the tier; staging exists only within a step
