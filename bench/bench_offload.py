@@ -71,13 +71,14 @@ def run(argv: list[str]) -> dict:
         raise SystemExit(f"run failed: {' '.join(argv)}\n{done.stderr[-3000:]}")
     out = done.stdout
     times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): (\S+)", out)]
+    losses = [float(x) for x in re.findall(r"lm loss: (\S+)", out)]
     comm = [line for line in out.splitlines() if line.startswith("zero comm")]
     fields = dict(f.strip().rsplit(" ", 1) for f in comm[-1].split("|")[1:]) if comm else {}
     memory = [line for line in out.splitlines() if line.startswith("zero memory")][0]
     params = int(re.search(r"\| params (\d+) \|", memory).group(1))
     disk = float(fields.get("disk-read bytes/iter", 0)) + float(fields.get("disk-written bytes/iter", 0))
     return {"ms": statistics.median(times[1:]) if len(times) > 1 else times[0], "disk": disk, "params": params,
-            "rss": int(out.split("VmHWM")[-1]), "memory": memory}
+            "rss": int(out.split("VmHWM")[-1]), "memory": memory, "losses": losses}
 
 
 def main() -> None:
@@ -109,7 +110,7 @@ def main() -> None:
         shutil.rmtree(swap, ignore_errors=True)
         r = results[name]
         print(f"{name}: {r['params']} parameters, {r['ms']:.0f} ms/iter, disk {r['disk'] / 1e9:.2f} GB/iter, "
-              f"peak RSS {r['rss'] / 2**30:.2f} GiB\n  {r['memory']}", flush=True)
+              f"peak RSS {r['rss'] / 2**30:.2f} GiB, losses {r['losses']}\n  {r['memory']}", flush=True)
     if args.largest:
         return
     base = results["in memory"]["ms"] / 1000

@@ -42,6 +42,26 @@ class Transfers:
         return Transfers(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
 
+class OffloadHolder:
+    """What the memory and traffic report asks of every holder of model state (a ZeroStage, a MasterStore):
+    state off the device, bytes moved between tiers, its host buffers' formula, and a close for files and
+    threads. Nothing offloaded by default."""
+
+    def tier_bytes(self) -> TierBytes:
+        return TierBytes()
+
+    def transfers(self) -> Transfers:
+        """Bytes moved between device, host and disk since construction."""
+        return Transfers()
+
+    def host_buffer_formula(self) -> tuple[int, str]:
+        """(bytes, formula) of the staging and swap buffers allocated in host memory."""
+        return 0, "0"
+
+    def close(self) -> None:
+        """Release files and threads; the holder is unusable afterwards."""
+
+
 class ParamSink(ABC):
     """Receives updated parameter values of this rank's partition."""
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.fused import adamw_step, resolve_impl
-from mpzero.offload.sink import TierBytes, Transfers
+from mpzero.offload.sink import OffloadHolder
 from mpzero.zero.config import AdamConfig
 from mpzero.zero.flat import FlatLayout
 
@@ -41,7 +41,7 @@ class OwnedPiece:
     tensors: dict[str, torch.Tensor]
 
 
-class MasterStore(ABC):
+class MasterStore(OffloadHolder, ABC):
     """What the optimizer front needs from wherever the fp32 state of this rank's partition lives."""
 
     step_count: int  # AdamW steps taken (the same on every rank: every rank steps, padding-only ones too)
@@ -71,21 +71,6 @@ class MasterStore(ABC):
     @abstractmethod
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the store holds in device memory (for the memory report)."""
-
-    def tier_bytes(self) -> TierBytes:
-        """State and buffers the store holds off the device (offload tiers)."""
-        return TierBytes()
-
-    def transfers(self) -> Transfers:
-        """Bytes moved between device, host and disk since construction."""
-        return Transfers()
-
-    def host_buffer_formula(self) -> tuple[int, str]:
-        """(bytes, formula) of the staging and swap buffers the store allocates in host memory."""
-        return 0, "0"
-
-    def close(self) -> None:
-        """Release files and threads (offload tiers); the store is unusable afterwards."""
 
 
 class DeviceMasters(MasterStore):

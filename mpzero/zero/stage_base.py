@@ -26,12 +26,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from mpzero.offload.sink import ParamSink, TensorParamSink, TierBytes, Transfers
+from mpzero.offload.sink import OffloadHolder, ParamSink, TensorParamSink
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 
 
-class ZeroStage(ABC):
+class ZeroStage(OffloadHolder, ABC):
     number: int  # the ZeRO stage, 0-3
     layouts: list[FlatLayout]
     param_shards: list[torch.Tensor]
@@ -67,16 +67,3 @@ class ZeroStage(ABC):
 
     def param_sink(self) -> ParamSink:
         return TensorParamSink(self.param_shards)
-
-    def tier_bytes(self) -> TierBytes:
-        return TierBytes()
-
-    def transfers(self) -> Transfers:
-        return Transfers()
-
-    def host_buffer_formula(self) -> tuple[int, str]:
-        """(bytes, formula) of the host staging buffers the stage allocates for offloaded parameters."""
-        return 0, "0"
-
-    def close(self) -> None:
-        """Release files and threads (offloaded parameters)."""
