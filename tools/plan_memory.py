@@ -37,6 +37,7 @@ from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_co
 UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30,
          "tib": 2 ** 40, "": 2 ** 30}
 DEFAULTS = {"--micro-batch-size": "1", "--train-iters": "1", "--lr": "1e-4"}
+DEFAULT_RESERVE = {"cuda": 2 * 2 ** 30, "cpu": 32 * 2 ** 20}  # bytes per device for what the planner does not model
 
 
 def size(text: str) -> float:
@@ -63,8 +64,9 @@ def planner_parser() -> argparse.ArgumentParser:
     m.add_argument("--host-memory", type=size, default=None, help="host memory per node (default: not checked)")
     m.add_argument("--disk-space", type=size, default=None,
                    help="disk space per node for the disk tier (default: no disk tier)")
-    m.add_argument("--device-reserve", type=size, default=0.0,
-                   help="memory per device kept free for the CUDA context and allocator slack (default 0)")
+    m.add_argument("--device-reserve", type=size, default=None,
+                   help="memory per device kept free for what is not modeled: the CUDA context, NCCL buffers, "
+                        "allocator fragmentation (default 2GiB on cuda, 32MiB on cpu: allocator and runtime slack)")
     m.add_argument("--gpus-per-node", type=int, default=8)
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the device is host memory (no device<->host copies; CPU activation terms)")
@@ -113,7 +115,9 @@ def plan(argv: list[str]) -> dict:
     args = parse_args(training_argv(rest))
     hw = Hardware(opts.device_tflops, opts.efficiency, opts.dp_bandwidth, opts.tp_bandwidth, opts.pcie_bandwidth,
                   opts.disk_bandwidth, opts.cpu_adam_rate, opts.gpus_per_node)
-    machine = Machine(opts.world_size, opts.device_memory, opts.host_memory, opts.disk_space, opts.device_reserve,
+    reserve = opts.device_reserve if opts.device_reserve is not None else (
+        DEFAULT_RESERVE["cuda"] if opts.device == "cuda" else DEFAULT_RESERVE["cpu"])
+    machine = Machine(opts.world_size, opts.device_memory, opts.host_memory, opts.disk_space, reserve,
                       opts.device == "cuda", hw)
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")

@@ -9,7 +9,8 @@
   (gradient buckets reduce while backward runs, stage 3 prefetches), so only the excess over compute counts.
 - T_fetch = stage 3's offloaded parameters read for every gather: host-to-device bytes / PCIe bandwidth, and
   disk reads / this rank's share of the node's disk bandwidth; prefetched, so overlapped with compute too.
-- T_tp = TP bytes per rank per iteration / TP bandwidth: on the critical path (each all-reduce waits).
+- T_tp = TP bytes per rank per iteration / TP bandwidth: on the critical path (each all-reduce waits); a TP group
+  larger than a node crosses the network: the DP bandwidth then.
 - T_offload = the optimizer step off the device, after backward: gradients down and parameters up over PCIe,
   the disk tier's state read and written (12 P/N each way, the rank's share of the node's disk bandwidth), and
   AdamW on the CPU (this rank's partition / the CPU's AdamW rate per rank).
@@ -85,4 +86,5 @@ def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float,
             offload += 2 * 12 * shard / disk
         if layout.offload_params == "disk":
             offload += p * shard / disk
-    return Cost(compute, dp, fetch, tp_bytes / hw.tp_bandwidth, offload, tokens)
+    tp_bandwidth = hw.tp_bandwidth if layout.tp <= hw.gpus_per_node else min(hw.tp_bandwidth, hw.dp_bandwidth)
+    return Cost(compute, dp, fetch, tp_bytes / tp_bandwidth, offload, tokens)

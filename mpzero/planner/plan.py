@@ -6,11 +6,14 @@ flags' own functions in `mpzero.arguments`), counts the model states with `state
 layouts and formulas), the activations with `activations.activation_plan` (the activation-memory module), the
 TP traffic, and the cost (`cost.py`), and says whether it fits the machine.
 
-Device bytes per rank at the peak of a step = model states between steps + the in-step working set (stage 3's
-gathered units, prefetch and gradient buckets; stage 2's full gradient buckets) + activations (a micro-batch's
-saved tensors, plus one recomputed layer in backward) + the reserve the user states (CUDA context, allocator
-slack, fragmentation: not modeled). Summing the working set and the activations is an upper bound: both peak
-in backward, the activations at its start.
+Device bytes per rank at the peak = the largest of three moments (+ the reserve the user states: CUDA context,
+allocator slack, fragmentation, not modeled):
+  construction   the fp32 model and the ZeRO buffers being built (`transients.construction_peak`)
+  backward       model states between steps + the in-step working set (stage 3's gathered units, prefetch and
+                 gradient buckets; stage 2's full gradient buckets) + activations (a micro-batch's saved tensors,
+                 plus one recomputed layer) + the largest working tensor (`transients.compute_transients`); an
+                 upper bound: these peak at nearby moments of backward, not all at once
+  optimizer step model states + the step's working tensors
 Host bytes per node = ranks per node x (offloaded states + host buffers); disk bytes per node likewise.
 """
 
@@ -27,6 +30,7 @@ from mpzero.planner.activations import ActivationPlan, activation_plan, normaliz
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
 from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
+from mpzero.planner.transients import compute_transients, construction_peak
 
 TIERS = ("none", "cpu", "disk")
 
@@ -78,25 +82,45 @@ class LayoutPlan:
     activations: ActivationPlan | None  # None: not counted (no activation-memory module for this setting)
     tp_comm: float  # bytes per rank per iteration on the TP group
     cost: Cost
-    device_peak: int
+    construction: int  # device bytes at the high-water mark of building the model and optimizer
+    transients: dict  # working tensors of a step, by term (transients.compute_transients)
+    device_peak: int  # max(construction, backward, optimizer step)
     host_per_rank: int
     host_per_node: int
     disk_per_node: int
     fits: bool
     why: str  # what does not fit ("" when it fits)
 
+    @property
+    def backward_peak(self) -> int:
+        """States + the in-step buffers + activations + the largest backward working tensor (an upper bound: they
+        peak at nearby moments of backward)."""
+        t = self.transients
+        acts = self.activations.peak if self.activations is not None else 0
+        return (self.states.device + self.states.working_set + acts
+                + max(t["cross entropy"], t["vocabulary gradients"], t["attention backward"]))
+
+    @property
+    def step_peak(self) -> int:
+        return self.states.device + self.transients["optimizer step"]
+
     def components(self) -> dict[str, int | None]:
-        """Bytes per rank of each component at the peak of a step (device unless named host/disk)."""
-        s, a = self.states, self.activations
+        """Bytes per rank of each component (device unless named host/disk); the device peak is the largest of
+        construction, backward (the sum of the five above it) and the optimizer step."""
+        s, a, t = self.states, self.activations, self.transients
         return {"parameters": s.params, "gradients": s.grads, "optimizer states": s.optimizer,
                 "gathered/buckets (in step)": s.working_set,
-                "activations": None if a is None else a.peak, "device peak": self.device_peak,
+                "activations": None if a is None else a.peak,
+                "working tensors": max(t["cross entropy"], t["vocabulary gradients"], t["attention backward"]),
+                "optimizer step": t["optimizer step"], "construction": self.construction,
+                "device peak": self.device_peak,
                 "host states": s.host, "host buffers": s.host_buffers, "disk": s.disk}
 
     def to_json(self) -> dict:
         s = self.states
         return {"layout": dataclasses.asdict(self.layout), "micro_batches": self.layout.micro_batches,
                 "fits": self.fits, "why": self.why, "bytes_per_rank": self.components(),
+                "backward_peak": self.backward_peak, "step_peak": self.step_peak, "working_tensors": self.transients,
                 "working_set_formula": s.working_text,
                 "activation_formula": None if self.activations is None else self.activations.text,
                 "activations_saved": None if self.activations is None else self.activations.saved,
@@ -163,6 +187,7 @@ class Planner:
         return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda)
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
+        machine, hw = self.machine, self.machine.hardware
         ns = self.flags_for(layout)
         config = gpt_config(ns, self.vocab_size)
         config.validate(layout.tp)
@@ -176,9 +201,18 @@ class Planner:
                              cuda=self.machine.cuda)
         acts = self._activations(config, layout.tp, layout.micro_batch)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
-        machine, hw = self.machine, self.machine.hardware
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
-        device_peak = states.device_peak + (acts.peak if acts is not None else 0)
+        layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel)
+        mixed = self.precision.dtype != "fp32"
+        construction = construction_peak(layouts, zero.stage, self.p, mixed, self.g, machine.cuda,
+                                         offload.optimizer != "none", offload.params != "none")
+        runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
+        transients = compute_transients(config, layout.tp, layout.micro_batch, self.seq, self.p, self.g,
+                                        sum(lay.shard_numel for lay in layouts), max(runs, default=0))
+        working = max(transients["cross entropy"], transients["vocabulary gradients"],
+                      transients["attention backward"])
+        device_peak = max(construction, states.device + transients["optimizer step"],
+                          states.device_peak + (acts.peak if acts is not None else 0) + working)
         host_per_rank = states.host + states.host_buffers + (acts.host if acts is not None else 0)
         host_per_node = machine.ranks_per_node * host_per_rank
         disk_per_node = machine.ranks_per_node * states.disk
@@ -189,8 +223,8 @@ class Planner:
             why.append("host")
         if states.disk and (machine.disk_space is None or disk_per_node > machine.disk_space):
             why.append("disk")
-        return LayoutPlan(layout, states, acts, tp_comm, cost, device_peak, host_per_rank, host_per_node,
-                          disk_per_node, not why, ",".join(why))
+        return LayoutPlan(layout, states, acts, tp_comm, cost, construction, transients, device_peak, host_per_rank,
+                          host_per_node, disk_per_node, not why, ",".join(why))
 
     def layouts(self, tps=None, stages=None, tiers=None, recompute=None, micro_batches=None,
                 max_micro_batch: int = 64) -> list[Layout]:

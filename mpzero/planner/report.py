@@ -67,8 +67,8 @@ def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, sel
     return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
 
 
-HEADER = ("  #  TP   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ  "
-          "| device peak  host/node   disk/node | DP GB/it  TP GB/it |   s/iter  tokens/s  fits")
+HEADER = ("  #  TP   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ   work  "
+          "build | device peak  host/node   disk/node | DP GB/it  TP GB/it |   s/iter  tokens/s  fits")
 
 
 def row(i: int, plan: LayoutPlan) -> str:
@@ -78,7 +78,8 @@ def row(i: int, plan: LayoutPlan) -> str:
     return (f"{i:>3}  {lay.tp:>2} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
             f"{lay.micro_batch:>3} x {lay.micro_batches:<3} {gib(c['parameters']):>7} {gib(c['gradients']):>6} "
             f"{gib(c['optimizer states']):>6} {gib(c['gathered/buckets (in step)']):>8} "
-            f"{gib(c['activations']):>6}  | {gib(plan.device_peak):>11} {gib(plan.host_per_node):>10} "
+            f"{gib(c['activations']):>6} {gib(c['working tensors']):>6} {gib(c['construction']):>6} "
+            f"| {gib(plan.device_peak):>11} {gib(plan.host_per_node):>10} "
             f"{gib(plan.disk_per_node):>11} | {plan.states.comm_bytes / 1e9:>8.2f} {plan.tp_comm / 1e9:>9.2f} | "
             f"{plan.cost.seconds:>8.3f} {plan.cost.tokens_per_second:>9.0f}  {'yes' if plan.fits else 'no: ' + plan.why}")
 
@@ -96,7 +97,13 @@ def components_text(plan: LayoutPlan) -> list[str]:
     else:
         lines.append(f"  activations       {gib(a.peak):>9} GiB   (saved {gib(a.saved)} GiB + one recomputed layer "
                      f"{gib(a.recompute_transient)} GiB; per layer: {a.text})")
-    lines += [f"  device peak       {gib(plan.device_peak):>9} GiB",
+    t = plan.transients
+    work = max(t["cross entropy"], t["vocabulary gradients"], t["attention backward"])
+    lines += [f"  working tensors   {gib(work):>9} GiB   (largest of cross entropy {gib(t['cross entropy'])}, vocabulary gradients "
+              f"{gib(t['vocabulary gradients'])}, attention backward {gib(t['attention backward'])}; estimate)",
+              f"  construction      {gib(plan.construction):>9} GiB   (the fp32 model and ZeRO's buffers being built)",
+              f"  device peak       {gib(plan.device_peak):>9} GiB   (largest of construction, backward "
+              f"{gib(plan.backward_peak)}, optimizer step {gib(plan.step_peak)})",
               f"  host              {gib(plan.host_per_rank):>9} GiB per rank (states {gib(s.host)}, buffers "
               f"{gib(s.host_buffers)}), {gib(plan.host_per_node)} GiB per node",
               f"  disk              {gib(s.disk):>9} GiB per rank, {gib(plan.disk_per_node)} GiB per node",
