@@ -61,8 +61,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--dry-run --rank {rank} must lie in [0, --world-size {world})")
     if "disk" in (args.offload_optimizer, args.offload_params):
-        raise ConfigError("--dry-run keeps every tier in memory without data, and the disk tier would write real files: "
-                          "plan disk offload with tools/plan_memory.py, or dry-run --offload-* cpu")
+        raise ConfigError("--dry-run keeps every tier in memory without data, and the disk tier would write real "
+                          "files: plan disk offload with tools/plan_memory.py, or dry-run --offload-* cpu")
 
 
 def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | None = None) -> dict:

@@ -39,7 +39,7 @@ class ActivationPlan:
 
 def available() -> bool:
     try:
-        from mpzero.activations import activation_formula  # noqa: F401
+        from mpzero.activations import activation_formula  # noqa: F401 (the probe)
     except ImportError:
         return False
     return True

@@ -32,7 +32,8 @@ def zero_table1_bytes(params: float, dp: int, stage: int) -> float:
 
 
 def deepspeed_zero3(total: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
-                    offload_optimizer: bool = True, offload_params: bool = True, zero_init: bool = True) -> tuple[int, int]:
+                    offload_optimizer: bool = True, offload_params: bool = True,
+                    zero_init: bool = True) -> tuple[int, int]:
     """(host bytes per node, device bytes per GPU) as DeepSpeed's ZeRO-3 estimator computes them."""
     gpus, per_node = gpus_per_node * nodes, 1 / nodes
     all_states = sum(sum(t) for t in state_terms(3, p=2, g=4, master=4).values())  # 18: p16 + fp32 g, master, m, v
@@ -50,7 +51,8 @@ def deepspeed_zero3(total: int, largest_layer: int, gpus_per_node: int = 1, node
     return int(host * DS_BUFFER_FACTOR), int(device)
 
 
-def deepspeed_zero2(total: int, gpus_per_node: int = 1, nodes: int = 1, offload_optimizer: bool = True) -> tuple[int, int]:
+def deepspeed_zero2(total: int, gpus_per_node: int = 1, nodes: int = 1,
+                    offload_optimizer: bool = True) -> tuple[int, int]:
     """(host bytes per node, device bytes per GPU) as DeepSpeed's ZeRO-2 estimator computes them."""
     gpus = gpus_per_node * nodes
     if offload_optimizer:

@@ -81,7 +81,8 @@ def row(i: int, plan: LayoutPlan) -> str:
             f"{gib(c['activations']):>6} {gib(c['working tensors']):>6} {gib(c['construction']):>6} "
             f"| {gib(plan.device_peak):>11} {gib(plan.host_per_node):>10} "
             f"{gib(plan.disk_per_node):>11} | {plan.states.comm_bytes / 1e9:>8.2f} {plan.tp_comm / 1e9:>9.2f} | "
-            f"{plan.cost.seconds:>8.3f} {plan.cost.tokens_per_second:>9.0f}  {'yes' if plan.fits else 'no: ' + plan.why}")
+            f"{plan.cost.seconds:>8.3f} {plan.cost.tokens_per_second:>9.0f}  "
+            f"{'yes' if plan.fits else 'no: ' + plan.why}")
 
 
 def components_text(plan: LayoutPlan) -> list[str]:
@@ -99,7 +100,8 @@ def components_text(plan: LayoutPlan) -> list[str]:
                      f"{gib(a.recompute_transient)} GiB; per layer: {a.text})")
     t = plan.transients
     work = max(t["cross entropy"], t["vocabulary gradients"], t["attention backward"])
-    lines += [f"  working tensors   {gib(work):>9} GiB   (largest of cross entropy {gib(t['cross entropy'])}, vocabulary gradients "
+    lines += [f"  working tensors   {gib(work):>9} GiB   (largest of cross entropy {gib(t['cross entropy'])}, "
+              f"vocabulary gradients "
               f"{gib(t['vocabulary gradients'])}, attention backward {gib(t['attention backward'])}; estimate)",
               f"  construction      {gib(plan.construction):>9} GiB   (the fp32 model and ZeRO's buffers being built)",
               f"  device peak       {gib(plan.device_peak):>9} GiB   (largest of construction, backward "

@@ -1,0 +1,304 @@
+"""The memory planner at scale and on this CPU (issue 13's benchmark; not a test).
+
+Part 1, "how large?": the largest GPT (head size 128, as many layers as heads: L = a = h/128, ~12h^3/128
+parameters; sequence 1024, micro-batch 1, fp16 as in the ZeRO papers, recomputation as the planner picks) that
+each strategy fits on 1 GPU (a 32 GB V100 with its DGX-2's 1.5 TB of host memory), 16 GPUs (one DGX-2: 16 x 32 GB,
+1.5 TB host) and 512 GPUs (80 GB each, 8 per node, 2 TB host per node), found by bisection with the planner, once
+as mpzero builds models today (the fp32 model on every device first) and once counting the step alone (what a
+streamed construction, DeepSpeed's zero.Init, would allow); then one dry run of the largest found per machine
+confirms the planner's figures on the real code.
+
+Part 2, "does the pick hold?" (MEMORY.md A11): world 4 on this CPU, a per-rank memory budget: the planner's pick
+runs 2 steps with measured peak (VmHWM minus the RSS before the model is built, per rank; glibc's mmap threshold
+at 64 KiB so freed tensors leave the RSS) <= predicted (device peak + the 32 MiB CPU reserve) <= budget; the fastest
+layout it rejects, run anyway, measures above the budget.
+
+    python bench/bench_planner.py                 # both parts, ~5-10 min on 2 cores
+    python bench/bench_planner.py --part 2 --budget 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # forked ranks below: no OpenMP pool in the parent
+
+from mpzero.arguments import parse_args  # noqa: E402
+from mpzero.planner.cost import Hardware  # noqa: E402
+from mpzero.planner.plan import Machine, Planner  # noqa: E402
+
+GIB, MIB = 2 ** 30, 2 ** 20
+MACHINES = {  # name: (world, device bytes, host bytes per node, gpus per node)
+    "1 GPU (V100 32 GB, 1.5 TB host)": (1, 32 * GIB, 1.5 * 2 ** 40, 1),
+    "16 GPUs (DGX-2: 16 x 32 GB, 1.5 TB host)": (16, 32 * GIB, 1.5 * 2 ** 40, 16),
+    "512 GPUs (80 GB each, 8 per node, 2 TB host per node)": (512, 80 * GIB, 2 * 2 ** 40, 8),
+}
+STRATEGIES = {  # name: (stage, optimizer tier, parameter tier)
+    "DP (ZeRO-0)": (0, "none", "none"), "ZeRO-1": (1, "none", "none"), "ZeRO-2": (2, "none", "none"),
+    "ZeRO-3": (3, "none", "none"), "ZeRO-2 + optimizer on CPU (ZeRO-Offload)": (2, "cpu", "none"),
+    "ZeRO-3 + optimizer and parameters on CPU (ZeRO-3 Offload)": (3, "cpu", "cpu"),
+}
+PUBLISHED = {  # (machine prefix, strategy) -> what the papers and blogs report
+    ("1 GPU", "DP (ZeRO-0)"): "1.4B (PyTorch DDP, one 32 GB V100: ZeRO-Offload paper)",
+    ("1 GPU", "ZeRO-2 + optimizer on CPU (ZeRO-Offload)"): "13B (ZeRO-Offload paper, one V100)",
+    ("1 GPU", "ZeRO-3 + optimizer and parameters on CPU (ZeRO-3 Offload)"): "40B (DeepSpeed ZeRO-3 Offload, one V100)",
+    ("16 GPUs", "ZeRO-2 + optimizer on CPU (ZeRO-Offload)"): "70B (ZeRO-Offload paper, DGX-2, with model parallelism)",
+    ("512 GPUs", "ZeRO-3 + optimizer and parameters on CPU (ZeRO-3 Offload)"): "2T (DeepSpeed, 512 V100s)",
+}
+SEQ = 1024
+
+
+def model_flags(heads: int) -> list[str]:
+    h = 128 * heads
+    return ["--num-layers", str(heads), "--hidden-size", str(h), "--num-attention-heads", str(heads),
+            "--seq-length", str(SEQ), "--vocab-size", "50257", "--mock-data", "--micro-batch-size", "1",
+            "--train-iters", "1", "--lr", "1e-4", "--fp16"]
+
+
+def best_plan(heads: int, machine: Machine, stage: int, optimizer: str, params: str, tps):
+    """The fastest fitting plan of the model with `heads` heads under the strategy (None: nothing fits), and the
+    plan with the smallest device peak (for the limiting figure)."""
+    planner = Planner(parse_args(model_flags(heads)), 50257, machine)
+    plans = []
+    for layout in planner.layouts(tps=tps, stages=[stage], micro_batches=[1]):
+        if (layout.offload_optimizer, layout.offload_params) == (optimizer, params):
+            plans.append(planner.evaluate(layout))
+    fitting = [p for p in plans if p.fits]
+    best = max(fitting, key=lambda p: p.cost.tokens_per_second) if fitting else None
+    return best, min(plans, key=lambda p: p.device_peak), plans
+
+
+def largest(machine: Machine, strategy, tps, ignore_construction: bool) -> tuple[int, object]:
+    """Bisection on the head count (8 ... 4096): the largest model that fits."""
+    def fits(heads):
+        best, _, plans = best_plan(heads, machine, *strategy, tps)
+        if not ignore_construction:
+            return best
+        ok = [p for p in plans if max(p.backward_peak, p.step_peak) + machine.device_reserve <= machine.device_memory
+              and (machine.host_memory is None or p.host_per_node <= machine.host_memory)]
+        return max(ok, key=lambda p: p.cost.tokens_per_second) if ok else None
+    lo, hi = 0, 8
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 4096:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, (fits(lo) if lo else None)
+
+
+def limit(heads: int, machine: Machine, strategy, tps, ignore_construction: bool) -> str:
+    """What stops the next size up: the term over budget in its least demanding layout."""
+    _, _, plans = best_plan(heads + 1, machine, *strategy, tps)
+    budget = machine.device_memory - machine.device_reserve
+
+    def over(p):
+        terms = {"backward": p.backward_peak, "optimizer step": p.step_peak}
+        if not ignore_construction:
+            terms["construction"] = p.construction
+        worst = max(terms, key=terms.get)
+        return worst if terms[worst] > budget else "host"
+    closest = min(plans, key=lambda p: max(p.backward_peak, p.step_peak,
+                                             0 if ignore_construction else p.construction))
+    return over(closest)
+
+
+def params_of(heads: int) -> int:
+    from mpzero.arguments import gpt_config
+    from mpzero.planner.shapes import model_shapes
+    return model_shapes(gpt_config(parse_args(model_flags(heads)), 50257), 1).numel
+
+
+def part1(args) -> dict:
+    rows = {}
+    for name, (world, device, host, per_node) in MACHINES.items():
+        machine = Machine(world, device, host, None, 2 * GIB, True, Hardware(gpus_per_node=per_node))
+        tps = [t for t in (1, 2, 4, 8, 16) if t <= per_node]
+        for strategy, spec in STRATEGIES.items():
+            start = time.perf_counter()
+            found = {}
+            for label, tp_choice, ignore in (("today", [1], False), ("+TP", tps, False), ("streamed init", tps, True)):
+                heads, plan = largest(machine, spec, tp_choice, ignore)
+                found[label] = {"heads": heads, "params": params_of(heads) if heads else 0, "plan": plan,
+                                "limited_by": limit(heads, machine, spec, tp_choice, ignore),
+                                "layout": plan.layout.describe() if plan else None,
+                                "device_peak": plan.device_peak if plan else None,
+                                "construction": plan.construction if plan else None,
+                                "host_per_node": plan.host_per_node if plan else None}
+            published = next((v for (m, s), v in PUBLISHED.items() if name.startswith(m) and s == strategy), "")
+            rows[f"{name} | {strategy}"] = {"found": found, "published": published,
+                                             "seconds": time.perf_counter() - start}
+            print(f"{name} | {strategy}: DP-only {found['today']['params'] / 1e9:.1f}B (limit: "
+                  f"{found['today']['limited_by']}), with TP {found['+TP']['params'] / 1e9:.1f}B "
+                  f"({found['+TP']['layout']}; limit: {found['+TP']['limited_by']}), streamed init "
+                  f"{found['streamed init']['params'] / 1e9:.1f}B ({found['streamed init']['layout']}; limit: "
+                  f"{found['streamed init']['limited_by']}) | published: {published or '-'}", flush=True)
+    return rows
+
+
+DRY = """
+import contextlib, io, json, sys, time
+import pretrain_gpt
+out = io.StringIO()
+start = time.perf_counter()
+with contextlib.redirect_stdout(out):
+    pretrain_gpt.main(sys.argv[1:])
+print(json.dumps({"stdout": out.getvalue(), "seconds": time.perf_counter() - start}))
+"""
+
+
+def confirm(heads: int, layout, world: int, timeout: int) -> dict:
+    """A dry run of rank 0 of that layout: the planner line says whether every figure is equal."""
+    flags = model_flags(heads) + ["--tensor-model-parallel-size", str(layout.tp), "--zero-stage", str(layout.stage),
+                                  "--global-batch-size", str(layout.global_batch)]
+    if layout.recompute == "full":
+        flags += ["--recompute-granularity", "full"]
+    elif layout.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    if layout.sequence_parallel:
+        flags += ["--sequence-parallel"]
+    if layout.offload_optimizer != "none":
+        flags += ["--offload-optimizer", layout.offload_optimizer, "--offload-params", layout.offload_params]
+    flags += ["--dry-run", "--world-size", str(world), "--rank", "0"]
+    try:
+        done = subprocess.run([sys.executable, "-c", DRY, *flags], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"equal": None, "why": f"over {timeout} s"}
+    if done.returncode:
+        return {"equal": None, "why": done.stderr.strip().splitlines()[-1][:300]}
+    result = json.loads(done.stdout.splitlines()[-1])
+    planner_line = next(line for line in result["stdout"].splitlines() if line.startswith("planner |"))
+    return {"equal": planner_line.endswith("| equal"), "planner_line": planner_line, "seconds": result["seconds"]}
+
+
+# --- part 2 ----------------------------------------------------------------------------------------------------
+
+CPU_MODEL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+             "--vocab-size", "32000", "--mock-data", "--train-iters", "2", "--lr", "1e-4", "--bf16",
+             "--global-batch-size", "16"]
+
+
+def _status(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _measure_rank(argv: list[str]) -> int:
+    """Peak RSS growth of this rank over 2 training steps, from just before the model is built."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: larger allocations are mmapped and unmapped when freed
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    import pretrain_gpt
+    from mpzero.arguments import run_config
+    from mpzero.parallel import init_parallel
+    from mpzero.training.loop import _forward_backward, build_training_state
+    from mpzero.training.mock_data import MockGPTDataset
+    args = parse_args(argv)
+    groups = init_parallel(args.tensor_model_parallel_size)
+    run = run_config(args, groups.world.size)
+    data = MockGPTDataset(run.data.vocab_size, run.training.seq_length, 1, 2 * run.training.global_batch_size)
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    state = build_training_state(run, pretrain_gpt.gpt_provider, groups)
+    for step in range(2):
+        _forward_backward(state, data, step * run.training.global_batch_size, run.training)
+        state.optimizer.step(1e-4)
+    state.optimizer.close()
+    return _status("VmHWM") - before
+
+
+def part2(args) -> dict:
+    from tests.distributed import run_ranks
+    tool = runpy.run_path(os.path.join(ROOT, "tools", "plan_memory.py"))
+    budget = args.budget * MIB
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool["main"](["--world-size", "4", "--device", "cpu", "--device-memory", f"{args.budget}MiB", "--json",
+                             "--micro-batch-sizes", "1,2,4", "--offload-tiers", "none", *CPU_MODEL])
+    assert code == 0, out.getvalue()
+    plan = json.loads(out.getvalue())
+    reserve = plan["machine"]["device_reserve"]
+    best = plan["best"]
+    rejected = next(x for x in sorted((x for x in plan["layouts"] if not x["fits"]),
+                                      key=lambda x: -x["tokens_per_s"]))
+    results = {}
+    for name, choice in (("picked", best), ("rejected", rejected)):
+        lay = choice["layout"]
+        flags = CPU_MODEL + ["--tensor-model-parallel-size", str(lay["tp"]), "--zero-stage", str(lay["stage"]),
+                             "--micro-batch-size", str(lay["micro_batch"])]
+        if lay["recompute"] != "none":
+            flags += ["--recompute-granularity", lay["recompute"]]
+        if lay["sequence_parallel"]:
+            flags += ["--sequence-parallel"]
+        start = time.perf_counter()
+        measured = run_ranks(4, _measure_rank, flags, deadline=1800)
+        predicted = choice["bytes_per_rank"]["device peak"] + reserve
+        results[name] = {"layout": lay, "measured": measured, "predicted": predicted,
+                         "seconds": time.perf_counter() - start}
+        print(f"{name}: {json.dumps(lay)} measured MiB per rank {[round(m / MIB, 1) for m in measured]} | "
+              f"predicted {predicted / MIB:.1f} (device peak + {reserve / MIB:.0f} reserve) | budget "
+              f"{budget / MIB:.0f}", flush=True)
+    ok_pick = max(results["picked"]["measured"]) <= results["picked"]["predicted"] <= budget
+    ok_reject = max(results["rejected"]["measured"]) > budget
+    print(f"picked: measured <= predicted <= budget: {ok_pick}; rejected, run anyway: measured > budget: {ok_reject}")
+    return {"budget": budget, "results": results, "pick_holds": ok_pick, "reject_holds": ok_reject}
+
+
+def _describe(o) -> str:
+    return o.layout.describe() if hasattr(o, "layout") else str(o)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", type=int, choices=(1, 2), default=None)
+    parser.add_argument("--budget", type=int, default=140, help="part 2: MiB per rank")
+    parser.add_argument("--confirm-timeout", type=int, default=600, help="part 1: seconds per confirming dry run")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    results = {}
+    if args.part in (None, 1):
+        results["part1"] = part1(args)
+        confirmations = {}
+        for row, data in results["part1"].items():
+            found = data["found"]["+TP"]
+            if not found["heads"] or not row.endswith(("DP (ZeRO-0)", "| ZeRO-3", "(ZeRO-3 Offload)")):
+                continue  # one confirmation per kind: DP, ZeRO-3 and ZeRO-3 Offload on each machine
+            world = MACHINES[row.split(" | ")[0]][0]
+            confirmations[row] = confirm(found["heads"], found["plan"].layout, world, args.confirm_timeout)
+            print(f"dry run of {row} ({found['params'] / 1e9:.1f}B, {found['layout']}): {confirmations[row]}",
+                  flush=True)
+            streamed = data["found"]["streamed init"]
+            if world == 512 and row.endswith(("| ZeRO-3", "(ZeRO-3 Offload)")) and streamed["heads"]:
+                key = row + " (streamed init)"  # the step of the largest model, run by the real code
+                confirmations[key] = confirm(streamed["heads"], streamed["plan"].layout, world, args.confirm_timeout)
+                print(f"dry run of {key} ({streamed['params'] / 1e9:.1f}B, {streamed['layout']}): "
+                      f"{confirmations[key]}", flush=True)
+        results["confirmations"] = confirmations
+    if args.part in (None, 2):
+        results["part2"] = part2(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=_describe)
+
+
+if __name__ == "__main__":
+    main()
