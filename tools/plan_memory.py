@@ -189,7 +189,7 @@ def print_text(result: dict) -> None:
     print("command:")
     print("  " + result["command"])
     dry = result["command"].split(" pretrain_gpt.py ", 1)[1]
-    print("confirm any rank without a GPU (fake tensors; its figures are this plan's with --device cpu):")
+    print("confirm any rank without a GPU (tensors without data; its figures are this plan's with --device cpu):")
     print(f"  python pretrain_gpt.py --dry-run --world-size {machine.world_size} --rank 0 {dry}")
 
 
