@@ -243,6 +243,14 @@ def test_json_plan_ranks_what_fits_and_prints_a_runnable_command():
     assert run.training.global_batch_size == 16
 
 
+def test_plan_reads_a_config_file(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num-layers: 4\nhidden-size: 64\nnum-attention-heads: 4\nseq-length: 64\nvocab-size: 1000\n"
+                      "global-batch-size: 16\nbf16: true\n")
+    code, stdout, _ = _plan("--config", str(config), "--world-size", "4", "--device-memory", "1GiB", "--device", "cpu")
+    assert code == 0 and "vocabulary 1000; bf16" in stdout and f"pretrain_gpt.py --config {config} " in stdout
+
+
 def test_text_plan_and_a_budget_nothing_fits():
     code, stdout, _ = _plan("--world-size", "2", "--device-memory", "2.1GiB", "--host-memory", "1GiB", *MODEL)
     assert code == 0

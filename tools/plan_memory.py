@@ -95,17 +95,19 @@ def planner_parser() -> argparse.ArgumentParser:
 
 
 def training_argv(rest: list[str]) -> list[str]:
-    """pretrain_gpt.py's flags with what a plan does not need filled in."""
-    present = {token.split("=", 1)[0] for token in rest if token.startswith("--")}
-    config = None
-    if "--config" in present:
+    """pretrain_gpt.py's flags with what a plan does not need filled in (unless the command line or --config set
+    it)."""
+    def dest(flag: str) -> str:
+        return flag.split("=", 1)[0].lstrip("-").replace("-", "_")
+    present = {dest(token) for token in rest if token.startswith("--")}
+    if "config" in present:
         config = rest[rest.index("--config") + 1] if "--config" in rest else next(
             t.split("=", 1)[1] for t in rest if t.startswith("--config="))
-        present |= {f"--{key}" for key in read_config_file(config, build_parser())}
-    extra = [token for flag, value in DEFAULTS.items() if flag not in present for token in (flag, value)]
-    if "--data-path" not in present and "--mock-data" not in present:
+        present |= set(read_config_file(config, build_parser()))
+    extra = [token for flag, value in DEFAULTS.items() if dest(flag) not in present for token in (flag, value)]
+    if "data_path" not in present and "mock_data" not in present:
         extra.append("--mock-data")
-        if "--vocab-size" not in present:
+        if "vocab_size" not in present:
             extra += ["--vocab-size", "50257"]
     return rest + extra
 
