@@ -95,7 +95,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
         optimizer.comm_report()  # count from the first iteration on, as training does
         tp_mark = groups.tp.stats.total()
         data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
-        counter = _Counter(state.model.module) if SavedBytesCounter else None
+        counter = SavedBytesCounter(state.model.module) if SavedBytesCounter else None
         _forward_backward(state, data, 0, training, **({"activations": counter} if counter else {}))
         optimizer.step(run.schedule.lr(0))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
@@ -140,19 +140,6 @@ def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
     built = provider(run.model, groups, rng)
     optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision, offload=run.offload)
     return TrainingState(groups, built, optimizer, rng)
-
-
-if SavedBytesCounter is not None:
-    class _Counter(SavedBytesCounter):
-        """The activation counter, its parameter storages taken once: a fake storage's key is its identity, which
-        stays when ZeRO-3 resizes it, so what the counter re-reads at every saved tensor (storage addresses move
-        as real units are gathered and released) cannot change here; re-reading it made a dry run quadratic in
-        the layers."""
-
-        def _parameter_storages(self) -> set:
-            if getattr(self, "_parameter_keys", None) is None:
-                self._parameter_keys = super()._parameter_storages()
-            return self._parameter_keys
 
 
 def compare(memory, comm, tp_comm: float, plan: StatePlan, plan_tp: float, activations: dict | None = None,
