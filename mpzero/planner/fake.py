@@ -12,10 +12,10 @@ The planner builds models on "meta"; the dry run (`mpzero/dry_run.py`) uses "met
 What the code does that data-less tensors do not support as-is is handled here, only while the context is active:
 - a scalar read from a tensor (`.item()`: the loss, the gradient norm, fp16's overflow flag) has no value: it
   reads 0 (no overflow, a zero norm: the step runs, nothing is clipped);
-- a storage's `data_ptr()` is 0 for every meta or fake storage, so the counts that tell storages apart by it (the
-  memory report's `accounting.unique_storage_bytes`, the activation counter's `SavedBytesCounter`) would see one
-  storage: such a storage's `data_ptr()` is its identity instead (the StorageImpl's address), which groups tensors
-  into storages exactly as data pointers do on real memory;
+- a storage's `data_ptr()` is 0 for every meta or fake storage, so a count that tells storages apart by it (the
+  memory report's `accounting.unique_storage_bytes`) would see one storage: such a storage's `data_ptr()` is its
+  identity instead (the StorageImpl's address, what `SavedBytesCounter` keys by), which groups tensors into
+  storages exactly as data pointers do on real memory;
 - (fake) a generator state saved for recomputation is cloned into a fake tensor, which has no bytes to restore:
   `torch.set_rng_state` of a fake state leaves the generator as it is (nothing draws real numbers here);
 - (fake) `nn.Module.to(device)` of a module whose parameters are already fake tensors on that device (GPTEmbedding's
