@@ -197,11 +197,11 @@ def _peak_rss(argv: list[str]) -> tuple[int, str]:
 
 
 def test_disk_tier_holds_its_buffers_in_host_memory_not_the_optimizer_state(tmp_path):
-    """14.5M fp32 parameters at stage 1, world of one: in memory, Adam's moments are 8P = 116 MB of RAM (the fp32
-    master is the parameter); on disk the state is 12P = 174 MB of files, 33x the 5.3 MB of buffers, and the
-    process's peak RSS (VmHWM) must be lower by the moments, less the buffers and at most 16 MiB of slack (the
-    I/O threads' malloc arenas and stacks, allocator rounding: 8 MiB measured)."""
-    argv = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
+    """41.6M fp32 parameters at stage 1, world of one: in memory, Adam's moments are 8P = 333 MB of RAM (the fp32
+    master is the parameter); on disk the state is 12P = 499 MB of files, ~90x the buffers, and the process's peak
+    RSS (VmHWM) must be lower by the moments, less the buffers and at most 32 MiB of slack (what the offload path
+    adds besides its buffers: the I/O threads' malloc arenas and stacks, its modules; 8-27 MiB measured)."""
+    argv = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "16",
             "--micro-batch-size", "1", "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--vocab-size", "16000",
             "--eval-iters", "0", "--log-interval", "1", "--zero-stage", "1"]
     in_memory, _ = _peak_rss(argv)
@@ -211,7 +211,7 @@ def test_disk_tier_holds_its_buffers_in_host_memory_not_the_optimizer_state(tmp_
     params, buffers, disk = int(memory["params"]), int(memory["host-buffers bytes"]), int(memory["disk bytes"])
     assert disk >= 10 * buffers
     moments = 8 * params
-    assert in_memory - offloaded >= moments - buffers - (16 << 20), (in_memory, offloaded, moments, buffers)
+    assert in_memory - offloaded >= moments - buffers - (32 << 20), (in_memory, offloaded, moments, buffers)
 
 
 def test_stage3_disk_traffic_is_at_its_theory_when_sub_groups_cut_units(tmp_path):
