@@ -7,11 +7,9 @@ host memory or on disk), and the device<->host traffic equals its theory (4P/N d
 import re
 
 import pytest
-import torch.distributed as dist
 
 import pretrain_gpt
-from mpzero.parallel import init_parallel
-from tests.gpu.common import BACKEND, DEVICE, SMALL, needs_cuda
+from tests.gpu.common import DEVICE, SMALL, needs_cuda
 
 pytestmark = needs_cuda
 
@@ -23,13 +21,6 @@ MODES = {
                                          "disk", "--offload-sub-group-numel", "5000"],
 }
 
-
-@pytest.fixture(scope="module")
-def world():
-    groups = init_parallel(1)
-    assert dist.get_backend() == BACKEND and groups.device.type == DEVICE.type
-    yield groups
-    dist.destroy_process_group()
 
 
 def _fields(line: str) -> dict[str, str]:

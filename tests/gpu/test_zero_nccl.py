@@ -3,23 +3,12 @@ four print the same losses (fp32, within 1e-5 relative), and their `zero memory`
 
 import re
 
-import pytest
-import torch.distributed as dist
 
 import pretrain_gpt
-from mpzero.parallel import init_parallel
-from tests.gpu.common import BACKEND, DEVICE, SMALL, needs_cuda
+from tests.gpu.common import SMALL, needs_cuda
 
 pytestmark = needs_cuda
 
-
-@pytest.fixture(scope="module")
-def world():
-    """One NCCL process group for the module: pretrain_gpt.main runs inside it (as under a notebook)."""
-    groups = init_parallel(1)
-    assert dist.get_backend() == BACKEND and groups.device.type == DEVICE.type
-    yield groups
-    dist.destroy_process_group()
 
 
 def test_zero_stages_over_nccl_give_the_same_losses(world, capsys):
