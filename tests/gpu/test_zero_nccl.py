@@ -3,7 +3,6 @@ four print the same losses (fp32, within 1e-5 relative), and their `zero memory`
 
 import re
 
-
 import pretrain_gpt
 from tests.gpu.common import SMALL, needs_cuda
 
