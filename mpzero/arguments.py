@@ -20,6 +20,7 @@ from mpzero.data.splits import parse_data_path, parse_split
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
 from mpzero.flag_ranges import check_ranges
+from mpzero.fused.impl import ATTENTION_BACKENDS
 from mpzero.models import GPTConfig
 from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
@@ -58,7 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                        help="attention softmax by the PyTorch reference instead of the fused op")
     model.add_argument("--use-flash-attn", action="store_true",
-                       help="attention through torch's scaled_dot_product_attention (FlashAttention on GPUs)")
+                       help="Megatron's older spelling of --attention-backend flash")
+    model.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="flash: torch's scaled_dot_product_attention (FlashAttention-2, cuDNN or memory-efficient "
+                            "kernels on GPUs, never an [s, s] tensor); fused: the same restricted to cuDNN's fused "
+                            "attention (CUDA only); local: Megatron's core attention (explicit scores, the fused "
+                            "scale + mask + softmax op); unfused: the same with the PyTorch reference softmax; auto "
+                            "(default): flash on GPUs, local on CPUs (the choice is printed on the 'fused ops' line)")
+    model.add_argument("--torch-compile", action="store_true",
+                       help="compile each transformer layer's forward with torch.compile (torchtitan's regional "
+                            "compilation; inductor: Triton kernels on GPUs, C++ on CPUs); the first iteration "
+                            "pays the compilation")
     model.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
                        help="LayerNorm by the PyTorch reference instead of the fused op")
     model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
@@ -292,7 +303,9 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      sequence_parallel=args.sequence_parallel, offload_activations=args.offload_activations,
                      layernorm_impl="auto" if args.layernorm_fusion else "torch",
                      softmax_impl="auto" if args.masked_softmax_fusion else "torch",
-                     use_flash_attn=args.use_flash_attn, seq_length=args.seq_length,
+                     use_flash_attn=args.use_flash_attn, attention_backend=args.attention_backend,
+                     torch_compile=args.torch_compile,
+                     seq_length=args.seq_length,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                      openai_gelu=args.openai_gelu, init_seed=args.seed)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mpzero.activations import SavedBytesCounter, activation_formula, layer_formula, paper_row
-from mpzero.activations.formula import CPU_RNG_STATE_BYTES, ActivationSetting
+from mpzero.activations.formula import CPU_RNG_STATE_BYTES, ActivationSetting, modeled
 from mpzero.arguments import parse_args, run_config
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel
@@ -32,8 +32,13 @@ MODES = {
     "distributed uniform 2": dict(FULL, recompute_num_layers=2, distribute_saved_activations=True),
     "untied, tanh GELU": dict(untie_embeddings_and_output_weights=True, openai_gelu=True),
     "sp untied": dict(sequence_parallel=True, untie_embeddings_and_output_weights=True),
+    # SDPA's CPU flash kernel; with attention dropout the CPU runs SDPA's math fallback (not modeled)
+    "flash": dict(attention_backend="flash", attention_dropout=0.0),
+    "flash selective": dict(attention_backend="flash", recompute_activations=True),
+    "sp flash": dict(attention_backend="flash", attention_dropout=0.0, sequence_parallel=True),
+    "unfused": dict(attention_backend="unfused"),
 }
-TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2", "sp untied")
+TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2", "sp untied", "sp flash")
 
 
 def _count(groups, config, dtype, batch=2, seq=16):
@@ -57,7 +62,7 @@ def _count_every_mode(tp):
             continue
         for dtype in (torch.float32, torch.bfloat16):
             for dropout in (0.0, 0.1):
-                config = dataclasses.replace(BASE, hidden_dropout=dropout, attention_dropout=dropout, **change)
+                config = dataclasses.replace(BASE, **{"hidden_dropout": dropout, "attention_dropout": dropout, **change})
                 results[mode, str(dtype), dropout] = _count(groups, config, dtype)
     return results
 
@@ -65,7 +70,7 @@ def _count_every_mode(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_counted_bytes_equal_the_formula_in_every_mode(tp):
     for rank, results in enumerate(run_ranks(tp, _count_every_mode, tp)):
-        assert len(results) == (24 if tp == 1 else 48)
+        assert len(results) == (36 if tp == 1 else 64)
         for key, (layers, total, formula_layers, formula_total) in results.items():
             assert layers == formula_layers, (rank, key)
             assert total == formula_total, (rank, key)
@@ -105,6 +110,21 @@ def test_selective_saves_70_percent_at_gpt3_and_65_at_mt_nlg():
         stored = layer_formula(setting, "stored").paper_bytes
         selective = layer_formula(setting, "selective").paper_bytes
         assert round(1 - selective / stored, 2) == saved
+
+
+def test_flash_attention_is_modeled_except_the_cpus_dropout_fallback():
+    """SDPA keeps an fp32 logsumexp in place of the [s, s] items (its output is the projection's input); on the CPU, attention dropout
+    sends it to the math fallback, which the formula does not model unless selective recomputation drops it."""
+    flash = _setting(flash_attention=True, tp=1)
+    layer = layer_formula(flash, "stored")
+    s, b, a = 2048, 1, 64
+    assert layer.paper_bytes == layer_formula(flash, "selective").paper_bytes  # no [s, s] item
+    assert [t.bytes for t in layer.terms if t.name == "flash attention logsumexp fp32"] == [4 * a * s * b]
+    assert modeled(flash) is None
+    cpu = dataclasses.replace(flash, mask_bytes=None)
+    assert "math fallback" in modeled(cpu)
+    assert modeled(dataclasses.replace(cpu, recompute_granularity="selective")) is None
+    assert modeled(dataclasses.replace(cpu, attention_dropout=False)) is None
 
 
 def test_rng_state_size_is_torchs():

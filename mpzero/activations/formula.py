@@ -10,6 +10,13 @@ from what the code saves (never fitted to a count):
   as a 4-byte copy (4 - e extra bytes per element), fp32 mean and rstd (4 + 4 bytes per row), and, when the
   parameters are stored in e < 4 bytes, fp32 copies of its weight and bias (4h + 4h). The Triton LayerNorm
   keeps its e-byte input (the Table 2 term), the statistics and the fp32 weight copy (4h), not the bias;
+- flash attention (`--attention-backend flash` or fused: torch's scaled_dot_product_attention) keeps no [s, s]
+  tensor: q, k, v as views of the QKV output (Table 2's Q, K, V items), its output, laid out [b, s, heads, d]
+  so that the projection's input is a view of it (Table 2's projection input item), and an fp32 logsumexp per
+  head and position (4asb/t), in place of Table 2's softmax and dropout items (what the CPU's flash kernel
+  saves, counted; FlashAttention-2 on CUDA keeps the same tensors, the memory-efficient kernel pads the
+  logsumexp's positions to a multiple of 32). On the CPU, attention dropout sends SDPA to its math fallback,
+  which is not modeled;
 - reference softmax keeps its output in fp32 (4 - e extra bytes per score) and a bool [s, s] causal mask;
   without attention dropout the value matmul keeps its own e-byte copy of the probabilities (the masked,
   cast output), where Table 2 has the dropout output. The Triton softmax keeps its e-byte output only;
@@ -61,7 +68,8 @@ class ActivationSetting:
     offload_activations: bool = False  # host tier: checkpoints (full) or every saved tensor of a layer
     layernorm_impl: str = "torch"
     softmax_impl: str = "torch"
-    flash_attention: bool = False
+    flash_attention: bool = False  # the attention backend is SDPA's (flash or fused)
+    compiled_layers: bool = False  # --torch-compile: the layers' saved tensors are the compiler's choice
     rng_state_bytes: int = CPU_RNG_STATE_BYTES
     rng_streams: int = 1  # tracker streams saved beside the default generator
 
@@ -150,8 +158,12 @@ def check_setting(setting: ActivationSetting) -> None:
 
 def modeled(setting: ActivationSetting) -> str | None:
     """None when the formula covers this setting; else why not (one phrase)."""
-    if setting.flash_attention:
-        return "scaled_dot_product_attention (--use-flash-attn) keeps kernel-specific tensors"
+    if setting.compiled_layers:
+        return "torch.compile'd layers (--torch-compile) keep what the compiler chooses"
+    cpu_dropout = setting.attention_dropout and setting.mask_bytes != 1
+    if setting.flash_attention and cpu_dropout and "stored" in layer_kinds(setting):
+        return ("scaled_dot_product_attention with attention dropout runs its math fallback on the CPU, "
+                "which keeps other tensors")
     if setting.layernorm_impl not in ("torch", "triton") or setting.softmax_impl not in ("torch", "triton"):
         return "torch.compile'd fused ops keep what the compiler chooses"
     return None
@@ -226,18 +238,18 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
         return LayerFormula(kind, (Term("checkpointed input", text, e * sbh // div, paper=True), rng_term),
                             text, host)
 
-    hidden, attn_drop = st.hidden_dropout, st.attention_dropout
+    hidden, attn_drop, flash = st.hidden_dropout, st.attention_dropout, st.flash_attention
     core = kind == "stored"  # the core attention's tensors are kept (selective recomputes them)
     # Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t)
     rep_items = [("LayerNorm inputs", 2 * e), ("QKV input", e), ("MLP input", e)] + (
         [("hidden dropout masks", 2)] if hidden else [])
     shard_items = [("Q, K", 2 * e), ("V", e), ("projection input", e), ("GELU input", 4 * e), ("fc2 input", 4 * e)]
     attn_items = ([("softmax output", e), ("value-matmul input (dropout output)", e)]
-                  + ([("attention dropout mask", 1)] if attn_drop else [])) if core else []
+                  + ([("attention dropout mask", 1)] if attn_drop else [])) if core and not flash else []
     rep = Fraction(sum(c for _, c in rep_items))
     shard = Fraction(sum(c for _, c in shard_items))
     attn = Fraction(sum(c for _, c in attn_items))
-    if core and not attn_drop:  # Table 2 without dropout: the softmax output serves the value matmul too
+    if core and not flash and not attn_drop:  # Table 2 without dropout: the softmax output serves the value matmul too
         attn -= e
     paper_bytes = Fraction(sbh) * rep / rep_div + Fraction(sbh) * shard / t + Fraction(as2b) * attn / t
     paper_text = _sbh_text(rep, shard, attn, t, sp)  # Table 2's row when e = 2 and dropout is on
@@ -251,7 +263,9 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
     if e < 4:
         copies = 4 if ln_torch else 2  # weight and bias (reference) or weight only (Triton)
         terms.append(Term("LayerNorm fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
-    if core:
+    if core and flash:
+        terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
+    elif core:
         if st.softmax_impl == "torch":
             if e < 4:
                 terms.append(Term("softmax output in fp32", f"{4 - e}as^2b/t", (4 - e) * as2b // t))

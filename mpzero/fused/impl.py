@@ -2,10 +2,14 @@
 
 Each op has a plain PyTorch reference ("torch"), the same reference under `torch.compile` ("compile"),
 a Triton kernel ("triton"; CUDA tensors, or CPU tensors under Triton's interpreter) and, for AdamW,
-torch's own fused AdamW ("torch_fused"). `auto` resolves from the device alone: Triton on CUDA, and on
-CPU the implementation measured fastest by bench/bench_fused_cpu.py (figures in bench/README.md).
-Resolution is a pure function of (op, device, installed triton), so callers resolve once at start and
-log `resolved_impls(device)`. Asking for something that cannot run raises `ConfigError`.
+torch's own fused AdamW ("torch_fused"). `auto` resolves from the device alone, to the implementation measured
+fastest on that device: `CPU_CHOICE` by bench/bench_fused_cpu.py, `CUDA_CHOICE` by bench/bench_fused_gpu.py on
+an H100 (`make gpu-check`; figures in bench/README.md, "On one H100"). Resolution is a pure function of
+(op, device, installed triton), so callers resolve once at start and log `resolved_impls(device)`. Asking for
+something that cannot run raises `ConfigError`.
+
+The attention backend (`--attention-backend`, Megatron-core's names) is chosen the same way:
+`resolve_attention_backend(backend, device)`.
 
 Triton is an optional extra (`pip install mpzero[triton]`); without it the kernel modules still import
 (the kernels stay plain functions that nothing launches) and `impl="triton"` raises.
@@ -41,6 +45,26 @@ IMPLS = {
 
 # The CPU winner per op, measured by bench/bench_fused_cpu.py (see bench/README.md for the numbers).
 CPU_CHOICE = {"layer_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused"}
+# The CUDA winner per op at GPT-2 shapes, measured on an H100 by bench/bench_fused_gpu.py (triton.testing.do_bench
+# medians, bench/README.md "On one H100", 2026-11-22):
+# - layer_norm: torch's F.layer_norm, 0.201 ms fwd+bwd at [8192, 768] bf16 against 0.582 for the Triton kernel
+#   (and 0.581 compiled): the kernel holds one row per program with a serial dweight/dbias pass, 2.9x slower;
+# - scaled_masked_softmax: the Triton kernel, 0.584 ms at [1, 96, 1024, 1024] bf16 against torch's 5.239 (9.0x);
+# - adamw_step: the Triton kernel, 1.253 ms over 124M fp32 masters + bf16 copy against torch's fused 1.644.
+CUDA_CHOICE = {"layer_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton"}
+
+# --attention-backend, with Megatron-core's names and their meaning here:
+# - flash: torch's F.scaled_dot_product_attention, whose dispatcher picks FlashAttention-2, cuDNN or the
+#   memory-efficient kernel on CUDA (one fused kernel on CPU); [s, s] is never materialized;
+# - fused: the same call restricted to cuDNN's fused attention (Megatron-core's "fused" is cuDNN's, through
+#   Transformer Engine); CUDA only;
+# - local: Megatron's own core attention: explicit [s, s] scores, the fused scale + causal mask + softmax op
+#   (`scaled_masked_softmax`, Triton on CUDA), dropout, the matmul with the values;
+# - unfused: the same explicit path with the PyTorch reference softmax (Transformer Engine's unfused attention);
+# - auto: flash on CUDA (GPT-2 124M bf16 on an H100: 53.3 ms per step against 61.2 for local, bench/README.md),
+#   local on CPU, where the activation formula counts every byte it keeps and the suite's figures were taken.
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+ATTENTION_CHOICE = {"cuda": "flash", "cpu": "local"}
 
 
 def jit(fn):
@@ -59,11 +83,31 @@ def resolve_impl(op: str, device: torch.device | str, impl: str = "auto") -> str
     if impl != "auto" and impl not in IMPLS[op]:
         raise ConfigError(f"unknown impl {impl!r} for {op}: expected 'auto' or one of {IMPLS[op]}")
     device = torch.device(device)
-    if impl == "auto":
-        impl = "triton" if device.type == "cuda" else CPU_CHOICE[op]
+    impl = planned_impl(op, device, impl)
     if impl == "triton":
         _check_triton_runs(op, device)
     return impl
+
+
+def planned_impl(op: str, device: torch.device | str, impl: str = "auto") -> str:
+    """What `auto` means for `op` on a device of `device`'s type, without requiring it runnable here (a CPU
+    machine plans a CUDA run)."""
+    if impl != "auto":
+        return impl
+    return (CUDA_CHOICE if torch.device(device).type == "cuda" else CPU_CHOICE)[op]
+
+
+def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
+    """The attention backend `backend` runs on `device`: one of flash, fused, unfused, local."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend {backend} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    device_type = torch.device(device).type
+    if backend == "auto":
+        return ATTENTION_CHOICE.get(device_type, "local")
+    if backend == "fused" and device_type != "cuda":
+        raise ConfigError(f"--attention-backend fused is cuDNN's fused attention and needs CUDA (this run is on "
+                          f"{device_type}): use flash (torch's scaled_dot_product_attention) or local")
+    return backend
 
 
 def resolved_impls(device: torch.device | str) -> dict[str, str]:

@@ -70,19 +70,20 @@ def _cached_attention(attention, x: torch.Tensor, keys: torch.Tensor, values: to
     qkv = attention.qkv(x).view(b, s, attention.local_heads, 3, attention.head_dim)
     q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
     keys[:, :, start:start + s], values[:, :, start:start + s] = k, v
+    backend = attention.backend(x.device)
     if start == 0:  # the prompt: the model's own causal attention
-        context = attention._flash(q, k, v, 0.0) if attention.use_flash_attn else attention._core(q, k, v, 0.0)
+        context = attention.attend(q, k, v, 0.0, backend)
     else:  # query i (position start + i) sees keys [0, start + i]
         k, v = keys[:, :, :start + s], values[:, :, :start + s]
         future = None  # one new position sees every key
         if s > 1:
             future = torch.arange(start + s, device=x.device) > torch.arange(start, start + s, device=x.device)[:, None]
-        if attention.use_flash_attn:
+        if backend in ("flash", "fused"):  # any SDPA kernel: cuDNN's needs no mask of its own here
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future)
         else:
             scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, start + s]
             probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(attention.head_dim), causal=False, mask=future,
-                                          impl=attention.softmax_impl)
+                                          impl="torch" if backend == "unfused" else attention.softmax_impl)
             context = torch.matmul(probs, v)
     return attention.dense(context.transpose(1, 2).reshape(b, s, -1))
 

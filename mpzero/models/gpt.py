@@ -38,13 +38,14 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpzero.activations import ActivationSetting, activation_region, host_offload
 from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
 from mpzero.fused import layer_norm, scaled_masked_softmax
-from mpzero.fused.impl import CPU_CHOICE
+from mpzero.fused.impl import ATTENTION_BACKENDS, planned_impl, resolve_attention_backend
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy)
@@ -73,7 +74,9 @@ class GPTConfig:
     offload_activations: str = "none"  # "cpu": checkpoints (full) or the layers' saved tensors in host memory
     layernorm_impl: str = "auto"  # mpzero.fused implementations; --no-layernorm-fusion gives "torch"
     softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
-    use_flash_attn: bool = False  # --use-flash-attn: torch's scaled_dot_product_attention (flash on GPUs)
+    use_flash_attn: bool = False  # --use-flash-attn: Megatron's older spelling of attention_backend "flash"
+    attention_backend: str = "auto"  # --attention-backend: flash, fused, unfused, local (mpzero.fused.impl)
+    torch_compile: bool = False  # --torch-compile: each TransformerLayer's forward through torch.compile
     seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
     untie_embeddings_and_output_weights: bool = False  # --untie-embeddings-and-output-weights: own output weight
     openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
@@ -94,6 +97,12 @@ class GPTConfig:
 
     def validate(self, tp_size: int) -> None:
         self._validate_activation_memory(tp_size)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"--attention-backend {self.attention_backend} is not one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn means --attention-backend flash, but --attention-backend "
+                              f"{self.attention_backend} was given too: keep one of them")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                               f"{self.num_attention_heads}: choose sizes whose ratio is the head size")
@@ -148,6 +157,19 @@ class GPTConfig:
         if self.offload_activations not in ("none", "cpu"):
             raise ConfigError(f"--offload-activations {self.offload_activations} is not one of none, cpu")
 
+    def attention(self, device: torch.device | str) -> str:
+        """The attention backend this config runs on a device of `device`'s type: flash, fused, unfused or
+        local (`mpzero.fused.impl.resolve_attention_backend`; --use-flash-attn is flash)."""
+        return resolve_attention_backend("flash" if self.use_flash_attn else self.attention_backend, device)
+
+    def planned_attention(self, device: torch.device | str) -> str:
+        """`attention(device)` without its check that the backend can run there (a CPU machine plans a CUDA
+        run; "fused" planned on a CPU is counted as the flash kernels it resembles)."""
+        try:
+            return self.attention(device)
+        except ConfigError:
+            return "fused"
+
     @property
     def needs_rng(self) -> bool:
         """Dropout or recomputation draw from (or replay) an RNG tracker; without them none is needed."""
@@ -201,9 +223,10 @@ class GPTConfig:
             recompute_num_layers=self.resolved_recompute_num_layers,
             distribute_saved_activations=self.distribute_saved_activations,
             offload_activations=self.offload_activations == "cpu",
-            layernorm_impl=_planned_impl("layer_norm", device, self.layernorm_impl),
-            softmax_impl=_planned_impl("scaled_masked_softmax", device, self.softmax_impl),
-            flash_attention=self.use_flash_attn,
+            layernorm_impl=planned_impl("layer_norm", device, self.layernorm_impl),
+            softmax_impl=("torch" if self.planned_attention(device) == "unfused"
+                          else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
+            flash_attention=self.planned_attention(device) in ("flash", "fused"), compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
             rng_streams=rng_streams)
 
@@ -211,14 +234,6 @@ class GPTConfig:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
         multiple = self.make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple
-
-
-def _planned_impl(op: str, device: torch.device, impl: str) -> str:
-    """The implementation `auto` runs on `device` (mpzero.fused.impl's rule), without requiring it installed
-    here: a CPU machine plans a CUDA run's activations."""
-    if impl != "auto":
-        return impl
-    return "triton" if device.type == "cuda" else CPU_CHOICE[op]
 
 
 def _normal(std: float, generator: torch.Generator):
@@ -259,9 +274,13 @@ class LayerNorm(nn.Module):
 class SelfAttention(nn.Module):
     """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp).
     The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
-    column-parallel split hands each rank whole heads with their q, k and v. Selective recomputation keeps
-    the QKV output (q, k and v are its views) and recomputes the core attention (scores, softmax, dropout, the
-    weighted sum of values) in backward, its dropout masks replayed from the saved RNG states."""
+    column-parallel split hands each rank whole heads with their q, k and v. The core attention runs on the
+    configured backend (`GPTConfig.attention`: torch's scaled_dot_product_attention for flash and fused,
+    explicit [s, s] scores for local and unfused), resolved for the device of its input. Selective recomputation
+    keeps the QKV output (q, k and v are its views) and recomputes the core attention in backward, its dropout
+    masks replayed from the saved RNG states; with flash it still does so (Megatron turns selective recomputation
+    into a no-op choice with flash attention, which keeps no [s, s] tensor: here it saves the kernel's output and
+    logsumexp at the cost of one more attention forward)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
                  device=None):
@@ -270,12 +289,16 @@ class SelfAttention(nn.Module):
         self.head_dim = h // config.num_attention_heads
         self.local_heads = config.num_attention_heads // tp.size
         self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
-        self.use_flash_attn = config.use_flash_attn
+        self.config = config
         self.selective = config.granularity == "selective"
         sp = config.sequence_parallel
         self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
                                        device=device, sequence_parallel=sp)
+
+    def backend(self, device: torch.device) -> str:
+        """flash, fused, unfused or local: the core attention this module runs on `device`."""
+        return self.config.attention(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [b, s, 3h/tp]: the whole sequence, also when x is a sequence-parallel slice
@@ -293,12 +316,21 @@ class SelfAttention(nn.Module):
         # each [b, local_heads, s, head_dim]; heads differ across TP ranks, so must their dropout masks (no
         # tracker: no dropout, nothing drawn)
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
-            return self._flash(q, k, v, dropout) if self.use_flash_attn else self._core(q, k, v, dropout)
+            return self.attend(q, k, v, dropout, self.backend(qkv.device))
 
-    def _core(self, q, k, v, dropout: float) -> torch.Tensor:
+    def attend(self, q, k, v, dropout: float, backend: str) -> torch.Tensor:
+        """Causal attention of q over k, v ([b, local_heads, s, head_dim] each) on `backend`."""
+        if backend == "flash":
+            return self._flash(q, k, v, dropout)
+        if backend == "fused":
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return self._flash(q, k, v, dropout)
+        return self._core(q, k, v, dropout, "torch" if backend == "unfused" else self.softmax_impl)
+
+    def _core(self, q, k, v, dropout: float, softmax_impl: str) -> torch.Tensor:
         """Megatron's core attention: explicit scores, fused scale + causal mask + softmax, dropout."""
         scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, s]
-        probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(self.head_dim), causal=True, impl=self.softmax_impl)
+        probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(self.head_dim), causal=True, impl=softmax_impl)
         return torch.matmul(F.dropout(probs, dropout) if dropout > 0 else probs, v)  # [b, local_heads, s, hd]
 
     def _flash(self, q, k, v, dropout: float) -> torch.Tensor:
@@ -391,6 +423,19 @@ class GPTEmbedding(nn.Module):
 REDUCTIONS = ("none", "mean")
 
 
+def compile_layers(layers: nn.ModuleList) -> None:
+    """torchtitan's regional compilation: each layer's `forward` goes through torch.compile, not the whole model
+    and not the module call, so ZeRO-3's gather/release hooks, activation counting and full recomputation stay
+    in eager Python around it and parameter names do not change. The layers share one compiled graph (same code,
+    same shapes). Inside a layer, what dynamo cannot trace (the tensor-parallel collectives' custom autograd
+    functions at TP > 1, the RNG tracker's fork for dropout and selective recomputation) runs eagerly between
+    compiled pieces (graph breaks, not errors). Dropout in compiled code draws its masks from inductor's own
+    generator: the same distribution, other masks than an eager run. The activation formula does not model
+    what the compiled graphs save (the `activation memory` line says so)."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 def _run_chunk(layers, x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         x = layer(x)
@@ -414,6 +459,8 @@ class GPTModel(nn.Module):
         self.embedding = GPTEmbedding(config, tp, generator, device, rng)
         self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, generator, device)
                                     for _ in range(config.num_layers))
+        if config.torch_compile:
+            compile_layers(self.layers)
         self.final_layernorm = LayerNorm(config, device, tp if config.sequence_parallel else None)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias

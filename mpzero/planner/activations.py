@@ -1,20 +1,17 @@
 """The planner's one call for activation memory: bytes one rank keeps for backward, per layer and per micro-batch,
 for a layout. Both halves are the code's own: the GPT's `activation_setting` (what its forward does for this
 config, TP rank, dtype and device type) and the activation-memory module's `activation_formula` (the one source
-of truth behind the run's `activation memory` line). Where the module is missing (an mpzero without issue 11)
-or does not model the setting (flash attention), the answer is None and the planner says activations are not
-counted; it never substitutes a formula of its own.
+of truth behind the run's `activation memory` line). Where the module does not model the setting (SDPA with
+attention dropout on a CPU, which runs its math fallback), the answer is None and the planner says activations
+are not counted; it never substitutes a formula of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
-
-from mpzero.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -46,25 +43,11 @@ def available() -> bool:
 
 
 def activation_setting(config, tp: int, tp_rank: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool):
-    """`GPTModel.activation_setting` of the model `config` builds at TP rank `tp_rank` of `tp` (with the one RNG
-    tracker stream `seed_everything` adds), on a GPU (`cuda`) or the CPU; None without the module."""
-    try:
-        from mpzero.models.gpt import GPTModel
-        GPTModel.activation_setting  # noqa: B018  (an mpzero without issue 11 has none)
-    except (ImportError, AttributeError):
-        return None
-    model = SimpleNamespace(config=config, tp=SimpleNamespace(size=tp, rank=tp_rank),
-                            rng=SimpleNamespace(states={"tensor-parallel": None}))
-    device = torch.device("cuda" if cuda else "cpu")
-    try:
-        return GPTModel.activation_setting(model, micro_batch, seq, dtype, device)
-    except ConfigError:  # planning for a GPU on a machine without Triton: what `auto` picks there
-        from mpzero.activations.formula import CUDA_RNG_STATE_BYTES
-        setting = GPTModel.activation_setting(model, micro_batch, seq, dtype, torch.device("cpu"))
-        impl = {name: "triton" if getattr(config, f"{name}_impl") == "auto" else "torch"
-                for name in ("layernorm", "softmax")}
-        return dataclasses.replace(setting, mask_bytes=1, layernorm_impl=impl["layernorm"],
-                                   softmax_impl=impl["softmax"], rng_state_bytes=CUDA_RNG_STATE_BYTES)
+    """The config's own `activation_setting` for TP rank `tp_rank` of `tp` (with the one RNG tracker stream
+    `seed_everything` adds), on a GPU (`cuda`) or the CPU: what `auto` picks on that device, whether or not
+    it could run on this machine."""
+    return config.activation_setting(tp, micro_batch, seq, dtype, torch.device("cuda" if cuda else "cpu"),
+                                     tp_rank=tp_rank, rng_streams=1)
 
 
 def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool = True,
@@ -72,8 +55,6 @@ def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dt
     """Activation bytes of TP rank `tp_rank` for a micro-batch of `micro_batch` x `seq` tokens of the GPT `config`
     (its recomputation, sequence-parallel and offload settings) at TP `tp`; None where not modeled."""
     setting = activation_setting(config, tp, tp_rank, micro_batch, seq, dtype, cuda)
-    if setting is None:
-        return None
     from mpzero.activations import formula as af
     if af.modeled(setting) is not None:
         return None

@@ -208,7 +208,8 @@ class Planner:
                                          offload.optimizer != "none", offload.params != "none")
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         transients = compute_transients(config, layout.tp, layout.micro_batch, self.seq, self.p, self.g,
-                                        sum(lay.shard_numel for lay in layouts), max(runs, default=0))
+                                        sum(lay.shard_numel for lay in layouts), max(runs, default=0),
+                                        machine.cuda)
         working = max(transients["cross entropy"], transients["vocabulary gradients"],
                       transients["attention backward"])
         device_peak = max(construction, states.device + transients["optimizer step"],

@@ -18,7 +18,8 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   their cast (8 + e) x s b V/t bytes (the saved softmax itself is an activation);
 - the vocabulary gradients: the output projection's weight gradient and the embedding's dense gradient, and (tied)
   their sum, e x V/t x h each, held until the end of backward;
-- attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with flash attention);
+- attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
+  flash attention: --attention-backend flash or fused, and auto on a GPU);
 - the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements), and fp16's fp32 gradient copies (4S).
 The step's peak takes the largest of the backward ones beside the saved activations, and the step's beside the states.
 """
@@ -59,12 +60,14 @@ def construction_peak(layouts, stage: int, p: int, mixed: bool, g: int, cuda: bo
 
 
 def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, shard_numel: int,
-                       largest_run: int) -> dict[str, int]:
-    """Bytes of each working-tensor term (see the module docstring) for one micro-batch on one rank."""
+                       largest_run: int, cuda: bool = True) -> dict[str, int]:
+    """Bytes of each working-tensor term (see the module docstring) for one micro-batch on one rank, on a GPU
+    (`cuda`) or the CPU (the attention backend `auto` picks differs)."""
     v, h = config.padded_vocab_size(tp) // tp, config.hidden_size
     sb = seq * micro_batch
     tied = not config.untie_embeddings_and_output_weights
-    attention = 0 if config.use_flash_attn else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
+    flash = config.planned_attention("cuda" if cuda else "cpu") in ("flash", "fused")
+    attention = 0 if flash else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
     return {"cross entropy": (8 + (e if e < 4 else 0)) * sb * v,
             "vocabulary gradients": (3 if tied else 2) * e * v * h,
             "attention backward": attention,

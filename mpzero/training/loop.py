@@ -88,6 +88,11 @@ def partition_note(optimizer: ZeroOptimizer) -> str | None:
             f"whole on this rank); run more data-parallel ranks to divide it")
 
 
+def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
+    """What `auto` runs on this device: each fused op's implementation and the model's attention backend."""
+    return {**resolved_impls(device), "attention": run.model.attention(device)}
+
+
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
@@ -96,7 +101,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     train_data, valid_data, test_data = _datasets(run, groups, resumed)
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
-        print("fused ops (auto): " + json.dumps(resolved_impls(groups.device), sort_keys=True), flush=True)
+        print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
         for note in _resume_notes(run, resumed):
             print(note, flush=True)
     state = build_training_state(run, provider, groups)

@@ -1,0 +1,46 @@
+"""--attention-backend through the CLI: flash (torch's scaled_dot_product_attention) and unfused (the reference
+softmax) train to local's losses (Megatron's core attention, the CPU default) within 1e-5 relative in fp32 (the
+same maths in another summation order), at TP 2 with attention dropout drawn from the tracker's stream, and with
+selective recomputation replaying it; the resolved backend is printed on the `fused ops` line; what cannot run
+is one line."""
+
+import re
+
+import pytest
+
+from tests.cli import TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout
+from tests.distributed import run_ranks
+
+FLAGS = TINY + ["--train-iters", "4", "--eval-iters", "0", "--tensor-model-parallel-size", "2",
+                "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+
+
+def _run(backend, *extra):
+    return run_ranks(2, main_capturing_stdout, FLAGS + ["--attention-backend", backend, *extra])[0]
+
+
+@pytest.mark.parametrize("extra", [(), ("--recompute-activations",)])
+def test_flash_and_unfused_match_local_at_tp2_with_dropout(extra):
+    local, stdout = _run("local", *extra)
+    assert re.search(r'^fused ops \(auto\): .*"attention": "local"', stdout, re.M)
+    for backend in ("flash", "unfused"):
+        history, stdout = _run(backend, *extra)
+        assert re.search(rf'^fused ops \(auto\): .*"attention": "{backend}"', stdout, re.M)
+        assert_close_lists(history["losses"], local["losses"], rel=1e-5)
+        assert_close_lists(history["grad_norms"], local["grad_norms"], rel=1e-5)
+
+
+def test_use_flash_attn_is_the_flash_backend():
+    flash = run_ranks(1, main_capturing_stdout, TINY + ["--train-iters", "2", "--eval-iters", "0",
+                                                       "--use-flash-attn"])[0][1]
+    assert re.search(r'^fused ops \(auto\): .*"attention": "flash"', flash, re.M)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--attention-backend", "fused"], "--attention-backend fused is cuDNN's fused attention and needs CUDA"),
+    (["--use-flash-attn", "--attention-backend", "local"], "--use-flash-attn means --attention-backend flash"),
+    (["--attention-backend", "sdpa"], "argument --attention-backend: invalid choice"),
+])
+def test_a_backend_that_cannot_run_is_one_line(flags, message):
+    code, stderr = exit_code_and_stderr(TINY + ["--train-iters", "1"] + flags)
+    assert code != 0 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
