@@ -152,3 +152,21 @@ def _step_too_early():
 
 def test_zero_step_before_last_micro_batch_is_refused():
     assert run_ranks(2, _step_too_early) == [True, True]
+
+
+def _check_then_step():
+    groups = init_parallel(tp_size=1)
+    model = make_model()
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=2), AdamConfig(lr=LR, impl="torch"), PrecisionConfig("fp32"))
+    tokens, labels = make_batches(1, 1, groups.dp_size)[0][0][groups.dp_rank]
+    loss = model(tokens, labels).mean()
+    opt.backward(loss, last_micro_batch=True)
+    check = opt.check_gradients(read_with=(loss.detach(), torch.full((), 3.0)))
+    with pytest.raises(RuntimeError, match="once per step"):
+        opt.check_gradients()
+    return check, loss.item(), opt.step().grad_norm
+
+
+def test_zero_check_gradients_reads_the_callers_scalars_with_the_norm_the_step_uses():
+    for check, loss, norm in run_ranks(2, _check_then_step):
+        assert check.read_with == (loss, 3.0) and check.norm == norm > 0

@@ -69,8 +69,9 @@ def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, bet
 def _torch_fused_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
                        step) -> None:
     """torch's own fused AdamW kernel (CPU and CUDA); it needs fp32 gradients like the parameters."""
-    # The fused kernel increments its step tensor (fp32, on the parameters' device) before using it.
-    steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=params.device)]
+    # The fused kernel increments its step tensor (fp32, on the parameters' device) before using it. A fill, not
+    # torch.tensor(..., device=cuda): that copies from pageable host memory and waits for the stream.
+    steps = [torch.full((), float(step - 1), dtype=torch.float32, device=params.device)]
     torch_adamw([params], [grads.float()], [exp_avg], [exp_avg_sq], [], steps, fused=True, amsgrad=False,
                 beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
     if model_copy is not None:

@@ -10,8 +10,8 @@ Two engines, the same patches, the same figures:
 The planner builds models on "meta"; the dry run (`mpzero/dry_run.py`) uses "meta" unless a tier is offloaded.
 
 What the code does that data-less tensors do not support as-is is handled here, only while the context is active:
-- a scalar read from a tensor (`.item()`: the loss, the gradient norm, fp16's overflow flag) has no value: it
-  reads 0 (no overflow, a zero norm: the step runs, nothing is clipped);
+- a scalar read from a tensor (`.item()`, `.tolist()`: the loss, the gradient norm with fp16's overflow check
+  folded in) has no value: it reads 0 (no overflow, a zero norm: the step runs, nothing is clipped);
 - a storage's `data_ptr()` is 0 for every meta or fake storage, so a count that tells storages apart by it (the
   memory report's `accounting.unique_storage_bytes`) would see one storage: such a storage's `data_ptr()` is its
   identity instead (the StorageImpl's address, what `SavedBytesCounter` keys by), which groups tensors into
@@ -55,6 +55,7 @@ class _FakeMode(FakeTensorMode):
 
 _storage_data_ptr = torch.UntypedStorage.data_ptr
 _tensor_item = torch.Tensor.item
+_tensor_tolist = torch.Tensor.tolist
 _module_to = nn.Module.to
 _set_rng_state = torch.set_rng_state
 
@@ -67,6 +68,12 @@ def _data_ptr_or_identity(self: torch.UntypedStorage) -> int:
 
 def _item_or_zero(self: torch.Tensor):
     return _zero_of(self.dtype) if self.device.type == "meta" else _tensor_item(self)
+
+
+def _tolist_or_zeros(self: torch.Tensor):
+    if self.device.type != "meta":
+        return _tensor_tolist(self)
+    return _tensor_tolist(torch.zeros(self.shape, dtype=self.dtype, device="cpu"))
 
 
 def _to_on_fake(self: nn.Module, *args, **kwargs):
@@ -97,7 +104,7 @@ def no_data(engine: str = "meta"):
     torch.UntypedStorage.data_ptr = _data_ptr_or_identity
     try:
         if engine == "meta":
-            torch.Tensor.item = _item_or_zero
+            torch.Tensor.item, torch.Tensor.tolist = _item_or_zero, _tolist_or_zeros
             with torch.device("meta"):
                 yield
         else:
@@ -105,7 +112,8 @@ def no_data(engine: str = "meta"):
             with _FakeMode(allow_non_fake_inputs=True):
                 yield
     finally:
-        torch.UntypedStorage.data_ptr, torch.Tensor.item = _storage_data_ptr, _tensor_item
+        torch.UntypedStorage.data_ptr, torch.Tensor.item, torch.Tensor.tolist = (_storage_data_ptr, _tensor_item,
+                                                                                 _tensor_tolist)
         nn.Module.to, torch.set_rng_state = _module_to, _set_rng_state
 
 

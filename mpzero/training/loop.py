@@ -132,7 +132,10 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     try:
         while iteration < training.train_iters:
             lr = run.schedule.lr(iteration - skipped)  # as in Megatron, skipped (fp16 overflow) steps do not count
-            loss = _forward_backward(state, train_data, consumed, training, activations)
+            loss_sum = _forward_backward(state, train_data, consumed, training, activations)
+            # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
+            check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
+            loss, terminated = check.read_with[0] / groups.dp_size, bool(check.read_with[1])
             if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration + 1} (rank {groups.world.rank}): "
                                     f"stopped before the update, so the last checkpoint is intact; lower --lr or "
@@ -162,7 +165,6 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             if eval_interval and iteration % eval_interval == 0 and valid_data is not None:
                 history["valid_losses"].append(_evaluate_and_log(
                     state, valid_data, f"iteration {iteration}", iteration, run, tensorboard))
-            terminated = termination.received_anywhere()
             stop = terminated or bool(training.exit_interval and iteration % training.exit_interval == 0)
             if stop or (checkpoint.save_interval and iteration % checkpoint.save_interval == 0) \
                     or iteration == training.train_iters:
@@ -265,10 +267,11 @@ def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
 
 
 def _forward_backward(state: TrainingState, dataset, consumed: int, training,
-                      activations: SavedBytesCounter | None = None) -> float:
-    """Forward and backward of every micro-batch of one global batch; returns the loss averaged over the global
-    batch (the same on every rank). The optimizer step is the caller's. `activations`: counts what the first
-    micro-batch's forward saves for backward (it only looks)."""
+                      activations: SavedBytesCounter | None = None) -> torch.Tensor:
+    """Forward and backward of every micro-batch of one global batch; returns the global batch's loss times the
+    DP size (the DP ranks' mean losses summed; the same on every rank) as a device scalar, not read here: the
+    caller divides it by the DP size on the host once it reads it. The optimizer step is the caller's.
+    `activations`: counts what the first micro-batch's forward saves for backward (it only looks)."""
     model, optimizer, groups = state.model.module, state.optimizer, state.groups
     model.train()
     optimizer.zero_grad()
@@ -282,7 +285,7 @@ def _forward_backward(state: TrainingState, dataset, consumed: int, training,
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
     groups.dp.all_reduce(total)
-    return total.item() / groups.dp_size
+    return total
 
 
 @torch.no_grad()

@@ -6,9 +6,10 @@ fp32 masters and Adam moments and writes the parameters; `ZeroOptimizer` (optimi
 from mpzero.zero.accounting import CommReport, MemoryReport, PeakReport
 from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
-from mpzero.zero.optimizer import StepStats, ZeroOptimizer
+from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
 from mpzero.zero.stage3 import default_units
 from mpzero.zero.stage_base import ZeroStage
 
-__all__ = ["AdamConfig", "CommReport", "DeviceMasters", "MasterStore", "MemoryReport", "OffloadConfig", "OwnedPiece",
-           "PeakReport", "PrecisionConfig", "StepStats", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "default_units"]
+__all__ = ["AdamConfig", "CommReport", "DeviceMasters", "GradientCheck", "MasterStore", "MemoryReport", "OffloadConfig",
+           "OwnedPiece", "PeakReport", "PrecisionConfig", "StepStats", "ZeroConfig", "ZeroOptimizer", "ZeroStage",
+           "default_units"]

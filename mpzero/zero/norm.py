@@ -12,11 +12,12 @@ exists at a time), and the ranks' partial sums are added as one fp64 scalar. An 
 squares is off by ~1e-4 relative, and by a different amount for every way the stages partition it: the
 clipping coefficient then differs between layouts and their losses drift apart (issue 12). In fp64 the sum is
 exact to ~1e-15 whatever the partition, so every layout clips by the same factor.
+
+Nothing here reads the device: the optimizer reads the squared norm (fp16: with the overflow check folded in)
+together with the training loop's own scalars in one copy (`read_to_host`), once per iteration (issue 26).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -50,13 +51,32 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def global_grad_norm(grads: list[torch.Tensor], runs: list[tuple[int, int, int]], groups: ParallelGroups) -> float:
+def grad_norm_squared(grads: list[torch.Tensor], runs: list[tuple[int, int, int]], groups: ParallelGroups,
+                      check_overflow: bool = False) -> torch.Tensor:
+    """The squared global norm as an fp64 device scalar, the same on every rank; nothing is read to the host.
+    `check_overflow` (fp16): a rank whose gradients hold an inf or nan anywhere (its padding and the copies that
+    do not count towards the norm included) contributes inf, so an overflow on any rank makes the sum non-finite
+    on every rank: the one all-reduce of the norm is also the overflow check."""
     device = grads[0].device if grads else groups.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for bucket, start, end in runs:
         total += sum_of_squares(grads[bucket][start:end])
+    if check_overflow:
+        total = torch.where(_any_not_finite(grads, device), torch.inf, total)
     groups.world.all_reduce(total)  # an fp64 scalar: gloo and NCCL both reduce float64
-    return math.sqrt(total.item())
+    return total
+
+
+def _any_not_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    flag = torch.zeros((), dtype=torch.bool, device=device)
+    for grad in grads:
+        flag |= ~torch.isfinite(grad).all()
+    return flag
+
+
+def read_to_host(values: list[torch.Tensor]) -> list[float]:
+    """Device scalars as Python floats in one device-to-host copy: the step's one synchronisation."""
+    return torch.stack([v.to(torch.float64) for v in values]).tolist()
 
 
 def clip_grads_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
@@ -65,13 +85,3 @@ def clip_grads_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None
     if max_norm > 0 and coef < 1.0:
         for grad in grads:
             grad.mul_(coef)
-
-
-def found_inf(grads: list[torch.Tensor], groups: ParallelGroups) -> bool:
-    """True on every rank when any rank's gradients hold an inf or nan (fp16 overflow)."""
-    device = grads[0].device if grads else groups.device
-    flag = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
-    groups.world.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())

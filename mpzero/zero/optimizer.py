@@ -12,8 +12,10 @@ Three owners, one job each, behind explicit contracts:
 - the master store (`masters.MasterStore`) owns the fp32 master slices and Adam moments, runs AdamW and is
   the only writer of parameter values;
 - this front owns the loss scaler, the global norm and clipping, and accounting.
-A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; fp16 overflow on any rank
-skips the step everywhere; the global norm is taken and clipped by; the store updates its masters and writes
+A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; the global norm is summed on
+the device (fp16: with the overflow check folded in) and read to the host in the step's one synchronisation,
+with any scalars of the caller's (`check_gradients`); fp16 overflow on any rank skips the step everywhere,
+else the step clips by the norm; the store updates its masters and writes
 the parameter slices; the stage spreads them (all-gathers them, stages 1-2).
 Gradient buffers are zeroed by `step()`; `zero_grad()` discards gradients without stepping.
 Every trainable parameter must say how it is split across TP (`mpzero.tensor_parallel.placement`): the norm
@@ -41,7 +43,7 @@ from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierRe
 from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
-from mpzero.zero.norm import clip_grads_, found_inf, global_grad_norm, norm_runs
+from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
 from mpzero.zero.stage_base import ZeroStage
@@ -54,6 +56,13 @@ class StepStats:
     grad_norm: float | None  # global norm before clipping; None when the step was skipped
     skipped: bool  # fp16 overflow somewhere: nothing was updated
     loss_scale: float  # the scale this iteration's backward used
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """What a step reads from the device, in one copy (`ZeroOptimizer.check_gradients`)."""
+    norm: float  # global norm before clipping; inf or nan when any rank's gradients overflowed
+    read_with: tuple[float, ...]  # the caller's scalars, in the order given
 
 
 def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
@@ -108,6 +117,7 @@ class ZeroOptimizer:
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self.lr, self.iteration = adam.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
+        self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
         self._transfer_mark = Transfers()
 
@@ -130,7 +140,7 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self.stage.zero_grad()
-        self._micro_batches, self._reduced = 0, False
+        self._micro_batches, self._reduced, self._checked = 0, False, None
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Backward of one micro-batch's loss (already divided by the number of micro-batches).
@@ -142,17 +152,31 @@ class ZeroOptimizer:
         self._micro_batches += 1
         self._reduced = last_micro_batch
 
-    def step(self, lr: float | None = None) -> StepStats:
+    def check_gradients(self, read_with: tuple[torch.Tensor, ...] = ()) -> GradientCheck:
+        """The step's one device-to-host synchronisation, before anything is updated: unscales the gradients and
+        reads the global norm (fp16: with the overflow check folded in) together with the caller's own device
+        scalars `read_with` (the training loop's loss and stop flag), in one copy. `step()` then uses it;
+        calling `step()` alone does both."""
         if not self._reduced:
             raise RuntimeError("step() needs backward(loss, last_micro_batch=True) first: the gradients of "
                                "this global batch have not been reduced across data-parallel ranks")
+        if self._checked is not None:
+            raise RuntimeError("check_gradients() runs once per step: its gradients are already unscaled")
+        grads = self._fp32_grads()
+        squared = grad_norm_squared(grads, self._norm_runs, self.groups, check_overflow=self.precision.dtype == "fp16")
+        host = read_to_host([squared, *read_with])
+        self._checked = grads, GradientCheck(math.sqrt(host[0]), tuple(host[1:]))
+        return self._checked[1]
+
+    def step(self, lr: float | None = None) -> StepStats:
+        if self._checked is None:
+            self.check_gradients()
+        grads, check = self._checked
         if lr is not None:
             self.lr = lr
-        grads, scale = self._fp32_grads(), self.scaler.scale
-        skipped = self.precision.dtype == "fp16" and found_inf(grads, self.groups)
-        norm = None
+        scale, norm = self.scaler.scale, check.norm
+        skipped = self.precision.dtype == "fp16" and not math.isfinite(norm)  # an overflow on some rank
         if not skipped:
-            norm = global_grad_norm(grads, self._norm_runs, self.groups)  # the same value on every rank
             if not math.isfinite(norm) and self.zero.check_for_nan_in_grad:
                 raise TrainingError(f"the gradient norm is {norm} at iteration {self.iteration + 1} (rank "
                                     f"{self.groups.world.rank}): stopped before the update, so the parameters and "
@@ -169,7 +193,7 @@ class ZeroOptimizer:
         self._last_micro_batches = self._micro_batches
         self.iteration += 1
         self.zero_grad()
-        return StepStats(norm, skipped, scale)
+        return StepStats(None if skipped else norm, skipped, scale)
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slices in fp32, divided by the loss scale (in place when already fp32:

@@ -1,0 +1,146 @@
+"""A training iteration reads the device at most once (issue 26): the step's finite check and gradient norm,
+with fp16's overflow check, the loss-scale update, the NaN checks, the loss and the SIGTERM flag riding
+along in the same read. Logging iterations read more and are not counted; nor is the first iteration (its
+one-off memory and activation reports).
+
+A host synchronisation is counted where the host must wait for a device value:
+- Python-level reads, seen by a `TorchFunctionMode`: `.item()`, `.tolist()`, `.numpy()`, `.cpu()`,
+  `bool()`, `float()`, `int()`, `operator.index()` of a tensor;
+- ops that read values or whose output shape depends on them, seen by a `TorchDispatchMode` (also when
+  called from C++ or from inside torch): `aten._local_scalar_dense` (what every scalar read ends in),
+  `nonzero`, `masked_select`, `unique`, `repeat_interleave` without an output size, `is_nonzero`, `equal`,
+  and indexing by a boolean mask (`x[mask]`, `x[mask] = v`: a nonzero() inside the op).
+On CPU some cannot be seen: a device-to-host copy by `.to("cpu")`, `copy_` into a host tensor or a
+`non_blocking=False` transfer is a host-to-host no-op here (nothing is dispatched, or the source is already
+on the host), and a CUDA stream or event synchronise has no CPU counterpart. Those are left to review and to
+`make gpu-check`; everything the loop and the optimizer read through the calls above fails here.
+"""
+
+import collections
+import os
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.cli import TINY, quiet_main
+from tests.distributed import run_ranks
+
+aten = torch.ops.aten
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__,
+          torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+_READING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+                aten.repeat_interleave.Tensor, aten.is_nonzero.default, aten.equal.default}
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class HostSyncs:
+    """Records every host synchronisation as (what, where): `where` is the innermost frame in this repository."""
+
+    def __init__(self):
+        self.events, self._inside_read = [], 0
+
+    def record(self, what: str) -> None:
+        frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_HERE)
+                  and not f.filename.endswith(__file__)]
+        where = f"{os.path.relpath(frames[-1].filename, _HERE)}:{frames[-1].lineno}" if frames else "?"
+        self.events.append((what, where))
+
+
+class _CountReads(TorchFunctionMode):
+    def __init__(self, syncs: HostSyncs):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _READS:
+            return func(*args, **(kwargs or {}))
+        self.syncs.record(func.__name__)
+        self.syncs._inside_read += 1  # the aten op it ends in is the same synchronisation
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.syncs._inside_read -= 1
+
+
+class _CountReadingOps(TorchDispatchMode):
+    def __init__(self, syncs: HostSyncs):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func in _READING_OPS or _masked_index(func, args)) and not self.syncs._inside_read:
+            self.syncs.record(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _masked_index(func, args) -> bool:
+    """x[mask] and x[mask] = v: a boolean index becomes a nonzero() inside the op (seen as such on CUDA only)."""
+    if func not in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+
+
+def _syncs_per_iteration(argv) -> dict[int, list]:
+    """Train with `argv`, counting; {iteration: its syncs}, an iteration running from the start of its
+    forward-backward to the start of the next one's (so its step, checks and logging are all in it)."""
+    import mpzero.training.loop as loop
+    syncs, starts = HostSyncs(), []
+    forward_backward = loop._forward_backward
+
+    def marked(*args, **kwargs):
+        starts.append(len(syncs.events))
+        return forward_backward(*args, **kwargs)
+
+    loop._forward_backward = marked  # this forked rank's own copy of the module
+    with _CountReads(syncs), _CountReadingOps(syncs):
+        quiet_main(argv)
+    bounds = starts + [len(syncs.events)]
+    return {i + 1: syncs.events[bounds[i]:bounds[i + 1]] for i in range(len(starts))}
+
+
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"],
+              "fp16": ["--fp16", "--initial-loss-scale", "1048576"]}  # overflows, skips and backs off at first
+RUN = TINY + ["--train-iters", "7", "--log-interval", "3", "--eval-iters", "0"]
+COUNTED = (2, 4, 5)  # not the first, not a logging iteration (3, 6), not the last (it runs to the exit)
+
+
+def _assert_at_most_one_sync(per_rank: list[dict]) -> None:
+    for rank, per_iteration in enumerate(per_rank):
+        for iteration in COUNTED:
+            events = per_iteration[iteration]
+            assert len(events) <= 1, (f"rank {rank}, iteration {iteration}: {len(events)} host syncs\n  "
+                                      + "\n  ".join(f"{what} at {where}" for what, where in events))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_iteration_syncs_with_the_host_at_most_once_at_dp2(stage, precision):
+    argv = RUN + ["--zero-stage", str(stage)] + PRECISIONS[precision]
+    _assert_at_most_one_sync(run_ranks(2, _syncs_per_iteration, argv))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_an_iteration_syncs_with_the_host_at_most_once_in_one_process(precision):
+    argv = RUN + ["--zero-stage", "3"] + PRECISIONS[precision]
+    _assert_at_most_one_sync(run_ranks(1, _syncs_per_iteration, argv))
+
+
+def test_an_iteration_syncs_with_the_host_at_most_once_at_tp2():
+    argv = RUN + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1",
+                  "--fp16", "--initial-loss-scale", "1048576"]
+    _assert_at_most_one_sync(run_ranks(2, _syncs_per_iteration, argv))
+
+
+def test_the_counter_sees_scalar_reads_and_data_dependent_shapes():
+    syncs, x = HostSyncs(), torch.tensor([1.0, 0.0, 2.0])
+    with _CountReads(syncs), _CountReadingOps(syncs):
+        x.sum().item(), x.tolist(), bool(x[0]), float(x[1]), x.nonzero(), x[x > 0], x.cpu()
+        x[x > 1] = 0
+        x.mul(2).add_(1)  # no read
+    assert [what for what, _ in syncs.events] == [
+        "item", "tolist", "__bool__", "__float__", "aten.nonzero.default", "aten.index.Tensor", "cpu",
+        "aten.index_put_.default"]
