@@ -1,27 +1,36 @@
-"""Tokens/s of one training step (forward, backward, AdamW) of mpzero's GPT at TP=1 against a plain eager
-PyTorch GPT-2 of the same size (nanoGPT style, `F.scaled_dot_product_attention`), measured in the same run.
-mpzero runs twice: with Megatron's core attention (the default) and with `--use-flash-attn`.
+"""Tokens/s of one training step (forward, backward, optimizer) of mpzero's GPT at TP=1 against a plain eager
+PyTorch GPT-2 of the same size (nanoGPT style: `F.scaled_dot_product_attention`, torch.optim.AdamW), measured in
+the same run, and where the time goes. mpzero runs as a world of one through its ZeRO-1 optimizer (the step a
+training run takes), with each attention backend and with `--torch-compile`; the eager model with and without
+torch.compile.
 
     python bench/bench_step.py [--hidden-size 256 --num-layers 4 --seq-length 256 --micro-batch-size 8]
+    python bench/bench_step.py --profile            # + a per-op breakdown of one step of each model
+    python bench/bench_step.py --variants eager mpzero-local mpzero-flash      # skip the compiled ones
+
+Columns: tokens/s, ratio to eager (above 1: faster), and ops per step: CUDA kernels launched (on a GPU) or leaf
+aten ops dispatched (on a CPU; a compiled region's fused kernels are not aten ops and are not counted there),
+from torch.profiler over one step. A launch-bound GPU pays per kernel, so fewer is faster there.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
+import contextlib
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.models import GPTConfig, GPTModel  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.tensor_parallel import seed_everything  # noqa: E402
+from mpzero.models import GPTConfig, GPTModel
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import seed_everything
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+
+VARIANTS = ("eager", "eager-compile", "mpzero-local", "mpzero-flash", "mpzero-compile")
 
 
 class EagerBlock(nn.Module):
@@ -53,24 +62,73 @@ class EagerGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
 
 
-def time_steps(model, loss_fn, tokens, steps, warmup=2):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        loss_fn(model, tokens).backward()
+def eager_step(a, device, dtype, compiled: bool):
+    model = EagerGPT(a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.seq_length).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    run = torch.compile(model) if compiled else model
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+
+    def step(inputs, labels):
+        with autocast:
+            loss = run(inputs, labels)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
+
+
+def mpzero_step(a, groups, dtype, backend: str, compiled: bool):
+    config = GPTConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                       vocab_size=a.vocab_size, max_position_embeddings=a.seq_length, hidden_dropout=0.0,
+                       attention_dropout=0.0, attention_backend=backend, torch_compile=compiled)
+    model = GPTModel(config, groups.tp, seed_everything(1, 0, groups.device), device=groups.device)
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-4), PrecisionConfig(precision))
+
+    def step(inputs, labels):
+        loss = model(inputs, labels).mean()
+        opt.backward(loss, last_micro_batch=True)
+        opt.step()
+    return step
+
+
+def timed(step, inputs, labels, steps: int, warmup: int = 2) -> float:
+    """Median seconds per step after `warmup` steps (compilation happens there)."""
+    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        step(inputs, labels)
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def main():
-    p = argparse.ArgumentParser()
+def profiled(step, inputs, labels):
+    """(ops per step, the profiler's op table) over one step."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if inputs.is_cuda else [])
+    with profile(activities=activities) as prof:
+        step(inputs, labels)
+        if inputs.is_cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    if inputs.is_cuda:
+        ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        sort = "self_cuda_time_total"
+    else:
+        ops = sum(1 for e in events if e.name.startswith("aten::")
+                  and not any(c.name.startswith("aten::") for c in e.cpu_children))
+        sort = "self_cpu_time_total"
+    return ops, prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=50)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-attention-heads", type=int, default=8)
@@ -78,25 +136,36 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=8)
-    a = p.parse_args()
+    p.add_argument("--bf16", action="store_true", help="bf16 (eager: autocast; mpzero: bf16 parameters)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--profile", action="store_true", help="print each variant's per-op breakdown of one step")
+    a = p.parse_args(argv)
     groups = init_parallel(1)
-    config = GPTConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                       vocab_size=a.vocab_size, max_position_embeddings=a.seq_length, hidden_dropout=0.0,
-                       attention_dropout=0.0)
-    tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1))
+    device, dtype = groups.device, torch.bfloat16 if a.bf16 else torch.float32
+    tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), device=device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     n_tokens = a.micro_batch_size * a.seq_length
-    eager = EagerGPT(a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.seq_length)
-    t_eager = time_steps(eager, lambda m, t: m(t[:, :-1], t[:, 1:]), tokens, a.steps)
-    print(f"threads {torch.get_num_threads()} | h {a.hidden_size} layers {a.num_layers} seq {a.seq_length} "
-          f"batch {a.micro_batch_size} vocab {a.vocab_size}")
-    print(f"eager PyTorch GPT            {n_tokens / t_eager:10.0f} tokens/s  ({t_eager * 1000:.1f} ms/step)")
-    for flash in (False, True):
-        ours = GPTModel(dataclasses.replace(config, use_flash_attn=flash), groups.tp,
-                        seed_everything(1, 0, groups.device))
-        t_ours = time_steps(ours, lambda m, t: m(t[:, :-1], t[:, 1:]).mean(), tokens, a.steps)
-        name = "mpzero GPT, flash attn" if flash else "mpzero GPT, core attn "
-        print(f"{name}       {n_tokens / t_ours:10.0f} tokens/s  ({t_ours * 1000:.1f} ms/step)  "
-              f"ratio to eager {t_eager / t_ours:.3f}")
+    builders = {"eager": lambda: eager_step(a, device, dtype, False),
+                "eager-compile": lambda: eager_step(a, device, dtype, True),
+                "mpzero-local": lambda: mpzero_step(a, groups, dtype, "local", False),
+                "mpzero-flash": lambda: mpzero_step(a, groups, dtype, "flash", False),
+                "mpzero-compile": lambda: mpzero_step(a, groups, dtype, "flash", True)}
+    print(f"{device.type}, threads {torch.get_num_threads()}, {dtype} | h {a.hidden_size} layers {a.num_layers} "
+          f"seq {a.seq_length} batch {a.micro_batch_size} vocab {a.vocab_size} | median of {a.steps} steps")
+    unit = "CUDA kernels" if device.type == "cuda" else "leaf aten ops"
+    baseline, tables = None, {}
+    for name in a.variants:
+        step = builders[name]()
+        seconds = timed(step, inputs, labels, a.steps)
+        ops, tables[name] = profiled(step, inputs, labels)
+        baseline = baseline or (seconds if name == "eager" else None)
+        ratio = f"{baseline / seconds:.3f}" if baseline else "-"
+        print(f"{name:16s} {n_tokens / seconds:10.0f} tokens/s  {seconds * 1000:8.1f} ms/step  ratio to eager "
+              f"{ratio}  {unit} per step {ops}", flush=True)
+        del step
+    if a.profile:
+        for name, table in tables.items():
+            print(f"\n== {name}: one step, by self time ==\n{table}")
 
 
 if __name__ == "__main__":
