@@ -77,6 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sum_exp = logits.exp_().sum(dim=-1)
             group.all_reduce(sum_exp)
             losses[chunk], maxes[chunk], sums[chunk] = sum_exp.log() - target_logit, logits_max, sum_exp
+            del logits  # freed before the next chunk's are allocated
         ctx.save_for_backward(x, weight, local_target, mine, maxes, sums)
         return losses.view(target.shape)
 
@@ -98,6 +99,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad.t(), hidden[chunk], out=grad_weight)
             else:
                 grad_weight.addmm_(grad.t(), hidden[chunk])
+            del logits, softmax, grad
         grad_hidden = grad_hidden.view(*x.shape[:-2], -1, x.size(-1))
         if ctx.sequence_parallel:
             grad_x = reduce_scatter_sequence(grad_hidden, group)
