@@ -78,7 +78,7 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False  # --untie-embeddings-and-output-weights: own output weight
     openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
-    cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss fused per N tokens; 0: logits
+    cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
 
     @property
     def granularity(self) -> str | None:

@@ -3,6 +3,10 @@
 loss = log(sum_v exp(z_v - m)) - (z_target - m), m = max_v z_v. Three all-reduces of [tokens]-sized
 tensors (max, target logit, sum of exponentials) replace gathering the [tokens, vocab] logits.
 Computed in fp32 whatever the logits' dtype.
+
+`vocab_parallel_linear_cross_entropy` fuses the output projection with it, chunk by chunk of tokens, so the
+[tokens, V/tp] logits and their fp32 softmax are never held whole (`--cross-entropy-chunk-size`); the function
+above is its reference, and stays the path without labels' logits (generation) and with chunk size 0.
 """
 
 from __future__ import annotations
