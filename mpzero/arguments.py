@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compile each transformer layer's forward with torch.compile (torchtitan's regional "
                             "compilation; inductor: Triton kernels on GPUs, C++ on CPUs); the first iteration "
                             "pays the compilation")
+    model.add_argument("--cross-entropy-chunk-size", type=int, default=GPTConfig.cross_entropy_chunk_size,
+                       help="tokens per chunk of the output projection fused with the vocab-parallel cross entropy: "
+                            "the [b, s, V/TP] logits and their fp32 softmax are never held whole, each chunk's "
+                            "logits are recomputed in backward (2hV/TP more FLOPs per token); 0: the logits path")
     model.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
                        help="LayerNorm by the PyTorch reference instead of the fused op")
     model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
@@ -307,7 +311,8 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      torch_compile=args.torch_compile,
                      seq_length=args.seq_length,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                     openai_gelu=args.openai_gelu, init_seed=args.seed)
+                     openai_gelu=args.openai_gelu, init_seed=args.seed,
+                     cross_entropy_chunk_size=args.cross_entropy_chunk_size)
 
 
 def lr_schedule(args: argparse.Namespace) -> LRSchedule:

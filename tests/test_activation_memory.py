@@ -32,13 +32,16 @@ MODES = {
     "distributed uniform 2": dict(FULL, recompute_num_layers=2, distribute_saved_activations=True),
     "untied, tanh GELU": dict(untie_embeddings_and_output_weights=True, openai_gelu=True),
     "sp untied": dict(sequence_parallel=True, untie_embeddings_and_output_weights=True),
+    "logits path": dict(cross_entropy_chunk_size=0), "sp, loss in chunks of 5": dict(sequence_parallel=True,
+                                                                                    cross_entropy_chunk_size=5),
     # SDPA's CPU flash kernel; with attention dropout the CPU runs SDPA's math fallback (not modeled)
     "flash": dict(attention_backend="flash", attention_dropout=0.0),
     "flash selective": dict(attention_backend="flash", recompute_activations=True),
     "sp flash": dict(attention_backend="flash", attention_dropout=0.0, sequence_parallel=True),
     "unfused": dict(attention_backend="unfused"),
 }
-TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2", "sp untied", "sp flash")
+TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2", "sp untied",
+            "sp, loss in chunks of 5", "sp flash")
 
 
 def _count(groups, config, dtype, batch=2, seq=16):
@@ -70,7 +73,7 @@ def _count_every_mode(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_counted_bytes_equal_the_formula_in_every_mode(tp):
     for rank, results in enumerate(run_ranks(tp, _count_every_mode, tp)):
-        assert len(results) == (36 if tp == 1 else 64)
+        assert len(results) == (40 if tp == 1 else 72)
         for key, (layers, total, formula_layers, formula_total) in results.items():
             assert layers == formula_layers, (rank, key)
             assert total == formula_total, (rank, key)

@@ -303,7 +303,7 @@ def test_one_layer_is_24h2_plus_4sh_per_token_and_pass():
 
 def test_flops_formula_is_megatrons():
     gpt2 = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
-                     max_position_embeddings=1024)
+                     max_position_embeddings=1024, cross_entropy_chunk_size=0)  # the logits path, computed once
     l, h, s, v = 12, 768, 1024, 50304  # Megatron pads the vocabulary to a multiple of 128
     megatron = 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
     assert gpt2.flops_per_token() == pytest.approx(megatron, rel=1e-12)
@@ -313,6 +313,9 @@ def test_flops_formula_is_megatrons():
     # 4sh per token and layer (as FlopCounterMode counts them in test_flops_per_token_equals_the_counted_matmuls)
     assert dataclasses.replace(gpt2, recompute_activations=True).flops_per_token() == pytest.approx(
         72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) + 4 * l * s * h, rel=1e-12)
+    # the chunked cross entropy computes the logits once more in backward: 2hV per token
+    assert dataclasses.replace(gpt2, cross_entropy_chunk_size=2048).flops_per_token() == pytest.approx(
+        megatron + 2 * h * v, rel=1e-12)
 
 
 # -- the example: a plain torch.nn model under torchrun -------------------------------------------------

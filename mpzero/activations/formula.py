@@ -27,7 +27,9 @@ from what the code saves (never fitted to a count):
 - outside the layers (`outside_terms`): token ids, position ids, the embedding dropout mask, the final
   LayerNorm, the logits' input, the vocabulary-padding mask, and the cross entropy's fp32 softmax, targets
   and target mask. The token ids are counted as the training loop passes them: inputs and labels are views
-  of one [b, s + 1] int64 batch, kept whole by the embedding at TP 1.
+  of one [b, s + 1] int64 batch, kept whole by the embedding at TP 1. The chunked cross entropy
+  (`chunked_cross_entropy`, fused with the output projection) keeps per token the fp32 max and sum of
+  exponentials (8 bytes) instead of the padding mask and the 4sbV/t softmax.
 
 Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
 With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
@@ -72,6 +74,7 @@ class ActivationSetting:
     compiled_layers: bool = False  # --torch-compile: the layers' saved tensors are the compiler's choice
     rng_state_bytes: int = CPU_RNG_STATE_BYTES
     rng_streams: int = 1  # tracker streams saved beside the default generator
+    chunked_cross_entropy: bool = False  # the output projection and the loss fused, chunk by chunk of tokens
 
 
 @dataclass(frozen=True)
@@ -313,11 +316,14 @@ def outside_terms(setting: ActivationSetting) -> list[Term]:
         copies = 2 if ln_torch else 1
         terms.append(Term("final LayerNorm fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
     terms.append(Term("logits input", f"{e}sbh{div}", e * s * b * h // rep_div))
-    first_padding = st.vocab_size - st.tp_rank * local_vocab
-    if first_padding < local_vocab:
-        terms.append(Term("vocabulary padding mask (bool)", "V/t", local_vocab))
-    terms += [Term("cross-entropy softmax fp32", "4sbV/t", 4 * s * b * local_vocab),
-              Term("cross-entropy targets (int64) and mask (bool)", "9sb", 9 * s * b)]
+    if st.chunked_cross_entropy:
+        terms.append(Term("cross-entropy max and sum of exponentials fp32", "8sb", 8 * s * b))
+    else:
+        first_padding = st.vocab_size - st.tp_rank * local_vocab
+        if first_padding < local_vocab:
+            terms.append(Term("vocabulary padding mask (bool)", "V/t", local_vocab))
+        terms.append(Term("cross-entropy softmax fp32", "4sbV/t", 4 * s * b * local_vocab))
+    terms.append(Term("cross-entropy targets (int64) and mask (bool)", "9sb", 9 * s * b))
     return terms
 
 

@@ -48,7 +48,7 @@ from mpzero.fused import layer_norm, scaled_masked_softmax
 from mpzero.fused.impl import ATTENTION_BACKENDS, planned_impl, resolve_attention_backend
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
-                                    vocab_parallel_cross_entropy)
+                                    vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
 from mpzero.tensor_parallel.layers import linear_with_sequence_gather
 from mpzero.tensor_parallel.mappings import scatter_to_sequence_parallel
 
@@ -81,6 +81,7 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False  # --untie-embeddings-and-output-weights: own output weight
     openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
+    cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
 
     @property
     def granularity(self) -> str | None:
@@ -193,7 +194,8 @@ class GPTConfig:
         96 B s l h^2 (1 + s/(6h) + V/(16 l h)); Megatron's own printed figure leaves recomputation out); with
         --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
         core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
-        al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h)."""
+        al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
+        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
         vocab = self.padded_vocab_size(tp_size)
         per_layer = 24 * h ** 2 + 4 * s * h
@@ -203,7 +205,8 @@ class GPTConfig:
             recomputed = (l if self.resolved_recompute_method == "uniform" else n) * per_layer
         elif self.granularity == "selective":
             recomputed = l * 4 * s * h
-        return 3 * l * per_layer + recomputed + 3 * 2 * h * vocab
+        logits = (4 if self.cross_entropy_chunk_size else 3) * 2 * h * vocab
+        return 3 * l * per_layer + recomputed + logits
 
     def activation_setting(self, tp_size: int, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
                            device: torch.device | str = "cpu", tp_rank: int = 0,
@@ -228,7 +231,7 @@ class GPTConfig:
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
             flash_attention=self.planned_attention(device) in ("flash", "fused"), compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
-            rng_streams=rng_streams)
+            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0)
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
@@ -484,6 +487,12 @@ class GPTModel(nn.Module):
                               f"--tensor-model-parallel-size {self.tp.size}")
         x = self._layers(self.embedding(tokens))  # sequence parallel: this rank's slice [b, s/tp, h]
         x = self.final_layernorm(x)
+        chunk = self.config.cross_entropy_chunk_size
+        if labels is not None and chunk:  # the output projection fused with the loss: no [b, s, V/tp] logits
+            weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+            losses = vocab_parallel_linear_cross_entropy(x, weight, labels, self.tp, self.config.vocab_size, chunk,
+                                                         self.config.sequence_parallel)
+            return losses.mean() if reduction == "mean" else losses
         if self.output_layer is None:  # tied output projection, [b, s, V/tp]
             weight = self.embedding.word_embeddings.weight
             if self.config.sequence_parallel:

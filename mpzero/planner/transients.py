@@ -15,7 +15,9 @@ model for a moment: ZeRO's partitioned sizes are reached only after construction
 
 Working tensors of a step (`compute_transients`), an estimate from what the code computes (not counted by any line):
 - cross entropy, backward: the fp32 softmax with the target subtracted, its product with the loss gradient and
-  their cast (8 + e) x s b V/t bytes (the saved softmax itself is an activation);
+  their cast (8 + e) x s b V/t bytes (the saved softmax itself is an activation); chunked
+  (`cross_entropy_chunk_size` c), one chunk's recomputed fp32 logits, worked on in place, and their cast:
+  (4 + e) x min(c, s b) x V/t (4 x ... in fp32, where the cast is the same tensor);
 - the vocabulary gradients: the output projection's weight gradient and the embedding's dense gradient, and (tied)
   their sum, e x V/t x h each, held until the end of backward;
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
@@ -68,7 +70,10 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     tied = not config.untie_embeddings_and_output_weights
     flash = config.planned_attention("cuda" if cuda else "cpu") in ("flash", "fused")
     attention = 0 if flash else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
-    return {"cross entropy": (8 + (e if e < 4 else 0)) * sb * v,
+    chunk = config.cross_entropy_chunk_size
+    cross_entropy = ((4 + (e if e < 4 else 0)) * min(chunk, sb) * v if chunk else
+                     (8 + (e if e < 4 else 0)) * sb * v)
+    return {"cross entropy": cross_entropy,
             "vocabulary gradients": (3 if tied else 2) * e * v * h,
             "attention backward": attention,
             "optimizer step": 8 * min(CHUNK, largest_run) + (4 * shard_numel if g == 2 else 0)}

@@ -1,7 +1,7 @@
 """Megatron-style tensor parallelism: region collectives, parallel layers, vocab-parallel cross entropy, RNG,
 and the per-parameter placement contract (`placement.py`) every parameter handed to ZeRO must satisfy."""
 
-from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            gather_full, linear_with_sequence_gather, sharded_parameter)
 from mpzero.tensor_parallel.placement import (TensorPlacement, mark_replicated, mark_tensor_parallel, placement_of,
@@ -13,7 +13,8 @@ from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_ever
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "mark_tensor_parallel", "mark_replicated",
+    "vocab_parallel_linear_cross_entropy", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
+    "mark_tensor_parallel", "mark_replicated",
     "placement_of", "placements", "TensorPlacement", "sharded_parameter", "gather_full", "RNGStatesTracker",
     "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "gather_from_sequence_parallel", "linear_with_sequence_gather",

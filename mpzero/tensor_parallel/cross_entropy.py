@@ -3,14 +3,20 @@
 loss = log(sum_v exp(z_v - m)) - (z_target - m), m = max_v z_v. Three all-reduces of [tokens]-sized
 tensors (max, target logit, sum of exponentials) replace gathering the [tokens, vocab] logits.
 Computed in fp32 whatever the logits' dtype.
+
+`vocab_parallel_linear_cross_entropy` fuses the output projection with it, chunk by chunk of tokens, so the
+[tokens, V/tp] logits and their fp32 softmax are never held whole (`--cross-entropy-chunk-size`); the function
+above is its reference, and stays the path without labels' logits (generation) and with chunk size 0.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mpzero.comm import CommGroup
+from mpzero.tensor_parallel.mappings import gather_sequence, reduce_scatter_sequence
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -47,3 +53,102 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Per-token loss [...] from this rank's logits [..., V/tp] and global target ids [...]."""
     return _VocabParallelCrossEntropy.apply(logits, target, group)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """loss = vocab_parallel_cross_entropy(mask_padding(x W^T), target), chunk by chunk of tokens: a chunk's fp32
+    logits [c, V/tp] live only inside its step. Forward keeps, per token, the all-reduced max and sum of
+    exponentials (fp32); backward recomputes each chunk's logits from them (one more x W^T: 2 c h V/tp FLOPs) and
+    turns softmax - onehot, scaled by that token's incoming gradient, into dx and dW. Each token's loss gradient
+    is its own (reduction "none"), so dW cannot be formed in forward as Liger-Kernel does for a mean."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel):
+        ctx.group, ctx.vocab_size, ctx.chunk_size, ctx.sequence_parallel = group, vocab_size, chunk_size, \
+            sequence_parallel
+        hidden = _tokens(x, group, sequence_parallel)  # [N, h], the whole sequence
+        local_target, mine = _local_target(target.reshape(-1), group.rank, weight.size(0))
+        n = hidden.size(0)
+        losses, maxes, sums = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
+        for chunk in _chunks(n, chunk_size):
+            logits = _chunk_logits(hidden[chunk], weight, group.rank, vocab_size)  # [c, V/tp] fp32
+            logits_max = logits.max(dim=-1).values
+            group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
+            logits.sub_(logits_max.unsqueeze(-1))
+            target_logit = logits.gather(-1, local_target[chunk].unsqueeze(-1)).squeeze(-1)
+            target_logit = target_logit.masked_fill(~mine[chunk], 0.0)
+            group.all_reduce(target_logit)
+            sum_exp = logits.exp_().sum(dim=-1)
+            group.all_reduce(sum_exp)
+            losses[chunk], maxes[chunk], sums[chunk] = sum_exp.log() - target_logit, logits_max, sum_exp
+            del logits  # freed before the next chunk's are allocated
+        ctx.save_for_backward(x, weight, local_target, mine, maxes, sums)
+        return losses.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        x, weight, local_target, mine, maxes, sums = ctx.saved_tensors
+        group = ctx.group
+        hidden = _tokens(x, group, ctx.sequence_parallel)
+        grad_loss = grad_loss.reshape(-1).float()
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+        for chunk in _chunks(hidden.size(0), ctx.chunk_size):
+            logits = _chunk_logits(hidden[chunk], weight, group.rank, ctx.vocab_size)
+            softmax = logits.sub_(maxes[chunk].unsqueeze(-1)).exp_().div_(sums[chunk].unsqueeze(-1))
+            # d loss / d z = softmax - onehot(target), the one-hot only on the rank that owns the target
+            grad = softmax.scatter_add_(-1, local_target[chunk].unsqueeze(-1), -mine[chunk].unsqueeze(-1).float())
+            grad = grad.mul_(grad_loss[chunk].unsqueeze(-1)).to(hidden.dtype)  # [c, V/tp]
+            torch.mm(grad, weight, out=grad_hidden[chunk])
+            if chunk.start == 0:  # dW [V/tp, h] summed in place, chunk by chunk (one rounding each in bf16)
+                torch.mm(grad.t(), hidden[chunk], out=grad_weight)
+            else:
+                grad_weight.addmm_(grad.t(), hidden[chunk])
+            del logits, softmax, grad
+        grad_hidden = grad_hidden.view(*x.shape[:-2], -1, x.size(-1))
+        if ctx.sequence_parallel:
+            grad_x = reduce_scatter_sequence(grad_hidden, group)
+        else:
+            grad_x = grad_hidden
+            group.all_reduce(grad_x)  # the input was replicated across the TP group (copy_to_tp's backward)
+        return grad_x, grad_weight, None, None, None, None, None
+
+
+def _tokens(x: torch.Tensor, group: CommGroup, sequence_parallel: bool) -> torch.Tensor:
+    """[b, s, h] (or this rank's sequence slice [b, s/tp, h], gathered) as [b*s, h]."""
+    if sequence_parallel:
+        x = gather_sequence(x, group)
+    return x.reshape(-1, x.size(-1))
+
+
+def _local_target(target: torch.Tensor, rank: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids in this rank's vocabulary shard (0 where another rank owns them) and which ones it owns."""
+    local_target = target - rank * local_vocab
+    mine = (local_target >= 0) & (local_target < local_vocab)
+    return local_target.masked_fill(~mine, 0), mine
+
+
+def _chunks(n: int, chunk_size: int) -> list[slice]:
+    return [slice(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, rank: int, vocab_size: int) -> torch.Tensor:
+    """fp32 logits [c, V/tp] of hidden [c, h] (the product in the model's dtype, as the logits path computes it),
+    the vocabulary padding at -inf."""
+    logits = F.linear(hidden, weight).float()
+    first_padding = vocab_size - rank * weight.size(0)
+    if first_padding < weight.size(0):
+        logits[:, max(first_padding, 0):] = float("-inf")
+    return logits
+
+
+def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                        group: CommGroup, vocab_size: int, chunk_size: int,
+                                        sequence_parallel: bool = False) -> torch.Tensor:
+    """Per-token loss [b, s] of the output projection x W^T and vocab_parallel_cross_entropy, fused, `chunk_size`
+    tokens at a time, without ever holding the [b, s, V/tp] logits. x [b, s, h] is replicated across the TP group
+    (its gradient all-reduced), or with `sequence_parallel` this rank's slice [b, s/tp, h] (gathered, its gradient
+    reduce-scattered); W [V/tp, h] is this rank's vocabulary shard, its rows from `vocab_size` on padding (-inf)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk size {chunk_size} must be positive")
+    return _LinearCrossEntropy.apply(x, weight, target, group, vocab_size, chunk_size,
+                                     sequence_parallel and group.size > 1)
