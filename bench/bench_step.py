@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
+from mpzero.gpu_check.step_profile import step_profile
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
@@ -109,24 +109,6 @@ def timed(step, inputs, labels, steps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def profiled(step, inputs, labels):
-    """(ops per step, the profiler's op table) over one step."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if inputs.is_cuda else [])
-    with profile(activities=activities) as prof:
-        step(inputs, labels)
-        if inputs.is_cuda:
-            torch.cuda.synchronize()
-    events = prof.events()
-    if inputs.is_cuda:
-        ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        sort = "self_cuda_time_total"
-    else:
-        ops = sum(1 for e in events if e.name.startswith("aten::")
-                  and not any(c.name.startswith("aten::") for c in e.cpu_children))
-        sort = "self_cpu_time_total"
-    return ops, prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=50)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=256)
@@ -157,7 +139,7 @@ def main(argv=None):
     for name in a.variants:
         step = builders[name]()
         seconds = timed(step, inputs, labels, a.steps)
-        ops, tables[name] = profiled(step, inputs, labels)
+        ops, tables[name] = step_profile(step, inputs, labels)
         baseline = baseline or (seconds if name == "eager" else None)
         ratio = f"{baseline / seconds:.3f}" if baseline else "-"
         print(f"{name:16s} {n_tokens / seconds:10.0f} tokens/s  {seconds * 1000:8.1f} ms/step  ratio to eager "

@@ -38,6 +38,11 @@ class CommStats:
         self.calls.clear()
 
 
+# Collectives run eagerly under torch.compile (a graph break around each, compiled code on both sides): their
+# byte counters are Python state that dynamo would otherwise guard on, recompiling at every call.
+_eager = torch.compiler.disable
+
+
 @dataclass(frozen=True)
 class CommGroup:
     """A process group with its size, this rank's place in it, and a shared byte counter.
@@ -58,6 +63,7 @@ class CommGroup:
     def _ring(self, nbytes: float) -> float:
         return nbytes * (self.size - 1) / self.size
 
+    @_eager
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op=False):
         if self.size == 1:
             return None
@@ -71,6 +77,7 @@ class CommGroup:
         self.all_gather_into(gathered, x.view(-1))
         return torch.cat(gathered.view(self.size, *x.shape).unbind(0), dim=dim)
 
+    @_eager
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op=False):
         """output (size * shard.numel()) <- this rank's `shard` concatenated in group-rank order."""
         if self.size == 1:
@@ -79,6 +86,7 @@ class CommGroup:
         self.stats.record("all_gather", self._ring(_nbytes(output)))
         return _all_gather_single(output, shard, group=self.pg, async_op=async_op)
 
+    @_eager
     def reduce_scatter_into(self, shard: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM,
                             async_op=False):
         """shard <- this rank's 1/size slice of the sum of `full` over the group."""
@@ -88,6 +96,7 @@ class CommGroup:
         self.stats.record("reduce_scatter", self._ring(_nbytes(full)))
         return _reduce_scatter_single(shard, full, op=op, group=self.pg, async_op=async_op)
 
+    @_eager
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0):
         if self.size == 1:
             return None

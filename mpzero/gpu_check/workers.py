@@ -279,6 +279,7 @@ def bench_gpt2(args, result: Result) -> str:
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import ZeroOptimizer
     from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+    from mpzero.gpu_check.step_profile import step_profile
 
     batch, warmup, timed = args.micro_batch_size, 3, 10
     seq, tokens_per_step = GPT2["seq_length"], args.micro_batch_size * GPT2["seq_length"]
@@ -290,6 +291,8 @@ def bench_gpt2(args, result: Result) -> str:
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
                 f"72 l h^2 (1 + s/6h + V/16lh), vocab {GPT2_PADDED_VOCAB}) x tokens/s / that peak")
+    result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); each variant's per-op breakdown "
+                "of that step is in this part's log")
     result.note(f"GPT-2 124M: 12 layers, hidden 768, 12 heads, seq {seq}, micro-batch {batch} ({tokens_per_step} "
                 f"tokens/step), dropout 0, AdamW (lr 6e-4, betas 0.9/0.95, wd 0.1), clip 1.0; {warmup} warm-up "
                 f"+ {timed} timed steps; peak memory = torch.cuda.max_memory_allocated from model build to the "
@@ -315,13 +318,13 @@ def bench_gpt2(args, result: Result) -> str:
 
     groups = None
 
-    def mpzero(flash: bool):
+    def mpzero(backend: str, compiled: bool = False):
         nonlocal groups
         if groups is None:
             groups = init_parallel(1)  # NCCL, a world of one
         config = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=GPT2["vocab_size"],
                            max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0,
-                           use_flash_attn=flash, seq_length=seq)
+                           attention_backend=backend, torch_compile=compiled, seq_length=seq)
         model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
         opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
                                                                           clip_grad=1.0), PrecisionConfig("bf16"))
@@ -336,8 +339,9 @@ def bench_gpt2(args, result: Result) -> str:
         return step, losses
 
     variants = [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: eager(False)),
-                ("mpzero, core attention + Triton kernels, ZeRO-1 bf16", lambda: mpzero(False)),
-                ("mpzero --use-flash-attn, ZeRO-1 bf16", lambda: mpzero(True)),
+                ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16", lambda: mpzero("auto")),
+                ("mpzero --attention-backend local (core attention, Triton softmax)", lambda: mpzero("local")),
+                ("mpzero --torch-compile, ZeRO-1 bf16", lambda: mpzero("auto", compiled=True)),
                 ("eager PyTorch + torch.compile", lambda: eager(True))]
     eager_tps, ok = None, True
     for name, build in variants:
@@ -355,6 +359,8 @@ def bench_gpt2(args, result: Result) -> str:
             seconds = _sync_time(step, timed)
             tps = tokens_per_step * timed / seconds
             peak_bytes = torch.cuda.max_memory_allocated() - base
+            kernels, table = step_profile(step, cuda=True)  # the table goes to this part's log (logs/bench_gpt2.log)
+            print(f"== {name}: one step by self CUDA time ({kernels} kernels) ==\n{table}", flush=True)
             final = [float(x) for x in losses[-timed:]]
             finite = all(math.isfinite(x) for x in final)
             eager_tps = tps if eager_tps is None else eager_tps
@@ -362,7 +368,8 @@ def bench_gpt2(args, result: Result) -> str:
                                       "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
                                       "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
                                       "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
-                                      "vs eager": round(tps / eager_tps, 3), "last loss": round(final[-1], 4)},
+                                      "vs eager": round(tps / eager_tps, 3), "kernels/step": kernels,
+                                      "last loss": round(final[-1], 4)},
                        ok=finite)
             ok = ok and finite
         except Exception as error:  # noqa: BLE001
@@ -438,7 +445,7 @@ COLUMNS = {
     "multi_gpu": ["layout", "processes", "tp", "dp", "stage", "first loss", "last loss", "max rel diff", "seconds",
                   "ok", "note"],
     "bench_gpt2": ["model", "tokens/s", "ms/step", "first step s", "peak GiB", "TFLOP/s", "MFU", "vs eager",
-                   "last loss", "ok", "note"],
+                   "kernels/step", "last loss", "ok", "note"],
     "zero_memory": ["stage", "params", "formula", "formula MiB", "counted MiB", "allocated MiB",
                     "allocated / formula", "peak build MiB", "peak step MiB", "ok", "note"],
 }

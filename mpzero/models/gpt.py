@@ -317,8 +317,8 @@ class SelfAttention(nn.Module):
         b, s = qkv.shape[:2]
         q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         # each [b, local_heads, s, head_dim]; heads differ across TP ranks, so must their dropout masks (no
-        # tracker: no dropout, nothing drawn)
-        with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
+        # dropout: nothing drawn, no RNG state swapped, which torch.compile would have to break around)
+        with self.rng.fork() if self.rng is not None and dropout > 0 else contextlib.nullcontext():
             return self.attend(q, k, v, dropout, self.backend(qkv.device))
 
     def attend(self, q, k, v, dropout: float, backend: str) -> torch.Tensor:
