@@ -1,7 +1,8 @@
 """Preprocessing throughput: tools/preprocess_data.py's pipeline with 1 and 2 workers against the raw
 SentencePiece encode rate, all measured in this run on the same text and tokenizer.
 
-    python bench/bench_preprocess.py [--corpus ../shared/corpus] [--repeat 3]
+    python bench/bench_preprocess.py [--corpus data_sample] [--repeat 3]    # the bundled KJV sample by default
+    python bench/bench_preprocess.py --corpus ../shared/corpus                # the figures in bench/README.md
 
 Raw encode: every document already decoded in memory, encoded one by one in one thread: the
 tokenizer's own speed, with no file reading, JSON parsing or writing (the goal's baseline). Raw batch
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import sys
@@ -39,9 +41,17 @@ def train_tokenizer(inputs: list[str], vocab_size: int, prefix: str) -> str:
     return prefix + ".model"
 
 
+def _texts(inputs: list[str]) -> list[str]:
+    texts = []
+    for path in inputs:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            texts += [json.loads(line)["text"] for line in f]
+    return texts
+
+
 def raw_encode_rate(inputs: list[str], model: str) -> tuple[float, int]:
     tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
-    texts = [json.loads(line)["text"] for path in inputs for line in open(path, encoding="utf-8")]
+    texts = _texts(inputs)
     start, tokens = time.perf_counter(), 0
     for text in texts:
         tokens += len(tok.tokenize(text))
@@ -50,7 +60,7 @@ def raw_encode_rate(inputs: list[str], model: str) -> tuple[float, int]:
 
 def raw_batch_encode_rate(inputs: list[str], model: str, batch: int = 128) -> tuple[float, int]:
     tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
-    texts = [json.loads(line)["text"] for path in inputs for line in open(path, encoding="utf-8")]
+    texts = _texts(inputs)
     start, tokens = time.perf_counter(), 0
     for i in range(0, len(texts), batch):
         tokens += sum(len(ids) for ids in tok.tokenize_batch(texts[i:i + batch]))
@@ -67,13 +77,14 @@ def pipeline_rate(inputs: list[str], model: str, workers: int, out_dir: str) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", default=os.path.join(ROOT, "..", "shared", "corpus"))
+    p.add_argument("--corpus", default=os.path.join(ROOT, "data_sample"),
+                   help="a directory of *.jsonl / *.jsonl.gz files (default: the repository's bundled sample)")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
-    inputs = sorted(glob.glob(os.path.join(args.corpus, "*.jsonl")))
+    inputs = sorted(glob.glob(os.path.join(args.corpus, "*.jsonl")) + glob.glob(os.path.join(args.corpus, "*.jsonl.gz")))
     if not inputs:
-        print(f"error: no *.jsonl files in {args.corpus}: pass --corpus", file=sys.stderr)
+        print(f"error: no *.jsonl or *.jsonl.gz files in {args.corpus}: pass --corpus", file=sys.stderr)
         return 2
     size = sum(os.path.getsize(p) for p in inputs) / 2**20
     print(f"corpus: {len(inputs)} files, {size:.1f} MB ({', '.join(os.path.basename(p) for p in inputs)}); "

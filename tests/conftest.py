@@ -6,8 +6,16 @@ triton is first imported (its own library functions are decorated then), and the
 below already imports it, so it is set first thing here."""
 
 import os
+import shutil
+import tempfile
 
+import pytest
 import torch
+
+# One inductor cache for the whole run (torch.compile's tests and the fused ops' compile impls share it; forked
+# ranks inherit it), in the temp folder while the run lasts and removed after it.
+INDUCTOR_CACHE = tempfile.mkdtemp(prefix="mpzero-tests-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,3 +23,15 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_folder_left_as_found():
+    """`make test` leaves nothing in the temp folder: every test cleans up what it makes there (pytest's own
+    tmp_path directories live under --basetemp, in the repository: pytest.ini)."""
+    folder = tempfile.gettempdir()
+    before = set(os.listdir(folder)) | {os.path.basename(INDUCTOR_CACHE)}
+    yield
+    shutil.rmtree(INDUCTOR_CACHE, ignore_errors=True)
+    left = sorted(set(os.listdir(folder)) - before)
+    assert not left, f"the tests left {len(left)} entries in {folder}: {', '.join(left[:5])}"

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import tempfile
 import time
 import traceback
@@ -38,12 +39,15 @@ def run_ranks(world_size: int, fn, *args, deadline: float = 120.0, **kwargs) -> 
         proc.start()
         send.close()
         conns[recv], procs[rank] = rank, proc
-    outcomes = _collect(conns, deadline)
-    for proc in procs.values():
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    try:
+        outcomes = _collect(conns, deadline)
+    finally:
+        for proc in procs.values():
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     failures = [f"--- rank {r} ---\n{detail}" for r, (ok, detail) in sorted(outcomes.items()) if not ok]
     for rank in range(world_size):
         if rank not in outcomes:

@@ -4,7 +4,7 @@ fuses elementwise chains and reorders reductions: float rounding, never a differ
 ZeRO-1, and at TP 2 with ZeRO-3 (its gather/release hooks around the compiled forward), sequence parallelism and selective recomputation; bf16 within 2e-2
 (one bf16 rounding of a fused chain differs from the eager op-by-op roundings). Dropout is 0: compiled dropout
 draws its masks from inductor's generator. Compilation costs seconds per rank: the models are tiny and the runs
-share one inductor cache (`inductor_cache`, session scope)."""
+share the run's one inductor cache (tests/conftest.py)."""
 
 import pytest
 
@@ -15,11 +15,10 @@ ITERS = ["--train-iters", "3", "--eval-iters", "0"]  # no evaluation: no no-grad
 
 
 @pytest.fixture(scope="module", autouse=True)
-def inductor_cache(tmp_path_factory):
-    """One inductor/FX-graph cache for this module's runs (ranks are forked: they inherit it), and compile in
-    the rank's own process (no worker pool to fork)."""
+def compile_in_process():
+    """Compile in the rank's own process: no worker pool to fork (the inductor cache is the run's one,
+    tests/conftest.py)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
         patch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
         yield
 
