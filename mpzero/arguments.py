@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     precision = p.add_argument_group("mixed precision")
     dtype = precision.add_mutually_exclusive_group()
-    dtype.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master and gradients")
+    dtype.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master and gradients "
+                       "(bf16 gradients with --grad-reduce-in-bf16)")
     dtype.add_argument("--fp16", action="store_true", help="fp16 parameters and gradients, dynamic loss scaling")
     grads = precision.add_mutually_exclusive_group()
     grads.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
