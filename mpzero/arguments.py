@@ -152,8 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     precision = p.add_argument_group("mixed precision")
     dtype = precision.add_mutually_exclusive_group()
-    dtype.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master and gradients")
+    dtype.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master and gradients "
+                       "(bf16 gradients with --grad-reduce-in-bf16)")
     dtype.add_argument("--fp16", action="store_true", help="fp16 parameters and gradients, dynamic loss scaling")
+    grads = precision.add_mutually_exclusive_group()
+    grads.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="gradient buffers, their accumulation over micro-batches and their reduction over DP "
+                            "in fp32 (4 bytes per element); the default with --bf16, as in Megatron (with --fp16 "
+                            "the gradients are fp16 unless this is given)")
+    grads.add_argument("--grad-reduce-in-bf16", action="store_true",
+                       help="--bf16: gradients accumulated and reduced in bf16 (2 bytes per element: half the "
+                            "gradient memory and traffic, at bf16's rounding), cast to fp32 bucket by bucket for "
+                            "the optimizer step; Megatron's negation of --accumulate-allreduce-grads-in-fp32")
     precision.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale")
     precision.add_argument("--initial-loss-scale", type=float, default=PrecisionConfig.initial_loss_scale)
     precision.add_argument("--min-loss-scale", type=float, default=PrecisionConfig.min_loss_scale)
@@ -368,9 +378,13 @@ def adam_config(args: argparse.Namespace) -> AdamConfig:
 
 def precision_config(args: argparse.Namespace) -> PrecisionConfig:
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if args.grad_reduce_in_bf16 and dtype != "bf16":
+        raise ConfigError(f"--grad-reduce-in-bf16 needs --bf16 (the run is {dtype}): drop it")
+    in_fp32 = False if args.grad_reduce_in_bf16 else True if args.accumulate_allreduce_grads_in_fp32 else None
     return PrecisionConfig(dtype=dtype, initial_loss_scale=args.initial_loss_scale,
                            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                           hysteresis=args.hysteresis, loss_scale=args.loss_scale)
+                           hysteresis=args.hysteresis, loss_scale=args.loss_scale,
+                           accumulate_allreduce_grads_in_fp32=in_fp32)
 
 
 def _config_file_from(argv: list[str] | None) -> str | None:

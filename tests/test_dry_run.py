@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch.distributed as dist
 
 import pretrain_gpt
@@ -31,8 +32,9 @@ def _lines(stdout: str, kind: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith(kind)]
 
 
-def test_dry_run_prints_the_lines_of_the_real_run():
-    argv = TINY + LAYOUT
+@pytest.mark.parametrize("grads", [[], ["--grad-reduce-in-bf16"]], ids=["fp32-grads", "bf16-grads"])
+def test_dry_run_prints_the_lines_of_the_real_run(grads):
+    argv = TINY + LAYOUT + grads
     real = run_ranks(4, main_capturing_stdout, argv)[0][1]  # rank 0 prints every rank's activation line
     for rank in (0, 3):
         _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "4", "--rank", str(rank)])

@@ -40,7 +40,7 @@ from tests.distributed import run_ranks
 SMALL = ["--num-layers", "3", "--hidden-size", "42", "--num-attention-heads", "6", "--seq-length", "16",
          "--vocab-size", "250", "--mock-data", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
          "--zero-bucket-numel", "3000"]
-DTYPES = {"fp32": [], "bf16": ["--bf16"]}
+DTYPES = {"fp32": [], "bf16": ["--bf16"], "bf16 gradients": ["--bf16", "--grad-reduce-in-bf16"]}
 
 
 def _matrix(tp: int, dp: int, tmp: str) -> list[list[str]]:
@@ -53,6 +53,7 @@ def _matrix(tp: int, dp: int, tmp: str) -> list[list[str]]:
                  gbs + ["--zero-stage", "2", "--bf16", "--offload-optimizer", "disk", "--offload-path", tmp],
                  gbs + ["--zero-stage", "3", "--offload-optimizer", "disk", "--offload-params", "disk",
                         "--offload-path", tmp],
+                 gbs + ["--zero-stage", "1", "--bf16", "--grad-reduce-in-bf16", "--offload-optimizer", "cpu"],
                  gbs + ["--zero-stage", "1", "--bf16", "--recompute-granularity", "full"],
                  gbs + ["--zero-stage", "2", "--recompute-activations"] + (["--sequence-parallel"] if tp > 1 else [])]
     return sets

@@ -14,7 +14,8 @@ MICRO = 2
 # precision Adam (fp16) is 2 + 2 + 12 = 16 (fp32 master 4 + momentum 4 + variance 4). bf16 keeps its
 # gradients in fp32, as Megatron accumulates bf16 gradients in fp32: 2 + 4 + 12 = 18. Pure fp32 trains the
 # parameters themselves (no separate master copy): 4 + 4 + 8 = 16.
-BYTES = {"fp16": (2, 2, 12), "bf16": (2, 4, 12), "fp32": (4, 4, 8)}
+# bf16-grads (--grad-reduce-in-bf16) keeps them in bf16: the fp16 figures, 2 + 2 + 12.
+BYTES = {"fp16": (2, 2, 12), "bf16": (2, 4, 12), "bf16-grads": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
 def _counted_params():
@@ -47,7 +48,8 @@ def _expected_comm(stage, dtype, n, m):
 
 def _accounting(stage, dtype, iterations=2):
     groups = init_parallel(tp_size=1)
-    precision = PrecisionConfig(dtype, initial_loss_scale=1024)
+    precision = PrecisionConfig(dtype.removesuffix("-grads"), initial_loss_scale=1024,
+                                accumulate_allreduce_grads_in_fp32=False if dtype == "bf16-grads" else None)
     model = make_model().to(precision.torch_dtype)
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage), AdamConfig(), precision)
     memory = opt.memory_report()
@@ -61,7 +63,7 @@ def _accounting(stage, dtype, iterations=2):
     return memory, opt.comm_report(), per_backward
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "bf16-grads"])
 def test_zero_model_state_bytes_match_formula(dtype):
     total, _ = _counted_params()
     assert total == 370 + 2 * (20 + 253 + 240) + 20  # embedding 37x10, 2 blocks (LN, fc1, fc2), final LN
@@ -80,10 +82,11 @@ def test_zero_memory_formula_is_the_zero_paper_for_fp16():
     assert texts == {0: "16P", 1: "4P+12P/N", 2: "2P+14P/N", 3: "16P/N"}
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "bf16-grads"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_zero_counted_communication_matches_theory(stage):
-    expected = _expected_comm(stage, "bf16", 4, MICRO)
-    for _, comm, per_backward in run_ranks(4, _accounting, stage, "bf16"):
+def test_zero_counted_communication_matches_theory(stage, dtype):
+    expected = _expected_comm(stage, dtype, 4, MICRO)
+    for _, comm, per_backward in run_ranks(4, _accounting, stage, dtype):
         assert comm.theory == pytest.approx(expected, rel=1e-12), comm.line()
         assert comm.measured == pytest.approx(expected, rel=0.01), comm.line()
         if stage < 2:  # accumulation communicates once per global batch: nothing before the last micro-batch

@@ -207,9 +207,10 @@ class Planner:
         construction = construction_peak(layouts, zero.stage, self.p, mixed, self.g, machine.cuda,
                                          offload.optimizer != "none", offload.params != "none")
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
-        transients = compute_transients(config, layout.tp, layout.micro_batch, self.seq, self.p, self.g,
-                                        sum(lay.shard_numel for lay in layouts), max(runs, default=0),
-                                        machine.cuda)
+        shards = [lay.shard_numel for lay in layouts]  # Fp32Buckets: one at a time, all when offloaded
+        cast = sum(shards) if offload.optimizer != "none" else max(shards, default=0)
+        transients = compute_transients(config, layout.tp, layout.micro_batch, self.seq, self.p, self.g, cast,
+                                        max(runs, default=0), machine.cuda, self.precision.dtype == "fp16")
         working = max(transients["cross entropy"], transients["vocabulary gradients"],
                       transients["attention backward"])
         device_peak = max(construction, states.device + transients["optimizer step"],

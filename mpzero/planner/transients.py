@@ -22,7 +22,10 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   their sum, e x V/t x h each, held until the end of backward;
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
   flash attention: --attention-backend flash or fused, and auto on a GPU);
-- the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements), and fp16's fp32 gradient copies (4S).
+- the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
+  fp16's loss-scaled gradients), then, with gradients in the parameters' dtype (fp16, bf16 with
+  --grad-reduce-in-bf16), the fp32 cast of one bucket's shard at a time (4 x the largest shard: `Fp32Buckets`;
+  of every shard, 4S, with an offloaded optimizer); the larger of the two.
 The step's peak takes the largest of the backward ones beside the saved activations, and the step's beside the states.
 """
 
@@ -61,10 +64,11 @@ def construction_peak(layouts, stage: int, p: int, mixed: bool, g: int, cuda: bo
     return peak
 
 
-def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, shard_numel: int,
-                       largest_run: int, cuda: bool = True) -> dict[str, int]:
+def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, fp32_grad_numel: int,
+                       largest_run: int, cuda: bool = True, loss_scaled: bool = False) -> dict[str, int]:
     """Bytes of each working-tensor term (see the module docstring) for one micro-batch on one rank, on a GPU
-    (`cuda`) or the CPU (the attention backend `auto` picks differs)."""
+    (`cuda`) or the CPU (the attention backend `auto` picks differs). fp32_grad_numel: the gradient elements the
+    step casts to fp32 at once when g < 4; loss_scaled: fp16's norm unscales each chunk."""
     v, h = config.padded_vocab_size(tp) // tp, config.hidden_size
     sb = seq * micro_batch
     tied = not config.untie_embeddings_and_output_weights
@@ -76,4 +80,5 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     return {"cross entropy": cross_entropy,
             "vocabulary gradients": (3 if tied else 2) * e * v * h,
             "attention backward": attention,
-            "optimizer step": 8 * min(CHUNK, largest_run) + (4 * shard_numel if g == 2 else 0)}
+            "optimizer step": max((12 if loss_scaled and g < 4 else 8) * min(CHUNK, largest_run),
+                                  4 * fp32_grad_numel if g < 4 else 0)}

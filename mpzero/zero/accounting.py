@@ -3,7 +3,8 @@
 Memory (per rank): P trainable parameters, N DP ranks, p / g bytes per parameter / gradient element,
 K = 8 (Adam's fp32 moments) + 4 when fp32 master weights are kept apart from the parameters
 (mixed precision). Stage 0: (p+g+K)P; stage 1: (p+g)P + KP/N; stage 2: pP + (g+K)P/N; stage 3:
-(p+g+K)P/N. fp16 gives the paper's 16P, 4P+12P/N, 2P+14P/N, 16P/N; bf16 (fp32 gradients) 18P, ...
+(p+g+K)P/N. fp16 gives the paper's 16P, 4P+12P/N, 2P+14P/N, 16P/N; bf16 (fp32 gradients, Megatron's
+--accumulate-allreduce-grads-in-fp32 default) 18P, ...; bf16 with --grad-reduce-in-bf16 (g = 2) fp16's figures.
 The measured side sums the unique storages this rank holds, padding included.
 
 Communication per iteration (per rank, ring model, m micro-batches): stage 0 all-reduces gradients,

@@ -123,6 +123,9 @@ class PrecisionConfig:
     loss_scale: float | None = None  # static scale (fp16); None = dynamic
     max_skips_at_min_scale: int = 10  # consecutive fp16 overflows at the minimum (or static) scale that stop
     # the run (DeepSpeed's raise_error_at_min_scale): it would otherwise skip every step and save an untrained model
+    accumulate_allreduce_grads_in_fp32: bool | None = None  # --accumulate-allreduce-grads-in-fp32: gradient
+    # buffers, their accumulation and their reduction in fp32 (4 bytes per element) instead of the parameters'
+    # dtype (2); None is Megatron's default: on for bf16 (off with --grad-reduce-in-bf16), off for fp16
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -130,9 +133,14 @@ class PrecisionConfig:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """fp16 keeps fp16 gradients (the ZeRO paper's 2+2+12 bytes); bf16 accumulates in fp32
-        (Megatron requires it: bf16's 8-bit mantissa loses small accumulated gradients)."""
-        return torch.float16 if self.dtype == "fp16" else torch.float32
+        """The gradient buffers' dtype, which the reductions communicate. Megatron's rule
+        (megatron/training/arguments.py): bf16 accumulates and all-reduces in fp32 unless --grad-reduce-in-bf16
+        (bf16's 8-bit mantissa rounds small gradients away as micro-batches and ranks add up); fp16 keeps fp16
+        gradients (the ZeRO paper's 2+2+12 bytes) unless --accumulate-allreduce-grads-in-fp32."""
+        fp32 = self.accumulate_allreduce_grads_in_fp32
+        if fp32 is None:
+            fp32 = self.dtype != "fp16"
+        return torch.float32 if fp32 else self.torch_dtype
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -88,6 +88,8 @@ class ReplicatedGrads:
             raise RuntimeError(f"gradient bucket {bucket} received a gradient after it was reduced (a parameter "
                                "used in two reentrant checkpoint regions?): use ZeroConfig(overlap_comm=False)")
         self._launched.add(bucket)
+        if self.dp.size == 1:  # the buffer is the whole reduced gradient already (its "shard" is all of it)
+            return
         flat = self.flats[bucket].div_(self.dp.size)
         if self._reduction == "all_reduce":
             self._handles.append(self.dp.all_reduce(flat, async_op=self._overlap))
@@ -123,6 +125,7 @@ class ShardedGrads:
         self.dp, self._layouts, self._dtype, self._device = dp, layouts, dtype, device
         self.overlap, self._after_ready, self._meter = overlap, after_ready, meter
         self.shards = [torch.zeros(l.shard_numel, dtype=dtype, device=device) for l in layouts]
+        self._zeroed = set(range(len(layouts)))  # buckets whose shard holds zeros (nothing reduced since zero_())
         self._full: dict[int, torch.Tensor] = {}  # bucket -> full gradient buffer of this micro-batch
         self._inflight = []  # (bucket, handle, reduced slice, full buffer kept alive until the wait)
         self._launched: set[int] = set()
@@ -145,11 +148,17 @@ class ShardedGrads:
         self._after_ready(bucket)
 
     def _launch(self, bucket: int) -> None:
-        full = self._full_buffer(bucket).div_(self.dp.size)
+        full = self._full_buffer(bucket)
+        if self.dp.size > 1:  # at DP 1 a division by 1: no pass over the buffer
+            full.div_(self.dp.size)
         del self._full[bucket]
         self._launched.add(bucket)
-        reduced = torch.empty_like(self.shards[bucket])
-        handle = self.dp.reduce_scatter_into(reduced, full, async_op=self.overlap)
+        # The first reduction after zero_() lands in the shard itself (0 + x = x; only a -0.0 stays -0.0, which
+        # no later step tells from +0.0); later micro-batches reduce into a temporary that is added to it.
+        reduced = None if bucket in self._zeroed else torch.empty_like(self.shards[bucket])
+        self._zeroed.discard(bucket)
+        handle = self.dp.reduce_scatter_into(self.shards[bucket] if reduced is None else reduced, full,
+                                             async_op=self.overlap)
         self._inflight.append((bucket, handle, reduced, full))
         while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._complete_oldest()
@@ -159,7 +168,8 @@ class ShardedGrads:
         bucket, handle, reduced, full = self._inflight.pop(0)
         if handle is not None:
             handle.wait()
-        self.shards[bucket].add_(reduced)
+        if reduced is not None:
+            self.shards[bucket].add_(reduced)
         self._meter.sub(full.nbytes)
 
     def end_backward(self) -> None:
@@ -172,6 +182,7 @@ class ShardedGrads:
     def zero_(self) -> None:
         for shard in self.shards:
             shard.zero_()
+        self._zeroed = set(range(len(self.shards)))
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.shards)  # full buckets exist only during one micro-batch's backward

@@ -24,6 +24,7 @@ import torch
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel.placement import TensorPlacement
 from mpzero.zero.flat import FlatLayout
+from mpzero.zero.step_grads import Fp32Buckets
 
 
 def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement], tp_rank: int,
@@ -42,25 +43,30 @@ def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement],
 CHUNK = 1 << 22  # elements squared per fp64 pass: a 32 MiB temporary, whatever the bucket size
 
 
-def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """sum(x**2) of a 1-D tensor as an fp64 scalar on x's device, accumulated in fp64 chunk by chunk."""
+def sum_of_squares(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """sum((scale x)**2) of a 1-D tensor as an fp64 scalar on x's device, accumulated in fp64 chunk by chunk;
+    `scale` applies to the chunk cast to fp32 (the values the step's fp32 gradients will hold: `Fp32Buckets`)."""
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, x.numel(), CHUNK):
-        chunk = x[start:start + CHUNK].to(torch.float64)
+        chunk = x[start:start + CHUNK]
+        if scale != 1.0:
+            chunk = chunk.float().mul_(scale)
+        chunk = chunk.to(torch.float64)  # exact from fp32, bf16 and fp16
         total += torch.dot(chunk, chunk)
     return total
 
 
 def grad_norm_squared(grads: list[torch.Tensor], runs: list[tuple[int, int, int]], groups: ParallelGroups,
-                      check_overflow: bool = False) -> torch.Tensor:
+                      check_overflow: bool = False, scale: float = 1.0) -> torch.Tensor:
     """The squared global norm as an fp64 device scalar, the same on every rank; nothing is read to the host.
     `check_overflow` (fp16): a rank whose gradients hold an inf or nan anywhere (its padding and the copies that
     do not count towards the norm included) contributes inf, so an overflow on any rank makes the sum non-finite
-    on every rank: the one all-reduce of the norm is also the overflow check."""
+    on every rank: the one all-reduce of the norm is also the overflow check. `scale`: the norm is that of the
+    gradients times `scale` (low-precision shards, unscaled chunk by chunk in fp32; see `sum_of_squares`)."""
     device = grads[0].device if grads else groups.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for bucket, start, end in runs:
-        total += sum_of_squares(grads[bucket][start:end])
+        total += sum_of_squares(grads[bucket][start:end], scale)
     if check_overflow:
         total = torch.where(_any_not_finite(grads, device), torch.inf, total)
     groups.world.all_reduce(total)  # an fp64 scalar: gloo and NCCL both reduce float64
@@ -79,9 +85,13 @@ def read_to_host(values: list[torch.Tensor]) -> list[float]:
     return torch.stack([v.to(torch.float64) for v in values]).tolist()
 
 
-def clip_grads_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
-    """Megatron's rule: scale by max_norm / (norm + 1e-6) when that is below 1."""
+def clip_grads_(grads: list[torch.Tensor] | Fp32Buckets, norm: float, max_norm: float) -> None:
+    """Megatron's rule: scale by max_norm / (norm + 1e-6) when that is below 1 (`Fp32Buckets`: as each bucket
+    is cast)."""
     coef = max_norm / (norm + 1.0e-6)
     if max_norm > 0 and coef < 1.0:
+        if isinstance(grads, Fp32Buckets):
+            grads.clip_(coef)
+            return
         for grad in grads:
             grad.mul_(coef)

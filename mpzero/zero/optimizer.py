@@ -44,6 +44,7 @@ from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroC
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
+from mpzero.zero.step_grads import Fp32Buckets
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
 from mpzero.zero.stage_base import ZeroStage
@@ -163,7 +164,10 @@ class ZeroOptimizer:
         if self._checked is not None:
             raise RuntimeError("check_gradients() runs once per step: its gradients are already unscaled")
         grads = self._fp32_grads()
-        squared = grad_norm_squared(grads, self._norm_runs, self.groups, check_overflow=self.precision.dtype == "fp16")
+        cast = isinstance(grads, Fp32Buckets)  # the norm then reads the low-precision shards themselves
+        squared = grad_norm_squared(grads.shards if cast else grads, self._norm_runs, self.groups,
+                                    check_overflow=self.precision.dtype == "fp16",
+                                    scale=grads.inverse_scale if cast else 1.0)
         host = read_to_host([squared, *read_with])
         self._checked = grads, GradientCheck(math.sqrt(host[0]), tuple(host[1:]))
         return self._checked[1]
@@ -195,15 +199,15 @@ class ZeroOptimizer:
         self.zero_grad()
         return StepStats(None if skipped else norm, skipped, scale)
 
-    def _fp32_grads(self) -> list[torch.Tensor]:
-        """This rank's gradient slices in fp32, divided by the loss scale (in place when already fp32:
-        the buffers are zeroed after the step anyway)."""
+    def _fp32_grads(self) -> list[torch.Tensor] | Fp32Buckets:
+        """This rank's gradient slices in fp32, divided by the loss scale: fp32 buffers in place (they are zeroed
+        after the step anyway); low-precision ones as `Fp32Buckets`, cast bucket by bucket as the step reads them
+        (all at once for an offloaded optimizer: see step_grads.py)."""
         inverse = 1.0 / self.scaler.scale
-        grads = []
-        for grad in self.stage.grad_shards:
-            grad = grad if grad.dtype == torch.float32 else grad.float()
-            grads.append(grad.mul_(inverse) if inverse != 1.0 else grad)
-        return grads
+        shards = self.stage.grad_shards
+        if any(grad.dtype != torch.float32 for grad in shards):
+            return Fp32Buckets(shards, inverse, keep_all=self.offload.optimizer != "none")
+        return [grad.mul_(inverse) if inverse != 1.0 else grad for grad in shards]
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -84,7 +84,8 @@ class _FullParams(ZeroStage):
         return self.param_flats + self.grads.held_tensors()
 
     def after_update(self) -> None:
-        if self.parts_of_dp:  # each rank updated its own slice: gather everyone's
+        if self.parts_of_dp and self.dp.size > 1:  # each rank updated its own slice: gather everyone's (at DP 1
+            # the slice is the whole buffer: nothing to copy)
             for flat, shard in zip(self.param_flats, self.param_shards):
                 self.dp.all_gather_into(flat, shard)  # in place: `shard` is this rank's slice of `flat`
 
