@@ -16,6 +16,9 @@ import torch
 # ranks inherit it), in the temp folder while the run lasts and removed after it.
 INDUCTOR_CACHE = tempfile.mkdtemp(prefix="mpzero-tests-inductor-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE
+# Inductor compiles in the calling process, never in a worker pool: ranks are forked, and a child forked after the
+# parent started the pool waits on it forever.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

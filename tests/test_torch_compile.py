@@ -4,23 +4,13 @@ fuses elementwise chains and reorders reductions: float rounding, never a differ
 ZeRO-1, and at TP 2 with ZeRO-3 (its gather/release hooks around the compiled forward), sequence parallelism and selective recomputation; bf16 within 2e-2
 (one bf16 rounding of a fused chain differs from the eager op-by-op roundings). Dropout is 0: compiled dropout
 draws its masks from inductor's generator. Compilation costs seconds per rank: the models are tiny and the runs
-share the run's one inductor cache (tests/conftest.py)."""
+share the run's one inductor cache and compile in their own process (tests/conftest.py)."""
 
-import pytest
 
 from tests.cli import TINY, assert_close_lists, main_capturing_stdout
 from tests.distributed import run_ranks
 
 ITERS = ["--train-iters", "3", "--eval-iters", "0"]  # no evaluation: no no-grad graphs to compile
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_in_process():
-    """Compile in the rank's own process: no worker pool to fork (the inductor cache is the run's one,
-    tests/conftest.py)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        yield
 
 
 def _history(argv):

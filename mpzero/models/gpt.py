@@ -281,9 +281,9 @@ class SelfAttention(nn.Module):
     configured backend (`GPTConfig.attention`: torch's scaled_dot_product_attention for flash and fused,
     explicit [s, s] scores for local and unfused), resolved for the device of its input. Selective recomputation
     keeps the QKV output (q, k and v are its views) and recomputes the core attention in backward, its dropout
-    masks replayed from the saved RNG states; with flash it still does so (Megatron turns selective recomputation
-    into a no-op choice with flash attention, which keeps no [s, s] tensor: here it saves the kernel's output and
-    logsumexp at the cost of one more attention forward)."""
+    masks replayed from the saved RNG states. With flash attention it still does so when asked, although flash
+    keeps no [s, s] tensor (Megatron calls selective recomputation unnecessary there): it then saves only the
+    kernel's fp32 logsumexp, at the cost of one more attention forward."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
                  device=None):
