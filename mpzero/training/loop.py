@@ -105,6 +105,9 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         for note in _resume_notes(run, resumed):
             print(note, flush=True)
     state = build_training_state(run, provider, groups)
+    directory = state.optimizer.offload_directory
+    if directory is not None and directory.note:  # this rank removed a dead run's swap files
+        print(directory.note, flush=True)
     if groups.is_logging_rank:
         print(state.optimizer.memory_report().line(), flush=True)
         for note in (overlap_note(state.optimizer), partition_note(state.optimizer)):
