@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stage 3: where this rank's parameter shards live between uses (with the optimizer "
                           "offloaded too); fetched ahead of each layer's gather")
     off.add_argument("--offload-path", default=None,
-                     help="directory for the disk tier; each rank writes under PATH/rankNNNNN")
+                     help="directory for the disk tier; each rank locks PATH/rankNNNNN.lock and writes under "
+                          "PATH/rankNNNNN (one run per path at a time)")
     off.add_argument("--offload-sub-group-numel", type=int, default=OffloadConfig.sub_group_numel,
                      help="partition elements the disk tier updates per swap (host buffers: "
                           "buffer count x this x 12 bytes)")

@@ -115,7 +115,11 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                 print(note, flush=True)
     peak_reported = False  # a stage that reports its in-step peak prints its line again after the first step
     activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward
-    iteration, consumed, skipped = _load(run, state)
+    try:
+        iteration, consumed, skipped = _load(run, state)
+    except BaseException:  # a checkpoint refused: the offload files and their folder go all the same
+        state.optimizer.close()
+        raise
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
     termination = TerminationSignal(groups.world, groups.device)
