@@ -11,6 +11,7 @@ every section, and returns the frozen `RunConfig`. The parsed namespace is never
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 
 from mpzero.checkpointing import check_save_directory
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stage 3: where this rank's parameter shards live between uses (with the optimizer "
                           "offloaded too); fetched ahead of each layer's gather")
     off.add_argument("--offload-path", default=None,
-                     help="directory for the disk tier; each rank writes under PATH/rankNNNNN")
+                     help="directory for the disk tier; each rank locks PATH/rankNNNNN.lock and writes under "
+                          "PATH/rankNNNNN (one run per path at a time)")
     off.add_argument("--offload-sub-group-numel", type=int, default=OffloadConfig.sub_group_numel,
                      help="partition elements the disk tier updates per swap (host buffers: "
                           "buffer count x this x 12 bytes)")
@@ -358,16 +360,20 @@ def check_offload_directory(offload: OffloadConfig) -> None:
     if offload.io != "direct":
         return
     probe = os.path.join(offload.path, f".direct-io-test-{os.getpid()}")
+    try:  # created here or refused (never an existing file, never through a symlink), so removing it is safe
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as error:
+        raise ConfigError(f"--offload-path {offload.path}: cannot create {probe} ({error.strerror or error}): "
+                          f"choose a writable directory") from None
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-        os.close(fd)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | getattr(os, "O_DIRECT", 0))
     except OSError as error:
         raise ConfigError(f"--offload-io direct: the file system of --offload-path {offload.path} refuses O_DIRECT "
                           f"({error.strerror or error}; tmpfs does): use --offload-io buffered or auto, or "
                           f"another --offload-path") from None
     finally:
-        if os.path.exists(probe):
-            os.remove(probe)
+        os.close(fd)
+        os.remove(probe)
 
 
 def adam_config(args: argparse.Namespace) -> AdamConfig:

@@ -12,7 +12,7 @@ from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import adamw_step
 from mpzero.offload.masters import BLOCK, OffloadedMasters, buffer_bytes, canonical_windows
 from mpzero.offload.sink import TensorParamSink
-from mpzero.offload.swap import SwapFile, aligned_empty, no_space_message
+from mpzero.offload.swap import SwapFile, aligned_empty, disk_error_message
 from mpzero.zero.config import AdamConfig, OffloadConfig
 from mpzero.zero.flat import bucket_layouts, initial_values, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters
@@ -311,18 +311,19 @@ def test_direct_io_refused_is_one_line():
 
 def test_disk_full_is_one_line(tmp_path, monkeypatch):
     """ENOSPC at preallocation (no honest way to fill a disk in a unit test: posix_fallocate is made to refuse)."""
-    message = no_space_message(str(tmp_path / "master.bin"), 123456)
-    assert "\n" not in message and str(tmp_path / "master.bin") in message and "123456" in message
-    assert "--offload-path" in message and "free" in message
+    message = disk_error_message(str(tmp_path / "master.bin"), 123456, errno.ENOSPC, 5 << 20)
+    assert "\n" not in message and str(tmp_path / "master.bin") in message and "120.6 KiB" in message
+    assert "--offload-path" in message and "5.0 MiB free" in message and "ENOSPC" in message
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     for io in ("buffered", "auto"):
-        with pytest.raises(ConfigError, match="needs 8192 bytes") as error:
+        with pytest.raises(ConfigError, match="needs 8.0 KiB") as error:
             SwapFile(str(tmp_path / "x.bin"), 5000, io)
         assert "\n" not in str(error.value) and "--offload-path" in str(error.value)
+        assert not os.path.exists(tmp_path / "x.bin")  # the half-made file is removed
 
 
 def test_disk_full_during_a_write_is_a_training_error(tmp_path, monkeypatch):

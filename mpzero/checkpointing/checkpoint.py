@@ -61,6 +61,10 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
                       checksums: bool = True) -> str:
     """Everything but the publication: the complete checkpoint under its temporary name."""
     tmp = checkpoint_dir(root, iteration) + TMP_SUFFIX
+    # Offload files deleted or cut short by someone else: nothing is written, the latest pointer stays
+    _, error = groups.world.run_agreed(optimizer.check_files, (TrainingError,))
+    if error:
+        raise TrainingError(error)
     where = placements(model.named_parameters())
     step = optimizer.adam_step()
 

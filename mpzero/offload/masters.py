@@ -19,13 +19,13 @@ code path it has in the one-call-per-decay-run of `DeviceMasters`, whatever the 
 from __future__ import annotations
 
 import functools
-import os
 from collections import deque
 
 import torch
 
 from mpzero.errors import ConfigError
 from mpzero.fused import adamw_step, resolve_impl
+from mpzero.offload.directory import OffloadDirectory
 from mpzero.offload.sink import ParamSink, TierBytes, Transfers
 from mpzero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
 from mpzero.zero.config import AdamConfig, OffloadConfig
@@ -98,14 +98,15 @@ def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: in
 
 class OffloadedMasters(MasterStore):
     """Masters and Adam moments off the device: tier "cpu" (host tensors) or "disk" (three files under
-    `directory`, streamed through `offload.buffer_count` buffers). See the module docstring.
+    `directory`, streamed through `offload.buffer_count` buffers). See the module docstring. `directory`: an
+    `OffloadDirectory` shared with stage 3's parameter tier, or a path that this store locks, creates and removes.
 
     Single-threaded use: call its methods from one thread; it runs its own I/O threads. Call `close()` when done
     (stops the threads, closes and removes the files: they are scratch, a checkpoint holds the state).
     """
 
     def __init__(self, layouts: list[FlatLayout], sink: ParamSink, initial: list[torch.Tensor], adam: AdamConfig,
-                 offload: OffloadConfig, directory: str | None, device: torch.device):
+                 offload: OffloadConfig, directory: OffloadDirectory | str | None, device: torch.device):
         if offload.optimizer not in ("cpu", "disk"):
             raise ConfigError(f"OffloadedMasters needs --offload-optimizer cpu or disk, got {offload.optimizer!r}")
         self.config, self.layouts, self.sink, self.offload = adam, layouts, sink, offload
@@ -147,6 +148,7 @@ class OffloadedMasters(MasterStore):
             self._copy_stream = torch.cuda.Stream(self.device)
         self._maps: dict[str, torch.Tensor] | None = None
         self._files: dict[str, SwapFile] = {}
+        self._own_directory = False
         self._pipe = None
         if self.tier == "cpu":
             # Not pinned: transfers go through the pinned staging buffers, never from the state itself.
@@ -156,29 +158,29 @@ class OffloadedMasters(MasterStore):
             self.io_mode = None
         else:
             self._open_files(directory, total)
-            self._pipe = SwapPipeline([{name: buffer(torch.float32) for name in STATES}
-                                       for _ in range(offload.buffer_count)])
-            self._write_initial(initial)
+            try:
+                self._pipe = SwapPipeline([{name: buffer(torch.float32) for name in STATES}
+                                           for _ in range(offload.buffer_count)])
+                self._write_initial(initial)
+            except BaseException:  # e.g. the disk filled up: no file of ours stays behind
+                self.close()
+                raise
 
     # ---------------------------------------------------------------- disk tier
-    def _open_files(self, directory: str | None, total: int) -> None:
+    def _open_files(self, directory: OffloadDirectory | str | None, total: int) -> None:
         if not directory:
             raise ConfigError("--offload-optimizer disk needs a directory for its files: pass --offload-path DIR")
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as error:
-            raise ConfigError(f"cannot create the offload directory {directory} ({error.strerror}): choose a "
-                              f"writable --offload-path") from None
-        self.directory = directory
+        self._own_directory = isinstance(directory, str)  # a path: this store locks and creates it, and removes it
+        self.directory = OffloadDirectory(directory) if self._own_directory else directory
         # O_DIRECT needs every sub-group to start on a 4096-byte boundary (one sub-group always does).
         aligned = self._count == 1 or self.group * 4 % ALIGN == 0
         io = self.offload.io if aligned else "buffered"
-        if self.offload.io == "direct" and not aligned:
-            raise ConfigError(f"--offload-io direct needs --offload-sub-group-numel to be a multiple of "
-                              f"{ALIGN // 4}, got {self.offload.sub_group_numel}")
         try:
+            if self.offload.io == "direct" and not aligned:
+                raise ConfigError(f"--offload-io direct needs --offload-sub-group-numel to be a multiple of "
+                                  f"{ALIGN // 4}, got {self.offload.sub_group_numel}")
             for name in STATES:
-                self._files[name] = SwapFile(os.path.join(directory, f"{name}.bin"), total * 4, io)
+                self._files[name] = self.directory.swap_file(f"{name}.bin", total * 4, io)
         except BaseException:
             self._close_files()
             raise
@@ -345,12 +347,12 @@ class OffloadedMasters(MasterStore):
         Maps, not copies: a checkpoint save reads and a load writes the state through them in place, so neither
         ever holds the partition in host memory (the page cache pages it). They are made on demand and dropped
         at the next step() / publish(), whose reads then see what was written through them (the maps and
-        pread/pwrite, O_DIRECT included, share one coherent view of the file on Linux)."""
+        pread/pwrite, O_DIRECT included, share one coherent view of the file on Linux). They map the descriptors
+        opened at construction, never the files' paths."""
         if self.tier == "cpu":
             return self._host
         if self._maps is None:
-            self._maps = {name: torch.from_file(f.path, shared=True, size=self.numel, dtype=torch.float32)
-                          for name, f in self._files.items()}
+            self._maps = {name: f.map(self.numel, torch.float32) for name, f in self._files.items()}
         return self._maps
 
     def _drop_maps(self) -> None:
@@ -395,9 +397,16 @@ class OffloadedMasters(MasterStore):
                          disk_read=sum(f.bytes_read for f in self._files.values()),
                          disk_written=sum(f.bytes_written for f in self._files.values()))
 
+    def check_files(self) -> None:
+        for f in self._files.values():
+            f.check()
+
     def _close_files(self) -> None:
         for f in self._files.values():
             f.close(remove=True)
+        self._files = {}
+        if self._own_directory:
+            self.directory.close()
 
     def close(self) -> None:
         self._drop_maps()
@@ -405,8 +414,3 @@ class OffloadedMasters(MasterStore):
             self._pipe.close()
             self._pipe = None
         self._close_files()
-        if self._files:
-            try:
-                os.rmdir(self.directory)  # only when nothing else lives there
-            except OSError:
-                pass

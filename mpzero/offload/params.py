@@ -22,12 +22,12 @@ store moves on to another unit, or at `flush()`: at most one unit being filled a
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from mpzero.errors import ConfigError
+from mpzero.offload.directory import OffloadDirectory
 from mpzero.offload.sink import ParamSink, TierBytes, Transfers
 from mpzero.offload.swap import SwapFile, aligned_bytes, aligned_empty, round_up
 from mpzero.zero.config import OffloadConfig
@@ -60,9 +60,10 @@ class _Copied:
 
 class ParamTier(ParamSink):
     def __init__(self, layouts: list[FlatLayout], dtype: torch.dtype, device, offload: OffloadConfig,
-                 directory: str | None, meter: TransientMeter, staging: bool):
+                 directory: OffloadDirectory | str | None, meter: TransientMeter, staging: bool):
         """staging: the shards are all-gathered from device staging buffers (DP > 1); else (DP 1) copied
-        straight into the full buffers."""
+        straight into the full buffers. directory (disk tier): the optimizer's `OffloadDirectory`, or a path this
+        tier locks, creates and removes."""
         self.dtype, self.device, self.kind = dtype, torch.device(device), offload.params
         self._meter, self._staging = meter, staging
         self.numels = [layout.shard_numel for layout in layouts]
@@ -76,7 +77,7 @@ class ParamTier(ParamSink):
         self._base = Transfers()
         self._pending = None  # disk tier: (unit, slot, [(start, end), ...]) being filled by the store
         self._writes = []
-        self._file = self._io = None
+        self._file = self._io = self._directory = None
         if self.kind == "cpu":
             self.host = [torch.zeros(n, dtype=dtype, pin_memory=pin) for n in self.numels]
             self.param_shards = self.host
@@ -84,11 +85,18 @@ class ParamTier(ParamSink):
             return
         if not directory:
             raise ConfigError("--offload-params disk needs a folder for this rank's file: pass --offload-path DIR")
-        os.makedirs(directory, exist_ok=True)
         item = torch.empty((), dtype=dtype).element_size()
         self._regions = [round_up(n * item) // item for n in self.numels]  # one aligned region per unit
         self._offsets = [sum(self._regions[:u]) * item for u in range(len(layouts))]
-        self._file = SwapFile(os.path.join(directory, "params.swap"), sum(self._regions) * item, offload.io)
+        # a path: this tier locks, creates and removes it; else the optimizer's, shared with its master store
+        self._directory = OffloadDirectory(directory) if isinstance(directory, str) else None
+        try:
+            self._file = (self._directory or directory).swap_file("params.swap", sum(self._regions) * item,
+                                                                  offload.io)
+        except BaseException:
+            if self._directory is not None:
+                self._directory.close()
+            raise
         self._io = ThreadPoolExecutor(1, thread_name_prefix="mpzero-param-io")  # reads and writes in order
         largest = max(self._regions, default=0)
         self._slots = [_Slot(aligned_empty(largest, dtype, pin)) for _ in range(SLOTS)]
@@ -302,11 +310,17 @@ class ParamTier(ParamSink):
         alignment slack."""
         return (self._buffer_bytes, f"{SLOTS}U") if self.kind == "disk" else (0, "0")
 
+    def check_files(self) -> None:
+        if self._file is not None:
+            self._file.check()
+
     def close(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._file.close(remove=True)
             self._io = None
+            if self._directory is not None:
+                self._directory.close()
 
 
 def _covers(pieces: list[tuple[int, int]], end: int) -> bool:

@@ -58,6 +58,9 @@ class OffloadHolder:
         """(bytes, formula) of the staging and swap buffers allocated in host memory."""
         return 0, "0"
 
+    def check_files(self) -> None:
+        """A TrainingError (one line) when a file this holder created was deleted or cut short by someone else."""
+
     def close(self) -> None:
         """Release files and threads; the holder is unusable afterwards."""
 

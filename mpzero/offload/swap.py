@@ -1,21 +1,27 @@
 """Aligned host buffers and swap files for the disk tier (ZeRO-Infinity's NVMe offload, without libaio).
 
 - `aligned_empty(numel, dtype, pin)`: a CPU tensor at a 4096-byte aligned address (O_DIRECT needs it).
-- `SwapFile(path, nbytes, io)`: one preallocated file, read and written at byte offsets from CPU tensors with
+- `SwapFile(path, nbytes, io, dir_fd)`: one preallocated file, created exclusively (never over an existing file or
+  through a symlink) and used only through its descriptor, read and written at byte offsets from CPU tensors with
   `os.preadv` / `os.pwritev` (they release the GIL, so reader and writer threads overlap with compute).
   io "direct" opens it with O_DIRECT (bypasses the page cache: the file's bytes never double as host memory),
   "buffered" never does, "auto" tries O_DIRECT and falls back where the file system refuses it.
 - `SwapPipeline(buffers)`: one reader and one writer thread over a fixed set of buffers: read the next item
   while the current one is computed and the previous one written. No buffer is ever allocated by it.
 
-Disk-full and O_DIRECT refusals are one-line `ConfigError`s (at construction) or `TrainingError`s (a write
-during training) that name the path and the flag to change.
+Disk-full, quota, file-size-limit and O_DIRECT refusals are one-line `ConfigError`s (at construction) or
+`TrainingError`s (a write during training) that name the path, the real cause (ENOSPC, EDQUOT or EFBIG), the
+bytes needed and free in readable units, and the flag to change. A file deleted or cut short by another process
+while the run holds it is a one-line `TrainingError` at its next transfer or `check()`.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import mmap
 import os
+import resource
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,25 +65,36 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def free_bytes(path: str) -> int:
-    """Bytes available to this user on the file system holding `path` (0 when it cannot be asked)."""
-    try:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize
-    except OSError:
-        return 0
+def readable(nbytes: int) -> str:
+    """Bytes for a person: "512 bytes", "8.0 KiB", "300.0 MiB" (below a GiB), "12.34 GiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes} bytes"
 
 
-def no_space_message(path: str, needed: int) -> str:
-    """One line for a full disk: the file, the bytes it needs and the bytes free, and the flag to change."""
-    free = free_bytes(os.path.dirname(os.path.abspath(path)))
-    return (f"no space left for the offload file {path}: it needs {needed} bytes and its file system has "
-            f"{free} free; free space there or pass another --offload-path")
+def disk_error_message(path: str, needed: int, code: int, free: int) -> str:
+    """One line for a file that could not grow: the real cause (a full disk, a quota, or a file-size limit), the
+    bytes needed and available, and what to change."""
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return (f"the offload file {path} needs {readable(needed)}, over this process's file-size limit of "
+                    f"{readable(limit)} (EFBIG: RLIMIT_FSIZE, `ulimit -f`): raise the limit")
+        return (f"the offload file {path} needs {readable(needed)}, larger than its file system allows for one "
+                f"file (EFBIG): pass another --offload-path")
+    cause = "the disk quota is exceeded (EDQUOT)" if code == errno.EDQUOT else "no space left on the device (ENOSPC)"
+    return (f"the offload file {path} needs {readable(needed)} and {cause}: {readable(free)} free there; free "
+            f"space or pass another --offload-path")
+
+
+GROW_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a file that cannot grow: disk full, quota, size limit
 
 
 class SwapFile:
-    """A file of `nbytes` (rounded up to 4096) created fresh (truncated) and preallocated, read and written at
-    byte offsets from contiguous CPU tensors.
+    """A file of `nbytes` (rounded up to 4096) created exclusively (never through a symlink, never over an
+    existing file: O_CREAT | O_EXCL | O_NOFOLLOW, in the folder `dir_fd` when given) and preallocated, then read
+    and written only through the descriptor opened here, at byte offsets from contiguous CPU tensors.
 
     With O_DIRECT (`self.direct`), a transfer whose offset, length and buffer address are all multiples of 4096
     goes straight between the tensor and the file. Any other range goes through an aligned window: the 4096-byte
@@ -87,27 +104,36 @@ class SwapFile:
     at the same time). Without O_DIRECT every transfer is exactly the range. `bytes_read` / `bytes_written`
     count what went to or from the file, windows included.
 
-    Reads and writes of disjoint ranges may run in different threads at once; `close()` is idempotent.
+    Every transfer first checks (one fstat) that the file was neither deleted nor shrunk by someone else; so does
+    `check()`, before a checkpoint reads the state. Reads and writes of disjoint ranges may run in different
+    threads at once; `close()` is idempotent. A failed construction removes the file it created.
     """
 
-    def __init__(self, path: str, nbytes: int, io: str = "auto"):
+    def __init__(self, path: str, nbytes: int, io: str = "auto", dir_fd: int | None = None):
         if io not in ("auto", "direct", "buffered"):
             raise ConfigError(f"--offload-io {io!r} is not one of auto, direct, buffered")
         self.path, self.nbytes = path, round_up(nbytes)
         self.bytes_read = self.bytes_written = 0
         self._lock = threading.Lock()  # the counters are bumped from reader and writer threads
-        self._fd = None
-        self.direct = io != "buffered" and hasattr(os, "O_DIRECT") and self._open_direct(io == "direct")
-        if not self.direct:
-            self._fd = self._open(os.O_TRUNC)
-            self._allocate()
-
-    def _open(self, extra: int) -> int:
+        self._name, self._dir_fd = (os.path.basename(path), dir_fd) if dir_fd is not None else (path, None)
+        self._fd = self._create()
+        self._identity = os.fstat(self._fd)
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | extra, 0o600)
+            self.direct = io != "buffered" and hasattr(os, "O_DIRECT") and self._try_direct(io == "direct")
+            if not self.direct:
+                self._allocate()
+        except BaseException:
+            self.close(remove=True)
+            raise
+
+    def _create(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(self._name, flags, 0o600, dir_fd=self._dir_fd)
         except OSError as error:
-            if error.errno == errno.EINVAL:
-                raise
+            if error.errno == errno.EEXIST:  # also a symlink by that name: O_EXCL never follows one
+                raise ConfigError(f"the offload file {self.path} already exists (this run did not create it; "
+                                  f"it is left untouched): remove it or choose another --offload-path") from None
             raise ConfigError(f"cannot create the offload file {self.path} ({error.strerror}): choose a writable "
                               f"--offload-path") from None
 
@@ -117,35 +143,67 @@ class SwapFile:
         try:
             os.posix_fallocate(self._fd, 0, self.nbytes)
         except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                self.close()
-                raise ConfigError(no_space_message(self.path, self.nbytes)) from None
+            if error.errno in GROW_ERRORS:
+                raise ConfigError(self._grow_message(self.nbytes, error.errno)) from None
             raise
 
-    def _open_direct(self, required: bool) -> bool:
-        """Open with O_DIRECT and prove it with one aligned write (some file systems accept the flag at open
-        and refuse the I/O). Returns False to fall back (io auto); raises for io direct."""
+    def _grow_message(self, needed: int, code: int) -> str:
         try:
-            self._fd = self._open(os.O_TRUNC | os.O_DIRECT)
+            st = os.fstatvfs(self._fd)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        return disk_error_message(self.path, needed, code, free)
+
+    def _set_direct(self, on: bool) -> None:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+
+    def _try_direct(self, required: bool) -> bool:
+        """Turn O_DIRECT on for the descriptor and prove it with one aligned write (some file systems accept the
+        flag and refuse the I/O). Returns False to fall back (io auto); raises for io direct."""
+        try:
+            self._set_direct(True)
             self._allocate()
             probe = aligned_empty(ALIGN, torch.uint8).zero_()
             os.pwritev(self._fd, [_bytes_view(probe)], 0)  # the file is fresh: its first block is zeros anyway
             return True
         except OSError as error:
+            if error.errno in GROW_ERRORS:  # the probe's write
+                raise ConfigError(self._grow_message(ALIGN, error.errno)) from None
             if error.errno != errno.EINVAL:
                 raise
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            self._set_direct(False)
             if required:
                 raise ConfigError(f"--offload-io direct: the file system of {self.path} refuses O_DIRECT (e.g. "
                                   f"tmpfs or an overlay file system); pass --offload-io buffered or auto, or "
                                   f"another --offload-path") from None
             return False
 
+    def check(self) -> None:
+        """One line when someone else deleted the file or cut it short while this run holds it (its state is gone
+        or was never going to be saved from it)."""
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0:
+            raise TrainingError(f"the offload file {self.path} was deleted by another process while this run used "
+                                f"it: stopped, no checkpoint saved from it; keep --offload-path to this run alone")
+        if st.st_size < self.nbytes:
+            raise TrainingError(f"the offload file {self.path} was cut to {st.st_size} of its {self.nbytes} bytes "
+                                f"by another process while this run used it: stopped, no checkpoint saved from it; "
+                                f"keep --offload-path to this run alone")
+
+    def map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `numel` elements of the file as a tensor sharing its pages (a shared memory map of the held
+        descriptor: writes through it reach the file; coherent with this object's reads and writes)."""
+        self._check_open()
+        self.check()
+        if not numel:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(mmap.mmap(self._fd, self.nbytes), dtype=dtype, count=numel)
+
     def read(self, offset: int, out: torch.Tensor) -> None:
         """Bytes [offset, offset + out.nbytes) of the file into `out` (contiguous, on the CPU)."""
-        self._check(offset, out)
+        self._check_range(offset, out)
         if self._aligned(offset, out):
             self._transfer(os.preadv, offset, _bytes_view(out))
             return
@@ -156,7 +214,7 @@ class SwapFile:
 
     def write(self, offset: int, values: torch.Tensor) -> None:
         """`values` (contiguous, on the CPU) into bytes [offset, offset + values.nbytes) of the file."""
-        self._check(offset, values)
+        self._check_range(offset, values)
         if self._aligned(offset, values):
             self._transfer(os.pwritev, offset, _bytes_view(values))
             return
@@ -170,9 +228,12 @@ class SwapFile:
         window[offset - lo:end - lo].copy_(values.reshape(-1).view(torch.uint8))
         self._transfer(os.pwritev, lo, _bytes_view(window))
 
-    def _check(self, offset: int, tensor: torch.Tensor) -> None:
+    def _check_open(self) -> None:
         if self._fd is None:
             raise ValueError(f"the offload file {self.path} is closed")
+
+    def _check_range(self, offset: int, tensor: torch.Tensor) -> None:
+        self._check_open()
         if offset < 0 or offset + tensor.nbytes > self.nbytes:
             raise ValueError(f"bytes [{offset}, {offset + tensor.nbytes}) lie outside the offload file {self.path} "
                              f"of {self.nbytes} bytes")
@@ -182,14 +243,16 @@ class SwapFile:
                                    and tensor.data_ptr() % ALIGN == 0)
 
     def _transfer(self, call: Callable, offset: int, view: memoryview) -> None:
-        """preadv/pwritev until every byte moved (both may stop short)."""
+        """preadv/pwritev until every byte moved (both may stop short), after checking the file is still ours
+        whole (a pwrite past a cut would silently grow it back with zeros)."""
+        self.check()
         done = 0
         while done < len(view):
             try:
                 n = call(self._fd, [view[done:]], offset + done)
             except OSError as error:
-                if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise TrainingError(no_space_message(self.path, len(view) - done)) from None
+                if error.errno in GROW_ERRORS:
+                    raise TrainingError(self._grow_message(len(view) - done, error.errno)) from None
                 raise
             if n == 0:  # cannot happen within the preallocated size; never spin
                 raise TrainingError(f"the offload file {self.path} ended at byte {offset + done} of {self.nbytes}: "
@@ -202,14 +265,20 @@ class SwapFile:
                 self.bytes_written += done
 
     def close(self, remove: bool = False) -> None:
-        if self._fd is not None:
+        """Close the descriptor; `remove`: unlink the file, if its name still names the file created here."""
+        if self._fd is None:
+            return
+        try:
+            if remove:
+                try:
+                    st = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == (self._identity.st_dev, self._identity.st_ino):
+                        os.unlink(self._name, dir_fd=self._dir_fd)
+                except FileNotFoundError:
+                    pass
+        finally:
             os.close(self._fd)
             self._fd = None
-        if remove:
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class SwapPipeline:

@@ -105,6 +105,9 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         for note in _resume_notes(run, resumed):
             print(note, flush=True)
     state = build_training_state(run, provider, groups)
+    directory = state.optimizer.offload_directory
+    if directory is not None and directory.note:  # this rank removed a dead run's swap files
+        print(directory.note, flush=True)
     if groups.is_logging_rank:
         print(state.optimizer.memory_report().line(), flush=True)
         for note in (overlap_note(state.optimizer), partition_note(state.optimizer)):
@@ -112,7 +115,11 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                 print(note, flush=True)
     peak_reported = False  # a stage that reports its in-step peak prints its line again after the first step
     activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward
-    iteration, consumed, skipped = _load(run, state)
+    try:
+        iteration, consumed, skipped = _load(run, state)
+    except BaseException:  # a checkpoint refused: the offload files and their folder go all the same
+        state.optimizer.close()
+        raise
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
     termination = TerminationSignal(groups.world, groups.device)

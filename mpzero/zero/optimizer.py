@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections.abc import Collection
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from mpzero.zero.stage3 import Stage3
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.state import consolidated_weights
+
+if TYPE_CHECKING:
+    from mpzero.offload.directory import OffloadDirectory
 
 
 @dataclass(frozen=True)
@@ -107,13 +110,14 @@ class ZeroOptimizer:
         self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
         self.decays = mark_weight_decay(named, decay)  # {name: decays}, recorded for the stage's layouts
         self.numel = sum(p.numel() for _, p in named)
-        directory = None
-        if offload.uses_disk:
-            directory = os.path.join(offload.path, f"rank{groups.world.rank:05d}")
-            _agree(groups, lambda: _check_offload_space(offload, directory, self.numel, groups.dp_size,
-                                                        precision.torch_dtype.itemsize))
-        self.stage = make_stage(model, named, groups, zero, precision, units, offload, directory)
-        self.masters = self._make_masters(offload, directory)
+        self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize)
+        self.stage = self.masters = None
+        try:
+            self.stage = make_stage(model, named, groups, zero, precision, units, offload, self.offload_directory)
+            self.masters = self._make_masters(offload, self.offload_directory)
+        except BaseException:  # e.g. a full disk: no file or folder of this run stays behind
+            self.close()
+            raise
         self.scaler = make_loss_scaler(precision)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self.lr, self.iteration = adam.lr, 0
@@ -122,7 +126,7 @@ class ZeroOptimizer:
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
         self._transfer_mark = Transfers()
 
-    def _make_masters(self, offload: OffloadConfig, directory: str | None) -> MasterStore:
+    def _make_masters(self, offload: OffloadConfig, directory: OffloadDirectory | None) -> MasterStore:
         initial = self.stage.initial_master_slices()
         if offload.optimizer == "none":
             return DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.adam_config)
@@ -132,9 +136,17 @@ class ZeroOptimizer:
                                 directory, device)
 
     def close(self) -> None:
-        """Release the offload tiers' files and threads (a no-op in memory)."""
-        self.masters.close()
-        self.stage.close()
+        """Release the offload tiers' files and threads, then their folder and its lock (a no-op in memory)."""
+        for holder in (self.masters, self.stage, self.offload_directory):
+            if holder is not None:
+                holder.close()
+        self.masters = self.stage = self.offload_directory = None
+
+    def check_files(self) -> None:
+        """A TrainingError (one line) when an offload file was deleted or cut short by someone else (before a
+        checkpoint reads the state from them)."""
+        for holder in (self.masters, self.stage):
+            holder.check_files()
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -310,24 +322,41 @@ class ZeroOptimizer:
         return result
 
 
-def _agree(groups: ParallelGroups, check) -> None:
-    """Run a collective-free check on every rank; a failure on any rank is a ConfigError on all."""
-    _, error = groups.world.run_agreed(check, (ConfigError, OSError))
+def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, numel: int,
+                            p: int) -> OffloadDirectory | None:
+    """The disk tier's folder of this rank, PATH/rank00000, locked and created fresh (offload/directory.py), once
+    every rank has its own and room for its files; a failure on any rank is a ConfigError on all, with nothing
+    left behind."""
+    if not offload.uses_disk:
+        return None
+    from mpzero.offload.directory import OffloadDirectory
+
+    def open_checked() -> OffloadDirectory:
+        directory = OffloadDirectory(os.path.join(offload.path, f"rank{groups.world.rank:05d}"))
+        try:
+            _check_offload_space(offload, directory, numel, groups.dp_size, p)
+        except BaseException:
+            directory.close()
+            raise
+        return directory
+
+    directory, error = groups.world.run_agreed(open_checked, (ConfigError, OSError))
     if error:
+        if directory is not None:
+            directory.close()
         raise ConfigError(error)
+    return directory
 
 
-def _check_offload_space(offload: OffloadConfig, directory: str, numel: int, dp_size: int, p: int) -> None:
-    """Before any file is written: this rank's folder can be created, and its file system has room for the
-    disk tier's files of every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--offload-path {offload.path}: cannot create {directory} ({error.strerror or error}): "
-                          f"choose a writable directory") from None
+def _check_offload_space(offload: OffloadConfig, directory: OffloadDirectory, numel: int, dp_size: int,
+                         p: int) -> None:
+    """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
+    every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
+    from mpzero.offload.swap import readable
     per_param = (12 if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
     need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    free = shutil.disk_usage(directory).free
+    st = os.fstatvfs(directory.fd)
+    free = st.f_bavail * st.f_frsize
     if free < need:
-        raise ConfigError(f"--offload-path {offload.path} has {free / 2**30:.2f} GiB free, the disk tier needs "
-                          f"{need / 2**30:.2f} GiB on this machine: free space or choose another --offload-path")
+        raise ConfigError(f"--offload-path {offload.path} has {readable(free)} free, the disk tier needs "
+                          f"{readable(need)} on this machine: free space or choose another --offload-path")

@@ -84,9 +84,9 @@ class Stage3(ZeroStage):
 
     def __init__(self, model: nn.Module, named_params, dp: CommGroup, precision: PrecisionConfig,
                  zero: ZeroConfig, device, units: list[nn.Module] | None = None,
-                 offload: OffloadConfig | None = None, directory: str | None = None):
+                 offload: OffloadConfig | None = None, directory=None):
         """offload: where the parameter shards live (`offload.params`: none, cpu or disk); directory: this rank's
-        own folder for the disk tier's file."""
+        own folder for the disk tier's file (an `OffloadDirectory`, or a path the tier locks and creates)."""
         units = default_units(model) if units is None else list(units)
         assigned = assign_params(model, units, named_params)
         keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]  # skip units with nothing to train
@@ -296,6 +296,10 @@ class Stage3(ZeroStage):
 
     def host_buffer_formula(self) -> tuple[int, str]:
         return self.tier.host_buffer_formula() if self.tier is not None else (0, "0")
+
+    def check_files(self) -> None:
+        if self.tier is not None:
+            self.tier.check_files()
 
     def close(self) -> None:
         if self.tier is not None:
