@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from typing import BinaryIO, Callable, Iterator
@@ -86,3 +87,30 @@ def replace_directory(tmp: str, final: str) -> None:
     os.replace(tmp, final)
     fsync_directory(os.path.dirname(os.path.abspath(final)))
     shutil.rmtree(old, ignore_errors=True)
+
+
+def directory_beside(path: str, label: str = "tmp") -> str:
+    """A new, empty, uniquely named directory next to `path` (same file system, so it renames into place), that
+    no earlier run and no user file can already hold: `.NAME.tmp-XXXXXXXX`."""
+    parent, name = os.path.split(os.path.abspath(path))
+    while True:  # os.mkdir, not mkdtemp: the directory gets the user's usual permissions (umask), not 0700
+        candidate = os.path.join(parent, f".{name}.{label}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+
+
+def replace_output_directory(tmp: str, final: str) -> None:
+    """A tool's output: rename the complete directory `tmp` to `final`. An existing `final` (which the caller has
+    checked is its own earlier output) is renamed to a fresh name first and deleted after; no other path is ever
+    deleted (unlike `final + ".old"`, which could be a user's directory)."""
+    aside = None
+    if os.path.lexists(final):
+        aside = directory_beside(final, "old")
+        os.replace(final, aside)  # a directory onto the new empty one
+    os.replace(tmp, final)
+    fsync_directory(os.path.dirname(os.path.abspath(final)))
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -75,8 +75,8 @@ def test_a_flipped_bit_in_a_shard_is_one_line_naming_file_and_key(ckpt, world, l
     found = _tool("verify", "--load", str(ckpt))
     assert found.returncode == 2 and found.stderr.startswith(expected) and found.stderr.count("\n") == 1
     assert found.stdout == ""
-    again = _tool("to-consolidated", "--load", str(ckpt), "--output", str(ckpt / "w.pt"))
-    assert again.returncode == 2 and again.stderr.startswith(expected) and not os.path.exists(ckpt / "w.pt")
+    again = _tool("to-consolidated", "--load", str(ckpt), "--output", str(ckpt.parent / "w.pt"))
+    assert again.returncode == 2 and again.stderr.startswith(expected) and not os.path.exists(ckpt.parent / "w.pt")
     previous = _tool("verify", "--load", str(ckpt), "--iteration", "2")
     assert previous.returncode == 0 and previous.stdout.startswith(f"OK: checkpoint {ckpt / PREVIOUS}: ")
     assert previous.stderr == ""  # no DCP warning about the missing process group

@@ -41,17 +41,18 @@ def test_a_non_finite_loss_stops_before_the_update_and_the_last_checkpoint_resum
     checkpoint of iteration 3 holds finite weights, and resuming from it reproduces iteration 4 exactly (the
     same stop). (Before the norm was summed in fp64 its squares overflowed fp32 at iteration 3 and the gradient
     norm stopped the run there; the gradient-norm stop itself is tested in test_exactness.py.)"""
-    argv = RUN + ["--lr", "1e4", "--clip-grad", "0", "--train-iters", "30", "--save", str(tmp_path),
+    run = tmp_path / "run"  # the consolidated weights go beside it: never into a checkpoint directory
+    argv = RUN + ["--lr", "1e4", "--clip-grad", "0", "--train-iters", "30", "--save", str(run),
                   "--save-interval", "1"]
     code, stderr = _one(exit_code_and_stderr, argv)
     assert code == 1 and stderr.count("\n") == 1
     assert stderr.startswith("error: lm loss is nan at iteration 4 ") and "before the update" in stderr
-    assert latest_iteration(str(tmp_path)) == 3
+    assert latest_iteration(str(run)) == 3
     tool = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint_util.py"))
-    tool["to_consolidated"](str(tmp_path), None, str(tmp_path / "weights.pt"))
+    tool["to_consolidated"](str(run), None, str(tmp_path / "weights.pt"))
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)["model"]
     assert all(torch.isfinite(w).all() for w in weights.values())
-    code, again = _one(exit_code_and_stderr, argv + ["--load", str(tmp_path)])
+    code, again = _one(exit_code_and_stderr, argv + ["--load", str(run)])
     assert code == 1 and again == stderr
 
 

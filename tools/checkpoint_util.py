@@ -1,6 +1,6 @@
 """Convert an mpzero checkpoint to one consolidated file of full fp32 weights, and back.
 
-    python tools/checkpoint_util.py to-consolidated --load CKPT [--iteration N] --output weights.pt
+    python tools/checkpoint_util.py to-consolidated --load CKPT [--iteration N] --output weights.pt [--overwrite]
     python tools/checkpoint_util.py from-consolidated --input weights.pt --save CKPT2
     python tools/checkpoint_util.py verify --load CKPT [--iteration N]
 
@@ -29,6 +29,8 @@ from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, pr
                                              read_dcp_metadata, read_meta_file)
 from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums  # noqa: E402
 from mpzero.checkpointing.format import MASTER  # noqa: E402
+from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_replaceable  # noqa: E402
+from mpzero.checkpointing.reader import CheckpointReader  # noqa: E402
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare  # noqa: E402
 from mpzero.checkpointing.verify import resolve_iteration, single_process, verify_checkpoint  # noqa: E402
 from mpzero.cli import run_or_exit  # noqa: E402
@@ -41,9 +43,24 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
     return {key: LocalShare(tuple(t.shape), [Chunk((0,) * t.dim(), tuple(t.shape), t)]) for key, t in tensors.items()}
 
 
-def to_consolidated(load: str, iteration: int | None, output: str) -> None:
+def to_consolidated(load: str, iteration: int | None, output: str, overwrite: bool = False) -> None:
+    check_apart_from_checkpoints(output, "--output", {"--load": load})
+    if os.path.isdir(output):
+        raise ConfigError(f"--output {output} is a directory: name the file to write")
+    check_replaceable(output, "--output", "checkpoint_util.py to-consolidated", overwrite, _not_consolidated)
     bundle = read_consolidated(load, iteration)
     write_atomically(output, lambda f: torch.save(bundle, f))
+
+
+def _not_consolidated(path: str) -> str | None:
+    """None when `path` is a file to-consolidated wrote ({"model": {name: tensor}, "meta": dict}), else why not."""
+    try:
+        bundle = torch.load(path, weights_only=True, mmap=True)  # mmap: the tensors are not read
+    except Exception as error:  # noqa: BLE001 - a foreign file raises anything
+        return f"not a consolidated checkpoint: {error_reason(error)}"
+    if not (isinstance(bundle, dict) and set(bundle) == {"model", "meta"} and isinstance(bundle["model"], dict)):
+        return "not a consolidated checkpoint"
+    return None
 
 
 def read_consolidated(load: str, iteration: int | None) -> dict:
@@ -64,8 +81,8 @@ def read_consolidated(load: str, iteration: int | None) -> dict:
             names[key] = name
     model = {key: torch.zeros(meta["shapes"][key]) for key in names}
     try:  # every stored chunk is read whole into its place, so each is checked against its checksum
-        dcp.load(_whole(model), checkpoint_id=directory, planner=ChunksLoadPlanner(checksums, directory, advice),
-                 no_dist=True)
+        dcp.load(_whole(model), checkpoint_id=directory, storage_reader=CheckpointReader(directory),
+                 planner=ChunksLoadPlanner(checksums, directory, advice), no_dist=True)
     except dcp.CheckpointException as failure:
         error = next(iter(failure.failures.values()), (failure,))
         error = error[0] if isinstance(error, tuple) else error
@@ -79,6 +96,7 @@ def read_consolidated(load: str, iteration: int | None) -> dict:
 def from_consolidated(input_path: str, save: str) -> None:
     if not os.path.isfile(input_path):
         raise ConfigError(f"--input {input_path}: no such file")
+    _check_new_save(save)
     try:
         bundle = torch.load(input_path, weights_only=True)
     except Exception as error:  # noqa: BLE001 - a damaged or foreign file raises anything
@@ -86,6 +104,21 @@ def from_consolidated(input_path: str, save: str) -> None:
     if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
     save_weights_only(bundle, save)
+
+
+def _check_new_save(save: str) -> None:
+    """--save is a new or empty directory (a crashed conversion's partial iter_0000000.tmp aside), apart from
+    every checkpoint."""
+    directory = checkpoint_dir(save, 0)
+    if os.path.exists(directory):
+        raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
+    check_apart_from_checkpoints(save, "--save")
+    if os.path.lexists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save {save} is not a directory: choose an empty directory")
+    others = sorted(set(os.listdir(save)) - {os.path.basename(directory) + ".tmp"}) if os.path.isdir(save) else []
+    if others:  # only a crashed conversion's partial directory is ours to remove
+        raise ConfigError(f"--save {save} already holds {others[0]}, which this tool did not write: choose an empty "
+                          f"directory")
 
 
 def save_weights_only(bundle: dict, save: str) -> None:
@@ -116,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     out.add_argument("--load", required=True)
     out.add_argument("--iteration", type=int, default=None, help="default: the latest")
     out.add_argument("--output", required=True)
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --output, if it is an earlier consolidated file (nothing else)")
     back = sub.add_parser("from-consolidated")
     back.add_argument("--input", required=True)
     back.add_argument("--save", required=True)
@@ -125,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with single_process():  # no process group here: DCP's warning about that says nothing
         if args.command == "to-consolidated":
-            run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output))
+            run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output, args.overwrite))
         elif args.command == "verify":
             print(run_or_exit(lambda: verify_checkpoint(args.load, args.iteration)), flush=True)
         else:

@@ -25,15 +25,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
+from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_replaceable,  # noqa: E402
+                                          foreign_files)
 from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
 from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import replace_directory  # noqa: E402
+from mpzero.files import directory_beside, replace_output_directory  # noqa: E402
 from mpzero.inference import (check_gpt_weights, gpt_config_from_meta, hf_config, run_tokenizer,  # noqa: E402
                               to_hf_state_dict)
 from checkpoint_util import read_consolidated  # noqa: E402
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+README_TITLE = "# GPT-2 exported from mpzero"
+# every file an export writes (the tokenizer's depend on the run's): --overwrite replaces only a directory of these
+EXPORTED_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "README.md", "vocab.json",
+                            "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "sentencepiece.model"})
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 
 
@@ -41,7 +47,7 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
            tokenizer_overrides: dict | None = None) -> str:
     """Writes the HF directory `output`; returns the line to print. Everything is checked before writing."""
     save_file = _safetensors_writer()
-    _check_output(output, overwrite)
+    _check_output(output, overwrite, load)
     directory, iteration = resolve_iteration(load, iteration)
     meta = read_meta_file(directory, previous_advice(load, iteration))
     config = gpt_config_from_meta(meta, directory)
@@ -54,9 +60,7 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     torch_dtype, dtype_name = DTYPES[dtype]
     state = to_hf_state_dict(weights, config, torch_dtype)
 
-    tmp = os.path.abspath(output).rstrip(os.sep) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
-    os.makedirs(tmp)
+    tmp = directory_beside(output)  # a fresh name: never a directory of the user's
     try:
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp, "config.json", hf_config(config, flags, eod, dtype_name))
@@ -64,7 +68,7 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
         note = _write_tokenizer(tmp, output, run_tok, tokenizer, config.max_position_embeddings)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(_readme(directory, iteration, meta, config, note, output))
-        replace_directory(tmp, output)
+        replace_output_directory(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -81,13 +85,27 @@ def _safetensors_writer():
     return save_file
 
 
-def _check_output(output: str, overwrite: bool) -> None:
-    if os.path.exists(output) and not overwrite:
-        if not os.path.isdir(output) or os.listdir(output):
-            raise ConfigError(f"--output {output} already exists: choose a new directory, or pass --overwrite")
+def _check_output(output: str, overwrite: bool, load: str) -> None:
+    """--output is apart from every checkpoint and from --load; an existing one is replaced only with
+    --overwrite, and only when it is an earlier export (the files this tool writes, its README)."""
+    check_apart_from_checkpoints(output, "--output", {"--load": load})
+    check_replaceable(output, "--output", "tools/export_hf.py", overwrite, _not_an_export)
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise ConfigError(f"--output {output}: its parent directory {parent} is missing or not writable")
+
+
+def _not_an_export(output: str) -> str | None:
+    """What shows that `output` is not a directory this tool wrote, or None."""
+    foreign = foreign_files(output, EXPORTED_FILES)
+    if foreign:
+        return foreign
+    try:
+        with open(os.path.join(output, "README.md"), encoding="utf-8") as f:
+            first = f.readline().rstrip("\n")
+    except (OSError, ValueError):
+        first = None
+    return None if first == README_TITLE else "its README.md is not an mpzero export's"
 
 
 def _write_json(directory: str, name: str, content: dict) -> None:
@@ -127,7 +145,7 @@ def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: 
 
 def _readme(directory: str, iteration: int, meta: dict, config, note: str, output: str) -> str:
     layout = meta.get("layout", {})
-    return (f"# GPT-2 exported from mpzero\n\n"
+    return (f"{README_TITLE}\n\n"
             f"Checkpoint `{directory}`, iteration {iteration}, saved at TP {layout.get('tp')} x DP {layout.get('dp')} "
             f"(ZeRO stage {(meta.get('config') or {}).get('zero_stage')}); {config.num_layers} layers, hidden "
             f"{config.hidden_size}, {config.num_attention_heads} heads, vocabulary {config.vocab_size}, "
@@ -146,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--output", required=True, help="the Hugging Face model directory to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="of the stored weights (default fp32)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output, if it is an earlier export (nothing else is ever replaced)")
     p.add_argument("--tokenizer-type", default=None, help="default: the run's (meta.json)")
     p.add_argument("--tokenizer-model", default=None, help="default: the run's")
     p.add_argument("--vocab-file", default=None, help="default: the run's")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
+from mpzero.checkpointing.outputs import check_apart_from_checkpoints  # noqa: E402
 from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
 from mpzero.cli import print_error  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
@@ -120,6 +121,7 @@ def _prepare(args):
         parent = os.path.dirname(os.path.abspath(args.output))
         if os.path.isdir(args.output) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConfigError(f"--output {args.output} is not a file this command can write")
+        check_apart_from_checkpoints(args.output, "--output", {"--load": args.load})
     directory, iteration = resolve_iteration(args.load, args.iteration)
     meta = read_meta_file(directory, previous_advice(args.load, iteration))
     config = gpt_config_from_meta(meta, directory)

@@ -26,11 +26,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import error_reason  # noqa: E402
+from mpzero.checkpointing.outputs import check_apart_from_checkpoints  # noqa: E402
 from mpzero.checkpointing.verify import single_process  # noqa: E402
 from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
 from mpzero.data import build_tokenizer  # noqa: E402
 from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import replace_directory  # noqa: E402
+from mpzero.files import directory_beside, replace_output_directory  # noqa: E402
 from mpzero.inference import from_hf_state_dict, gpt_config_from_hf, model_flags  # noqa: E402
 from mpzero.inference.hf_gpt2 import command_line  # noqa: E402
 from checkpoint_util import save_weights_only  # noqa: E402
@@ -52,21 +53,21 @@ def import_hf(input_dir: str, save: str) -> str:
     config = gpt_config_from_hf(hf, source)
     weights = from_hf_state_dict(_read_state(input_dir, source), config, source)
     tokenizer_files, tokenizer_flags, note = _tokenizer(input_dir, config.vocab_size, save)
-    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+    if os.path.lexists(save) and (not os.path.isdir(save) or os.path.islink(save) or os.listdir(save)):
         raise ConfigError(f"--save {save} already exists and is not empty: choose a new directory")
+    check_apart_from_checkpoints(save, "--save", {"--input": input_dir})
     parent = os.path.dirname(os.path.abspath(save))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise ConfigError(f"--save {save}: its parent directory {parent} is missing or not writable")
 
-    tmp = os.path.abspath(save).rstrip(os.sep) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import
+    tmp = directory_beside(save)  # a fresh name: never a directory of the user's
     try:
         os.makedirs(os.path.join(tmp, "tokenizer"))
         for name in tokenizer_files:
             shutil.copyfile(os.path.join(input_dir, name), os.path.join(tmp, "tokenizer", name))
         flags = {**model_flags(config), **tokenizer_flags}
         save_weights_only({"model": weights, "meta": {"config": flags}}, tmp)
-        replace_directory(tmp, save)
+        replace_output_directory(tmp, save)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -90,9 +91,7 @@ def _read_state(input_dir: str, source: str) -> dict[str, torch.Tensor]:
                 raise ConfigError("tools/import_hf.py needs safetensors: pip install -e '.[hf]'") from None
             if os.path.isfile(single):
                 return load_file(single)
-            with open(index, encoding="utf-8") as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return {k: t for shard in shards for k, t in load_file(os.path.join(input_dir, shard)).items()}
+            return {k: t for path in _index_shards(input_dir, index, source) for k, t in load_file(path).items()}
         if os.path.isfile(binary):
             return torch.load(binary, map_location="cpu", weights_only=True)
     except ConfigError:
@@ -101,6 +100,26 @@ def _read_state(input_dir: str, source: str) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{source}: its weights are unreadable ({error_reason(error)})") from None
     raise ConfigError(f"{source} has no weights (model.safetensors, model.safetensors.index.json or "
                       f"pytorch_model.bin): save the model with save_pretrained")
+
+
+def _index_shards(input_dir: str, index: str, source: str) -> list[str]:
+    """The shard files a sharded index's weight_map names, each a plain file name inside `input_dir`: an
+    absolute path, a `..`, or a symbolic link leading out of it is refused (the index could come from anyone)."""
+    with open(index, encoding="utf-8") as f:
+        index_json = json.load(f)
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{source}: model.safetensors.index.json has no weight_map")
+    root = os.path.realpath(input_dir)
+    paths = []
+    for shard in sorted(set(weight_map.values()), key=str):
+        real = os.path.realpath(os.path.join(root, shard)) if isinstance(shard, str) and shard else None
+        if (real is None or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/")
+                or os.path.commonpath([root, real]) != root):
+            raise ConfigError(f"{source}: model.safetensors.index.json names the shard {shard!r}, which is not a "
+                              f"file inside {input_dir}: refused")
+        paths.append(real)
+    return paths
 
 
 def _tokenizer(input_dir: str, vocab_size: int, save: str) -> tuple[list[str], dict, str]:

@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from mpzero.checkpointing.checksums import ALGORITHM, ALGORITHMS, DIRECTORY, read_checksums, write_rank_checksums
 from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, MOMENTS, OLD_SUFFIX, TMP_SUFFIX, checkpoint_dir,
                                          checkpoint_key, parse_checkpoint_key)
+from mpzero.checkpointing.reader import CheckpointReader, ForeignClassError, error_reason, read_metadata
 from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.files import check_output_directory, replace_directory, write_atomically
@@ -153,9 +153,9 @@ def latest_iteration(root: str) -> int | None:
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
-    if not text.isdigit():
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace").strip()  # bytes: a non-UTF-8 file is one line too
+    if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"{path} holds {text[:40]!r}, not an iteration number: fix or delete it")
     return int(text)
 
@@ -216,11 +216,15 @@ def read_meta_file(directory: str, advice: str) -> dict:
 
 
 def read_dcp_metadata(directory: str, advice: str) -> Metadata:
-    """DCP's .metadata (the stored chunks and where they lie); missing or damaged: one ConfigError line."""
+    """DCP's .metadata (the stored chunks and where they lie), read without running anything it names (see
+    reader.py); missing, damaged or naming a foreign class: one ConfigError line."""
     try:
-        metadata = FileSystemReader(directory).read_metadata()
+        metadata = read_metadata(directory)
     except FileNotFoundError:
         raise ConfigError(f"checkpoint {directory}: .metadata is missing: {advice}") from None
+    except ForeignClassError as error:
+        raise ConfigError(f"checkpoint {directory}: .metadata is refused: {error} (loading it could run code): "
+                          f"not read; use only checkpoints from a source you trust") from None
     except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises anything
         raise ConfigError(f"checkpoint {directory}: .metadata is unreadable ({error_reason(error)}): "
                           f"{advice}") from None
@@ -244,13 +248,6 @@ def check_shard_files(directory: str, metadata: Metadata, advice: str) -> None:
         if have < size:
             raise ConfigError(f"checkpoint {directory}: {name} is truncated ({have} of at least {size} bytes): "
                               f"{advice}")
-
-
-def error_reason(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[-1][:200]}" if text else type(error).__name__
 
 
 def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
@@ -278,7 +275,7 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     planner = ChunksLoadPlanner(checksums, directory, advice)
     try:  # DCP gathers every rank's read result: a failure anywhere raises on every rank
         dcp.load(_local_shares(optimizer, where, keys, groups, writing=False), checkpoint_id=directory,
-                 planner=planner)
+                 storage_reader=CheckpointReader(directory), planner=planner)
     except dcp.CheckpointException as failure:
         raise ConfigError(_load_failure(failure, directory, advice, os.path.dirname(directory), iteration)) from None
     if load_optim:

@@ -21,6 +21,7 @@ from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, la
                                              read_dcp_metadata, read_meta_file)
 from mpzero.checkpointing.checksums import ALGORITHMS, read_checksums
 from mpzero.checkpointing.format import checkpoint_dir
+from mpzero.checkpointing.reader import CheckpointReader
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, LocalShare
 from mpzero.errors import ConfigError
 
@@ -123,7 +124,8 @@ def _load(directory: str, batch: list, checksums, advice: str) -> int:
     planner = ChunksLoadPlanner(checksums, directory, advice)
     try:
         with single_process():
-            dcp.load(shares, checkpoint_id=directory, planner=planner, no_dist=True)
+            dcp.load(shares, checkpoint_id=directory, storage_reader=CheckpointReader(directory), planner=planner,
+                     no_dist=True)
     except dcp.CheckpointException as failure:  # unwrap: the caller tells a checksum mismatch from the rest
         errors = [f[0] if isinstance(f, tuple) else f for _, f in sorted(failure.failures.items())]
         raise (errors[0] if errors else failure) from None
