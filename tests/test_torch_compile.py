@@ -1,11 +1,11 @@
 """--torch-compile (each TransformerLayer's forward through torch.compile, inductor's C++ backend on this CPU)
 against the eager run through the CLI: the same losses and gradient norms within 1e-5 relative in fp32 (inductor
 fuses elementwise chains and reorders reductions: float rounding, never a different computation), at TP 1 with
-ZeRO-1, and at TP 2 with ZeRO-3 (its gather/release hooks around the compiled forward), sequence parallelism and selective recomputation; bf16 within 2e-2
-(one bf16 rounding of a fused chain differs from the eager op-by-op roundings). Dropout is 0: compiled dropout
-draws its masks from inductor's generator. Compilation costs seconds per rank: the models are tiny and the runs
-share the run's one inductor cache and compile in their own process (tests/conftest.py)."""
-
+ZeRO-1, and at TP 2 with ZeRO-3 (its gather/release hooks around the compiled forward), sequence parallelism
+and selective recomputation; bf16 within 2e-2 (one bf16 rounding of a fused chain differs from the eager op-by-op
+roundings). Dropout is 0: compiled dropout draws its masks from inductor's generator. Compilation costs seconds
+per rank: the models are tiny and the runs share the run's one inductor cache and compile in their own process
+(tests/conftest.py)."""
 
 from tests.cli import TINY, assert_close_lists, main_capturing_stdout
 from tests.distributed import run_ranks
