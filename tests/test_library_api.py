@@ -320,8 +320,9 @@ def test_flops_formula_is_megatrons():
 
 # -- the example: a plain torch.nn model under torchrun -------------------------------------------------
 
-def test_plain_module_example_under_torchrun_matches_torch_adamw():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+def test_plain_module_example_under_torchrun_matches_torch_adamw(tmp_path):
+    # torchrun's agent makes its log folders under TMPDIR and keeps them: this test's folder, not the system one
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     result = subprocess.run(torchrun + [os.path.join(ROOT, "examples", "train_plain_module.py"), "--steps", "20",
                                         "--zero-stage", "3"], capture_output=True, text=True, timeout=180, env=env)

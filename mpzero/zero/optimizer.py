@@ -112,6 +112,7 @@ class ZeroOptimizer:
         self.numel = sum(p.numel() for _, p in named)
         self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize)
         self.stage = self.masters = None
+        self._closed = False
         try:
             self.stage = make_stage(model, named, groups, zero, precision, units, offload, self.offload_directory)
             self.masters = self._make_masters(offload, self.offload_directory)
@@ -137,10 +138,12 @@ class ZeroOptimizer:
 
     def close(self) -> None:
         """Release the offload tiers' files and threads, then their folder and its lock (a no-op in memory)."""
+        if self._closed:
+            return
+        self._closed = True  # once: the reports stay readable after close
         for holder in (self.masters, self.stage, self.offload_directory):
             if holder is not None:
                 holder.close()
-        self.masters = self.stage = self.offload_directory = None
 
     def check_files(self) -> None:
         """A TrainingError (one line) when an offload file was deleted or cut short by someone else (before a
