@@ -81,11 +81,11 @@ def main_capturing_stdout_or_exit(argv):
 
 
 @pytest.mark.slow
-def test_torchrun_tp2_dp2_matches_plain_python():
+def test_torchrun_tp2_dp2_matches_plain_python(tmp_path):
     """The issue's acceptance command: torchrun with 4 processes at TP=2 against one process at TP=1."""
-    def losses(cmd):
+    def losses(cmd):  # TMPDIR: torchrun's agent keeps its log folders there
         out = subprocess.run(cmd + TINY, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
         assert out.returncode == 0, out.stderr[-3000:]
         return [float(m.group(4)) for m in map(LINE.match, out.stdout.splitlines()) if m]
 
