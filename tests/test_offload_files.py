@@ -16,7 +16,7 @@ import pytest
 
 from mpzero.checkpointing import latest_iteration
 from mpzero.errors import ConfigError
-from mpzero.offload.swap import SwapFile
+from mpzero.zero.offload.swap import SwapFile
 from mpzero.zero import ZeroOptimizer
 from tests.cli import TINY, exit_code_and_stderr, quiet_main
 from tests.distributed import run_ranks

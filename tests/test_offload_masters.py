@@ -10,9 +10,9 @@ from torch import nn
 
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import adamw_step
-from mpzero.offload.masters import BLOCK, OffloadedMasters, buffer_bytes, canonical_windows
-from mpzero.offload.sink import TensorParamSink
-from mpzero.offload.swap import SwapFile, aligned_empty, disk_error_message
+from mpzero.zero.offload.masters import BLOCK, OffloadedMasters, buffer_bytes, canonical_windows
+from mpzero.zero.offload.sink import TensorParamSink
+from mpzero.zero.offload.swap import SwapFile, aligned_empty, disk_error_message
 from mpzero.zero.config import AdamConfig, OffloadConfig
 from mpzero.zero.flat import bucket_layouts, initial_values, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters

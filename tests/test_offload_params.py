@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from mpzero.errors import ConfigError
-from mpzero.offload.params import SLOTS, ParamTier, _covers
-from mpzero.offload.swap import aligned_bytes, round_up
+from mpzero.zero.offload.params import SLOTS, ParamTier, _covers
+from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from mpzero.zero.accounting import unique_storage_bytes

@@ -4,7 +4,7 @@ From the layouts (`shapes.ModelShapes.layouts`, the code's own bucketing, unit a
 module counts what each ZeRO stage and master store allocates per rank, so the prediction equals the
 `zero memory` line's measured bytes, padding included. The formulas beside them are the code's own
 (`mpzero.zero.accounting`: memory_formula, offload_formula, comm_theory, transfer_theory), stage 3's in-step
-working set is `Stage3.peak_working_set` itself, the offload buffers `mpzero.offload.masters.buffer_bytes` and the
+working set is `Stage3.peak_working_set` itself, the offload buffers `mpzero.zero.offload.masters.buffer_bytes` and the
 parameter tier's own sizes: `memory_line()` / `comm_line()` render the very lines a run prints.
 
 Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b / N owned (shard) elements,
@@ -31,9 +31,9 @@ import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from mpzero.offload.masters import buffer_bytes
-from mpzero.offload.params import SLOTS
-from mpzero.offload.swap import aligned_bytes, round_up
+from mpzero.zero.offload.masters import buffer_bytes
+from mpzero.zero.offload.params import SLOTS
+from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, transfer_theory)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.fused import adamw_step, resolve_impl
-from mpzero.offload.sink import OffloadHolder
+from mpzero.zero.offload.sink import OffloadHolder
 from mpzero.zero.config import AdamConfig
 from mpzero.zero.flat import FlatLayout
 

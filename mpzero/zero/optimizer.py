@@ -37,7 +37,7 @@ from torch import nn
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel.placement import placements
-from mpzero.offload.sink import Transfers
+from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, transfer_theory, unique_storage_bytes)
 from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
@@ -52,7 +52,7 @@ from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.state import consolidated_weights
 
 if TYPE_CHECKING:
-    from mpzero.offload.directory import OffloadDirectory
+    from mpzero.zero.offload.directory import OffloadDirectory
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class ZeroOptimizer:
     `decay`: which parameters AdamW's decoupled weight decay applies to: a function (name, parameter) -> bool,
     or a set of parameter names; default Megatron's rule (parameters with ndim >= 2, not biases or LayerNorm).
     `offload`: where the optimizer state (stages 1-3) and stage 3's parameter shards live (host memory or
-    disk, `mpzero.offload`); the training result is the same bit for bit. Call `close()` when done with an
+    disk, `mpzero.zero.offload`); the training result is the same bit for bit. Call `close()` when done with an
     offloaded optimizer (files and I/O threads).
     """
 
@@ -131,7 +131,7 @@ class ZeroOptimizer:
         initial = self.stage.initial_master_slices()
         if offload.optimizer == "none":
             return DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.adam_config)
-        from mpzero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
+        from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
         device = self.stage.grad_shards[0].device
         return OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.adam_config, offload,
                                 directory, device)
@@ -332,7 +332,7 @@ def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, nume
     left behind."""
     if not offload.uses_disk:
         return None
-    from mpzero.offload.directory import OffloadDirectory
+    from mpzero.zero.offload.directory import OffloadDirectory
 
     def open_checked() -> OffloadDirectory:
         directory = OffloadDirectory(os.path.join(offload.path, f"rank{groups.world.rank:05d}"))
@@ -355,7 +355,7 @@ def _check_offload_space(offload: OffloadConfig, directory: OffloadDirectory, nu
                          p: int) -> None:
     """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
     every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
-    from mpzero.offload.swap import readable
+    from mpzero.zero.offload.swap import readable
     per_param = (12 if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
     need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     st = os.fstatvfs(directory.fd)

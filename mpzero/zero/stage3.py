@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
-from mpzero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import build_layout, bind_params, initial_values
 from mpzero.zero.grads import ShardedGrads
@@ -97,7 +97,7 @@ class Stage3(ZeroStage):
         dtype = precision.torch_dtype
         self.tier = None
         if offload is not None and offload.params != "none":
-            from mpzero.offload.params import ParamTier  # only runs that offload parameters
+            from mpzero.zero.offload.params import ParamTier  # only runs that offload parameters
             self.tier = ParamTier(self.layouts, dtype, device, offload, directory, self.meter, self.partitioned)
             self.param_shards, self._initial = self.tier.param_shards, self._place_initial(device)
         else:

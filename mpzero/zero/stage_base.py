@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from mpzero.offload.sink import OffloadHolder, ParamSink, TensorParamSink
+from mpzero.zero.offload.sink import OffloadHolder, ParamSink, TensorParamSink
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 

@@ -23,7 +23,7 @@ import stat
 import threading
 
 from mpzero.errors import ConfigError
-from mpzero.offload.swap import SwapFile
+from mpzero.zero.offload.swap import SwapFile
 
 SWAP_NAMES = ("master.bin", "exp_avg.bin", "exp_avg_sq.bin", "params.swap")  # every file a store creates
 

@@ -25,9 +25,9 @@ import torch
 
 from mpzero.errors import ConfigError
 from mpzero.fused import adamw_step, resolve_impl
-from mpzero.offload.directory import OffloadDirectory
-from mpzero.offload.sink import ParamSink, TierBytes, Transfers
-from mpzero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
+from mpzero.zero.offload.directory import OffloadDirectory
+from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
 from mpzero.zero.config import AdamConfig, OffloadConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.masters import MOMENTS, MasterStore, OwnedPiece
