@@ -21,10 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.activations import SavedBytesCounter  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.tensor_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
+from mpzero.activations import SavedBytesCounter
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
 
 def _loss(x, weight, target, tp, vocab, chunk):

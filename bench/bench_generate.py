@@ -20,11 +20,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.inference import (SamplingConfig, gpt_config_from_meta, generate, hf_config,  # noqa: E402
+from mpzero.inference import (SamplingConfig, gpt_config_from_meta, generate, hf_config,
                               load_full_weights, to_hf_state_dict)
-from mpzero.models import GPTConfig, GPTModel  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
+from mpzero.models import GPTConfig, GPTModel
+from mpzero.parallel import init_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -24,10 +24,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpzero.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from mpzero.data.tokenizer import build_tokenizer  # noqa: E402
+from mpzero.data.preprocess import PreprocessConfig, preprocess
+from mpzero.data.tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

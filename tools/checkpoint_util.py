@@ -18,24 +18,22 @@ import argparse
 import json
 import os
 import shutil
-import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.checkpointing import FORMAT, LATEST, checkpoint_dir, checkpoint_key, parse_checkpoint_key  # noqa: E402
-from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, previous_advice,  # noqa: E402
+from mpzero.checkpointing import FORMAT, LATEST, checkpoint_dir, checkpoint_key, parse_checkpoint_key
+from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, previous_advice,
                                              read_dcp_metadata, read_meta_file)
-from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums  # noqa: E402
-from mpzero.checkpointing.format import MASTER  # noqa: E402
-from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_replaceable  # noqa: E402
-from mpzero.checkpointing.reader import CheckpointReader  # noqa: E402
-from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare  # noqa: E402
-from mpzero.checkpointing.verify import resolve_iteration, single_process, verify_checkpoint  # noqa: E402
-from mpzero.cli import run_or_exit  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import replace_directory, write_atomically  # noqa: E402
+from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums
+from mpzero.checkpointing.format import MASTER
+from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_replaceable
+from mpzero.checkpointing.reader import CheckpointReader
+from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare
+from mpzero.checkpointing.verify import resolve_iteration, single_process, verify_checkpoint
+from mpzero.cli import run_or_exit
+from mpzero.errors import ConfigError
+from mpzero.files import replace_directory, write_atomically
 
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:

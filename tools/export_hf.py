@@ -22,18 +22,17 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
-from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
-from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_replaceable,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
+from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
+from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_replaceable,
                                           foreign_files)
-from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
-from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import directory_beside, replace_output_directory  # noqa: E402
-from mpzero.inference import (check_gpt_weights, gpt_config_from_meta, hf_config, run_tokenizer,  # noqa: E402
+from mpzero.checkpointing.verify import resolve_iteration, single_process
+from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.errors import ConfigError
+from mpzero.files import directory_beside, replace_output_directory
+from mpzero.inference import (check_gpt_weights, gpt_config_from_meta, hf_config, run_tokenizer,
                               to_hf_state_dict)
-from checkpoint_util import read_consolidated  # noqa: E402
+from checkpoint_util import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 README_TITLE = "# GPT-2 exported from mpzero"

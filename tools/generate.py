@@ -29,19 +29,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
-from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file  # noqa: E402
-from mpzero.checkpointing.outputs import check_apart_from_checkpoints  # noqa: E402
-from mpzero.checkpointing.verify import resolve_iteration, single_process  # noqa: E402
-from mpzero.cli import print_error  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import write_atomically  # noqa: E402
-from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
+from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
+from mpzero.checkpointing.outputs import check_apart_from_checkpoints
+from mpzero.checkpointing.verify import resolve_iteration, single_process
+from mpzero.cli import print_error
+from mpzero.errors import ConfigError
+from mpzero.files import write_atomically
+from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
-from mpzero.models import GPTModel  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
-from checkpoint_util import read_consolidated  # noqa: E402
+from mpzero.models import GPTModel
+from mpzero.parallel import init_parallel
+from checkpoint_util import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

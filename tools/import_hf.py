@@ -23,18 +23,17 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
-from mpzero.checkpointing.checkpoint import error_reason  # noqa: E402
-from mpzero.checkpointing.outputs import check_apart_from_checkpoints  # noqa: E402
-from mpzero.checkpointing.verify import single_process  # noqa: E402
-from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
-from mpzero.data import build_tokenizer  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import directory_beside, replace_output_directory  # noqa: E402
-from mpzero.inference import from_hf_state_dict, gpt_config_from_hf, model_flags  # noqa: E402
-from mpzero.inference.hf_gpt2 import command_line  # noqa: E402
-from checkpoint_util import save_weights_only  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
+from mpzero.checkpointing.checkpoint import error_reason
+from mpzero.checkpointing.outputs import check_apart_from_checkpoints
+from mpzero.checkpointing.verify import single_process
+from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.data import build_tokenizer
+from mpzero.errors import ConfigError
+from mpzero.files import directory_beside, replace_output_directory
+from mpzero.inference import from_hf_state_dict, gpt_config_from_hf, model_flags
+from mpzero.inference.hf_gpt2 import command_line
+from checkpoint_util import save_weights_only
 
 
 def import_hf(input_dir: str, save: str) -> str:

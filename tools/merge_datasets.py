@@ -14,11 +14,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
 
-from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
+from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.errors import ConfigError
 
 
 def parse_args(argv):

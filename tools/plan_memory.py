@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpzero.arguments import _vocab_size, build_parser, parse_args  # noqa: E402
-from mpzero.cli import exit_code  # noqa: E402
-from mpzero.config_file import read_config_file  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.planner.activations import available as activations_available  # noqa: E402
-from mpzero.planner.cost import Hardware  # noqa: E402
-from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes  # noqa: E402
-from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command  # noqa: E402
+from mpzero.arguments import _vocab_size, build_parser, parse_args
+from mpzero.cli import exit_code
+from mpzero.config_file import read_config_file
+from mpzero.errors import ConfigError
+from mpzero.planner.activations import available as activations_available
+from mpzero.planner.cost import Hardware
+from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes
+from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
 
 UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30,
          "tib": 2 ** 40, "": 2 ** 30}

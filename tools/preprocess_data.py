@@ -15,15 +15,13 @@ run killed outright are removed by the next run of the same --output-prefix.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
 
-from mpzero.data.preprocess import PreprocessConfig, output_prefix_for, preprocess  # noqa: E402
-from mpzero.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from mpzero.data.interrupts import Interrupted, signals_as_interrupts  # noqa: E402
-from mpzero.cli import INPUT_ERRORS, exit_code, print_error  # noqa: E402
+from mpzero.data.preprocess import PreprocessConfig, output_prefix_for, preprocess
+from mpzero.data.tokenizer import TOKENIZER_TYPES
+from mpzero.data.interrupts import Interrupted, signals_as_interrupts
+from mpzero.cli import INPUT_ERRORS, exit_code, print_error
 
 
 def parse_args(argv):

@@ -17,12 +17,11 @@ import io
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mpzero
 
-from mpzero.data.jsonl import check_inputs, iter_texts  # noqa: E402
-from mpzero.cli import INPUT_ERRORS, exit_code  # noqa: E402
-from mpzero.errors import ConfigError  # noqa: E402
-from mpzero.files import write_atomically  # noqa: E402
+from mpzero.data.jsonl import check_inputs, iter_texts
+from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.errors import ConfigError
+from mpzero.files import write_atomically
 
 _MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are left out of training (SentencePiece's own limit is 4 KB)
 
