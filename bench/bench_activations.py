@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from mpzero.activations import SavedBytesCounter, activation_formula
-from mpzero.models import GPTConfig, GPTModel
-from mpzero.parallel import init_parallel
-from mpzero.tensor_parallel import seed_everything
-from tests.distributed import run_ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.activations import SavedBytesCounter, activation_formula  # noqa: E402
+from mpzero.models import GPTConfig, GPTModel  # noqa: E402
+from mpzero.parallel import init_parallel  # noqa: E402
+from mpzero.tensor_parallel import seed_everything  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 
 FULL = dict(recompute_granularity="full")
 

@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import shutil
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -26,13 +27,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mpzero.arguments import parse_args, run_config
-from mpzero.checkpointing import load_checkpoint, save_checkpoint
-from mpzero.checkpointing.checksums import ALGORITHM, checksum
-from mpzero.checkpointing.verify import verify_checkpoint
-from mpzero.parallel import init_parallel
-from mpzero.training.loop import build_training_state
-from pretrain_gpt import gpt_provider
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.arguments import parse_args, run_config  # noqa: E402
+from mpzero.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from mpzero.checkpointing.checksums import ALGORITHM, checksum  # noqa: E402
+from mpzero.checkpointing.verify import verify_checkpoint  # noqa: E402
+from mpzero.parallel import init_parallel  # noqa: E402
+from mpzero.training.loop import build_training_state  # noqa: E402
+from pretrain_gpt import gpt_provider  # noqa: E402
 
 MODELS = {
     "quickstart": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",

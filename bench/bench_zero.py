@@ -15,6 +15,8 @@ Printed per world size: step ms, step time / peer, bytes, bytes / peer, bytes / 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -22,11 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mpzero.parallel import init_parallel
-from mpzero.tensor_parallel import mark_replicated
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from mpzero.zero.accounting import unique_storage_bytes
-from tests.distributed import run_ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mpzero.parallel import init_parallel  # noqa: E402
+from mpzero.tensor_parallel import mark_replicated  # noqa: E402
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
+from mpzero.zero.accounting import unique_storage_bytes  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 
 PEERS = {"mpzero stage 0": "torch DDP", "mpzero stage 1": "torch ZeroRedundancyOptimizer",
          "mpzero stage 2": "FSDP2 no reshard", "mpzero stage 3": "FSDP2 reshard"}
