@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mpzero.parallel import init_parallel  # noqa: E402
 from mpzero.tensor_parallel import mark_replicated  # noqa: E402
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
-from mpzero.zero.accounting import unique_storage_bytes  # noqa: E402
+from mpzero.storages import unique_storage_bytes  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 PEERS = {"mpzero stage 0": "torch DDP", "mpzero stage 1": "torch ZeroRedundancyOptimizer",

@@ -15,7 +15,7 @@ from mpzero.zero.offload.params import SLOTS, ParamTier, _covers
 from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from mpzero.zero.accounting import unique_storage_bytes
+from mpzero.storages import unique_storage_bytes
 from mpzero.zero.flat import build_layout
 from mpzero.zero.meter import TransientMeter
 from tests.distributed import run_ranks

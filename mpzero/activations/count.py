@@ -27,6 +27,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from mpzero.storages import storage_key
+
 _REGION: ContextVar = ContextVar("mpzero_activation_region", default=None)
 _ACTIVE: list = []  # the counter counting now (at most one)
 
@@ -54,13 +56,13 @@ class SavedBytesCounter:
         """The parameters' storages, by identity (the storage object, not its address: ZeRO stage 3 resizes its
         flat buffers in place, which moves their memory but keeps the storage); taken once."""
         if self._params is None:
-            self._params = {_storage_key(p) for p in self.params}
+            self._params = {storage_key(p) for p in self.params}
         return self._params
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.saved_tensors += 1
         storage = tensor.untyped_storage()
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if storage.nbytes() and key not in self._seen and key not in self._parameter_storages():
             self._seen.add(key)
             self.device_bytes[_REGION.get()] += storage.nbytes()
@@ -86,12 +88,6 @@ class SavedBytesCounter:
     @property
     def total_bytes(self) -> int:
         return sum(self.device_bytes.values())
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    """A storage's identity: every view of it has the same, and it survives a resize (also on meta tensors,
-    whose addresses are all 0)."""
-    return tensor.device, tensor.untyped_storage()._cdata
 
 
 def host_offload(enabled: bool):

@@ -12,10 +12,6 @@ The planner builds models on "meta"; the dry run (`mpzero/dry_run.py`) uses "met
 What the code does that data-less tensors do not support as-is is handled here, only while the context is active:
 - a scalar read from a tensor (`.item()`, `.tolist()`: the loss, the gradient norm with fp16's overflow check
   folded in) has no value: it reads 0 (no overflow, a zero norm: the step runs, nothing is clipped);
-- a storage's `data_ptr()` is 0 for every meta or fake storage, so a count that tells storages apart by it (the
-  memory report's `accounting.unique_storage_bytes`) would see one storage: such a storage's `data_ptr()` is its
-  identity instead (the StorageImpl's address, what `SavedBytesCounter` keys by), which groups tensors into
-  storages exactly as data pointers do on real memory;
 - (fake) a generator state saved for recomputation is cloned into a fake tensor, which has no bytes to restore:
   `torch.set_rng_state` of a fake state leaves the generator as it is (nothing draws real numbers here);
 - (fake) `nn.Module.to(device)` of a module whose parameters are already fake tensors on that device (GPTEmbedding's
@@ -53,17 +49,10 @@ class _FakeMode(FakeTensorMode):
         return self.dispatch(func, types, args, kwargs)  # FakeTensorMode.__torch_dispatch__ minus its wrappers
 
 
-_storage_data_ptr = torch.UntypedStorage.data_ptr
 _tensor_item = torch.Tensor.item
 _tensor_tolist = torch.Tensor.tolist
 _module_to = nn.Module.to
 _set_rng_state = torch.set_rng_state
-
-
-def _data_ptr_or_identity(self: torch.UntypedStorage) -> int:
-    if self.device.type == "meta":  # meta and fake storages: no address, one identity each
-        return self._cdata
-    return _storage_data_ptr(self)
 
 
 def _item_or_zero(self: torch.Tensor):
@@ -101,7 +90,6 @@ def no_data(engine: str = "meta"):
     patches torch functions for its duration."""
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
-    torch.UntypedStorage.data_ptr = _data_ptr_or_identity
     try:
         if engine == "meta":
             torch.Tensor.item, torch.Tensor.tolist = _item_or_zero, _tolist_or_zeros
@@ -112,8 +100,7 @@ def no_data(engine: str = "meta"):
             with _FakeMode(allow_non_fake_inputs=True):
                 yield
     finally:
-        torch.UntypedStorage.data_ptr, torch.Tensor.item, torch.Tensor.tolist = (_storage_data_ptr, _tensor_item,
-                                                                                 _tensor_tolist)
+        torch.Tensor.item, torch.Tensor.tolist = _tensor_item, _tensor_tolist
         nn.Module.to, torch.set_rng_state = _module_to, _set_rng_state
 
 

@@ -128,15 +128,6 @@ class CommReport:
                 f"ratio {self.ratio:.4f}{''.join(t.fields() for t in self.transfers)}")
 
 
-def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    storages = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def state_terms(stage: int, p: int, g: int, master: int) -> dict[str, tuple[int, int]]:
     """Per component (parameters, gradients, optimizer), (replicated, partitioned) bytes per parameter:
     component bytes = replicated*P + partitioned*P/N. The optimizer is K = master + 8 (Adam's moments)."""

@@ -36,10 +36,11 @@ from torch import nn
 
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
+from mpzero.storages import unique_storage_bytes
 from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, transfer_theory, unique_storage_bytes)
+                                   memory_report, offload_formula, transfer_theory)
 from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
