@@ -43,11 +43,8 @@ from mpzero.training.loop import (TrainingState, _forward_backward, build_traini
 from mpzero.zero import ZeroOptimizer
 from mpzero.training.mock_data import MockGPTDataset
 
-try:  # the activation-memory module (issue 11): the dry run prints its line where it exists
-    from mpzero.activations import SavedBytesCounter
-    from mpzero.activations.report import activation_line, rank_report
-except ImportError:
-    SavedBytesCounter = None
+from mpzero.activations import SavedBytesCounter
+from mpzero.activations.report import activation_line, rank_report
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -95,22 +92,19 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
         optimizer.comm_report()  # count from the first iteration on, as training does
         tp_mark = groups.tp.stats.total()
         data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
-        counter = SavedBytesCounter(state.model.module) if SavedBytesCounter else None
-        _forward_backward(state, data, 0, training, **({"activations": counter} if counter else {}))
+        counter = SavedBytesCounter(state.model.module)
+        _forward_backward(state, data, 0, training, activations=counter)
         optimizer.step(run.schedule.lr(0))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
         optimizer.close()
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
-    activations = None
-    setting_of = getattr(state.model.module, "activation_setting", None)
-    if counter is not None:  # the line training prints after its first iteration, here for this rank
-        dtype = run.precision.torch_dtype
-        setting = setting_of(training.micro_batch_size, training.seq_length, dtype, groups.device) if setting_of \
-            else None
-        activations = rank_report(counter, setting)
-        print(activation_line(rank, activations, dtype), flush=True)
+    dtype = run.precision.torch_dtype  # the line training prints after its first iteration, here for this rank
+    setting = state.model.module.activation_setting(training.micro_batch_size, training.seq_length, dtype,
+                                                    groups.device)
+    activations = rank_report(counter, setting)
+    print(activation_line(rank, activations, dtype), flush=True)
 
     plan = plan_states(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision, groups.dp_size,
                        groups.dp_rank, run.offload, micro_batches, cuda=False)

@@ -27,7 +27,6 @@ from mpzero.arguments import _vocab_size, build_parser, parse_args
 from mpzero.cli import exit_code
 from mpzero.config_file import read_config_file
 from mpzero.errors import ConfigError
-from mpzero.planner.activations import available as activations_available
 from mpzero.planner.cost import Hardware
 from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes
 from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
@@ -139,7 +138,6 @@ def plan(argv: list[str]) -> dict:
                                       "host_memory": machine.host_memory, "disk_space": machine.disk_space,
                                       "device_reserve": machine.device_reserve, "cuda": machine.cuda,
                                       "ranks_per_node": machine.ranks_per_node, "hardware": vars(hw)},
-                          "activations_counted": activations_available(),
                           "layouts": [p.to_json() for p in plans], "best": best.to_json() if best else None,
                           "command": command}, default=float))
     else:
@@ -161,8 +159,6 @@ def print_text(result: dict) -> None:
           f"cost model: {hw.device_tflops:g} TFLOP/s x {hw.efficiency:g}, DP {hw.dp_bandwidth / 1e9:g} GB/s, "
           f"TP {hw.tp_bandwidth / 1e9:g} GB/s, PCIe {hw.pcie_bandwidth / 1e9:g} GB/s, disk "
           f"{hw.disk_bandwidth / 1e9:g} GB/s per node, CPU AdamW {hw.cpu_adam_rate:g} params/s per rank")
-    if not activations_available():
-        print("note: activations are not counted (the activation-memory module mpzero.activations is missing)")
     fitting = sum(p.fits for p in plans)
     reasons = {}
     for p in plans:

@@ -34,14 +34,6 @@ class ActivationPlan:
         return self.saved + self.recompute_transient
 
 
-def available() -> bool:
-    try:
-        from mpzero.activations import activation_formula  # noqa: F401 (the probe)
-    except ImportError:
-        return False
-    return True
-
-
 def activation_setting(config, tp: int, tp_rank: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool):
     """The config's own `activation_setting` for TP rank `tp_rank` of `tp` (with the one RNG tracker stream
     `seed_everything` adds), on a GPU (`cuda`) or the CPU: what `auto` picks on that device, whether or not

@@ -54,8 +54,7 @@ class Cost:
 
 
 def flops_per_token(config, tp: int, recompute: str) -> float:
-    base = dataclasses.replace(config, recompute_activations=False).flops_per_token(tp) \
-        if hasattr(config, "recompute_activations") else config.flops_per_token(tp)
+    base = dataclasses.replace(config, recompute_activations=False).flops_per_token(tp)
     l, h = config.num_layers, config.hidden_size
     s = config.seq_length or config.max_position_embeddings
     extra = {"none": 0, "selective": 4 * l * s * h, "full": 24 * l * h ** 2 + 4 * l * s * h}[recompute]

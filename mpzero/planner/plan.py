@@ -135,13 +135,12 @@ class LayoutPlan:
                 "zero_memory_line": s.report.line(), "zero_comm_line": s.comm.line()}
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
 def recompute_modes(args: argparse.Namespace) -> tuple[str, ...]:
-    """The recomputation modes this mpzero's flags offer: selective only where `--recompute-granularity` exists."""
-    return ("none", "selective", "full") if hasattr(args, "recompute_granularity") else ("none", "full")
-
-
-def sequence_parallel_available(args: argparse.Namespace) -> bool:
-    return hasattr(args, "sequence_parallel")
+    """The recomputation modes a layout can take (Megatron's: none, selective, full)."""
+    return RECOMPUTE_MODES
 
 
 def layout_flags(args: argparse.Namespace, layout: Layout) -> dict:
@@ -150,19 +149,11 @@ def layout_flags(args: argparse.Namespace, layout: Layout) -> dict:
              "micro_batch_size": layout.micro_batch, "global_batch_size": layout.global_batch,
              "offload_optimizer": layout.offload_optimizer, "optimizer_cpu_offload": False,
              "offload_params": layout.offload_params}
-    if hasattr(args, "recompute_granularity"):  # Megatron's flags (issue 11): --recompute-activations = selective
-        full = layout.recompute == "full"
-        flags.update(recompute_activations=False,
-                     recompute_granularity=None if layout.recompute == "none" else layout.recompute,
-                     recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None)
-    else:
-        if layout.recompute == "selective":
-            raise ValueError("selective recomputation needs --recompute-granularity (issue 11)")
-        flags["recompute_activations"] = layout.recompute == "full"
-    if sequence_parallel_available(args):
-        flags["sequence_parallel"] = layout.sequence_parallel
-    elif layout.sequence_parallel:
-        raise ValueError("sequence parallelism needs --sequence-parallel (issue 11)")
+    full = layout.recompute == "full"  # --recompute-activations is selective: the layout says granularity
+    flags.update(recompute_activations=False,
+                 recompute_granularity=None if layout.recompute == "none" else layout.recompute,
+                 recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
+                 sequence_parallel=layout.sequence_parallel)
     return flags
 
 
@@ -246,7 +237,7 @@ class Planner:
             for stage in stages:
                 for optimizer, params in _offloads(stage, tiers):
                     for mode in modes:
-                        for sp in ((False, True) if sequence_parallel_available(self.args) and tp > 1
+                        for sp in ((False, True) if tp > 1
                                    and self.seq % tp == 0 else (False,)):
                             for mbs in sizes:
                                 gbs = self.args.global_batch_size or mbs * dp
