@@ -272,22 +272,86 @@ def _free_cuda() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
+def _eager_step(inputs, labels, compile_: bool):
+    """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0; (step, its losses)."""
+    import torch
+    model = eager_gpt2(GPT2_PADDED_VOCAB, 768, 12, 12, GPT2["seq_length"]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    run = torch.compile(model) if compile_ else model
+    losses = []
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(inputs, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return step, losses
+
+
+def _mpzero_step(groups, inputs, labels, backend: str, compiled: bool = False):
+    """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses)."""
+    from mpzero.models import GPTConfig, GPTModel
+    from mpzero.tensor_parallel import seed_everything
+    from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+
+    seq = GPT2["seq_length"]
+    config = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=GPT2["vocab_size"],
+                       max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0,
+                       attention_backend=backend, torch_compile=compiled, seq_length=seq)
+    model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
+                                                                      clip_grad=1.0), PrecisionConfig("bf16"))
+    losses = []
+
+    def step():
+        opt.zero_grad()
+        loss = model(inputs, labels).mean()
+        opt.backward(loss, last_micro_batch=True)
+        opt.step(6e-4)
+        losses.append(loss.detach())
+    return step, losses
+
+
+def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: int) -> dict:
+    """One variant's figures: tokens/s, ms/step, first step, peak memory, kernels per step (its per-op table goes to
+    this part's log, logs/bench_gpt2.log) and the last loss."""
+    import torch
+    from mpzero.gpu_check.step_profile import step_profile
+
+    step = losses = None
+    try:
+        _free_cuda()
+        base = torch.cuda.memory_allocated()
+        step, losses = build()
+        first = _sync_time(step, 1)  # compilation, Triton autotuning and allocator warm-up happen here
+        _sync_time(step, warmup - 1)
+        seconds = _sync_time(step, timed)
+        peak_bytes = torch.cuda.max_memory_allocated() - base
+        kernels, table = step_profile(step, cuda=True)
+        print(f"== {name}: one step by self CUDA time ({kernels} kernels) ==\n{table}", flush=True)
+        return {"tps": tokens_per_step * timed / seconds, "ms/step": round(seconds / timed * 1000, 2),
+                "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
+                "kernels/step": kernels, "losses": [float(x) for x in losses[-timed:]]}
+    finally:
+        del step, losses
+        _free_cuda()
+
+
 def bench_gpt2(args, result: Result) -> str:
     import torch
-    from mpzero.models import GPTConfig, GPTModel
+    from mpzero.models import GPTConfig
     from mpzero.parallel import init_parallel
-    from mpzero.tensor_parallel import seed_everything
-    from mpzero.zero import ZeroOptimizer
-    from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
-    from mpzero.gpu_check.step_profile import step_profile
 
     batch, warmup, timed = args.micro_batch_size, 3, 10
     seq, tokens_per_step = GPT2["seq_length"], args.micro_batch_size * GPT2["seq_length"]
     torch.cuda.set_device(0)
     peak = matmul_peak_tflops()
-    flops_per_token = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
-                                vocab_size=GPT2_PADDED_VOCAB, max_position_embeddings=seq,
-                                seq_length=seq).flops_per_token()
+    flops_per_token = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12,  # model FLOPs: no recompute
+                                vocab_size=GPT2_PADDED_VOCAB, max_position_embeddings=seq, seq_length=seq,
+                                cross_entropy_chunk_size=0).flops_per_token()
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
                 f"72 l h^2 (1 + s/6h + V/16lh), vocab {GPT2_PADDED_VOCAB}) x tokens/s / that peak")
@@ -299,85 +363,34 @@ def bench_gpt2(args, result: Result) -> str:
                 f"last step")
     tokens = torch.randint(0, GPT2["vocab_size"], (batch, seq + 1), device="cuda")
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def eager(compile_: bool):
-        model = eager_gpt2(GPT2_PADDED_VOCAB, 768, 12, 12, seq).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        run = torch.compile(model) if compile_ else model
-        losses = []
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = run(inputs, labels)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return step, losses
-
-    groups = None
-
-    def mpzero(backend: str, compiled: bool = False):
-        nonlocal groups
-        if groups is None:
-            groups = init_parallel(1)  # NCCL, a world of one
-        config = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=GPT2["vocab_size"],
-                           max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0,
-                           attention_backend=backend, torch_compile=compiled, seq_length=seq)
-        model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
-        opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
-                                                                          clip_grad=1.0), PrecisionConfig("bf16"))
-        losses = []
-
-        def step():
-            opt.zero_grad()
-            loss = model(inputs, labels).mean()
-            opt.backward(loss, last_micro_batch=True)
-            opt.step(6e-4)
-            losses.append(loss.detach())
-        return step, losses
-
-    variants = [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: eager(False)),
-                ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16", lambda: mpzero("auto")),
-                ("mpzero --attention-backend local (core attention, Triton softmax)", lambda: mpzero("local")),
-                ("mpzero --torch-compile, ZeRO-1 bf16", lambda: mpzero("auto", compiled=True)),
-                ("eager PyTorch + torch.compile", lambda: eager(True))]
+    groups = init_parallel(1)  # NCCL, a world of one
+    variants = [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: _eager_step(inputs, labels, False)),
+                ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16",
+                 lambda: _mpzero_step(groups, inputs, labels, "auto")),
+                ("mpzero --attention-backend local (core attention, Triton softmax)",
+                 lambda: _mpzero_step(groups, inputs, labels, "local")),
+                ("mpzero --torch-compile, ZeRO-1 bf16", lambda: _mpzero_step(groups, inputs, labels, "auto", True)),
+                ("eager PyTorch + torch.compile", lambda: _eager_step(inputs, labels, True))]
     eager_tps, ok = None, True
     for name, build in variants:
         if args.limit - result.elapsed() < 45:
             result.row(model=name, ok=False, note="not run: out of time")
             ok = False
             continue
-        step = losses = None
         try:
-            _free_cuda()
-            base = torch.cuda.memory_allocated()
-            step, losses = build()
-            first = _sync_time(step, 1)  # compilation, Triton autotuning and allocator warm-up happen here
-            _sync_time(step, warmup - 1)
-            seconds = _sync_time(step, timed)
-            tps = tokens_per_step * timed / seconds
-            peak_bytes = torch.cuda.max_memory_allocated() - base
-            kernels, table = step_profile(step, cuda=True)  # the table goes to this part's log (logs/bench_gpt2.log)
-            print(f"== {name}: one step by self CUDA time ({kernels} kernels) ==\n{table}", flush=True)
-            final = [float(x) for x in losses[-timed:]]
-            finite = all(math.isfinite(x) for x in final)
-            eager_tps = tps if eager_tps is None else eager_tps
-            result.row(model=name, **{"tokens/s": round(tps), "ms/step": round(seconds / timed * 1000, 2),
-                                      "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
-                                      "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
-                                      "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
-                                      "vs eager": round(tps / eager_tps, 3), "kernels/step": kernels,
-                                      "last loss": round(final[-1], 4)},
-                       ok=finite)
-            ok = ok and finite
+            figures = _measure_step(name, build, tokens_per_step, warmup, timed)
         except Exception as error:  # noqa: BLE001
             result.row(model=name, ok=False, note=_error_text(error))
             ok = False
-        finally:
-            del step, losses
-            _free_cuda()
+            continue
+        tps, final = figures.pop("tps"), figures.pop("losses")
+        finite = all(math.isfinite(x) for x in final)
+        eager_tps = tps if eager_tps is None else eager_tps
+        result.row(model=name, **{"tokens/s": round(tps), **figures, "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
+                                  "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
+                                  "vs eager": round(tps / eager_tps, 3), "last loss": round(final[-1], 4)},
+                   ok=finite)
+        ok = ok and finite
     return "pass" if ok else "fail"
 
 
