@@ -298,6 +298,11 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         flags={**vars(args), **resolved})
 
 
+def _vocab_size(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary (before padding for TP); --vocab-size for mock data (tools/plan_memory.py)."""
+    return _tokenizer(args)["vocab_size"]
+
+
 def _tokenizer(args: argparse.Namespace) -> dict:
     """The tokenizer's record: type, files' sha256, vocabulary (before padding for TP); --vocab-size for mock data."""
     if args.mock_data:
