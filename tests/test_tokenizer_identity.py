@@ -122,15 +122,15 @@ def test_finetune_or_the_override_trains_on_saying_so(made, saved_a, tmp_path):
     history, out = _one(main_capturing_stdout, _argv(made, "b", "b", "--load", saved_a, "--save", new,
                                                      "--finetune"))
     notes = [line for line in out.splitlines() if line.startswith("note:") and "tokeniz" in line]
-    assert notes == [f"note: --finetune: {saved_a}/iter_0000002 was trained with {_short(made['a'][0])}; its "
-                     f"weights train on with this run's {_short(made['b'][0])}"]
+    assert notes == [(f"note: --finetune: {saved_a}/iter_0000002 was trained with {_short(made['a'][0])}; its "
+                      f"weights train on with this run's {_short(made['b'][0])}")]
     assert len(history["losses"]) == 2 and latest_iteration(new) == 2  # from iteration 0: a new run
     assert _meta(new)["tokenizer"]["sha256"] == _record(made["b"][0])["sha256"]
     _, out = _one(main_capturing_stdout, _argv(made, "b", "b", "--load", saved_a, "--save", saved_a,
                                                "--train-iters", "4", "--override-tokenizer-check"))
     notes = [line for line in out.splitlines() if line.startswith("note: --override-tokenizer-check")]
-    assert notes == [f"note: --override-tokenizer-check: resuming {saved_a}/iter_0000002, trained with "
-                     f"{_short(made['a'][0])}, with {_short(made['b'][0])}"]
+    assert notes == [(f"note: --override-tokenizer-check: resuming {saved_a}/iter_0000002, trained with "
+                      f"{_short(made['a'][0])}, with {_short(made['b'][0])}")]
     assert latest_iteration(saved_a) == 4
 
 
@@ -170,16 +170,20 @@ def test_mock_data_records_no_tokenizer_and_is_not_another_tokenizers(made, tmp_
     assert f"was trained with no tokenizer (--mock-data, 512 ids), this run has {_short(made['a'][0])}" in stderr
 
 
-def test_data_made_with_another_tokenizer_is_refused_unless_overridden(made, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_made_with_another_tokenizer_is_refused_unless_overridden(made, tmp_path, tp):
+    """At TP 2 rank 0 reads the record and hashes the .idx; both ranks stop with its line."""
     before = _files(os.path.dirname(made["a"][1]))
-    code, stderr = _one(exit_code_and_stderr, _argv(made, "b", "a", "--save", str(tmp_path / "ckpt")))
-    assert code == 2 and stderr.count("\n") == 1
+    layout = ["--tensor-model-parallel-size", str(tp)]
+    results = run_ranks(tp, exit_code_and_stderr, _argv(made, "b", "a", "--save", str(tmp_path / "ckpt"), *layout))
+    assert [code for code, _ in results] == [2] * tp
+    stderr = results[0][1]
     assert stderr == (f"error: --data-path {made['a'][1]} was tokenized with {_short(made['a'][0])}, this run has "
                       f"{_short(made['b'][0])}: pass the tokenizer it was made with, preprocess it with this run's, "
                       f"or --override-tokenizer-check if this is intended\n")
     assert _files(os.path.dirname(made["a"][1])) == before and not os.listdir(tmp_path / "ckpt")
-    _, out = _one(main_capturing_stdout, _argv(made, "b", "a", "--override-tokenizer-check",
-                                               "--data-cache-path", str(tmp_path / "cache")))
+    _, out = run_ranks(tp, main_capturing_stdout, _argv(made, "b", "a", "--override-tokenizer-check",
+                                                        "--data-cache-path", str(tmp_path / "cache"), *layout))[0]
     assert out.count("note: --override-tokenizer-check: ") == 1
 
 

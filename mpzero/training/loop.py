@@ -258,14 +258,16 @@ def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
 
 def _data_tokenizers(run: RunConfig, groups: ParallelGroups) -> tuple[dict, list[str]]:
     """({--data-path prefix: the tokenizer it was made with, None if unknown}, notes); data made with another
-    tokenizer than this run's is refused on every rank (tokenizer_identity.py)."""
-    data = run.data
+    tokenizer than this run's is refused on every rank (tokenizer_identity.py). Rank 0 reads the records and
+    hashes each .idx, and passes what it found to the others."""
+    data, world = run.data, groups.world
     prefixes = parse_data_path(list(data.data_path))[0] if data.data_path and not data.mock_data else []
-    found, error = groups.world.run_agreed(
-        lambda: check_data_tokenizers(prefixes, data.tokenizer, data.override_tokenizer_check), (ConfigError,))
+    found, error = world.run_agreed(
+        lambda: check_data_tokenizers(prefixes, data.tokenizer, data.override_tokenizer_check) if world.rank == 0
+        else None, (ConfigError,))
     if error:
         raise ConfigError(error)
-    return found
+    return world.all_gather_objects(found)[0]
 
 
 def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
