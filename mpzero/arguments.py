@@ -16,7 +16,7 @@ import os
 
 from mpzero.checkpointing import check_save_directory
 from mpzero.config_file import drop_overridden, read_config_file
-from mpzero.data import build_tokenizer
+from mpzero.data import build_tokenizer, no_tokenizer, tokenizer_identity
 from mpzero.data.splits import parse_data_path, parse_split
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--tokenizer-model", default=None, help="SentencePiece model file")
     data.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     data.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
+    data.add_argument("--override-tokenizer-check", action="store_true",
+                      help="train on although --load or --data-path was made with another tokenizer (said in a note)")
     return p
 
 
@@ -258,7 +260,8 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     dp = world_size // tp
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
     num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
-    vocab_size = _vocab_size(args)
+    tokenizer = _tokenizer(args)
+    vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)
     model.validate(tp)
     sections = (zero_config(args), adam_config(args), precision_config(args))
@@ -285,7 +288,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                 args.exit_interval, args.check_for_nan_in_loss_and_grad),
         evaluation=EvalConfig(args.eval_interval, args.eval_iters),
         data=DataConfig(args.mock_data, tuple(args.data_path) if args.data_path else None, args.split,
-                        args.data_cache_path, vocab_size),
+                        args.data_cache_path, vocab_size, tokenizer, args.override_tokenizer_check),
         checkpoint=CheckpointConfig(args.save, args.load, args.save_interval,
                                     load_optim=not (args.finetune or args.no_load_optim),
                                     load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune,
@@ -296,12 +299,16 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
-    """The tokenizer's vocabulary (before padding for TP); --vocab-size for mock data."""
+    """The tokenizer's vocabulary (before padding for TP); --vocab-size for mock data (tools/plan_memory.py)."""
+    return _tokenizer(args)["vocab_size"]
+
+
+def _tokenizer(args: argparse.Namespace) -> dict:
+    """The tokenizer's record: type, files' sha256, vocabulary (before padding for TP); --vocab-size for mock data."""
     if args.mock_data:
-        return args.vocab_size
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
-                                args.vocab_size)
-    return tokenizer.vocab_size
+        return no_tokenizer(args.vocab_size)
+    return tokenizer_identity(build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                                              args.merge_file, args.vocab_size))
 
 
 def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:

@@ -49,8 +49,8 @@ def test_preprocess_output_matches_input_ids_in_order(tmp_path, workers):
         assert text[i].tolist() == d + [1000]  # EOD = vocab_size for the NullTokenizer
     title = IndexedDataset(out + "_title_document")
     assert [title[i].tolist() for i in range(len(title))] == [[len(d), 1000] for d in docs]
-    assert sorted(os.listdir(tmp_path)) == ["in.jsonl.gz", "out_text_document.bin", "out_text_document.idx",
-                                            "out_title_document.bin", "out_title_document.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl.gz"] + [f"out_{key}_document{ext}" for key in ("text", "title")
+                                                              for ext in (".bin", ".idx", ".tokenizer.json")]
 
 
 def test_preprocess_output_is_identical_for_1_and_2_workers(tmp_path):

@@ -4,7 +4,8 @@ The main process reads raw lines in small batches (bounded: at most `2 * workers
 ~128 KB are in flight), workers parse and tokenize them, and the main process writes the results in
 input order as they complete. With one worker everything runs in the main process: no pickling, so
 its rate stays close to the tokenizer's own. Token arrays go straight to the output .bin; outputs are
-renamed into place only when the whole input was read without error. Under `signals_as_interrupts()`
+renamed into place only when the whole input was read without error, each with PREFIX.tokenizer.json (the
+tokenizer's type and files' sha256, tokenizer_identity.py) beside it. Under `signals_as_interrupts()`
 (tools/preprocess_data.py) a SIGINT/SIGTERM removes the temporary files like any other error; one that
 arrives while the outputs are being renamed into place lets them all be renamed, and the run completes.
 """
@@ -26,6 +27,7 @@ from mpzero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from mpzero.data.interrupts import deferred_interrupts, worker_signals
 from mpzero.data.jsonl import LineBatch, MalformedLine, check_inputs, parse_line, read_batches
 from mpzero.data.tokenizer import build_tokenizer
+from mpzero.data.tokenizer_identity import remove_data_tokenizer, tokenizer_identity, write_data_tokenizer
 from mpzero.errors import ConfigError
 
 _BATCH_LINES, _BATCH_BYTES = 128, 128 << 10  # small enough that the last batches balance across workers
@@ -187,9 +189,14 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
             _show_rates(bar, stats, start)
         # A signal now waits until every output is renamed into place, then is dropped: the run is complete
         # (its summary prints and the process ends); raising it would report "nothing written" falsely.
+        # Each dataset's tokenizer record goes first and comes back last (tokenizer_identity.py): it never
+        # describes data it did not see made.
+        record = tokenizer_identity(encoder.tokenizer)
         with deferred_interrupts(reraise=False):
-            for builder in builders.values():
+            for key, builder in builders.items():
+                remove_data_tokenizer(builder.path_prefix)
                 builder.finalize()
+                write_data_tokenizer(builder.path_prefix, record)
     except BaseException:
         for builder in builders.values():
             builder.abort()

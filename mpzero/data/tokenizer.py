@@ -60,6 +60,7 @@ class GPTSentencePieceTokenizer:
                               f"end-of-document: retrain it with tools/train_tokenizer.py")
         self.vocab_size = self._sp.GetPieceSize()
         self.eod = self._sp.eos_id()
+        self.files = (model_file,)  # what defines it: hashed into the checkpoint's record (tokenizer_identity.py)
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.EncodeAsIds(text)
@@ -93,6 +94,7 @@ class GPT2BPETokenizer:
             raise ConfigError(f"--vocab-file {vocab_file} has no {self._EOD_TOKEN} entry for end-of-document")
         self.vocab_size = len(vocab)
         self.eod = vocab[self._EOD_TOKEN]
+        self.files = (vocab_file, merge_file)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -108,6 +110,7 @@ class NullTokenizer:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size + 1
         self.eod = vocab_size
+        self.files = ()  # the ids are the text: the vocabulary size defines it
 
     def tokenize(self, text: str) -> list[int]:
         ids = [int(t) for t in text.split()]  # ValueError for a word that is not an integer

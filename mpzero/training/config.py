@@ -48,6 +48,9 @@ class DataConfig:
     split: str
     data_cache_path: str | None
     vocab_size: int  # resolved: the tokenizer's vocabulary (before padding), or --vocab-size for mock data
+    tokenizer: dict | None = None  # its record (mpzero/data/tokenizer_identity.py), saved with checkpoints and
+    # compared with theirs and the data's; None: not known, nothing compared
+    override_tokenizer_check: bool = False  # --override-tokenizer-check: another tokenizer is a note, not an error
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch import nn
 from mpzero.activations import SavedBytesCounter
 from mpzero.activations.report import report_activation_memory
 from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
-from mpzero.data import build_gpt_datasets
+from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import resolved_impls
 from mpzero.parallel import ParallelGroups, init_parallel
@@ -97,12 +97,13 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
     resumed = _resume_point(run, groups)
+    data_tokenizers, data_notes = _data_tokenizers(run, groups)
     # bad data paths fail before the model is built
     train_data, valid_data, test_data = _datasets(run, groups, resumed)
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
         print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
-        for note in _resume_notes(run, resumed):
+        for note in _resume_notes(run, resumed) + data_notes:
             print(note, flush=True)
     state = build_training_state(run, provider, groups)
     directory = state.optimizer.offload_directory
@@ -129,6 +130,8 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         if checkpoint.save:
             meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": run.flags,
                     "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
+            if run.data.tokenizer is not None:
+                meta["tokenizer"] = {**run.data.tokenizer, "data": data_tokenizers}
             where = save_checkpoint(checkpoint.save, iteration, state.model.module, state.optimizer, state.rng,
                                     groups, meta)
             if groups.is_logging_rank:
@@ -226,25 +229,50 @@ class ResumePoint:
     iteration: int = 0
     consumed_samples: int = 0
     saved_flags: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # the tokenizer comparison's, if any
 
 
 def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
     """Read by every rank; a meta.json that only some ranks cannot read fails on all of them (the exchange of
-    errors is the agreement), not on one while the others wait in the next collective."""
-    checkpoint = run.checkpoint
-    found, error = groups.world.run_agreed(
-        lambda: read_meta(checkpoint.load) if checkpoint.load and not checkpoint.finetune else None, (ConfigError,))
+    errors is the agreement), not on one while the others wait in the next collective. The checkpoint's
+    tokenizer is compared with this run's here, before anything is built or written (--finetune too: a note)."""
+    checkpoint, data = run.checkpoint, run.data
+
+    def read():
+        found = read_meta(checkpoint.load) if checkpoint.load else None
+        if found is None:
+            return None, ()
+        directory, meta = found
+        note = check_checkpoint_tokenizer(meta, data.tokenizer, directory, checkpoint.finetune,
+                                          data.override_tokenizer_check)
+        return meta, (note,) if note else ()
+
+    found, error = groups.world.run_agreed(read, (ConfigError,))
     if error:
         raise ConfigError(error)
-    if found is None:
-        return ResumePoint()
-    meta = found[1]
-    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}))
+    meta, notes = found
+    if meta is None or checkpoint.finetune:
+        return ResumePoint(notes=notes)
+    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}), notes)
+
+
+def _data_tokenizers(run: RunConfig, groups: ParallelGroups) -> tuple[dict, list[str]]:
+    """({--data-path prefix: the tokenizer it was made with, None if unknown}, notes); data made with another
+    tokenizer than this run's is refused on every rank (tokenizer_identity.py). Rank 0 reads the records and
+    hashes each .idx, and passes what it found to the others."""
+    data, world = run.data, groups.world
+    prefixes = parse_data_path(list(data.data_path))[0] if data.data_path and not data.mock_data else []
+    found, error = world.run_agreed(
+        lambda: check_data_tokenizers(prefixes, data.tokenizer, data.override_tokenizer_check) if world.rank == 0
+        else None, (ConfigError,))
+    if error:
+        raise ConfigError(error)
+    return world.all_gather_objects(found)[0]
 
 
 def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
     """What a resumed run does differently from the run that saved the checkpoint, said once at start."""
-    saved, notes = resumed.saved_flags, []
+    saved, notes = resumed.saved_flags, list(resumed.notes)
     saved_batch = saved.get("global_batch_size")
     if saved_batch is not None and saved_batch != run.training.global_batch_size:
         notes.append(f"note: the global batch size changed from {saved_batch} (checkpoint) to "
