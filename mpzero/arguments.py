@@ -27,7 +27,8 @@ from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
                                     RunConfig, TrainingConfig)
 from mpzero.training.lr_schedule import LRSchedule
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.optim import RULES
+from mpzero.zero import OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.config import OFFLOAD_IO, OFFLOAD_TIERS, OffloadConfig
 
 
@@ -178,11 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: micro batch size x data-parallel size")
     train.add_argument("--train-iters", type=int, default=None)
     train.add_argument("--lr", type=float, default=None)
-    train.add_argument("--weight-decay", type=float, default=0.01)
-    train.add_argument("--adam-beta1", type=float, default=0.9)
-    train.add_argument("--adam-beta2", type=float, default=0.999)
-    train.add_argument("--adam-eps", type=float, default=1e-8)
-    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--optimizer", choices=tuple(RULES), default="adam",
+                       help="the update rule: adam (AdamW, decoupled weight decay) or sgd (with momentum, weight "
+                            "decay added to the gradient), as Megatron's")
+    train.add_argument("--weight-decay", type=float, default=OptimizerConfig.weight_decay)
+    for rule in RULES.values():  # each rule's own hyperparameters (--adam-beta1, --sgd-momentum, ...)
+        rule.add_flags(train)
+    train.add_argument("--clip-grad", type=float, default=OptimizerConfig.clip_grad)
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=100)
     train.add_argument("--lr-decay-style", default="linear", help="constant, linear or cosine")
@@ -264,7 +267,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)
     model.validate(tp)
-    sections = (zero_config(args), adam_config(args), precision_config(args))
+    sections = (zero_config(args), optimizer_config(args), precision_config(args))
     for section in sections:
         section.validate()
     offload = offload_config(args)
@@ -294,7 +297,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                     load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune,
                                     overwrite=args.overwrite_checkpoints),
         logging=LoggingConfig(args.log_interval, args.tensorboard_dir),
-        schedule=lr_schedule(args), zero=sections[0], adam=sections[1], precision=sections[2], offload=offload,
+        schedule=lr_schedule(args), zero=sections[0], optimizer=sections[1], precision=sections[2], offload=offload,
         flags={**vars(args), **resolved})
 
 
@@ -383,10 +386,10 @@ def check_offload_directory(offload: OffloadConfig) -> None:
         os.remove(probe)
 
 
-def adam_config(args: argparse.Namespace) -> AdamConfig:
-    return AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
-                      weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-                      impl="auto" if args.adam_fusion else "torch")
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                           impl="auto" if args.adam_fusion else "torch",
+                           rule=RULES[args.optimizer].from_args(args))
 
 
 def precision_config(args: argparse.Namespace) -> PrecisionConfig:

@@ -107,7 +107,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     print(activation_line(rank, activations, dtype), flush=True)
 
     plan = plan_states(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision, groups.dp_size,
-                       groups.dp_rank, run.offload, micro_batches, cuda=False)
+                       groups.dp_rank, run.offload, micro_batches, cuda=False, rule=run.optimizer.rule)
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                             element_sizes(run.precision)[0], micro_batches)
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
@@ -132,7 +132,7 @@ def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
     groups = dataclasses.replace(groups, device=engine_device(engine))
     rng = seed_everything(run.training.seed, groups.tp_rank, torch.device("cpu"))
     built = provider(run.model, groups, rng)
-    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision, offload=run.offload)
+    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.optimizer, run.precision, offload=run.offload)
     return TrainingState(groups, built, optimizer, rng)
 
 

@@ -9,6 +9,7 @@ import argparse
 import math
 
 from mpzero.errors import ConfigError
+from mpzero.optim import RULES
 
 # dest: (lowest, lowest allowed?, highest, highest allowed?); None: unbounded on that side. Every float is finite.
 RANGES = {
@@ -24,8 +25,7 @@ RANGES = {
     "hysteresis": (1, True, None, False),
     "micro_batch_size": (1, True, None, False), "global_batch_size": (1, True, None, False),
     "train_iters": (1, True, None, False), "lr": (0.0, True, None, False), "min_lr": (0.0, True, None, False),
-    "weight_decay": (0.0, True, None, False), "adam_beta1": (0.0, True, 1.0, False),
-    "adam_beta2": (0.0, True, 1.0, False), "adam_eps": (0.0, False, None, False), "clip_grad": (0.0, True, None, False),
+    "weight_decay": (0.0, True, None, False), "clip_grad": (0.0, True, None, False),
     "seed": (0, True, 2 ** 32, False), "log_interval": (1, True, None, False),
     "lr_decay_iters": (1, True, None, False), "lr_warmup_iters": (0, True, None, False),
     "lr_warmup_fraction": (0.0, True, 1.0, True), "exit_interval": (1, True, None, False),
@@ -33,6 +33,7 @@ RANGES = {
     "save_interval": (1, True, None, False), "vocab_size": (1, True, None, False),
     "offload_sub_group_numel": (1, True, None, False), "offload_buffer_count": (3, True, None, False),
     "recompute_num_layers": (1, True, None, False), "cross_entropy_chunk_size": (0, True, None, False),
+    **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 
 

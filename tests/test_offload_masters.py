@@ -218,7 +218,7 @@ def test_host_buffers_equal_the_formula(tmp_path, tier, dtype, sub_group):
     layouts, device, store, sink = _stores(tmp_path, dtype, tier, sub_group, 2, buffer_count=4)
     try:
         held = store.tier_bytes()
-        expected = buffer_bytes(store.offload, store.numel, cuda=False, param_bytes=dtype.itemsize)
+        expected = buffer_bytes(store.offload, store.numel, cuda=False, param_bytes=dtype.itemsize, rule=store.rule)
         assert held.host_buffers == expected == store.host_buffer_formula()[0]
         group = -(-min(sub_group, store.numel) // 1024) * 1024
         state = 4 * 3 * store.numel

@@ -55,7 +55,9 @@ def _matrix(tp: int, dp: int, tmp: str) -> list[list[str]]:
                         "--offload-path", tmp],
                  gbs + ["--zero-stage", "1", "--bf16", "--grad-reduce-in-bf16", "--offload-optimizer", "cpu"],
                  gbs + ["--zero-stage", "1", "--bf16", "--recompute-granularity", "full"],
-                 gbs + ["--zero-stage", "2", "--recompute-activations"] + (["--sequence-parallel"] if tp > 1 else [])]
+                 gbs + ["--zero-stage", "2", "--recompute-activations"] + (["--sequence-parallel"] if tp > 1 else []),
+                 gbs + ["--zero-stage", "1", "--bf16", "--optimizer", "sgd"],  # the second update rule: K = 8
+                 gbs + ["--zero-stage", "3", "--optimizer", "sgd", "--offload-optimizer", "disk", "--offload-path", tmp]]
     return sets
 
 
@@ -90,7 +92,7 @@ def _check(world: int, results: dict) -> int:
             dp = world // tp
             m = num_micro_batches(run.training.global_batch_size, run.training.micro_batch_size, dp)
             plan = plan_states(model_shapes(normalized(run.model), tp), run.zero, run.precision, dp, r["dp_rank"],
-                               run.offload, m, cuda=False)
+                               run.offload, m, cuda=False, rule=run.optimizer.rule)
             memory, predicted, where = r["memory"], plan.report, r["argv"][len(SMALL):]
             assert memory.measured == predicted.measured == plan.device, where
             assert memory.formula == predicted.formula and memory.padding == predicted.padding, where

@@ -1,7 +1,7 @@
 """Sharded checkpoints on `torch.distributed.checkpoint`, in Megatron's directory layout:
 
     SAVE/latest_checkpointed_iteration.txt      "100"
-    SAVE/iter_0000100/.metadata, __*.distcp     model weights (fp32) and Adam moments, by name and global shape
+    SAVE/iter_0000100/.metadata, __*.distcp     model weights (fp32) and the update rule's states, by name and shape
     SAVE/iter_0000100/meta.json                 format, iteration, consumed samples, optimizer step, loss
                                                 scaler, layout, global shapes, the resolved configuration
     SAVE/iter_0000100/rng/rank_00000.pt         each rank's generator states
@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from mpzero.checkpointing.checksums import ALGORITHM, ALGORITHMS, DIRECTORY, read_checksums, write_rank_checksums
-from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, MOMENTS, OLD_SUFFIX, TMP_SUFFIX, checkpoint_dir,
-                                         checkpoint_key, parse_checkpoint_key)
+from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, OLD_SUFFIX, RULE_BEFORE_NAMED, TMP_SUFFIX,
+                                         checkpoint_dir, checkpoint_key, parse_checkpoint_key)
 from mpzero.checkpointing.reader import CheckpointReader, ForeignClassError, error_reason, read_metadata
 from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
 from mpzero.errors import ConfigError, TrainingError
@@ -67,6 +67,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
         raise TrainingError(error)
     where = placements(model.named_parameters())
     step = optimizer.adam_step()
+    states = (MASTER,) + optimizer.rule.state_names
 
     def make_directory():
         if groups.world.rank == 0:
@@ -84,9 +85,9 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
             write_rank_checksums(tmp, groups.world.rank, planner.written_checksums())
         if groups.world.rank == 0:
             shapes = {checkpoint_key(k, name): list(p.global_shape(groups.tp_size))
-                      for k in (MASTER,) + MOMENTS for name, p in where.items()}
+                      for k in states for name, p in where.items()}
             full = {**meta, "format": FORMAT, "iteration": iteration,
-                    "optimizer": {"step": step, "loss_scaler": optimizer.scaler.state_dict(),
+                    "optimizer": {"rule": optimizer.rule.name, "step": step, "loss_scaler": optimizer.scaler.state_dict(),
                                   "iteration": optimizer.iteration},
                     "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
                     "shapes": shapes, "checksums": ALGORITHM if checksums else None}
@@ -94,7 +95,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
 
     _agreed(make_directory, tmp, root, groups)
     try:  # DCP gathers every rank's write result: a failure anywhere raises on every rank
-        dcp.save(_local_shares(optimizer, where, (MASTER,) + MOMENTS, groups, writing=True), checkpoint_id=tmp,
+        dcp.save(_local_shares(optimizer, where, states, groups, writing=True), checkpoint_id=tmp,
                  planner=planner)
     except (OSError, dcp.CheckpointException) as error:  # DCP's exception carries every failed rank's error
         _fail_save(tmp, root, groups, _first_os_error(error))
@@ -264,14 +265,15 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     advice = previous_advice(root, iteration)
     where = placements(model.named_parameters())
     prepared, error = groups.world.run_agreed(
-        lambda: _prepare_load(directory, advice, where, groups, load_optim, load_rng, architecture), (ConfigError,))
+        lambda: _prepare_load(directory, advice, where, groups, load_optim, load_rng, architecture,
+                              optimizer.rule.name), (ConfigError,))
     if error:
         raise ConfigError(error)
     meta, checksums, rng_state, notes = prepared
     if groups.is_logging_rank:
         for note in notes:
             print(note, flush=True)
-    keys = (MASTER,) + MOMENTS if load_optim else (MASTER,)
+    keys = (MASTER,) + optimizer.rule.state_names if load_optim else (MASTER,)
     planner = ChunksLoadPlanner(checksums, directory, advice)
     try:  # DCP gathers every rank's read result: a failure anywhere raises on every rank
         dcp.load(_local_shares(optimizer, where, keys, groups, writing=False), checkpoint_id=directory,
@@ -279,7 +281,7 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     except dcp.CheckpointException as failure:
         raise ConfigError(_load_failure(failure, directory, advice, os.path.dirname(directory), iteration)) from None
     if load_optim:
-        optimizer.load_owned_pieces(**meta["optimizer"])
+        optimizer.load_owned_pieces(**{k: v for k, v in meta["optimizer"].items() if k != "rule"})
     else:
         optimizer.load_owned_pieces()
     if rng_state is not None:
@@ -288,7 +290,7 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
 
 
 def _prepare_load(directory: str, advice: str, where: dict[str, TensorPlacement], groups: ParallelGroups,
-                  load_optim: bool, load_rng: bool, architecture: dict | None):
+                  load_optim: bool, load_rng: bool, architecture: dict | None, rule: str):
     """Everything a load checks and reads before the collective read of the shards: (meta, checksums, this
     rank's RNG states or None, notes to print)."""
     meta = read_meta_file(directory, advice)
@@ -297,6 +299,10 @@ def _prepare_load(directory: str, advice: str, where: dict[str, TensorPlacement]
     _check_same_model(meta, where, groups.tp_size, directory)
     if load_optim and "optimizer" not in meta:
         raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
+    saved_rule = meta.get("optimizer", {}).get("rule", RULE_BEFORE_NAMED) if load_optim else rule
+    if saved_rule != rule:
+        raise ConfigError(f"{directory} holds --optimizer {saved_rule} state, this run is --optimizer {rule}: "
+                          f"train on with --optimizer {saved_rule}, or load the weights alone with --no-load-optim")
     check_shard_files(directory, read_dcp_metadata(directory, advice), advice)
     notes, checksums = [], None
     algorithm = meta.get("checksums")
@@ -375,7 +381,7 @@ def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: in
 def _local_shares(optimizer, where: dict[str, TensorPlacement], keys: tuple[str, ...], groups: ParallelGroups,
                   writing: bool) -> dict[str, LocalShare]:
     """{checkpoint key: this rank's chunks (views into the optimizer's state) of that global tensor} for `keys`
-    among master / exp_avg / exp_avg_sq. TP-replicated parameters are written by TP rank 0 alone."""
+    among master and the update rule's states. TP-replicated parameters are written by TP rank 0 alone."""
     per_key: dict[str, LocalShare] = {}
     for piece in optimizer.owned_pieces():
         placement = where[piece.name]

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 
+from mpzero.optim import STATE_NAMES
+
 FORMAT = 3
 LATEST = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"  # iter_0000100.tmp: a save being written (or killed while it was)
 OLD_SUFFIX = ".old"  # iter_0000100.old: a checkpoint of the same iteration being replaced
 MASTER = "master"
-MOMENTS = ("exp_avg", "exp_avg_sq")
+RULE_BEFORE_NAMED = "adam"  # meta["optimizer"] names its update rule ("rule"); checkpoints from before were AdamW
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -24,12 +26,13 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def checkpoint_key(state: str, name: str) -> str:
-    """model/<name> for the fp32 weights (state "master"), optimizer/<moment>/<name> for Adam's moments."""
+    """model/<name> for the fp32 weights (state "master"), optimizer/<state>/<name> for an update rule's state
+    (mpzero.optim: exp_avg and exp_avg_sq for AdamW, momentum_buffer for SGD)."""
     if state == MASTER:
         return f"model/{name}"
-    if state in MOMENTS:
+    if state in STATE_NAMES:
         return f"optimizer/{state}/{name}"
-    raise ValueError(f"no checkpoint key for state {state!r}: expected {MASTER!r} or one of {MOMENTS}")
+    raise ValueError(f"no checkpoint key for state {state!r}: expected {MASTER!r} or one of {STATE_NAMES}")
 
 
 def parse_checkpoint_key(key: str) -> tuple[str, str]:
@@ -39,6 +42,6 @@ def parse_checkpoint_key(key: str) -> tuple[str, str]:
         return MASTER, rest
     if kind == "optimizer":
         state, _, name = rest.partition("/")
-        if state in MOMENTS and name:
+        if state in STATE_NAMES and name:
             return state, name
-    raise ValueError(f"{key!r} is not a checkpoint key (model/<name> or optimizer/<moment>/<name>)")
+    raise ValueError(f"{key!r} is not a checkpoint key (model/<name> or optimizer/<state>/<name>)")

@@ -12,8 +12,9 @@
 - T_tp = TP bytes per rank per iteration / TP bandwidth: on the critical path (each all-reduce waits); a TP group
   larger than a node crosses the network: the DP bandwidth then.
 - T_offload = the optimizer step off the device, after backward: gradients down and parameters up over PCIe,
-  the disk tier's state read and written (12 P/N each way, the rank's share of the node's disk bandwidth), and
-  AdamW on the CPU (this rank's partition / the CPU's AdamW rate per rank).
+  the disk tier's state read and written (K P/N each way, K = 4 + the rule's state bytes: AdamW 12, SGD 8; the
+  rank's share of the node's disk bandwidth), and the update on the CPU (this rank's partition / the CPU's AdamW
+  rate per rank, taken for any rule).
 Throughput = tokens per iteration / T. Memory decides what fits; this model only orders what fits.
 """
 
@@ -82,7 +83,7 @@ def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float,
         up = p * shard if layout.offload_params == "none" else 0.0
         offload = (down + up) / pcie + shard / hw.cpu_adam_rate
         if layout.offload_optimizer == "disk":
-            offload += 2 * 12 * shard / disk
+            offload += 2 * (4 + plan.state_bytes) * shard / disk
         if layout.offload_params == "disk":
             offload += p * shard / disk
     tp_bandwidth = hw.tp_bandwidth if layout.tp <= hw.gpus_per_node else min(hw.tp_bandwidth, hw.dp_bandwidth)

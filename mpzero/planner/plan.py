@@ -25,7 +25,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from mpzero.arguments import gpt_config, offload_config, precision_config, zero_config
+from mpzero.arguments import gpt_config, offload_config, optimizer_config, precision_config, zero_config
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
@@ -182,21 +182,22 @@ class Planner:
         ns = self.flags_for(layout)
         config = gpt_config(ns, self.vocab_size)
         config.validate(layout.tp)
-        zero, offload = zero_config(ns), offload_config(ns)
+        zero, offload, rule = zero_config(ns), offload_config(ns), optimizer_config(ns).rule
         if offload.uses_disk and not offload.path:  # the path only matters to a run; checked there
             offload = dataclasses.replace(offload, path="OFFLOAD_PATH")
         zero.validate()
         offload.validate(zero.stage)
         shapes = model_shapes(normalized(config), layout.tp)
         states = plan_states(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
-                             cuda=self.machine.cuda)
+                             cuda=self.machine.cuda, rule=rule)
         acts = self._activations(config, layout.tp, layout.micro_batch)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
         layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel)
         mixed = self.precision.dtype != "fp32"
         construction = construction_peak(layouts, zero.stage, self.p, mixed, self.g, machine.cuda,
-                                         offload.optimizer != "none", offload.params != "none")
+                                         offload.optimizer != "none", offload.params != "none",
+                                         rule.state_bytes_per_param)
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         shards = [lay.shard_numel for lay in layouts]  # Fp32Buckets: one at a time, all when offloaded
         cast = sum(shards) if offload.optimizer != "none" else max(shards, default=0)

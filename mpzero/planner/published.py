@@ -20,14 +20,17 @@ its in-step working set is (p + g)(R + 2L) (the root and two layers with prefetc
 
 from __future__ import annotations
 
+from mpzero.optim import AdamW
 from mpzero.zero.accounting import memory_formula, offload_formula, state_terms
+
+ADAM = AdamW().state_bytes_per_param  # the ZeRO paper and DeepSpeed count mixed-precision Adam: 8 of moments
 
 DS_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor
 
 
 def zero_table1_bytes(params: float, dp: int, stage: int) -> float:
     """Per-device model-state bytes of the ZeRO paper's Table 1 (fp16 mixed-precision Adam), by mpzero's formula."""
-    replicated, partitioned = memory_formula(stage, p=2, g=2, master=4)
+    replicated, partitioned = memory_formula(stage, p=2, g=2, master=4, states=ADAM)
     return params * (replicated + partitioned / dp)
 
 
@@ -36,7 +39,7 @@ def deepspeed_zero3(total: int, largest_layer: int, gpus_per_node: int = 1, node
                     zero_init: bool = True) -> tuple[int, int]:
     """(host bytes per node, device bytes per GPU) as DeepSpeed's ZeRO-3 estimator computes them."""
     gpus, per_node = gpus_per_node * nodes, 1 / nodes
-    all_states = sum(sum(t) for t in state_terms(3, p=2, g=4, master=4).values())  # 18: p16 + fp32 g, master, m, v
+    all_states = sum(sum(t) for t in state_terms(3, p=2, g=4, master=4, states=ADAM).values())  # 18: p16 + fp32 g, master, m, v
     layer = 4 * largest_layer  # fp16 parameters and gradients of the largest layer, gathered
     if offload_optimizer and offload_params:
         device = layer
@@ -68,9 +71,9 @@ def mpzero_from_counts(total: int, largest_layer: int, dp: int, stage: int, p: i
     exact figure needs the model)."""
     tiers = {"optimizer": offload_optimizer, "params": offload_params}
     offloaded = tuple(c for c, t in tiers.items() if t != "none")
-    replicated, partitioned = memory_formula(stage, p, g, 4, offloaded)
+    replicated, partitioned = memory_formula(stage, p, g, 4, ADAM, offloaded)
     device = total * (replicated + partitioned / dp)
     if stage == 3:
         device += (p + g) * 3 * largest_layer
-    host = sum(offload_formula(stage, p, g, tiers).values()) * total / dp
+    host = sum(offload_formula(stage, p, g, tiers, ADAM).values()) * total / dp
     return host, device

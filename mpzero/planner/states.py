@@ -12,9 +12,10 @@ p / g bytes per parameter / gradient element:
   parameters   stages 0-2: p sum E_b (full flat buffers);  stage 3: p sum S_b (shards; DP 1: the whole copy);
                none on the device when stage 3 offloads them
   gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards)
-  optimizer    fp32 masters 4 sum S_b in mixed precision (in fp32 the master is the parameter slice), Adam
-               moments 8 x the owned elements that are not padding; none on the device when offloaded
-  offload      host: 12 sum S_b (optimizer, tier cpu) + p sum S_b (parameters, tier cpu); disk: three files of
+  optimizer    fp32 masters 4 sum S_b in mixed precision (in fp32 the master is the parameter slice), the update
+               rule's states (`rule.state_bytes_per_param`: AdamW 8, SGD 4) x the owned elements that are not
+               padding; none on the device when offloaded
+  offload      host: K sum S_b (optimizer, tier cpu; K = 4 + the rule's state bytes: AdamW 12, SGD 8) + p sum S_b (parameters, tier cpu); disk: three files of
                4 sum S_b and one of the 4 KiB-aligned unit regions, each rounded up to 4 KiB; host buffers:
                `buffer_bytes` (+ the parameter tier's 2 slots of the largest region on disk)
 Transient, inside a step (beyond the states above):
@@ -37,12 +38,12 @@ from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, transfer_theory)
+from mpzero.optim import AdamW, UpdateRule
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.grads import MAX_INFLIGHT_REDUCTIONS
 from mpzero.zero.stage3 import Stage3
 
-OPTIMIZER_STATES = 3  # fp32 master, exp_avg, exp_avg_sq
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
 
 
@@ -65,6 +66,7 @@ class StatePlan:
     comm_bytes: float  # DP bytes per rank per iteration (padding included), as CommGroup counts them
     report: MemoryReport  # what `ZeroOptimizer.memory_report()` returns (after a step: with the peak)
     comm: CommReport  # what `ZeroOptimizer.comm_report()` returns after one iteration
+    state_bytes: int  # the update rule's optimizer-state bytes per parameter beside the master
 
     @property
     def device(self) -> int:
@@ -106,10 +108,10 @@ def stage2_working_set(layouts, g: int, overlap: bool) -> tuple[int, str]:
 
 def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfig, dp: int, dp_rank: int = 0,
                 offload: OffloadConfig | None = None, micro_batches: int = 1, cuda: bool = True,
-                after_step: bool = True) -> StatePlan:
+                after_step: bool = True, rule: UpdateRule = AdamW()) -> StatePlan:
     """The model states of DP rank `dp_rank` of `dp` for this layout. `cuda`: the device is a GPU (offload
     staging buffers and device<->host traffic exist); `after_step`: the report carries stage 3's peak, as
-    the line printed after the first step does."""
+    the line printed after the first step does; `rule`: the update rule (`OptimizerConfig.rule`)."""
     offload = offload or OffloadConfig()
     stage, p, g = zero.stage, *element_sizes(precision)
     layouts = shapes.layouts(stage, dp, dp_rank, zero.bucket_numel)
@@ -127,16 +129,17 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         params = p * shard
     grads = g * (padded if stage < 2 else shard)
     master = 4 if opt_off or p != 4 else 0  # DeviceMasters shares fp32 parameters; offloaded masters never do
-    optimizer = 0 if opt_off else master * shard + 8 * owned
+    states = rule.state_bytes_per_param
+    optimizer = 0 if opt_off else master * shard + states * owned
 
     host = disk = host_buffers = 0
     if opt_off:
-        state = 4 * shard
+        files = 1 + len(rule.state_names)  # the master and each state: one host tensor or file each
         if offload.optimizer == "cpu":
-            host += OPTIMIZER_STATES * state
+            host += files * 4 * shard
         else:
-            disk += OPTIMIZER_STATES * round_up(state)
-        host_buffers += buffer_bytes(offload, shard, cuda, p)
+            disk += files * round_up(4 * shard)
+        host_buffers += buffer_bytes(offload, shard, cuda, p, rule)
     if par_off:
         if offload.params == "cpu":
             host += p * shard
@@ -154,14 +157,15 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
 
     tiers = {"optimizer": offload.optimizer, "params": offload.params}
     offloaded = tuple(c for c, tier in tiers.items() if tier != "none")
-    report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, offloaded)
+    report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, states,
+                           offloaded)
     if offloaded:
-        per_param = offload_formula(stage, p, g, tiers)
+        per_param = offload_formula(stage, p, g, tiers, states)
         measured = {"host": host, "disk": disk}
         tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
                         for name, coef in per_param.items()]
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
-                                       _host_buffer_text(offload, cuda, p)))
+                                       _host_buffer_text(offload, cuda, p, rule)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
     if stage == 3 and after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
@@ -171,18 +175,18 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
     theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
     transfers = ()
     if offloaded:
-        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda)
+        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda, states=states)
         transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
     comm = CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
-                     working, working_text, comm_bytes, report, comm)
+                     working, working_text, comm_bytes, report, comm, states)
 
 
-def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int) -> str:
+def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRule) -> str:
     """The formula text the code prints for the host buffers (masters' text, then the parameter tier's)."""
     parts = []
     if offload.optimizer == "disk":
-        parts.append(f"{offload.buffer_count}x3 swap x 4 B")
+        parts.append(f"{offload.buffer_count}x{1 + len(rule.state_names)} swap x 4 B")
     if cuda:
         parts.append("2 grad staging x 4 B")
     parts.append(f"param staging x {p} B")

@@ -9,7 +9,8 @@ Construction (`construction_peak`), simulated from the code's order of allocatio
 - stage 3, unit by unit: the fp32 values and cast (4E, pE), this rank's shard (pS) and fp32 slice (4S, mixed); then
   every unit's full buffer is allocated (pE each, on a GPU; CPU pages stay untouched) before the bindings free the
   fp32 parameters and the buffers are released;
-- then gradient buffers, the masters (cloned from the fp32 slices, which are freed after) and Adam's moments.
+- then gradient buffers, the masters (cloned from the fp32 slices, which are freed after) and the update rule's
+  states (`state_bytes` per owned element: AdamW's two moments 8, SGD's momentum buffer 4).
 So the fp32 model (4P per TP rank) is on every device at the start, and at stage 3 also the full low-precision
 model for a moment: ZeRO's partitioned sizes are reached only after construction.
 
@@ -35,7 +36,7 @@ from mpzero.zero.norm import CHUNK
 
 
 def construction_peak(layouts, stage: int, p: int, mixed: bool, g: int, cuda: bool, optimizer_offloaded: bool,
-                      params_offloaded: bool) -> int:
+                      params_offloaded: bool, state_bytes: int) -> int:
     """Device bytes at the high-water mark of building the model and its ZeRO optimizer (see the module docstring)."""
     numel = sum(layout.numel for layout in layouts)
     shards = sum(layout.shard_numel for layout in layouts)
@@ -59,7 +60,7 @@ def construction_peak(layouts, stage: int, p: int, mixed: bool, g: int, cuda: bo
         live -= 4 * numel
     live += g * (sum(layout.padded_numel for layout in layouts) if stage < 2 else shards)  # gradient buffers
     if not optimizer_offloaded:
-        live += (4 * shards if mixed else 0) + 8 * owned  # masters (cloned while the fp32 slices live) and moments
+        live += (4 * shards if mixed else 0) + state_bytes * owned  # masters (cloned while the fp32 slices live), states
     peak = max(peak, live)
     return peak
 

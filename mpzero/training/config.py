@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpzero.training.lr_schedule import LRSchedule
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero import OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.config import OffloadConfig
 
 
@@ -81,7 +81,7 @@ class RunConfig:
     logging: LoggingConfig
     schedule: LRSchedule
     zero: ZeroConfig
-    adam: AdamConfig
+    optimizer: OptimizerConfig
     precision: PrecisionConfig
     offload: OffloadConfig = OffloadConfig()
     flags: dict = field(default_factory=dict, compare=False)

@@ -61,7 +61,7 @@ def build_training_state(run: RunConfig, provider: ModelProvider, groups: Parall
     """Seeds every generator, builds the model through `provider` and its ZeRO optimizer."""
     rng = seed_everything(run.training.seed, groups.tp_rank, groups.device)
     built = provider(run.model, groups, rng)
-    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.adam, run.precision, offload=run.offload)
+    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.optimizer, run.precision, offload=run.offload)
     return TrainingState(groups, built, optimizer, rng)
 
 

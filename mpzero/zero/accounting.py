@@ -1,9 +1,9 @@
 """Counted model-state memory and communication beside the ZeRO paper's formulas.
 
 Memory (per rank): P trainable parameters, N DP ranks, p / g bytes per parameter / gradient element,
-K = 8 (Adam's fp32 moments) + 4 when fp32 master weights are kept apart from the parameters
-(mixed precision). Stage 0: (p+g+K)P; stage 1: (p+g)P + KP/N; stage 2: pP + (g+K)P/N; stage 3:
-(p+g+K)P/N. fp16 gives the paper's 16P, 4P+12P/N, 2P+14P/N, 16P/N; bf16 (fp32 gradients, Megatron's
+K = the update rule's fp32 states (`rule.state_bytes_per_param`: 8 for AdamW's two moments, 4 for SGD's momentum
+buffer) + 4 when fp32 master weights are kept apart from the parameters (mixed precision).
+Stage 0: (p+g+K)P; stage 1: (p+g)P + KP/N; stage 2: pP + (g+K)P/N; stage 3: (p+g+K)P/N. With AdamW, fp16 gives the paper's 16P, 4P+12P/N, 2P+14P/N, 16P/N; bf16 (fp32 gradients, Megatron's
 --accumulate-allreduce-grads-in-fp32 default) 18P, ...; bf16 with --grad-reduce-in-bf16 (g = 2) fp16's figures.
 The measured side sums the unique storages this rank holds, padding included.
 
@@ -13,11 +13,11 @@ stage 2 reduce-scatters every micro-batch, (m g + p)P(N-1)/N; stage 3 gathers ev
 included) for forward and again for backward and reduce-scatters gradients, every micro-batch,
 m(2p + g)P(N-1)/N. With g = p these are the paper's 2P and 3P (times N-1/N).
 
-Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer's fp32 masters and moments (12P/N: the master is
-always a separate fp32 copy there) move to host memory or disk, and with stage 3 the parameter shards (pP/N)
+Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer's fp32 masters and states (KP/N with the master always a
+separate fp32 copy there: 12P/N for AdamW, 8P/N for SGD) move to host memory or disk, and with stage 3 the parameter shards (pP/N)
 too; the device keeps the rest of the stage's formula. Host staging and swap buffers are a separate, bounded
 term. Bytes moved per iteration: gradients device-to-host 4P/N and parameters host-to-device pP/N (on a
-GPU; zero when the device is the host), the disk tier's states read and written, 12P/N each, and offloaded
+GPU; zero when the device is the host), the disk tier's states read and written, KP/N each, and offloaded
 stage-3 parameters fetched for every gather, 2m pP/N (the step then writes pP/N to their tier, not the device).
 
 Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 
 @dataclass(frozen=True)
@@ -128,27 +127,29 @@ class CommReport:
                 f"ratio {self.ratio:.4f}{''.join(t.fields() for t in self.transfers)}")
 
 
-def state_terms(stage: int, p: int, g: int, master: int) -> dict[str, tuple[int, int]]:
+def state_terms(stage: int, p: int, g: int, master: int, states: int) -> dict[str, tuple[int, int]]:
     """Per component (parameters, gradients, optimizer), (replicated, partitioned) bytes per parameter:
-    component bytes = replicated*P + partitioned*P/N. The optimizer is K = master + 8 (Adam's moments)."""
-    k = master + 8
+    component bytes = replicated*P + partitioned*P/N. The optimizer is K = master + states (the update rule's
+    `state_bytes_per_param`: 8 for AdamW's moments)."""
+    k = master + states
     return {"params": (0, p) if stage == 3 else (p, 0), "grads": (0, g) if stage >= 2 else (g, 0),
             "optimizer": (k, 0) if stage == 0 else (0, k)}
 
 
-def memory_formula(stage: int, p: int, g: int, master: int, offloaded: tuple[str, ...] = ()) -> tuple[int, int]:
+def memory_formula(stage: int, p: int, g: int, master: int, states: int,
+                   offloaded: tuple[str, ...] = ()) -> tuple[int, int]:
     """(replicated, partitioned) bytes per parameter the device holds: total = replicated*P + partitioned*P/N;
     `offloaded` components ("optimizer", "params") live in another tier instead."""
-    terms = [t for name, t in state_terms(stage, p, g, master).items() if name not in offloaded]
+    terms = [t for name, t in state_terms(stage, p, g, master, states).items() if name not in offloaded]
     return sum(r for r, _ in terms), sum(q for _, q in terms)
 
 
-def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str]) -> dict[str, int]:
+def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str], states: int) -> dict[str, int]:
     """Bytes per parameter (all partitioned: times P/N) in each offload tier, for
-    tiers = {"optimizer": "cpu"|"disk"|"none", "params": ...}: {"host": 12, "disk": 2}, say. Offloaded
+    tiers = {"optimizer": "cpu"|"disk"|"none", "params": ...}: {"host": 12, "disk": 2}, say (AdamW). Offloaded
     masters are always separate fp32 copies (4 bytes beside the parameters)."""
     per_tier: dict[str, int] = {}
-    terms = state_terms(stage, p, g, master=4)
+    terms = state_terms(stage, p, g, 4, states)
     for component, tier in tiers.items():
         if tier != "none":
             name = "host" if tier == "cpu" else tier
@@ -157,8 +158,9 @@ def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str]) -> dict[s
 
 
 def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers: dict[str, str],
-                    device_is_host: bool) -> dict[str, tuple[float, str]]:
-    """Bytes per rank per iteration between tiers (see the module docstring), with formulas."""
+                    device_is_host: bool, states: int) -> dict[str, tuple[float, str]]:
+    """Bytes per rank per iteration between tiers (see the module docstring), with formulas; `states`: the
+    rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states)."""
     partition = numel / dp_size
     d2h, h2d, read, written = [], [], [], []
     if tiers.get("optimizer", "none") != "none":
@@ -166,8 +168,9 @@ def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers:
         if tiers.get("params", "none") == "none":  # else the step writes the parameters to their own tier
             h2d.append((p, f"{p}P/N"))
     if tiers.get("optimizer") == "disk":
-        read.append((12, "12P/N"))
-        written.append((12, "12P/N"))
+        k = 4 + states
+        read.append((k, f"{k}P/N"))
+        written.append((k, f"{k}P/N"))
     if tiers.get("params", "none") != "none":
         fetched = 2 * micro_batches * p
         h2d.append((fetched, f"{fetched}P/N"))
@@ -188,8 +191,8 @@ def formula_text(terms: list[tuple[int, str]]) -> str:
 
 
 def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: int,
-                  p: int, g: int, master: int, offloaded: tuple[str, ...] = ()) -> MemoryReport:
-    replicated, partitioned = memory_formula(stage, p, g, master, offloaded)
+                  p: int, g: int, master: int, states: int, offloaded: tuple[str, ...] = ()) -> MemoryReport:
+    replicated, partitioned = memory_formula(stage, p, g, master, states, offloaded)
     formula = numel * (replicated + partitioned / dp_size)
     text = formula_text([(replicated, "P"), (partitioned, "P/N")])
     return MemoryReport(stage, dp_size, numel, measured, formula, text, padding)

@@ -1,4 +1,5 @@
-"""The three config sections the ZeRO optimizer receives: partitioning, AdamW, and precision.
+"""The config sections the ZeRO optimizer receives: partitioning, the optimizer (its update rule), precision,
+and offload.
 
 Defaults follow Megatron-LM (`--initial-loss-scale 2**32`, `--min-loss-scale 1`,
 `--loss-scale-window 1000`, `--hysteresis 2`, `--adam-beta1 0.9`, `--adam-beta2 0.999`,
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.errors import ConfigError
+from mpzero.optim import AdamW, UpdateRule
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,23 +96,29 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
-class AdamConfig:
+class OptimizerConfig:
+    """The optimizer section: what every update rule shares (Megatron's --lr, --weight-decay, --clip-grad) and
+    the rule itself, a value carrying its own hyperparameters (mpzero.optim: AdamW, SGD)."""
     lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01  # decoupled (AdamW), on the parameters ZeroOptimizer's `decay` rule picks
-    # (default: Megatron's, those with ndim >= 2: not biases and LayerNorm parameters)
+    weight_decay: float = 0.01  # on the parameters ZeroOptimizer's `decay` rule picks (default: Megatron's, those
+    # with ndim >= 2: not biases and LayerNorm parameters); AdamW decouples it, SGD adds it to the gradient
     clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
-    impl: str = "auto"  # mpzero.fused adamw_step implementation; --no-adam-fusion gives "torch"
+    impl: str = "auto"  # the rule's implementation (AdamW: mpzero.fused adamw_step); --no-adam-fusion gives "torch"
+    rule: UpdateRule = AdamW()  # --optimizer adam|sgd and the rule's own flags
 
     def validate(self) -> None:
-        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
-            raise ConfigError(f"--adam-beta1 {self.beta1} and --adam-beta2 {self.beta2} must lie in [0, 1)")
-        if self.eps <= 0 or self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
-            raise ConfigError("--lr, --weight-decay and --clip-grad must be >= 0 and --adam-eps > 0, "
-                              f"got lr {self.lr}, weight decay {self.weight_decay}, clip {self.clip_grad}, "
-                              f"eps {self.eps}")
+        if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            raise ConfigError("--lr, --weight-decay and --clip-grad must be >= 0, "
+                              f"got lr {self.lr}, weight decay {self.weight_decay}, clip {self.clip_grad}")
+        self.rule.validate()
+
+
+def AdamConfig(lr: float = 1e-4, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,  # noqa: N802
+               weight_decay: float = 0.01, clip_grad: float = 1.0, impl: str = "auto") -> OptimizerConfig:
+    """The optimizer section with the AdamW rule, under the section's former name and fields (Megatron keeps
+    AdamOptimizerConfig as an alias of its OptimizerConfig the same way)."""
+    return OptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, impl=impl,
+                           rule=AdamW(beta1=beta1, beta2=beta2, eps=eps))
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,18 @@
-"""The one owner of the fp32 master weights and Adam moments of this rank's ZeRO partition, and the one writer
-of the model's parameter slices.
+"""The one owner of the fp32 master weights and optimizer states of this rank's ZeRO partition, and the one
+writer of the model's parameter slices.
 
 A `MasterStore` receives, per bucket, this rank's parameter slice (in the model's dtype, owned by the stage)
-and its fp32 starting values. It keeps the masters and moments, runs AdamW over them, and writes the updated
+and its fp32 starting values. It keeps the masters and the update rule's states (`mpzero.optim`: AdamW's two
+moments, SGD's momentum buffer), runs the rule over them, and writes the updated
 values into the parameter slices: during the step (the fused kernel writes the bf16/fp16 copy in the same
 pass) or after new values were loaded (`publish`). The stage then spreads the slices (all-gather, release).
 Where the masters live is the store's business alone: `DeviceMasters` keeps them beside the parameters; an
 offload tier (host memory, disk) is another `MasterStore`, with no change to the stages or the front.
 
-AdamW: each bucket's slice is split into at most two runs (weight-decayed, not decayed; see
-`FlatLayout.decay_runs`), each updated in one pass by the fused `adamw_step`. The update is elementwise, so
-with `impl="torch"` (torch.optim.AdamW's single-tensor arithmetic) stages 1-3 match a single-process AdamW
-bit for bit when the gradients do. Moments are created eagerly, so the memory line counts them.
+Each bucket's slice is split into at most two runs (weight-decayed, not decayed; see `FlatLayout.decay_runs`),
+each updated in one call of the rule's step (AdamW: the fused `adamw_step`). The update is elementwise, so
+with `impl="torch"` (torch.optim's single-tensor arithmetic) stages 1-3 match a single-process torch.optim.AdamW
+or SGD bit for bit when the gradients do. States are created eagerly, so the memory line counts them.
 """
 
 from __future__ import annotations
@@ -21,18 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mpzero.fused import adamw_step, resolve_impl
 from mpzero.zero.offload.sink import OffloadHolder
-from mpzero.zero.config import AdamConfig
+from mpzero.zero.config import OptimizerConfig
 from mpzero.zero.flat import FlatLayout
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 @dataclass(frozen=True)
 class OwnedPiece:
     """A run of one parameter's elements that this rank's optimizer state holds: elements [start, end) of the
-    parameter's flattened (TP-local) tensor, and 1-D views of the fp32 master and Adam moments over them.
+    parameter's flattened (TP-local) tensor, and 1-D views of the fp32 master and the rule's states over them.
     Writing through the views writes the optimizer state itself."""
     name: str
     shape: torch.Size
@@ -44,7 +41,7 @@ class OwnedPiece:
 class MasterStore(OffloadHolder, ABC):
     """What the optimizer front needs from wherever the fp32 state of this rank's partition lives."""
 
-    step_count: int  # AdamW steps taken (the same on every rank: every rank steps, padding-only ones too)
+    step_count: int  # optimizer steps taken (the same on every rank: every rank steps, padding-only ones too)
 
     @property
     @abstractmethod
@@ -53,7 +50,7 @@ class MasterStore(OffloadHolder, ABC):
 
     @abstractmethod
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
-        """AdamW over the masters with this rank's fp32 gradient slices (per bucket; unscaled, averaged,
+        """The update rule over the masters with this rank's fp32 gradient slices (per bucket; unscaled, averaged,
         clipped), then the parameter slices hold the new values."""
 
     @abstractmethod
@@ -74,24 +71,24 @@ class MasterStore(OffloadHolder, ABC):
 
 
 class DeviceMasters(MasterStore):
-    """Masters and moments in memory on the parameters' device. In fp32 the master IS the parameter slice
+    """Masters and the rule's states in memory on the parameters' device. In fp32 the master IS the parameter slice
     (one copy, as the ZeRO formula counts it); in bf16/fp16 it is a separate fp32 tensor."""
 
     def __init__(self, layouts: list[FlatLayout], param_shards: list[torch.Tensor],
-                 initial: list[torch.Tensor], adam: AdamConfig):
+                 initial: list[torch.Tensor], config: OptimizerConfig):
         """initial: per bucket, the fp32 values of this rank's parameter slice (unrounded in mixed precision)."""
-        self.config, self.layouts, self._param_shards = adam, layouts, param_shards
+        self.config, self.rule, self.layouts, self._param_shards = config, config.rule, layouts, param_shards
         self._shares_params = all(p.dtype == torch.float32 for p in param_shards)
         self._masters = [p if self._shares_params else v.clone() for p, v in zip(param_shards, initial)]
         device = param_shards[0].device if param_shards else torch.device("cpu")
-        self.impl = resolve_impl("adamw_step", device, adam.impl) if param_shards else "torch"
+        self.impl = self.rule.resolve_impl(device, config.impl) if param_shards else "torch"
         self.step_count = 0
-        self._runs = []  # (bucket, start, end, decay, {moment: tensor}) in shard coordinates
+        self._runs = []  # (bucket, start, end, decay, {state: tensor}) in shard coordinates
         for bucket, (layout, master) in enumerate(zip(layouts, self._masters)):
             for start, end, decay in layout.decay_runs():
-                moments = {key: torch.zeros(end - start, dtype=torch.float32, device=master.device)
-                           for key in MOMENTS}
-                self._runs.append((bucket, start, end, decay, moments))
+                states = {key: torch.zeros(end - start, dtype=torch.float32, device=master.device)
+                          for key in self.rule.state_names}
+                self._runs.append((bucket, start, end, decay, states))
 
     @property
     def master_bytes_per_param(self) -> int:
@@ -100,12 +97,11 @@ class DeviceMasters(MasterStore):
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
         c = self.config
         self.step_count += 1
-        for bucket, start, end, decay, moments in self._runs:
+        for bucket, start, end, decay, states in self._runs:
             copy = None if self._shares_params else self._param_shards[bucket][start:end]
-            adamw_step(self._masters[bucket][start:end], grads[bucket][start:end], moments["exp_avg"],
-                       moments["exp_avg_sq"], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                       weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, impl=self.impl,
-                       model_copy=copy)
+            self.rule.step(self._masters[bucket][start:end], grads[bucket][start:end], states, lr=lr,
+                           weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, impl=self.impl,
+                           model_copy=copy)
 
     def publish(self) -> None:
         if not self._shares_params:
@@ -120,12 +116,12 @@ class DeviceMasters(MasterStore):
         for bucket, (layout, master) in enumerate(zip(self.layouts, self._masters)):
             runs = [(s, e, m) for b, s, e, _, m in self._runs if b == bucket]
             for i, start, end in layout.owned_pieces():
-                run_start, _, moments = next(r for r in runs if r[0] <= start and end <= r[1])
+                run_start, _, states = next(r for r in runs if r[0] <= start and end <= r[1])
                 offset = layout.shard_start + start - layout.offsets[i]  # where the piece begins in the parameter
                 tensors = {"master": master[start:end]}
-                tensors.update({key: moments[key][start - run_start:end - run_start] for key in MOMENTS})
+                tensors.update({key: states[key][start - run_start:end - run_start] for key in self.rule.state_names})
                 pieces.append(OwnedPiece(layout.names[i], layout.shapes[i], offset, offset + end - start, tensors))
         return pieces
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return self._masters + [t for *_, moments in self._runs for t in moments.values()]
+        return self._masters + [t for *_, states in self._runs for t in states.values()]

@@ -1,6 +1,6 @@
 """The ZeRO optimizer front: one object the training loop drives, whatever the stage.
 
-    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=2), AdamConfig(lr=3e-4), PrecisionConfig("bf16"))
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=2), OptimizerConfig(lr=3e-4), PrecisionConfig("bf16"))
     for micro_batch in range(m):
         loss = model(tokens, labels).mean() / m          # the caller divides by the micro-batches
         opt.backward(loss, last_micro_batch=(micro_batch == m - 1))
@@ -9,8 +9,8 @@
 Three owners, one job each, behind explicit contracts:
 - the stage (`stage_base.ZeroStage`: stages.py, stage3.py) owns parameter storage and gradient buffers,
   and spreads updated parameter slices to the model;
-- the master store (`masters.MasterStore`) owns the fp32 master slices and Adam moments, runs AdamW and is
-  the only writer of parameter values;
+- the master store (`masters.MasterStore`) owns the fp32 master slices and the update rule's states (the
+  rule is a value, `OptimizerConfig.rule`: AdamW, SGD), runs the rule and is the only writer of parameter values;
 - this front owns the loss scaler, the global norm and clipping, and accounting.
 A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; the global norm is summed on
 the device (fp16: with the overflow check folded in) and read to the host in the step's one synchronisation,
@@ -41,7 +41,7 @@ from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, transfer_theory)
-from mpzero.zero.config import AdamConfig, OffloadConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
@@ -84,34 +84,37 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
 
 
 class ZeroOptimizer:
-    """AdamW over `model`'s trainable parameters, partitioned across `groups.dp` by `zero.stage`.
+    """An elementwise update rule (`optimizer.rule`: AdamW, SGD) over `model`'s trainable parameters,
+    partitioned across `groups.dp` by `zero.stage`.
 
     Managed parameters are cast to `precision.dtype` and become views of flat buffers (stage 3:
     released between uses); cast the rest of the model (frozen parameters, buffers) yourself.
     `units` (stage 3 only): the modules gathered one at a time; default `default_units(model)`.
-    `decay`: which parameters AdamW's decoupled weight decay applies to: a function (name, parameter) -> bool,
+    `decay`: which parameters weight decay applies to: a function (name, parameter) -> bool,
     or a set of parameter names; default Megatron's rule (parameters with ndim >= 2, not biases or LayerNorm).
     `offload`: where the optimizer state (stages 1-3) and stage 3's parameter shards live (host memory or
     disk, `mpzero.zero.offload`); the training result is the same bit for bit. Call `close()` when done with an
     offloaded optimizer (files and I/O threads).
     """
 
-    def __init__(self, model: nn.Module, groups: ParallelGroups, zero: ZeroConfig, adam: AdamConfig,
+    def __init__(self, model: nn.Module, groups: ParallelGroups, zero: ZeroConfig, optimizer: OptimizerConfig,
                  precision: PrecisionConfig, units: list[nn.Module] | None = None,
                  decay: DecayRule | Collection[str] | None = None, offload: OffloadConfig | None = None):
         offload = offload or OffloadConfig()
-        for section in (zero, adam, precision):
+        for section in (zero, optimizer, precision):
             section.validate()
         offload.validate(zero.stage)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
-        self.model, self.groups, self.zero, self.adam_config, self.precision = model, groups, zero, adam, precision
+        self.model, self.groups, self.zero, self.config, self.precision = model, groups, zero, optimizer, precision
+        self.rule = optimizer.rule
         self.offload = offload
         self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
         self.decays = mark_weight_decay(named, decay)  # {name: decays}, recorded for the stage's layouts
         self.numel = sum(p.numel() for _, p in named)
-        self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize)
+        self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize,
+                                                         self.rule.state_bytes_per_param)
         self.stage = self.masters = None
         self._closed = False
         try:
@@ -122,7 +125,7 @@ class ZeroOptimizer:
             raise
         self.scaler = make_loss_scaler(precision)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
-        self.lr, self.iteration = adam.lr, 0
+        self.lr, self.iteration = optimizer.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
@@ -131,10 +134,10 @@ class ZeroOptimizer:
     def _make_masters(self, offload: OffloadConfig, directory: OffloadDirectory | None) -> MasterStore:
         initial = self.stage.initial_master_slices()
         if offload.optimizer == "none":
-            return DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.adam_config)
+            return DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.config)
         from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
         device = self.stage.grad_shards[0].device
-        return OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.adam_config, offload,
+        return OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
                                 directory, device)
 
     def close(self) -> None:
@@ -201,7 +204,7 @@ class ZeroOptimizer:
                 raise TrainingError(f"the gradient norm is {norm} at iteration {self.iteration + 1} (rank "
                                     f"{self.groups.world.rank}): stopped before the update, so the parameters and "
                                     f"the last checkpoint are intact; lower --lr or enable --clip-grad")
-            clip_grads_(grads, norm, self.adam_config.clip_grad)
+            clip_grads_(grads, norm, self.config.clip_grad)
             self.masters.step(grads, self.lr)
             self.stage.after_update()
         self.scaler.update(skipped)
@@ -235,7 +238,7 @@ class ZeroOptimizer:
         tiers = self._tiers()
         offloaded = tuple(component for component, tier in tiers.items() if tier != "none")
         report = memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
-                               padding, p, g, master, offloaded)
+                               padding, p, g, master, self.rule.state_bytes_per_param, offloaded)
         if offloaded:
             report = dataclasses.replace(report, tiers=self._tier_reports(tiers, p, g))
         working = self.stage.peak_working_set(p, g)
@@ -258,7 +261,8 @@ class ZeroOptimizer:
         if any(tier != "none" for tier in tiers.values()):
             moved, self._transfer_mark = self._transfers() - self._transfer_mark, self._transfers()
             expected = transfer_theory(p, self.numel, self.groups.dp_size, self._last_micro_batches, tiers,
-                                       device_is_host=self.stage.grad_shards[0].device.type == "cpu")
+                                       device_is_host=self.stage.grad_shards[0].device.type == "cpu",
+                                       states=self.rule.state_bytes_per_param)
             counted = {"device-to-host": moved.device_to_host, "host-to-device": moved.host_to_device,
                        "disk-read": moved.disk_read, "disk-written": moved.disk_written}
             transfers = tuple(TransferReport(name, counted[name] / iterations, *expected[name]) for name in counted)
@@ -279,7 +283,7 @@ class ZeroOptimizer:
     def _tier_reports(self, tiers: dict[str, str], p: int, g: int) -> tuple[TierReport, ...]:
         """Host and disk bytes against offload_formula, and the bounded buffers against their own formula."""
         held = self.stage.tier_bytes() + self.masters.tier_bytes()
-        per_param = offload_formula(self.zero.stage, p, g, tiers)
+        per_param = offload_formula(self.zero.stage, p, g, tiers, self.rule.state_bytes_per_param)
         measured = {"host": held.host, "disk": held.disk}
         reports = [TierReport(name, measured[name], coef * self.numel / self.groups.dp_size, f"{coef}P/N")
                    for name, coef in per_param.items()]
@@ -296,14 +300,14 @@ class ZeroOptimizer:
                                self.groups.dp)
 
     def owned_pieces(self) -> list[OwnedPiece]:
-        """This rank's own share of the fp32 weights and Adam moments, parameter by parameter, as views:
+        """This rank's own share of the fp32 weights and the rule's states, parameter by parameter, as views:
         a checkpoint writes them and reads into them directly, with no gather (see `load_owned_pieces`).
         This is the optimizer's one state format: checkpoints store it by name and global shape."""
         return self.masters.owned_pieces()
 
     def load_owned_pieces(self, step: int | None = None, loss_scaler: dict | None = None,
                           iteration: int | None = None) -> None:
-        """After new values were written through `owned_pieces()`: set Adam's step, the loss scaler and the
+        """After new values were written through `owned_pieces()`: set the rule's step count, the loss scaler and the
         iteration (None: leave them, for a weights-only load) and refresh the model's parameters."""
         if step is not None:
             self.masters.step_count = step
@@ -315,7 +319,8 @@ class ZeroOptimizer:
         self._uncounted(self.stage.after_update)
 
     def adam_step(self) -> int:
-        """Adam's step count (the same on every rank: every rank steps, a rank whose slice is padding too)."""
+        """The update rule's step count (the same on every rank: every rank steps, a rank whose slice is padding
+        too); the name is the checkpoint's older one."""
         return self.masters.step_count
 
     def _uncounted(self, fn, *args):
@@ -326,8 +331,8 @@ class ZeroOptimizer:
         return result
 
 
-def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, numel: int,
-                            p: int) -> OffloadDirectory | None:
+def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, numel: int, p: int,
+                            states: int) -> OffloadDirectory | None:
     """The disk tier's folder of this rank, PATH/rank00000, locked and created fresh (offload/directory.py), once
     every rank has its own and room for its files; a failure on any rank is a ConfigError on all, with nothing
     left behind."""
@@ -338,7 +343,7 @@ def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, nume
     def open_checked() -> OffloadDirectory:
         directory = OffloadDirectory(os.path.join(offload.path, f"rank{groups.world.rank:05d}"))
         try:
-            _check_offload_space(offload, directory, numel, groups.dp_size, p)
+            _check_offload_space(offload, directory, numel, groups.dp_size, p, states)
         except BaseException:
             directory.close()
             raise
@@ -353,11 +358,11 @@ def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, nume
 
 
 def _check_offload_space(offload: OffloadConfig, directory: OffloadDirectory, numel: int, dp_size: int,
-                         p: int) -> None:
+                         p: int, states: int) -> None:
     """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
     every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
     from mpzero.zero.offload.swap import readable
-    per_param = (12 if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
+    per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
     need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     st = os.fstatvfs(directory.fd)
     free = st.f_bavail * st.f_frsize

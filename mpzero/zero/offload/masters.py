@@ -1,19 +1,21 @@
-"""ZeRO-Offload and ZeRO-Infinity for the optimizer: this rank's fp32 masters and Adam moments in host memory
-(tier "cpu") or in files (tier "disk"), updated by AdamW on the CPU, bit for bit as `DeviceMasters` on the CPU.
+"""ZeRO-Offload and ZeRO-Infinity for the optimizer: this rank's fp32 masters and the update rule's states in host
+memory (tier "cpu") or in files (tier "disk"), updated by the rule on the CPU, bit for bit as `DeviceMasters` on
+the CPU.
 
 The partition is the concatenation of the buckets' shards (padding included), processed in sub-groups of
 `sub_group_numel` elements that may cross buckets, parameters and decay runs. Per sub-group k:
 
     gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     CUDA only
-    disk: masters and moments read from three files (k+1 read and k-1 written while k updates)
-    AdamW on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
+    disk: masters and states read from one file each (k+1 read and k-1 written while k updates)
+    the rule's step on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
 
 Host memory of the disk tier is its buffers (`buffer_bytes`), whatever the model size: the files hold the state,
 element i of the partition at byte 4*i of each.
 
-Exactness: torch's fused CPU AdamW runs a SIMD body and a scalar tail that round differently, so a call's result
-depends on where the call starts and ends. Every element is updated through `canonical_windows`, which gives it the
-code path it has in the one-call-per-decay-run of `DeviceMasters`, whatever the sub-groups.
+Exactness: a vectorized CPU kernel (torch's fused AdamW, torch's elementwise ops) runs a SIMD body and a scalar
+tail that round differently, so a call's result depends on where the call starts and ends. Every element is updated
+through the rule's `windows` (`mpzero.optim.canonical_windows`), which gives it the code path it has in the
+one-call-per-decay-run of `DeviceMasters`, whatever the sub-groups.
 """
 
 from __future__ import annotations
@@ -24,49 +26,24 @@ from collections import deque
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.fused import adamw_step, resolve_impl
+from mpzero.optim import BLOCK, UpdateRule, canonical_windows  # noqa: F401  (canonical_windows: re-exported)
 from mpzero.zero.offload.directory import OffloadDirectory
 from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
 from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
-from mpzero.zero.config import AdamConfig, OffloadConfig
+from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
-from mpzero.zero.masters import MOMENTS, MasterStore, OwnedPiece
-
-STATES = ("master",) + MOMENTS  # one file per state on disk, in this order in every buffer
-BLOCK = 256  # canonical grid: a multiple of every CPU SIMD width (fp32: 8 on AVX2, 16 on AVX-512)
-SCRATCH_BYTES = 4 * BLOCK * 4  # parameter, gradient and two moments of one grid block
+from mpzero.zero.masters import MasterStore, OwnedPiece
 
 
-def canonical_windows(run_start: int, run_end: int, lo: int, hi: int, block: int = BLOCK) -> list[tuple[int, int]]:
-    """The AdamW calls that update elements [lo, hi) of the decay run [run_start, run_end) exactly as one call
-    over the whole run does.
 
-    Why: a vectorized CPU kernel runs its SIMD body over floor(n / VEC) * VEC elements of a call and a scalar
-    tail over the rest, and the two can differ in the last bit. Cut the run on a grid of `block` elements
-    anchored at run_start (block a multiple of VEC). A call over whole grid blocks is all SIMD, as the run-wide
-    call is there; the run's last partial block, L = (run_end - run_start) % block elements, called alone has
-    the run-wide call's SIMD part and tail. So each returned window [a, b) is either
-      - inside [lo, hi): update it in place, one call; or
-      - one grid block that [lo, hi) covers in part (lo or hi cuts it): update a scratch copy of the whole block,
-        the wanted elements at their offsets and zeros elsewhere, and keep only [max(a, lo), min(b, hi)).
-    A cut costs at most one scratch block on each side of it (< 2 * block elements per sub-group boundary).
-    """
-    assert run_start <= lo < hi <= run_end, (run_start, lo, hi, run_end)
-    windows, x = [], lo
-    while x < hi:
-        start = run_start + (x - run_start) // block * block  # the grid block holding x
-        end = min(start + block, run_end)
-        if x != start or end > hi:  # the block is cut: scratch
-            windows.append((start, end))
-            x = min(end, hi)
-        elif end - start == block:  # whole blocks, as many as lie in [x, hi): one call
-            last = run_start + (hi - run_start) // block * block
-            windows.append((x, last))
-            x = last
-        else:  # the run's last, partial block, whole in [lo, hi)
-            windows.append((start, end))
-            x = end
-    return windows
+def _states(rule: UpdateRule) -> tuple[str, ...]:
+    """One file per state on disk, in this order in every buffer: the master, then the rule's states."""
+    return ("master",) + rule.state_names
+
+
+def _scratch_bytes(rule: UpdateRule) -> int:
+    """The scratch block: parameter, gradient and the rule's states of one grid block, fp32."""
+    return 4 * (2 + len(rule.state_names)) * rule.block
 
 
 def _group_numel(offload: OffloadConfig, numel: int) -> int:
@@ -80,24 +57,24 @@ def round_to_block(numel: int) -> int:
     return -(-numel // per_block) * per_block
 
 
-def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int) -> int:
+def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int, rule: UpdateRule) -> int:
     """Host bytes `OffloadedMasters` allocates for buffers over a partition of `numel` elements (exactly: each
     buffer's storage, alignment slack included; the pinned allocator may round the reservation further).
     G = min(sub_group_numel, numel) rounded up to 1024 elements; each buffer is aligned_bytes(G, dtype):
-      disk tier: buffer_count x 3 states x fp32;  CUDA: 2 pinned fp32 gradient staging buffers;
-      always: 1 parameter staging buffer in the model's dtype, and a 4 x 256 fp32 scratch (4096 B)."""
+      disk tier: buffer_count x S states x fp32 (S = 1 + the rule's states);  CUDA: 2 pinned fp32 gradient
+      staging buffers; always: 1 parameter staging buffer in the model's dtype, and a (S + 1) x 256 fp32 scratch."""
     g = _group_numel(offload, numel)
     fp32 = round_up(4 * g) + ALIGN  # = aligned_bytes(g, torch.float32)
-    total = round_up(param_bytes * g) + ALIGN + SCRATCH_BYTES
+    total = round_up(param_bytes * g) + ALIGN + _scratch_bytes(rule)
     if offload.optimizer == "disk":
-        total += offload.buffer_count * len(STATES) * fp32
+        total += offload.buffer_count * len(_states(rule)) * fp32
     if cuda:
         total += 2 * fp32
     return total
 
 
 class OffloadedMasters(MasterStore):
-    """Masters and Adam moments off the device: tier "cpu" (host tensors) or "disk" (three files under
+    """Masters and the rule's states off the device: tier "cpu" (host tensors) or "disk" (one file per state under
     `directory`, streamed through `offload.buffer_count` buffers). See the module docstring. `directory`: an
     `OffloadDirectory` shared with stage 3's parameter tier, or a path that this store locks, creates and removes.
 
@@ -105,14 +82,15 @@ class OffloadedMasters(MasterStore):
     (stops the threads, closes and removes the files: they are scratch, a checkpoint holds the state).
     """
 
-    def __init__(self, layouts: list[FlatLayout], sink: ParamSink, initial: list[torch.Tensor], adam: AdamConfig,
+    def __init__(self, layouts: list[FlatLayout], sink: ParamSink, initial: list[torch.Tensor], config: OptimizerConfig,
                  offload: OffloadConfig, directory: OffloadDirectory | str | None, device: torch.device):
         if offload.optimizer not in ("cpu", "disk"):
             raise ConfigError(f"OffloadedMasters needs --offload-optimizer cpu or disk, got {offload.optimizer!r}")
-        self.config, self.layouts, self.sink, self.offload = adam, layouts, sink, offload
+        self.config, self.rule, self.layouts, self.sink, self.offload = config, config.rule, layouts, sink, offload
+        self.states = _states(self.rule)
         self.tier = offload.optimizer
         self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
-        self.impl = resolve_impl("adamw_step", torch.device("cpu"), adam.impl)
+        self.impl = self.rule.resolve_impl(torch.device("cpu"), config.impl)
         self.step_count = 0
         self._offsets, total = [], 0  # where each bucket's shard starts in the partition
         for layout in layouts:
@@ -138,7 +116,7 @@ class OffloadedMasters(MasterStore):
             return tensor
 
         self._param_staging = buffer(sink.dtype, pin)
-        self._scratch = torch.zeros(4, BLOCK, dtype=torch.float32)
+        self._scratch = torch.zeros(2 + len(self.rule.state_names), self.rule.block, dtype=torch.float32)
         self._buffers.append(self._scratch)
         self._unflushed = False  # the sink may still read _param_staging
         self._device_to_host = 0
@@ -152,14 +130,14 @@ class OffloadedMasters(MasterStore):
         self._pipe = None
         if self.tier == "cpu":
             # Not pinned: transfers go through the pinned staging buffers, never from the state itself.
-            self._host = {name: torch.zeros(total, dtype=torch.float32) for name in STATES}
+            self._host = {name: torch.zeros(total, dtype=torch.float32) for name in self.states}
             for (_, off, end), values in zip(self._spans, initial):
                 self._host["master"][off:end].copy_(values)
             self.io_mode = None
         else:
             self._open_files(directory, total)
             try:
-                self._pipe = SwapPipeline([{name: buffer(torch.float32) for name in STATES}
+                self._pipe = SwapPipeline([{name: buffer(torch.float32) for name in self.states}
                                            for _ in range(offload.buffer_count)])
                 self._write_initial(initial)
             except BaseException:  # e.g. the disk filled up: no file of ours stays behind
@@ -179,7 +157,7 @@ class OffloadedMasters(MasterStore):
             if self.offload.io == "direct" and not aligned:
                 raise ConfigError(f"--offload-io direct needs --offload-sub-group-numel to be a multiple of "
                                   f"{ALIGN // 4}, got {self.offload.sub_group_numel}")
-            for name in STATES:
+            for name in self.states:
                 self._files[name] = self.directory.swap_file(f"{name}.bin", total * 4, io)
         except BaseException:
             self._close_files()
@@ -201,11 +179,11 @@ class OffloadedMasters(MasterStore):
 
     def _store(self, k: int, buf: dict[str, torch.Tensor]) -> None:
         a, b = self._bounds(k)
-        for name in STATES:
+        for name in self.states:
             self._files[name].write(4 * a, buf[name][:self._io_numel(b - a)])
 
     def _write_initial(self, initial: list[torch.Tensor]) -> None:
-        """Masters from `initial`, one sub-group at a time (moments: the preallocated files read as zeros)."""
+        """Masters from `initial`, one sub-group at a time (states: the preallocated files read as zeros)."""
         buf = self._pipe.acquire()
         try:
             master = buf["master"].zero_()
@@ -219,9 +197,10 @@ class OffloadedMasters(MasterStore):
         finally:
             self._pipe.release(buf)
 
-    def _groups(self, names: tuple[str, ...] = STATES, write_back: bool = True):
+    def _groups(self, names: tuple[str, ...] | None = None, write_back: bool = True):
         """Yields (a, b, {state: host tensor over partition elements [a, b)}) for every sub-group in order.
         Disk: read `buffer_count - 2` sub-groups ahead and written back (`write_back`) behind."""
+        names = self.states if names is None else names
         if self.tier == "cpu":
             for k in range(self._count):
                 a, b = self._bounds(k)
@@ -274,31 +253,32 @@ class OffloadedMasters(MasterStore):
         off = self._offsets[bucket]
         return grads[bucket][lo - off:hi - off]
 
-    def _adamw(self, p, g, m, v, lr: float, decay: bool) -> None:
+    def _apply(self, p, g, states: dict[str, torch.Tensor], lr: float, decay: bool) -> None:
         c = self.config
-        adamw_step(p, g, m, v, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                   weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, impl=self.impl)
+        self.rule.step(p, g, states, lr=lr, weight_decay=c.weight_decay if decay else 0.0, step=self.step_count,
+                       impl=self.impl)
 
     def _update(self, k: int, a: int, b: int, states: dict[str, torch.Tensor], grads, lr: float) -> None:
-        """AdamW over the decay runs' elements in sub-group k = [a, b), window by window (`canonical_windows`)."""
-        p, m, v = (states[name] for name in STATES)
+        """The rule over the decay runs' elements in sub-group k = [a, b), window by window (`rule.windows`)."""
+        p, names = states["master"], self.rule.state_names
         for run_start, run_end, decay in self._runs:
             lo, hi = max(run_start, a), min(run_end, b)
             if lo >= hi:
                 continue
-            for start, end in canonical_windows(run_start, run_end, lo, hi):
+            for start, end in self.rule.windows(run_start, run_end, lo, hi):
                 if lo <= start and end <= hi:
-                    self._adamw(p[start - a:end - a], self._grad_view(grads, k, a, start, end),
-                                m[start - a:end - a], v[start - a:end - a], lr, decay)
+                    self._apply(p[start - a:end - a], self._grad_view(grads, k, a, start, end),
+                                {name: states[name][start - a:end - a] for name in names}, lr, decay)
                     continue
                 keep_lo, keep_hi = max(start, lo), min(end, hi)
                 part, inner = slice(keep_lo - a, keep_hi - a), slice(keep_lo - start, keep_hi - start)
-                sp, sg, sm, sv = (row[:end - start] for row in self._scratch.zero_())
+                sp, sg, *rows = (row[:end - start] for row in self._scratch.zero_())
+                scratch = dict(zip(names, rows))
                 for dst, src in ((sp, p[part]), (sg, self._grad_view(grads, k, a, keep_lo, keep_hi)),
-                                 (sm, m[part]), (sv, v[part])):
+                                 *((scratch[name], states[name][part]) for name in names)):
                     dst[inner].copy_(src)
-                self._adamw(sp, sg, sm, sv, lr, decay)
-                for dst, src in ((p, sp), (m, sm), (v, sv)):
+                self._apply(sp, sg, scratch, lr, decay)
+                for dst, src in ((p, sp), *((states[name], scratch[name]) for name in names)):
                     dst[part].copy_(src[inner])
 
     def _send(self, a: int, master: torch.Tensor, spans) -> None:
@@ -368,7 +348,7 @@ class OffloadedMasters(MasterStore):
         for off, layout in zip(self._offsets, self.layouts):
             for i, start, end in layout.owned_pieces():
                 first = layout.shard_start + start - layout.offsets[i]  # where the piece begins in the parameter
-                tensors = {name: state[name][off + start:off + end] for name in STATES}
+                tensors = {name: state[name][off + start:off + end] for name in self.states}
                 pieces.append(OwnedPiece(layout.names[i], layout.shapes[i], first, first + end - start, tensors))
         return pieces
 
@@ -386,11 +366,13 @@ class OffloadedMasters(MasterStore):
         o, p = self.offload, self.sink.dtype.itemsize
         per_g, buffers = p, 1  # the parameter staging buffer
         if self.tier == "disk":
-            per_g, buffers = per_g + o.buffer_count * len(STATES) * 4, buffers + o.buffer_count * len(STATES)
+            per_g, buffers = per_g + o.buffer_count * len(self.states) * 4, buffers + o.buffer_count * len(self.states)
         if self.cuda:
             per_g, buffers = per_g + 2 * 4, buffers + 2
-        text = f"{per_g}G+{buffers + 1}x4KiB(G={_group_numel(o, self.numel)})"
-        return buffer_bytes(o, self.numel, self.cuda, p), text
+        scratch = _scratch_bytes(self.rule)  # AdamW's is 4 KiB: counted with the alignment slack
+        blocks = f"{buffers + 1}x4KiB" if scratch == ALIGN else f"{buffers}x4KiB+{scratch}B"
+        text = f"{per_g}G+{blocks}(G={_group_numel(o, self.numel)})"
+        return buffer_bytes(o, self.numel, self.cuda, p, self.rule), text
 
     def transfers(self) -> Transfers:
         return Transfers(device_to_host=self._device_to_host, host_to_device=self.sink.transfers().host_to_device,

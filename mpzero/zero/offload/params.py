@@ -29,7 +29,7 @@ import torch
 from mpzero.errors import ConfigError
 from mpzero.zero.offload.directory import OffloadDirectory
 from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
-from mpzero.zero.offload.swap import SwapFile, aligned_bytes, aligned_empty, round_up
+from mpzero.zero.offload.swap import aligned_bytes, aligned_empty, round_up
 from mpzero.zero.config import OffloadConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
