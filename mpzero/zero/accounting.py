@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class PeakReport:
     """The high-water mark inside a step: the shards plus the transient buffers counted at that moment."""
