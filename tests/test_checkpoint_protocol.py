@@ -1,21 +1,28 @@
 """The save protocol (checkpoint.py's docstring) proven step by step instead of sampled.
 
-In process: a save is stopped at its k-th file-system step, for every k until it completes (each write call,
-fsync, rename, mkdir and deletion it makes, DCP's included), the way a kill stops it: from that step on every
-file-system call raises, so no handler cleans up after it. After each stop: the latest pointer names a complete
+In process: a save is stopped at its k-th file-system step, for every k until it completes (each file's
+creation and first two writes, each fsync, rename, mkdir and deletion, DCP's included), the way a kill stops it:
+from that step on every file-system call raises, so no handler cleans up after it. After each stop: the latest pointer names a complete
 checkpoint (verify passes, it loads the values saved at that iteration), it is the new one exactly when the
 pointer's rename was reached, every published `iter_N` is complete, and the next save leaves nothing half-written.
 The same trace shows the order is durable against a power cut too: when the pointer is renamed, every file of the
 checkpoint, every directory entry leading to it and the pointer's bytes have been fsynced.
 
+Three starting points: the next iteration; an iteration whose directory a killed save renamed into place
+without moving the pointer (the common case after a kill: the resumed run saves it again); the latest one again.
 Slow: real `kill -9`s of training processes that save every iteration, while other processes load the CPU.
 """
 
 import builtins
+import contextlib
 import io
+import multiprocessing
 import os
+import random
 import shutil
+import signal
 import stat
+import time
 from collections import Counter
 
 import pytest
@@ -25,8 +32,8 @@ from mpzero.checkpointing import LATEST, latest_iteration, load_checkpoint, save
 from mpzero.checkpointing.verify import single_process, verify_checkpoint
 from mpzero.parallel import init_parallel
 from mpzero.training.loop import build_training_state
-from pretrain_gpt import gpt_provider
-from tests.cli import TINY
+import pretrain_gpt
+from tests.cli import TINY, main_capturing_stdout
 from tests.distributed import run_ranks
 
 META = {"consumed_samples": 0, "skipped_iterations": 0}
@@ -145,7 +152,7 @@ def _training_state(argv):
     import torch.distributed as dist
     run = run_config(parse_args(argv), dist.get_world_size())
     groups = init_parallel(run.parallel.tensor_model_parallel_size)
-    state = build_training_state(run, gpt_provider, groups)
+    state = build_training_state(run, pretrain_gpt.gpt_provider, groups)
     return groups, state.model.module, state.optimizer, state.rng
 
 
@@ -235,3 +242,69 @@ def test_a_save_stopped_at_any_step_leaves_the_last_published_checkpoint(tmp_pat
     argv = TINY + ["--num-layers", "1", "--vocab-size", "256"]  # no vocabulary padding: every value is stored
     outcomes = run_ranks(1, lambda: _stop_at_every_step(str(tmp_path), scenario, _training_state(argv)))[0]
     print(scenario, outcomes)
+
+
+KILLS = 50
+
+
+def _train(argv):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        pretrain_gpt.main(argv)
+
+
+def _spin():
+    while True:
+        pass
+
+
+def _killed_during(root, latest):
+    """Where the kill landed: in the save of an iteration after `latest` (its `.tmp`, or its directory renamed
+    and the pointer not yet), or between saves."""
+    later = [n for n in os.listdir(root) if n.startswith("iter_") and int(n[5:12]) > latest]
+    if any(n.endswith(".tmp") for n in later):
+        return "while writing"
+    return "before the pointer" if later else "between saves"
+
+
+@pytest.mark.slow
+def test_kill_9_under_cpu_load_leaves_the_last_published_checkpoint(tmp_path):
+    """Real SIGKILLs of a run that saves every iteration, at random moments, two busy processes beside it."""
+    root, rng = str(tmp_path / "save"), random.Random(0)
+    argv = TINY + ["--num-layers", "1", "--vocab-size", "256", "--train-iters", "100000", "--eval-iters", "0",
+                   "--save", root, "--save-interval", "1", "--log-interval", "100000"]
+    ctx = multiprocessing.get_context("fork")  # ~0.1 s a run, torch already imported
+    load = [ctx.Process(target=_spin, daemon=True) for _ in range(2)]
+    for proc in load:
+        proc.start()
+    outcomes, verified, latest = Counter(), set(), 0
+    try:
+        for kill in range(KILLS):
+            run = ctx.Process(target=_train, args=(argv + (["--load", root] if latest else []),))
+            run.start()
+            deadline = time.monotonic() + 60
+            while (latest_iteration(root) or 0) <= latest:  # resumed from `latest` and published a new save
+                assert run.exitcode is None and time.monotonic() < deadline, f"kill {kill}: no progress"
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 0.2))
+            os.kill(run.pid, signal.SIGKILL)
+            run.join()
+            latest = latest_iteration(root)
+            outcomes[_killed_during(root, latest)] += 1
+            with single_process():
+                verify_checkpoint(root)
+            # every published name holds a complete checkpoint (each directory once; earlier ones dropped)
+            names = {(n, os.stat(os.path.join(root, n)).st_ino) for n in os.listdir(root) if n[5:].isdigit()}
+            _verified(root, {n for n, _ in names & verified})
+            verified = names
+            for name, _ in names:
+                if int(name[5:]) < latest:
+                    shutil.rmtree(os.path.join(root, name))
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.join()
+    _, stdout = run_ranks(1, main_capturing_stdout, argv + ["--load", root, "--train-iters", str(latest + 1)])[0]
+    assert f"at iteration {latest}" in stdout
+    assert sorted(os.listdir(root)) == sorted([LATEST, f"iter_{latest:07d}", f"iter_{latest + 1:07d}"])
+    print(f"{KILLS} kills: {dict(outcomes)}")
+    assert outcomes["while writing"] + outcomes["before the pointer"] >= KILLS // 5, outcomes
