@@ -77,15 +77,20 @@ def write_atomically(path: str, data: bytes | str | Callable[[BinaryIO], None]) 
 
 
 def replace_directory(tmp: str, final: str) -> None:
-    """Rename the complete directory `tmp` to `final`. An existing `final` (the same iteration saved again) is
-    renamed aside first and deleted only after: a crash leaves at most a moment in which neither name exists,
-    instead of the whole deletion."""
-    old = final + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
+    """Rename the complete directory `tmp` to `final`, each rename made durable (the parent fsynced after it).
+    An existing `final` (the same iteration saved again) is renamed aside to `final + ".old"` first and deleted
+    only after, so at every moment `final` or `final.old` holds a complete copy (readers take `.old` while `final`
+    is missing: checkpointing/format.py published_dir). An `.old` beside a complete `final` is garbage; an `.old`
+    without `final` (a replacement cut short between its renames) is the only copy and is kept until `tmp` has
+    taken its place."""
+    old = final + ".old"  # checkpointing/format.py OLD_SUFFIX
+    parent = os.path.dirname(os.path.abspath(final))
+    if os.path.lexists(final):
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
+        fsync_directory(parent)
     os.replace(tmp, final)
-    fsync_directory(os.path.dirname(os.path.abspath(final)))
+    fsync_directory(parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

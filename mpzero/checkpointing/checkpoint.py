@@ -7,9 +7,25 @@
     SAVE/iter_0000100/rng/rank_00000.pt         each rank's generator states
     SAVE/iter_0000100/checksums/rank_00000.json a checksum of every chunk each rank wrote (format 3)
 
-Saving is atomic: every rank writes into `iter_0000100.tmp`, and only when all are done does rank 0
-rename it and then rewrite the latest pointer (itself through a temporary file). A crash mid-save leaves
-the previous checkpoint and pointer untouched; the stale temporary directory is removed by the next save.
+The save protocol (each step's file is complete before the next step begins; tests/test_checkpoint_protocol.py
+stops a save at every step, and real kills stop it at random ones):
+  1. rank 0 removes a stale `iter_N.tmp` and creates it (with rng/ and checksums/);
+  2. every rank writes its .distcp shards into it, each fsynced (DCP), then rank 0 DCP's .metadata (through
+     `.metadata.tmp`, fsynced, renamed);
+  3. every rank writes its RNG and checksum files, rank 0 meta.json, each atomically (files.write_atomically:
+     a temporary file, fsync, rename, fsync of the directory), after the shards: meta.json is the last file;
+  4. rank 0 publishes the directory: files.replace_directory renames `iter_N.tmp` to `iter_N` and fsyncs SAVE (an
+     existing `iter_N`, the same iteration saved again, is first renamed to `iter_N.old`, fsynced, and deleted
+     after);
+  5. rank 0 rewrites the latest pointer atomically: the checkpoint is published;
+  6. rank 0 removes what killed saves left (`iter_*.tmp`; an `iter_*.old` beside its `iter_*`), and renames back
+     an `iter_N.old` without `iter_N` (a replacement killed between its renames: the only copy of N).
+The invariant, at every moment: the latest pointer names a complete checkpoint (`iter_N`, or while `iter_N` is
+between step 4's renames `iter_N.old`: format.published_dir), the last one published; every `iter_N` is complete
+(it exists only by step 4's rename); anything half-written lies under a `.tmp` name and is gone after the next
+save. Every file is fsynced before its rename and every rename is followed by an fsync of its directory (DCP's
+.metadata rename by step 3's fsync of `iter_N.tmp`), so when step 5 publishes, all it names is on disk: a power
+cut loses nothing the pointer names either.
 Each rank writes and reads its own ZeRO partition of every tensor in place (sharding.py's DCP planners).
 
 Loading verifies what it reads (checksums.py): each rank checks the checksum of every stored chunk it reads
@@ -33,11 +49,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from mpzero.checkpointing.checksums import ALGORITHM, ALGORITHMS, DIRECTORY, read_checksums, write_rank_checksums
 from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, OLD_SUFFIX, RULE_BEFORE_NAMED, TMP_SUFFIX,
-                                         checkpoint_dir, checkpoint_key, parse_checkpoint_key)
+                                         checkpoint_dir, checkpoint_key, parse_checkpoint_key, published_dir)
 from mpzero.checkpointing.reader import CheckpointReader, ForeignClassError, error_reason, read_metadata
 from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
 from mpzero.errors import ConfigError, TrainingError
-from mpzero.files import check_output_directory, replace_directory, write_atomically
+from mpzero.files import check_output_directory, fsync_directory, replace_directory, write_atomically
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
 
@@ -132,10 +148,17 @@ def _fail_save(tmp: str, root: str, groups: ParallelGroups, error) -> None:
 
 def remove_stale_temporaries(root: str) -> None:
     """After a successful save: partial directories left by killed saves of any iteration (`iter_*.tmp`) and
-    replaced ones (`iter_*.old`) are garbage; nothing reads them."""
-    for name in os.listdir(root):
-        if name.startswith("iter_") and name.endswith((TMP_SUFFIX, OLD_SUFFIX)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    replaced ones (`iter_*.old` beside their `iter_*`) are garbage; nothing reads them. An `iter_N.old` without
+    `iter_N` is the only copy of checkpoint N (its replacement was killed between renames): renamed back."""
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith("iter_"):
+            continue
+        if name.endswith(OLD_SUFFIX) and not os.path.lexists(path[:-len(OLD_SUFFIX)]):
+            os.replace(path, path[:-len(OLD_SUFFIX)])
+            fsync_directory(root)
+        elif name.endswith((TMP_SUFFIX, OLD_SUFFIX)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def check_save_directory(save: str, load: str | None, finetune: bool, overwrite: bool) -> None:
@@ -167,7 +190,7 @@ def read_meta(root: str) -> tuple[str, dict] | None:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    directory = checkpoint_dir(root, iteration)
+    directory = published_dir(root, iteration)
     return directory, read_meta_file(directory, previous_advice(root, iteration))
 
 
@@ -261,7 +284,7 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    directory = checkpoint_dir(root, iteration)
+    directory = published_dir(root, iteration)
     advice = previous_advice(root, iteration)
     where = placements(model.named_parameters())
     prepared, error = groups.world.run_agreed(

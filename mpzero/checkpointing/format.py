@@ -25,6 +25,14 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def published_dir(root: str, iteration: int) -> str:
+    """Where published checkpoint `iteration` is read from: `iter_N`, or `iter_N.old` while `iter_N` is missing
+    (a save of the same iteration again stopped between its two renames: files.replace_directory)."""
+    final = checkpoint_dir(root, iteration)
+    aside = final + OLD_SUFFIX
+    return aside if not os.path.lexists(final) and os.path.isdir(aside) else final
+
+
 def checkpoint_key(state: str, name: str) -> str:
     """model/<name> for the fp32 weights (state "master"), optimizer/<state>/<name> for an update rule's state
     (mpzero.optim: exp_avg and exp_avg_sq for AdamW, momentum_buffer for SGD)."""

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, latest_iteration, previous_advice,
                                              read_dcp_metadata, read_meta_file)
 from mpzero.checkpointing.checksums import ALGORITHMS, read_checksums
-from mpzero.checkpointing.format import checkpoint_dir
+from mpzero.checkpointing.format import published_dir
 from mpzero.checkpointing.reader import CheckpointReader
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, LocalShare
 from mpzero.errors import ConfigError
@@ -45,7 +45,7 @@ def resolve_iteration(root: str, iteration: int | None) -> tuple[str, int]:
     if iteration is None:
         raise ConfigError(f"no mpzero checkpoint under {root} (no latest_checkpointed_iteration.txt): "
                           f"pass the --save directory of a run")
-    directory = checkpoint_dir(root, iteration)
+    directory = published_dir(root, iteration)
     if not os.path.isdir(directory):
         raise ConfigError(f"no mpzero checkpoint under {root} at iteration {iteration} ({directory} is missing)")
     return directory, iteration
