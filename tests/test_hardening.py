@@ -73,11 +73,14 @@ def test_an_unwritable_save_directory_is_refused_at_start(tmp_path):
     assert code == 2 and stderr.count("\n") == 1 and "is not a writable directory" in stderr
 
 
-def test_a_successful_save_removes_partial_directories_of_any_iteration(tmp_path):
+def test_a_successful_save_removes_partial_directories_and_keeps_only_copies(tmp_path):
     (tmp_path / "iter_0000099.tmp" / "rng").mkdir(parents=True)  # left by a save killed earlier
-    (tmp_path / "iter_0000007.old").mkdir()
+    (tmp_path / "iter_0000007.old").mkdir()  # without iter_0000007 beside it: the only copy, put back, never deleted
+    (tmp_path / "iter_0000005.old").mkdir()
+    (tmp_path / "iter_0000005").mkdir()  # beside its replacement: a leftover
     _one(quiet_main, RUN + ["--save", str(tmp_path), "--train-iters", "2", "--overwrite-checkpoints"])
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000005", "iter_0000007",
+                                            "latest_checkpointed_iteration.txt"]
 
 
 @pytest.fixture

@@ -113,7 +113,7 @@ def test_the_same_tokenizer_resumes_without_a_word(made, saved_a):
     _, out = _one(main_capturing_stdout, _argv(made, "a", "a", "--load", saved_a, "--save", saved_a,
                                                "--train-iters", "4"))
     assert f"loaded checkpoint from {saved_a} at iteration 2" in out
-    assert not [line for line in out.splitlines() if line.startswith("note:") and "tokeniz" in line]
+    assert not [line for line in out.splitlines() if line.startswith("note:") and "tokeniz" in line.lower()]
     assert latest_iteration(saved_a) == 4
 
 
@@ -121,7 +121,7 @@ def test_finetune_or_the_override_trains_on_saying_so(made, saved_a, tmp_path):
     new = str(tmp_path / "finetuned")
     history, out = _one(main_capturing_stdout, _argv(made, "b", "b", "--load", saved_a, "--save", new,
                                                      "--finetune"))
-    notes = [line for line in out.splitlines() if line.startswith("note:") and "tokeniz" in line]
+    notes = [line for line in out.splitlines() if line.startswith("note:") and "tokeniz" in line.lower()]
     assert notes == [(f"note: --finetune: {saved_a}/iter_0000002 was trained with {_short(made['a'][0])}; its "
                       f"weights train on with this run's {_short(made['b'][0])}")]
     assert len(history["losses"]) == 2 and latest_iteration(new) == 2  # from iteration 0: a new run
