@@ -83,7 +83,8 @@ def eager_step(a, device, dtype, compiled: bool):
 def mpzero_step(a, groups, dtype, backend: str, compiled: bool):
     config = GPTConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                        vocab_size=a.vocab_size, max_position_embeddings=a.seq_length, hidden_dropout=0.0,
-                       attention_dropout=0.0, attention_backend=backend, torch_compile=compiled)
+                       attention_dropout=0.0, attention_backend=backend, torch_compile=compiled,
+                       cross_entropy_chunk_size=a.cross_entropy_chunk_size)
     model = GPTModel(config, groups.tp, seed_everything(1, 0, groups.device), device=groups.device)
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-4), PrecisionConfig(precision))
@@ -118,6 +119,8 @@ def main(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--cross-entropy-chunk-size", type=int, default=GPTConfig.cross_entropy_chunk_size,
+                   help="mpzero's loss in chunks of this many tokens (0: the whole logits)")
     p.add_argument("--bf16", action="store_true", help="bf16 (eager: autocast; mpzero: bf16 parameters)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--profile", action="store_true", help="print each variant's per-op breakdown of one step")
@@ -133,7 +136,8 @@ def main(argv=None):
                 "mpzero-flash": lambda: mpzero_step(a, groups, dtype, "flash", False),
                 "mpzero-compile": lambda: mpzero_step(a, groups, dtype, "flash", True)}
     print(f"{device.type}, threads {torch.get_num_threads()}, {dtype} | h {a.hidden_size} layers {a.num_layers} "
-          f"seq {a.seq_length} batch {a.micro_batch_size} vocab {a.vocab_size} | median of {a.steps} steps")
+          f"seq {a.seq_length} batch {a.micro_batch_size} vocab {a.vocab_size} | loss chunk "
+          f"{a.cross_entropy_chunk_size} | median of {a.steps} steps")
     unit = "CUDA kernels" if device.type == "cuda" else "leaf aten ops"
     baseline, tables = None, {}
     for name in a.variants:
