@@ -39,6 +39,18 @@ def exit_code_and_stderr(argv):
     return 0, err.getvalue()
 
 
+def tool_result(main, argv):
+    """(exit code, stderr) of a tool's main(argv) run in this process (a SystemExit's code as the process would
+    exit with it: None 0, a message 1)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    return (code if isinstance(code, int) else 1 if code else 0), err.getvalue()
+
+
 def assert_close_lists(a, b, rel=1e-5):
     assert len(a) == len(b)
     for x, y in zip(a, b):

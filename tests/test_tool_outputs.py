@@ -4,8 +4,6 @@ replaces only an earlier output of the same tool, the tools' temporary and set-a
 names (never a user's `OUT.tmp` or `OUT.old`), and a sharded HF index may name only files inside --input.
 Each refusal is one `error:` line, exit code 2, and every file is left as it was."""
 
-import contextlib
-import io
 import json
 import os
 import runpy
@@ -14,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.cli import ROOT, TINY, quiet_main
+from tests.cli import ROOT, TINY, quiet_main, tool_result
 from tests.distributed import run_ranks
 
 TOOLS = os.path.join(ROOT, "tools")
@@ -29,19 +27,8 @@ def run(tmp_path_factory):
     """A run directory with a checkpoint (iteration 2) and a Hugging Face export of it."""
     base = tmp_path_factory.mktemp("outputs")
     run_ranks(1, quiet_main, TINY + ["--eval-iters", "0", "--train-iters", "2", "--save", str(base / "run")])
-    assert _tool(export_main, ["--load", str(base / "run"), "--output", str(base / "hf")]) == (0, "")
+    assert tool_result(export_main, ["--load", str(base / "run"), "--output", str(base / "hf")]) == (0, "")
     return base / "run", base / "hf"
-
-
-def _tool(main, argv):
-    """(exit code, stderr) of a tool's main(argv) in this process."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as stop:
-            code = stop.code
-    return code or 0, err.getvalue()
 
 
 def _snapshot(path):
@@ -57,7 +44,7 @@ def _snapshot(path):
 def _refused(main, argv, *kept, says=""):
     """The command is one error line (containing `says`), and every directory in `kept` is left byte for byte."""
     before = [_snapshot(k) for k in kept]
-    code, stderr = _tool(main, argv)
+    code, stderr = tool_result(main, argv)
     assert code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
     assert says in stderr, stderr
     assert [_snapshot(k) for k in kept] == before
@@ -98,12 +85,12 @@ def test_export_overwrite_replaces_only_an_earlier_export(run, tmp_path):
     (out / "README.md").write_text("# my model\n")
     _refused(export_main, ["--load", str(run[0]), "--output", str(out), "--overwrite"], out, says="README.md")
     earlier = tmp_path / "earlier"
-    assert _tool(export_main, ["--load", str(run[0]), "--output", str(earlier)]) == (0, "")
+    assert tool_result(export_main, ["--load", str(run[0]), "--output", str(earlier)]) == (0, "")
     _refused(export_main, ["--load", str(run[0]), "--output", str(earlier)], earlier, says="pass --overwrite")
     for kept in ("earlier.tmp", "earlier.old"):  # once deleted as the export's own scratch names
         (tmp_path / kept).mkdir()
         (tmp_path / kept / "precious").write_text("x")
-    assert _tool(export_main, ["--load", str(run[0]), "--output", str(earlier), "--overwrite"]) == (0, "")
+    assert tool_result(export_main, ["--load", str(run[0]), "--output", str(earlier), "--overwrite"]) == (0, "")
     assert sorted(os.listdir(tmp_path)) == ["earlier", "earlier.old", "earlier.tmp", "hf"]
     assert (tmp_path / "earlier.tmp" / "precious").exists() and (tmp_path / "earlier.old" / "precious").exists()
     assert load_file(earlier / "model.safetensors").keys() == load_file(run[1] / "model.safetensors").keys()
@@ -117,15 +104,15 @@ def test_to_consolidated_replaces_only_its_own_file(run, tmp_path):
     _refused(checkpoint_util_main, argv + ["--overwrite"], tmp_path, says="not a consolidated checkpoint")
     weights = tmp_path / "weights.pt"
     argv = ["to-consolidated", "--load", str(run[0]), "--output", str(weights)]
-    assert _tool(checkpoint_util_main, argv) == (0, "")
-    assert _tool(checkpoint_util_main, argv + ["--overwrite"]) == (0, "")
+    assert tool_result(checkpoint_util_main, argv) == (0, "")
+    assert tool_result(checkpoint_util_main, argv + ["--overwrite"]) == (0, "")
     _refused(checkpoint_util_main, ["to-consolidated", "--load", str(run[0]), "--output", str(run[0] / "w.pt")],
              run[0], says="lies inside --load")
 
 
 def test_from_consolidated_never_saves_into_a_run_or_a_users_directory(run, tmp_path):
     weights = tmp_path / "w.pt"
-    assert _tool(checkpoint_util_main, ["to-consolidated", "--load", str(run[0]), "--output", str(weights)])[0] == 0
+    assert tool_result(checkpoint_util_main, ["to-consolidated", "--load", str(run[0]), "--output", str(weights)])[0] == 0
     other = tmp_path / "other"
     run_ranks(1, quiet_main, TINY + ["--eval-iters", "0", "--train-iters", "1", "--save", str(other)])
     back = ["from-consolidated", "--input", str(weights), "--save"]
@@ -154,7 +141,7 @@ def _sharded(run, tmp_path, names):
 
 def test_import_reads_shards_named_inside_input_only(run, tmp_path):
     good = _sharded(run, tmp_path / "good", ["a.safetensors", "b.safetensors"])
-    assert _tool(import_main, ["--input", str(good), "--save", str(tmp_path / "ok")]) == (0, "")
+    assert tool_result(import_main, ["--input", str(good), "--save", str(tmp_path / "ok")]) == (0, "")
     outside = tmp_path / "outside.safetensors"
     cases = {"dotdot": ["a.safetensors", "../outside.safetensors"], "absolute": ["a.safetensors", str(outside)]}
     for case, names in cases.items():
@@ -174,7 +161,7 @@ def test_import_reads_shards_named_inside_input_only(run, tmp_path):
 def test_import_keeps_a_users_save_tmp_and_refuses_a_save_inside_a_checkpoint(run, tmp_path):
     (tmp_path / "ckpt.tmp").mkdir()
     (tmp_path / "ckpt.tmp" / "precious").write_text("x")
-    assert _tool(import_main, ["--input", str(run[1]), "--save", str(tmp_path / "ckpt")]) == (0, "")
+    assert tool_result(import_main, ["--input", str(run[1]), "--save", str(tmp_path / "ckpt")]) == (0, "")
     assert (tmp_path / "ckpt.tmp" / "precious").exists()
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.tmp"]
     _refused(import_main, ["--input", str(run[1]), "--save", str(run[0] / "imported")], run[0],
@@ -182,7 +169,7 @@ def test_import_keeps_a_users_save_tmp_and_refuses_a_save_inside_a_checkpoint(ru
 
 
 def _generate(argv):
-    return _tool(generate_main, argv)
+    return tool_result(generate_main, argv)
 
 
 def test_generate_never_writes_into_the_run(run):

@@ -3,7 +3,6 @@
 reader (pretrain_gpt.py --load, checkpoint_util.py verify and to-consolidated, export_hf.py, generate.py) is one
 `error:` line naming the file, a non-zero exit, and the payload never runs (its marker file stays absent)."""
 
-import contextlib
 import io
 import os
 import pickle
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from mpzero.checkpointing.reader import ADMITTED, read_metadata
-from tests.cli import ROOT, TINY, exit_code_and_stderr, quiet_main
+from tests.cli import ROOT, TINY, exit_code_and_stderr, quiet_main, tool_result
 from tests.distributed import run_ranks
 
 TOOLS = os.path.join(ROOT, "tools")
@@ -85,28 +84,17 @@ def _plant(root, kind, marker):
     return path.name
 
 
-def _tool(main, argv):
-    """(exit code, stderr) of a tool's main(argv) in this process."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as stop:
-            code = stop.code
-    return code if isinstance(code, int) else 0, err.getvalue()
-
-
 def _generate(argv):
-    return _tool(generate_main, argv)
+    return tool_result(generate_main, argv)
 
 
 ENTRY_POINTS = {
     "pretrain_gpt --load": lambda root, out: run_ranks(1, exit_code_and_stderr, TINY + [
         "--eval-iters", "0", "--train-iters", "3", "--load", str(root)])[0],
-    "checkpoint_util verify": lambda root, out: _tool(checkpoint_util_main, ["verify", "--load", str(root)]),
-    "checkpoint_util to-consolidated": lambda root, out: _tool(checkpoint_util_main, [
+    "checkpoint_util verify": lambda root, out: tool_result(checkpoint_util_main, ["verify", "--load", str(root)]),
+    "checkpoint_util to-consolidated": lambda root, out: tool_result(checkpoint_util_main, [
         "to-consolidated", "--load", str(root), "--output", str(out / "weights.pt")]),
-    "export_hf": lambda root, out: _tool(export_main, ["--load", str(root), "--output", str(out / "hf")]),
+    "export_hf": lambda root, out: tool_result(export_main, ["--load", str(root), "--output", str(out / "hf")]),
     "generate": lambda root, out: run_ranks(1, _generate, [
         "--load", str(root), "--prompt", "1 2 3", "--max-new-tokens", "2", "--tokenizer-type", "NullTokenizer"])[0],
 }
@@ -136,7 +124,7 @@ def test_the_refusal_names_the_foreign_callable(saved, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(saved, root)
     _plant(root, "metadata", tmp_path / "payload-ran")
-    code, stderr = _tool(checkpoint_util_main, ["verify", "--load", str(root)])
+    code, stderr = tool_result(checkpoint_util_main, ["verify", "--load", str(root)])
     assert code == 2 and "names posix.system, which is not checkpoint metadata" in stderr, stderr
     assert not (tmp_path / "payload-ran").exists()
 
