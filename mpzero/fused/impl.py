@@ -97,17 +97,21 @@ def planned_impl(op: str, device: torch.device | str, impl: str = "auto") -> str
     return (CUDA_CHOICE if torch.device(device).type == "cuda" else CPU_CHOICE)[op]
 
 
-def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
-    """The attention backend `backend` runs on `device`: one of flash, fused, unfused, local."""
+def planned_attention_backend(backend: str, device: torch.device | str) -> str:
+    """What `backend` means on a device of `device`'s type (one of flash, fused, unfused, local), without
+    requiring it runnable there (a CPU machine plans a CUDA run)."""
     if backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend {backend} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    device_type = torch.device(device).type
-    if backend == "auto":
-        return ATTENTION_CHOICE.get(device_type, "local")
-    if backend == "fused" and device_type != "cuda":
+    return ATTENTION_CHOICE.get(torch.device(device).type, "local") if backend == "auto" else backend
+
+
+def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
+    """The attention backend `backend` runs on `device`: one of flash, fused, unfused, local."""
+    resolved, device_type = planned_attention_backend(backend, device), torch.device(device).type
+    if resolved == "fused" and device_type != "cuda":
         raise ConfigError(f"--attention-backend fused is cuDNN's fused attention and needs CUDA (this run is on "
                           f"{device_type}): use flash (torch's scaled_dot_product_attention) or local")
-    return backend
+    return resolved
 
 
 def resolved_impls(device: torch.device | str) -> dict[str, str]:

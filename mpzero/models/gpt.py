@@ -45,7 +45,8 @@ from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
 from mpzero.fused import layer_norm, scaled_masked_softmax
-from mpzero.fused.impl import ATTENTION_BACKENDS, planned_impl, resolve_attention_backend
+from mpzero.fused.impl import (ATTENTION_BACKENDS, planned_attention_backend, planned_impl,
+                               resolve_attention_backend)
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
@@ -161,15 +162,16 @@ class GPTConfig:
     def attention(self, device: torch.device | str) -> str:
         """The attention backend this config runs on a device of `device`'s type: flash, fused, unfused or
         local (`mpzero.fused.impl.resolve_attention_backend`; --use-flash-attn is flash)."""
-        return resolve_attention_backend("flash" if self.use_flash_attn else self.attention_backend, device)
+        return resolve_attention_backend(self._attention_backend, device)
 
     def planned_attention(self, device: torch.device | str) -> str:
         """`attention(device)` without its check that the backend can run there (a CPU machine plans a CUDA
-        run; "fused" planned on a CPU is counted as the flash kernels it resembles)."""
-        try:
-            return self.attention(device)
-        except ConfigError:
-            return "fused"
+        run)."""
+        return planned_attention_backend(self._attention_backend, device)
+
+    @property
+    def _attention_backend(self) -> str:
+        return "flash" if self.use_flash_attn else self.attention_backend
 
     @property
     def needs_rng(self) -> bool:
@@ -215,6 +217,7 @@ class GPTConfig:
         (only the vocabulary padding mask depends on it), with activations and parameters in `dtype`, on a
         device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes)."""
         device = torch.device(device)
+        attention = self.planned_attention(device)
         return ActivationSetting(
             seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
@@ -227,9 +230,9 @@ class GPTConfig:
             distribute_saved_activations=self.distribute_saved_activations,
             offload_activations=self.offload_activations == "cpu",
             layernorm_impl=planned_impl("layer_norm", device, self.layernorm_impl),
-            softmax_impl=("torch" if self.planned_attention(device) == "unfused"
+            softmax_impl=("torch" if attention == "unfused"
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
-            flash_attention=self.planned_attention(device) in ("flash", "fused"), compiled_layers=self.torch_compile,
+            flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
             rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0)
 
