@@ -28,10 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
         logits = logits - logits_max.unsqueeze(-1)  # [..., V/tp], all <= 0
 
-        local_vocab = logits.size(-1)
-        local_target = target - group.rank * local_vocab
-        mine = (local_target >= 0) & (local_target < local_vocab)
-        local_target = local_target.masked_fill(~mine, 0)
+        local_target, mine = _local_target(target, group.rank, logits.size(-1))
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         group.all_reduce(target_logit)
 
