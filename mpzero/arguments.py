@@ -263,7 +263,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     dp = world_size // tp
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
     num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
-    tokenizer = _tokenizer(args)
+    tokenizer = tokenizer_record(args)
     vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)
     model.validate(tp)
@@ -301,12 +301,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         flags={**vars(args), **resolved})
 
 
-def _vocab_size(args: argparse.Namespace) -> int:
-    """The tokenizer's vocabulary (before padding for TP); --vocab-size for mock data (tools/plan_memory.py)."""
-    return _tokenizer(args)["vocab_size"]
-
-
-def _tokenizer(args: argparse.Namespace) -> dict:
+def tokenizer_record(args: argparse.Namespace) -> dict:
     """The tokenizer's record: type, files' sha256, vocabulary (before padding for TP); --vocab-size for mock data."""
     if args.mock_data:
         return no_tokenizer(args.vocab_size)

@@ -23,7 +23,7 @@ import re
 import sys
 
 
-from mpzero.arguments import _vocab_size, build_parser, parse_args
+from mpzero.arguments import build_parser, parse_args, tokenizer_record
 from mpzero.cli import exit_code
 from mpzero.config_file import read_config_file
 from mpzero.errors import ConfigError
@@ -120,7 +120,7 @@ def plan(argv: list[str]) -> dict:
                       opts.device == "cuda", hw)
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
-    planner = Planner(args, _vocab_size(args), machine)
+    planner = Planner(args, tokenizer_record(args)["vocab_size"], machine)
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
                               opts.micro_batch_sizes, opts.max_micro_batch_size)
     if not layouts:
