@@ -21,10 +21,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from mpzero.gpu_check.step_profile import step_profile
+from mpzero.gpu_check.workers import eager_gpt2
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
@@ -33,40 +32,8 @@ from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 VARIANTS = ("eager", "eager-compile", "mpzero-local", "mpzero-flash", "mpzero-compile")
 
 
-class EagerBlock(nn.Module):
-    def __init__(self, h, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class EagerGPT(nn.Module):
-    def __init__(self, vocab, h, layers, heads, seq):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(EagerBlock(h, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(h)
-
-    def forward(self, tokens, labels):
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1), device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
-
-
 def eager_step(a, device, dtype, compiled: bool):
-    model = EagerGPT(a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.seq_length).to(device)
+    model = eager_gpt2(a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.seq_length).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model) if compiled else model
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
