@@ -1,8 +1,8 @@
 """Preprocessing throughput: tools/preprocess_data.py's pipeline with 1 and 2 workers against the raw
 SentencePiece encode rate, all measured in this run on the same text and tokenizer.
 
-    python bench/bench_preprocess.py [--corpus data_sample] [--repeat 3]    # the bundled KJV sample by default
-    python bench/bench_preprocess.py --corpus ../shared/corpus                # the figures in bench/README.md
+    python bench/bench_preprocess.py [--corpus DIR] [--repeat 3]    # DIR of *.jsonl(.gz): the bundled KJV sample
+                                                                     # (data_sample/) by default
 
 Raw encode: every document already decoded in memory, encoded one by one in one thread: the
 tokenizer's own speed, with no file reading, JSON parsing or writing (the goal's baseline). Raw batch
