@@ -26,6 +26,7 @@ from mpzero.zero.offload.sink import OffloadHolder
 from mpzero.zero.config import OptimizerConfig
 from mpzero.zero.flat import FlatLayout
 
+
 @dataclass(frozen=True)
 class OwnedPiece:
     """A run of one parameter's elements that this rank's optimizer state holds: elements [start, end) of the
