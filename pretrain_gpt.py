@@ -29,7 +29,9 @@ from mpzero.training.loop import BuiltModel, train
 
 
 def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker) -> BuiltModel:
-    model = GPTModel(config, groups.tp, rng, device=groups.device)
+    """The model without storage: ZeroOptimizer makes it one unit or bucket at a time, straight into this rank's
+    shard (streamed construction: no rank holds the fp32 model; the same weights as a whole build)."""
+    model = GPTModel(config, groups.tp, rng, device="meta")
     return BuiltModel(model, config.flops_per_token(groups.tp_size), config.architecture())
 
 

@@ -145,6 +145,8 @@ def compare(memory, comm, tp_comm: float, plan: StatePlan, plan_tp: float, activ
               ("TP bytes/iter", tp_comm, plan_tp)]
     if memory.peak is not None:
         checks.append(("peak bytes", memory.peak.measured, plan.report.peak.measured))
+    for mine, theirs in zip(memory.construction, plan.report.construction):
+        checks.append((f"{mine.name} bytes", mine.measured, theirs.measured))
     if activations is not None and plan_acts is not None:
         checks.append(("activation bytes", activations["total"], plan_acts.saved))
     ours = {tier.name: tier for tier in plan.report.tiers}

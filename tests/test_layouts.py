@@ -29,10 +29,12 @@ def test_layout_matches_single_process(reference, tp, dp, stage):
     assert_close_lists(history["valid_losses"], reference["valid_losses"])
 
 
-@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]])
 def test_mixed_precision_trains_at_tp2_dp2_stage3(reference, precision):
-    history, stdout = run_ranks(4, main_capturing_stdout, TINY + [precision, "--tensor-model-parallel-size", "2",
-                                                                   "--zero-stage", "3"])[0]
+    # fp16 from Megatron's default scale 2^32 skips its first iterations while the scale falls to what these
+    # gradients allow: started lower, all 10 iterations train
+    history, stdout = run_ranks(4, main_capturing_stdout, TINY + precision + ["--tensor-model-parallel-size", "2",
+                                                                               "--zero-stage", "3"])[0]
     losses = history["losses"]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpzero.arguments import build_parser, gpt_config, parse_args
+from mpzero.deferred_init import materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.models.gpt import TransformerLayer
@@ -110,8 +111,7 @@ def test_openai_gelu_is_the_tanh_form():
         tp = init_parallel(1).tp
         outputs = {}
         for gelu in (False, True):
-            layer = TransformerLayer(dataclasses.replace(config, openai_gelu=gelu), tp, None,
-                                     torch.Generator().manual_seed(1))
+            layer = TransformerLayer(dataclasses.replace(config, openai_gelu=gelu), tp, None)
             layer.mlp.fc1 = nn.Identity()  # the activation alone, between identities
             layer.mlp.fc2 = nn.Identity()
             outputs[gelu] = layer.mlp(x)
@@ -293,7 +293,9 @@ def test_one_layer_is_24h2_plus_4sh_per_token_and_pass():
     h, s, b = 32, 12, 3
 
     def count():
-        layer = TransformerLayer(NO_DROPOUT, init_parallel(1).tp, None, torch.Generator().manual_seed(0))
+        layer = TransformerLayer(NO_DROPOUT, init_parallel(1).tp, None)
+        name_parameters(layer, seed=0)
+        materialize_module(layer)  # a layer built alone holds meta parameters until it is made
         x = torch.randn(b, s, h, requires_grad=True)
         with FlopCounterMode(display=False) as counter:
             layer(x).sum().backward()

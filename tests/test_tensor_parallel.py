@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpzero.deferred_init import materialize_module, name_parameters, parameter_generator
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     vocab_parallel_cross_entropy)
@@ -14,15 +15,22 @@ from tests.distributed import run_ranks
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 
-def _init(t):
-    torch.nn.init.normal_(t, std=0.5)
+def _init(t, generator):
+    torch.nn.init.normal_(t, std=0.5, generator=generator)
 
 
 def _full_weight(shape):
-    torch.manual_seed(0)
+    """The full weight a layer's `weight` holds its slice of: its own generator, keyed by its name."""
     w = torch.empty(shape)
-    _init(w)
+    _init(w, parameter_generator(0, "weight"))
     return w
+
+
+def _made(layer):
+    """A layer built alone holds meta parameters until it is made (`mpzero.deferred_init`)."""
+    name_parameters(layer, seed=0)
+    materialize_module(layer)
+    return layer
 
 
 def _mine(full, dim, tp):
@@ -31,8 +39,7 @@ def _mine(full, dim, tp):
 
 def _column_parallel_linear_case():
     tp = init_parallel(torch.distributed.get_world_size()).tp
-    torch.manual_seed(0)
-    layer = ColumnParallelLinear(7, 12, tp, _init, gather_output=True)
+    layer = _made(ColumnParallelLinear(7, 12, tp, _init, gather_output=True))
     w = _full_weight((12, 7)).requires_grad_()
     b = torch.zeros(12, requires_grad=True)
     x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(1))
@@ -50,8 +57,7 @@ def _column_parallel_linear_case():
 
 def _row_parallel_linear_case():
     tp = init_parallel(torch.distributed.get_world_size()).tp
-    torch.manual_seed(0)
-    layer = RowParallelLinear(12, 5, tp, _init, input_is_parallel=False)
+    layer = _made(RowParallelLinear(12, 5, tp, _init, input_is_parallel=False))
     w = _full_weight((5, 12)).requires_grad_()
     b = torch.zeros(5, requires_grad=True)
     x = torch.randn(3, 12, generator=torch.Generator().manual_seed(1))
@@ -69,8 +75,7 @@ def _row_parallel_linear_case():
 
 def _vocab_parallel_embedding_case():
     tp = init_parallel(torch.distributed.get_world_size()).tp
-    torch.manual_seed(0)
-    layer = VocabParallelEmbedding(16, 5, tp, _init)
+    layer = _made(VocabParallelEmbedding(16, 5, tp, _init))
     w = _full_weight((16, 5)).requires_grad_()
     ids = torch.tensor([[0, 15, 3, 8], [7, 7, 12, 1]])
     grad_out = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(2))

@@ -12,9 +12,12 @@ As a library:
                      init_parallel().tp)                      # no RNG tracker needed without dropout
     loss = model(tokens, labels, reduction="mean")
 
-Initialization draws from a CPU `torch.Generator` the model owns, seeded with `config.init_seed`: building a
-model never touches torch's global RNG, the weights are the same at every TP size (each rank draws every full
-weight and keeps its slice) and on CPU and CUDA (drawn on the CPU, then moved). Dropout draws from torch's
+Initialization is deferred (`mpzero.deferred_init`): every parameter is created on the meta device with its
+recipe, keyed by its name and seeded with `config.init_seed`, and drawn from a CPU generator of its own when it is
+made: building a model never touches torch's global RNG, and the weights are the same at every TP size (each rank
+draws every full weight and keeps its slice), on CPU and CUDA (drawn on the CPU, then moved), and whether the model
+is made whole (`device` a real device) or left on the meta device (`device="meta"`) for ZeRO to make one unit or
+bucket at a time, straight into this rank's shard (`ZeroOptimizer`; what `pretrain_gpt.py` does). Dropout draws from torch's
 default generator (hidden dropout, identical on every TP rank when seeded alike) and from the tracker's
 tensor-parallel stream (attention dropout): the caller seeds those (`seed_everything`).
 
@@ -43,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mpzero.activations import ActivationSetting, activation_region, host_offload
 from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
 from mpzero.comm import CommGroup
+from mpzero.deferred_init import deferred_parameter, materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.fused import layer_norm, scaled_masked_softmax
 from mpzero.fused.impl import (ATTENTION_BACKENDS, planned_attention_backend, planned_impl,
@@ -50,7 +54,7 @@ from mpzero.fused.impl import (ATTENTION_BACKENDS, planned_attention_backend, pl
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
-from mpzero.tensor_parallel.layers import linear_with_sequence_gather
+from mpzero.tensor_parallel.layers import linear_with_sequence_gather, ones_, zeros_
 from mpzero.tensor_parallel.mappings import scatter_to_sequence_parallel
 
 
@@ -242,14 +246,16 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
-def _normal(std: float, generator: torch.Generator):
-    return partial(nn.init.normal_, mean=0.0, std=std, generator=generator)
+def _normal(std: float):
+    def init(full: torch.Tensor, generator: torch.Generator) -> None:
+        nn.init.normal_(full, mean=0.0, std=std, generator=generator)
+    return init
 
 
-def _vocab_rows(std: float, vocab: int, generator: torch.Generator):
+def _vocab_rows(std: float, vocab: int):
     """Init of a [padded vocabulary, h] weight: only the real rows are drawn (the same draws whatever the padding
     and the TP size), the padding rows are zero (and, receiving no gradient, stay zero)."""
-    def init(full: torch.Tensor) -> None:
+    def init(full: torch.Tensor, generator: torch.Generator) -> None:
         nn.init.normal_(full[:vocab], std=std, generator=generator)
         full[vocab:].zero_()
     return init
@@ -262,12 +268,12 @@ class LayerNorm(nn.Module):
     (sequence parallelism) it normalizes this rank's sequence slice, and the weight and bias gradients are
     all-reduced over the TP group on their way back (Megatron's allreduce of `sequence_parallel` grads)."""
 
-    def __init__(self, config: GPTConfig, device=None, tp: CommGroup | None = None):
+    def __init__(self, config: GPTConfig, tp: CommGroup | None = None):
         super().__init__()
         self.eps, self.impl = config.layernorm_epsilon, config.layernorm_impl
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.ones(config.hidden_size, device=device)), None)
-        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(config.hidden_size, device=device)), None)
+        self.weight = mark_tensor_parallel(deferred_parameter((config.hidden_size,), ones_), None)
+        self.bias = mark_tensor_parallel(deferred_parameter((config.hidden_size,), zeros_), None)
         self.weight.sequence_parallel = self.bias.sequence_parallel = self.tp is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,8 +294,7 @@ class SelfAttention(nn.Module):
     keeps no [s, s] tensor (Megatron calls selective recomputation unnecessary there): it then saves only the
     kernel's fp32 logsumexp, at the cost of one more attention forward."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
-                 device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
         self.head_dim = h // config.num_attention_heads
@@ -298,9 +303,8 @@ class SelfAttention(nn.Module):
         self.config = config
         self.selective = config.granularity == "selective"
         sp = config.sequence_parallel
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
-        self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
-                                       device=device, sequence_parallel=sp)
+        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std), sequence_parallel=sp)
+        self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), sequence_parallel=sp)
 
     def backend(self, device: torch.device) -> str:
         """flash, fused, unfused or local: the core attention this module runs on `device`."""
@@ -347,14 +351,14 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """h -> 4h (column-parallel, GELU on this rank's shard) -> h (row-parallel, all-reduced)."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
         sp = config.sequence_parallel
         self.approximate = "tanh" if config.openai_gelu else "none"
-        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
-        self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
-                                     device=device, sequence_parallel=sp)
+        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std), sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)),
+                                     sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
@@ -380,14 +384,13 @@ class TransformerLayer(nn.Module):
     """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))); hidden dropout is replicated across TP
     (sequence parallel: x, the LayerNorms, dropouts and residual adds are this rank's slice of the sequence)."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
-                 device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None):
         super().__init__()
         sp_group = tp if config.sequence_parallel else None
-        self.input_layernorm = LayerNorm(config, device, sp_group)
-        self.attention = SelfAttention(config, tp, rng, generator, device)
-        self.post_attention_layernorm = LayerNorm(config, device, sp_group)
-        self.mlp = MLP(config, tp, generator, device)
+        self.input_layernorm = LayerNorm(config, sp_group)
+        self.attention = SelfAttention(config, tp, rng)
+        self.post_attention_layernorm = LayerNorm(config, sp_group)
+        self.mlp = MLP(config, tp)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -400,22 +403,18 @@ class GPTEmbedding(nn.Module):
     start (and, receiving no gradient, stay) at zero. Under sequence parallelism the sum (all-reduced over
     the vocabulary shards) is cut to this rank's sequence slice before the dropout, as in Megatron."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None,
-                 rng: RNGStatesTracker | None = None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None):
         super().__init__()
         std, vocab = config.init_method_std, config.vocab_size
         self.tp, self.sequence_parallel = tp, config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
-                                                      tp, _vocab_rows(std, vocab, generator), device)
+                                                      tp, _vocab_rows(std, vocab))
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
-        # drawn from the CPU generator like every other weight, so a GPU run starts where a CPU run does
-        # (given a weight, nn.Embedding skips its own reset_parameters, a draw from the global RNG)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                 _weight=torch.empty(config.max_position_embeddings,
-                                                                     config.hidden_size))
-        nn.init.normal_(self.position_embeddings.weight, std=std, generator=generator)
-        self.position_embeddings.to(device)
-        mark_tensor_parallel(self.position_embeddings.weight, None)
+        # a deferred weight like every other (given a weight, nn.Embedding skips its own reset_parameters, a draw
+        # from the global RNG), so a GPU run starts where a CPU run does
+        shape = (config.max_position_embeddings, config.hidden_size)
+        self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
+        self.position_embeddings.weight = mark_tensor_parallel(deferred_parameter(shape, _normal(std)), None)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -461,20 +460,21 @@ class GPTModel(nn.Module):
                               f" or recomputation {config.granularity}: pass one, or set both dropouts "
                               f"to 0 and no recomputation")
         self.config, self.tp, self.rng = config, tp, rng
-        generator = torch.Generator().manual_seed(config.init_seed)  # CPU: the same weights for a CUDA model
-        self.embedding = GPTEmbedding(config, tp, generator, device, rng)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, generator, device)
-                                    for _ in range(config.num_layers))
+        self.embedding = GPTEmbedding(config, tp, rng)
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng) for _ in range(config.num_layers))
         if config.torch_compile:
             compile_layers(self.layers)
-        self.final_layernorm = LayerNorm(config, device, tp if config.sequence_parallel else None)
+        self.final_layernorm = LayerNorm(config, tp if config.sequence_parallel else None)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size(tp.size), tp,
-                _vocab_rows(config.init_method_std, config.vocab_size, generator), bias=False, device=device,
+                _vocab_rows(config.init_method_std, config.vocab_size), bias=False,
                 sequence_parallel=config.sequence_parallel)
             mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
+        name_parameters(self, config.init_seed)
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            materialize_module(self, device)  # the whole build; on the meta device ZeroOptimizer streams it
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 reduction: str = "none") -> torch.Tensor:

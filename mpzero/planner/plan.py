@@ -8,7 +8,8 @@ TP traffic, and the cost (`cost.py`), and says whether it fits the machine.
 
 Device bytes per rank at the peak = the largest of three moments (+ the reserve the user states: CUDA context,
 allocator slack, fragmentation, not modeled):
-  construction   the fp32 model and the ZeRO buffers being built (`transients.construction_peak`)
+  construction   the model states plus one bucket's or unit's working set while they are made (streamed
+                 construction, `mpzero.zero.construction.construction_working_set`)
   backward       model states between steps + the in-step working set (stage 3's gathered units, prefetch and
                  gradient buckets; stage 2's full gradient buckets) + activations (a micro-batch's saved tensors,
                  plus one recomputed layer) + the largest working tensor (`transients.compute_transients`); an
@@ -30,7 +31,7 @@ from mpzero.planner.activations import ActivationPlan, activation_plan, normaliz
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
 from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
-from mpzero.planner.transients import compute_transients, construction_peak
+from mpzero.planner.transients import compute_transients
 
 TIERS = ("none", "cpu", "disk")
 
@@ -195,9 +196,7 @@ class Planner:
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
         layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel)
         mixed = self.precision.dtype != "fp32"
-        construction = construction_peak(layouts, zero.stage, self.p, mixed, self.g, machine.cuda,
-                                         offload.optimizer != "none", offload.params != "none",
-                                         rule.state_bytes_per_param)
+        construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         shards = [lay.shard_numel for lay in layouts]  # Fp32Buckets: one at a time, all when offloaded
         cast = sum(shards) if offload.optimizer != "none" else max(shards, default=0)

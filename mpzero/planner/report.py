@@ -103,7 +103,7 @@ def components_text(plan: LayoutPlan) -> list[str]:
     lines += [f"  working tensors   {gib(work):>9} GiB   (largest of cross entropy {gib(t['cross entropy'])}, "
               f"vocabulary gradients "
               f"{gib(t['vocabulary gradients'])}, attention backward {gib(t['attention backward'])}; estimate)",
-              f"  construction      {gib(plan.construction):>9} GiB   (the fp32 model and ZeRO's buffers being built)",
+              f"  construction      {gib(plan.construction):>9} GiB   (model states + one unit's working set while made)",
               f"  device peak       {gib(plan.device_peak):>9} GiB   (largest of construction, backward "
               f"{gib(plan.backward_peak)}, optimizer step {gib(plan.step_peak)})",
               f"  host              {gib(plan.host_per_rank):>9} GiB per rank (states {gib(s.host)}, buffers "

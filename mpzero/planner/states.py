@@ -36,6 +36,7 @@ from mpzero.zero.offload.masters import buffer_bytes
 from mpzero.zero.offload.params import SLOTS
 from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.planner.shapes import ModelShapes
+from mpzero.zero.construction import construction_working_set
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, transfer_theory)
 from mpzero.optim import AdamW, UpdateRule
@@ -167,6 +168,12 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
                                        _host_buffer_text(offload, cuda, p, rule)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
+    built = construction_working_set(list(layouts), stage, p, precision.dtype != "fp32", offload.params != "none",
+                                     stage == 3 and (dp > 1 or offload.params != "none"))
+    report = dataclasses.replace(report, construction=(
+        TierReport("construction peak", report.measured + built.device, report.formula + built.device,
+                   f"{report.formula_text}+{built.device_text}"),
+        TierReport("construction host working set", built.host, built.host, built.host_text)))
     if stage == 3 and after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              f"{report.formula_text}+{working_text}"))

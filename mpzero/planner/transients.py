@@ -1,18 +1,7 @@
-"""What a rank's device holds beyond the model states and the saved activations, at two moments the steady-state
-formulas do not see: while the model and its ZeRO optimizer are built, and the working tensors of a step.
+"""What a rank's device holds beyond the model states and the saved activations: the working tensors of a step.
 
-Construction (`construction_peak`), simulated from the code's order of allocations, per rank:
-- `GPTModel` builds every parameter of its TP rank in fp32 on the device (4 bytes x its numel), whatever the ZeRO
-  stage: the weights exist whole before ZeRO flattens them;
-- stages 0-2, bucket by bucket: the bucket's fp32 values (4E), their cast (pE, mixed precision), this rank's fp32
-  slice (4S, mixed precision: the masters' starting values); binding frees the bucket's fp32 parameters;
-- stage 3, unit by unit: the fp32 values and cast (4E, pE), this rank's shard (pS) and fp32 slice (4S, mixed); then
-  every unit's full buffer is allocated (pE each, on a GPU; CPU pages stay untouched) before the bindings free the
-  fp32 parameters and the buffers are released;
-- then gradient buffers, the masters (cloned from the fp32 slices, which are freed after) and the update rule's
-  states (`state_bytes` per owned element: AdamW's two moments 8, SGD's momentum buffer 4).
-So the fp32 model (4P per TP rank) is on every device at the start, and at stage 3 also the full low-precision
-model for a moment: ZeRO's partitioned sizes are reached only after construction.
+Construction is streamed (`mpzero.zero.construction`): its device peak is the model states plus one bucket's or
+unit's working set, `construction_working_set`, which the plan adds to the states.
 
 Working tensors of a step (`compute_transients`), an estimate from what the code computes (not counted by any line):
 - cross entropy, backward: the fp32 softmax with the target subtracted, its product with the loss gradient and
@@ -33,36 +22,6 @@ The step's peak takes the largest of the backward ones beside the saved activati
 from __future__ import annotations
 
 from mpzero.zero.norm import CHUNK
-
-
-def construction_peak(layouts, stage: int, p: int, mixed: bool, g: int, cuda: bool, optimizer_offloaded: bool,
-                      params_offloaded: bool, state_bytes: int) -> int:
-    """Device bytes at the high-water mark of building the model and its ZeRO optimizer (see the module docstring)."""
-    numel = sum(layout.numel for layout in layouts)
-    shards = sum(layout.shard_numel for layout in layouts)
-    owned = sum(end - start for layout in layouts for start, end, _ in layout.decay_runs())
-    live = peak = 4 * numel  # the fp32 model
-    slice_bytes = 4 if mixed else 0  # the fp32 slice kept for the masters (fp32: a view of the parameters)
-    for layout in layouts:
-        e, s = layout.padded_numel, layout.shard_numel
-        if stage < 3:
-            cast = p * e if mixed else 0
-            peak = max(peak, live + 4 * e + cast + slice_bytes * s)
-            live += (cast if mixed else 4 * e) + slice_bytes * s - 4 * layout.numel
-        else:
-            kept = 0 if params_offloaded else p * s + slice_bytes * s  # offloaded: shard and slice go to the host
-            peak = max(peak, live + 4 * e + (p * e if mixed else 0) + kept)
-            live += kept
-    if stage == 3:
-        partitioned = layouts[0].parts > 1
-        if cuda and (partitioned or params_offloaded):
-            peak = max(peak, live + p * sum(layout.padded_numel for layout in layouts))
-        live -= 4 * numel
-    live += g * (sum(layout.padded_numel for layout in layouts) if stage < 2 else shards)  # gradient buffers
-    if not optimizer_offloaded:
-        live += (4 * shards if mixed else 0) + state_bytes * owned  # masters (cloned while the fp32 slices live), states
-    peak = max(peak, live)
-    return peak
 
 
 def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, fp32_grad_numel: int,

@@ -1,7 +1,9 @@
 """Megatron's tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
 
-Initialization is TP-invariant: every rank builds the FULL weight from the (identically seeded) default
-generator and keeps its own slice, so a model at TP=2 starts from exactly the weights it has at TP=1.
+Initialization is TP-invariant and deferred (`mpzero.deferred_init`): every parameter is created on the meta
+device with its recipe, the FULL weight's shape, fill and how this rank's slice is cut; when it is made, every
+rank draws the full weight from the parameter's own generator and keeps its slice, so a model at TP=2 starts from
+exactly the weights it has at TP=1. `init_method(full, generator)` fills the full fp32 weight in place.
 Every parameter is marked with how it is split (`placement.mark_tensor_parallel`), so gradient norms,
 checkpoints and export can gather or reshard it generically.
 
@@ -15,6 +17,7 @@ the TP group (`copy_to_tp` on the parameter), so every rank holds the same bias 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -22,21 +25,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpzero.comm import CommGroup
+from mpzero.deferred_init import Fill, deferred_parameter
 from mpzero.errors import ConfigError
 from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
                                              reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
                                              scatter_to_tp)
 from mpzero.tensor_parallel.placement import mark_tensor_parallel
 
-InitMethod = Callable[[torch.Tensor], None]
+InitMethod = Fill  # (full fp32 weight, its generator) -> None, in place
+
+
+def _chunk(full: torch.Tensor, dim: int, parts: int, rank: int) -> torch.Tensor:
+    return full.chunk(parts, dim=dim)[rank]
 
 
 def sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, group: CommGroup,
-                      init_method: InitMethod, device=None) -> nn.Parameter:
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_method(full)  # drawn identically on every rank, whatever the TP size
-    shard = full.chunk(group.size, dim=partition_dim)[group.rank].contiguous()
-    return mark_tensor_parallel(nn.Parameter(shard.to(device)), partition_dim)
+                      init_method: InitMethod, shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> nn.Parameter:
+    """A deferred parameter: this rank's part of a full weight of `full_shape`, drawn identically on every rank
+    whatever the TP size. `shard`: full -> this rank's part (default: the rank's contiguous chunk along
+    `partition_dim`)."""
+    shard = shard or partial(_chunk, dim=partition_dim, parts=group.size, rank=group.rank)
+    return mark_tensor_parallel(deferred_parameter(full_shape, init_method, shard), partition_dim)
+
+
+def zeros_(full: torch.Tensor, generator: torch.Generator) -> None:
+    full.zero_()
+
+
+def ones_(full: torch.Tensor, generator: torch.Generator) -> None:
+    full.fill_(1.0)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -45,8 +63,8 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _bias(size: int, partition_dim: int | None, device) -> nn.Parameter:
-    return mark_tensor_parallel(nn.Parameter(torch.zeros(size, device=device)), partition_dim)
+def _bias(size: int, partition_dim: int | None) -> nn.Parameter:
+    return mark_tensor_parallel(deferred_parameter((size,), zeros_), partition_dim)
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -85,13 +103,13 @@ class ColumnParallelLinear(nn.Module):
     (with `sequence_parallel` the input is this rank's sequence slice, gathered; its gradient reduce-scattered)."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
-                 bias: bool = True, gather_output: bool = False, device=None, sequence_parallel: bool = False):
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and group.size > 1
         local_out = _divide(out_features, group.size, "output size")
-        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, device)
-        self.bias = _bias(local_out, 0, device) if bias else None
+        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method)
+        self.bias = _bias(local_out, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -106,13 +124,13 @@ class RowParallelLinear(nn.Module):
     partial product from its input shard, the partials are all-reduced, then the replicated bias is added."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
-                 bias: bool = True, input_is_parallel: bool = True, device=None, sequence_parallel: bool = False):
+                 bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel = sequence_parallel and group.size > 1
         _divide(in_features, group.size, "input size")
-        self.weight = sharded_parameter((out_features, in_features), 1, group, init_method, device)
-        self.bias = _bias(out_features, None, device) if bias else None
+        self.weight = sharded_parameter((out_features, in_features), 1, group, init_method)
+        self.bias = _bias(out_features, None) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel  # Megatron's mark: gradient all-reduced over TP
 
@@ -130,13 +148,12 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table [vocab, h] with its rows split across the TP group: rank r owns ids
     [r*V/tp, (r+1)*V/tp); ids elsewhere look up zeros here and the all-reduce fills them in."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: CommGroup, init_method: InitMethod,
-                 device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: CommGroup, init_method: InitMethod):
         super().__init__()
         self.group = group
         self.num_local = _divide(num_embeddings, group.size, "padded vocabulary size")
         self.vocab_start = group.rank * self.num_local
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, group, init_method, device)
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, group, init_method)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

@@ -23,6 +23,10 @@ stage-3 parameters fetched for every gather, 2m pP/N (the step then writes pP/N 
 Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
 in flight (Stage3.peak_working_set), counted by a meter as the buffers are created and freed.
 
+Construction (mpzero.zero.construction): the `construction peak` on the device is the model states (the formula
+above) plus the largest working set of one bucket or unit, and the host's `construction working set` is one
+parameter's draw (plus an offloaded shard's values and cast), each counted by a meter against its formula.
+
 Both report lines are `|`-separated "name value" fields whose value has no spaces:
 `dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])` parses them.
 """
@@ -75,6 +79,7 @@ class MemoryReport:
     padding: int  # padding elements across all flat buffers
     peak: PeakReport | None = None  # stage 3, once a step has run
     tiers: tuple[TierReport, ...] = ()  # offloaded model states (measured/formula above: the device's share)
+    construction: tuple[TierReport, ...] = ()  # construction peak (device) and working set (host), construction.py
 
     @property
     def ratio(self) -> float:
@@ -87,7 +92,7 @@ class MemoryReport:
         return (f"zero memory | stage {self.stage} | dp {self.dp_size} | params {self.numel} | "
                 f"measured bytes {self.measured} | formula {self.formula_text} | formula bytes {self.formula:.0f} | "
                 f"ratio {self.ratio:.4f} | padding elements {self.padding}{peak}"
-                f"{''.join(tier.fields() for tier in self.tiers)}")
+                f"{''.join(tier.fields() for tier in self.tiers + self.construction)}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mpzero.deferred_init import bind, materialize
 from mpzero.errors import ConfigError
 
 DecayRule = Callable[[str, nn.Parameter], bool]
@@ -153,14 +154,15 @@ def bucket_layouts(named_params: list[tuple[str, nn.Parameter]], bucket_numel: i
 
 
 def initial_values(layout: FlatLayout, device: torch.device) -> torch.Tensor:
-    """The parameters' current values as one padded fp32 flat tensor (padding zero)."""
+    """The parameters' current values as one padded fp32 flat tensor (padding zero); a deferred parameter is
+    made from its recipe (`mpzero.deferred_init`), one at a time."""
     flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
     for i, param in enumerate(layout.params):
-        layout.param_view(flat, i).copy_(param.detach())
+        layout.param_view(flat, i).copy_(materialize(param))
     return flat
 
 
 def bind_params(layout: FlatLayout, flat: torch.Tensor) -> None:
     """Make every parameter of the bucket a view into `flat` (its values are used from then on)."""
     for i, param in enumerate(layout.params):
-        param.data = layout.param_view(flat, i)
+        bind(param, layout.param_view(flat, i))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.storages import unique_storage_bytes
@@ -42,6 +43,7 @@ from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, transfer_theory)
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.construction import construction_working_set
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
@@ -72,7 +74,8 @@ class GradientCheck:
 
 def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
                precision: PrecisionConfig, units, offload: OffloadConfig, directory: str | None) -> ZeroStage:
-    device = named_params[0][1].device
+    first = named_params[0][1]
+    device = groups.device if is_deferred(first) else first.device  # a deferred model is made on the run's device
     if zero.stage == 3:
         if offload.params == "none":
             return Stage3(model, named_params, groups.dp, precision, zero, device, units)
@@ -119,6 +122,9 @@ class ZeroOptimizer:
         self._closed = False
         try:
             self.stage = make_stage(model, named, groups, zero, precision, units, offload, self.offload_directory)
+            self._construction_formula = construction_working_set(
+                self.stage.layouts, zero.stage, precision.torch_dtype.itemsize, precision.dtype != "fp32",
+                offload.params != "none", self.stage.gathers)  # before anything is made
             self.masters = self._make_masters(offload, self.offload_directory)
         except BaseException:  # e.g. a full disk: no file or folder of this run stays behind
             self.close()
@@ -132,13 +138,23 @@ class ZeroOptimizer:
         self._transfer_mark = Transfers()
 
     def _make_masters(self, offload: OffloadConfig, directory: OffloadDirectory | None) -> MasterStore:
+        """The master store, taking the stage's starting values one bucket at a time as the stage makes them
+        (construction.py): no rank ever holds its whole fp32 model."""
         initial = self.stage.initial_master_slices()
         if offload.optimizer == "none":
-            return DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.config)
-        from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
-        device = self.stage.grad_shards[0].device
-        return OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
-                                directory, device)
+            masters = DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.config)
+        else:
+            from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
+            device = self.stage.grad_shards[0].device
+            masters = OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
+                                       directory, device)
+        initial.finish()
+        unmade = [name for name, param in self.model.named_parameters() if is_deferred(param)]
+        if unmade:
+            raise ConfigError(f"parameter {unmade[0]!r} was built without storage (a deferred parameter) and is not "
+                              f"trained, so ZeroOptimizer does not make it: make it yourself "
+                              f"(mpzero.deferred_init.materialize_module) or build the model on a device")
+        return masters
 
     def close(self) -> None:
         """Release the offload tiers' files and threads, then their folder and its lock (a no-op in memory)."""
@@ -241,6 +257,11 @@ class ZeroOptimizer:
                                padding, p, g, master, self.rule.state_bytes_per_param, offloaded)
         if offloaded:
             report = dataclasses.replace(report, tiers=self._tier_reports(tiers, p, g))
+        meters, formula = self.stage.construction, self._construction_formula
+        report = dataclasses.replace(report, construction=(
+            TierReport("construction peak", report.measured + meters.device.peak, report.formula + formula.device,
+                       f"{report.formula_text}+{formula.device_text}"),
+            TierReport("construction host working set", meters.host.peak, formula.host, formula.host_text)))
         working = self.stage.peak_working_set(p, g)
         if working is not None and self.stage.meter.peak:  # after a step: its high-water mark
             working_set, text = working

@@ -45,11 +45,12 @@ from torch.utils._pytree import tree_flatten
 from mpzero.comm import CommGroup
 from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.flat import build_layout, bind_params, initial_values
+from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
+                                      shard_values)
+from mpzero.zero.flat import build_layout, bind_params
 from mpzero.zero.grads import ShardedGrads
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
-from mpzero.zero.stages import flatten_params
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -94,23 +95,17 @@ class Stage3(ZeroStage):
         self.layouts = [build_layout(assigned[u], dp.size, dp.rank) for u in keep]
         self.dp, self.prefetch, self.meter = dp, zero.prefetch, TransientMeter()
         self.partitioned = dp.size > 1  # at DP 1 the "shard" is the whole unit: nothing to gather or release
-        dtype = precision.torch_dtype
+        self.device, self.dtype, self.construction = device, precision.torch_dtype, ConstructionMeters()
         self.tier = None
         if offload is not None and offload.params != "none":
             from mpzero.zero.offload.params import ParamTier  # only runs that offload parameters
-            self.tier = ParamTier(self.layouts, dtype, device, offload, directory, self.meter, self.partitioned)
-            self.param_shards, self._initial = self.tier.param_shards, self._place_initial(device)
+            self.tier = ParamTier(self.layouts, self.dtype, device, offload, directory, self.meter, self.partitioned)
+            self.param_shards = self.tier.param_shards
         else:
-            self.param_shards, self._initial = flatten_params(self.layouts, dp, dtype, device, "shard")
+            self.param_shards = [torch.empty(l.shard_numel, dtype=self.dtype, device=device) for l in self.layouts]
         self.gathers = self.partitioned or self.tier is not None  # else params are bound to the one copy
-        self._full = ([torch.empty(l.padded_numel, dtype=dtype, device=device) for l in self.layouts]
-                      if self.gathers else self.param_shards)
-        for layout, full in zip(self.layouts, self._full):
-            bind_params(layout, full)
+        self._full = [None] * len(self.layouts)  # made with each unit (`_make_unit`)
         self._handles = [None] * len(self.layouts)
-        if self.gathers:  # full buffers hold memory only while gathered
-            for full in self._full:
-                full.untyped_storage().resize_(0)
         self._gathered = [not self.gathers] * len(self.layouts)
         self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
                                   after_ready=self._grads_ready)
@@ -120,19 +115,52 @@ class Stage3(ZeroStage):
             self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
             self._hooks.append(module.register_forward_hook(partial(self._post_forward, u)))
 
-    def _place_initial(self, device) -> list[torch.Tensor]:
-        """Offload: each unit's starting shard goes to the tier, one unit at a time; returns the fp32 values
-        of this rank's slices, in host memory, for the master store."""
-        initial = []
-        for u, layout in enumerate(self.layouts):
-            values = initial_values(layout, device)
-            self.dp.broadcast(values)
-            own = values[layout.shard_start:layout.shard_start + layout.shard_numel]
-            self.tier.write(u, 0, own.to(self.tier.dtype))
-            initial.append(own.to("cpu", copy=True))
-        self.tier.finish()
-        self.tier.mark()
-        return initial
+    def _make_unit(self, u: int) -> tuple[torch.Tensor, TransientMeter, int]:
+        """Unit u's parameters made into this rank's shard (device memory, or the offload tier) and bound to views
+        of the unit's full buffer, which holds memory only while gathered (at DP 1 in memory: to the shard, the
+        one whole copy). Returns the fp32 values of the shard, and the meter and bytes of the working copy that
+        keeps alive (construction.py states the working set)."""
+        layout, meters = self.layouts[u], self.construction
+        own = slice(layout.shard_start, layout.shard_start + layout.shard_numel)
+        meter = meters.device
+        if not fully_deferred(layout):  # the whole unit's values, broadcast from DP rank 0
+            values = bucket_values(layout, self.device, self.dp, meters)
+            shard, held = values[own], 4 * values.numel()
+            if self.tier is None:
+                self.param_shards[u].copy_(shard)
+        elif self.tier is not None:  # an offloaded shard is made on the host
+            shard, meter = shard_values(layout, self.device, meters, on_host=True), meters.host
+            held = 4 * shard.numel()
+        elif self.dtype == torch.float32:  # the shard itself holds the fp32 values
+            shard, held = shard_values(layout, self.device, meters, out=self.param_shards[u]), 0
+        else:
+            shard = shard_values(layout, self.device, meters)
+            self.param_shards[u].copy_(shard)
+            held = 4 * shard.numel()
+        if self.tier is not None:
+            cast = shard.to(self.dtype)
+            cast_bytes = 0 if cast is shard else cast.numel() * cast.element_size()
+            meters.host.add(cast_bytes)
+            self.tier.write(u, 0, cast)
+            del cast
+            meters.host.sub(cast_bytes)
+        if self.gathers:
+            full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+            meters.device.add(full.numel() * full.element_size())
+            bind_params(layout, full)
+            full.untyped_storage().resize_(0)
+            meters.device.sub(layout.padded_numel * full.element_size())
+            self._full[u] = full
+        else:
+            bind_params(layout, self.param_shards[u])
+            self._full[u] = self.param_shards[u]
+        return shard, meter, held
+
+    def _placed(self) -> None:
+        """Every unit made: the tier's initial writes are on disk, and its traffic counts from here."""
+        if self.tier is not None:
+            self.tier.finish()
+            self.tier.mark()
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond the shards at its peak, in backward (forward holds less):
@@ -169,9 +197,8 @@ class Stage3(ZeroStage):
     def grad_shards(self) -> list[torch.Tensor]:
         return self.grads.shards
 
-    def initial_master_slices(self) -> list[torch.Tensor]:
-        initial, self._initial = self._initial, []
-        return initial
+    def initial_master_slices(self) -> InitialSlices:
+        return InitialSlices(len(self.layouts), self._make_unit, done=self._placed)
 
     # -- gather / release -------------------------------------------------------------------
     def _start_gather(self, u: int) -> None:

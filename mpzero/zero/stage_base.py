@@ -6,8 +6,9 @@ A stage owns the model's parameter storage and the gradient buffers of this rank
 - `param_shards[b]`: this rank's slice of bucket b's parameters, in the model's dtype. The master store
   (masters.py) writes new values into these and nothing else; `after_update()` then makes the model see
   them (all-gather into the full buffers for stages 1-2, release of the gathered units for stage 3).
-- `initial_master_slices()`: the fp32 starting values of those slices (unrounded in mixed precision), read
-  once by the master store at construction; the stage keeps no reference to them.
+- `initial_master_slices()`: the fp32 starting values of those slices (unrounded in mixed precision), made one
+  bucket at a time as the master store reads them, in order, at construction (construction.py: the stage makes
+  each bucket's parameters then); the stage keeps no reference to them.
 - `grad_shards[b]`: this rank's reduced (DP-averaged) gradient slice, aligned with `param_shards[b]`, valid
   after `end_backward()` of the last micro-batch; `zero_grad()` clears them.
 - `begin_backward(last_micro_batch)` / `end_backward()` bracket one micro-batch's backward: gradients are
@@ -23,10 +24,12 @@ A stage owns the model's parameter storage and the gradient buffers of this rank
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
 from mpzero.zero.offload.sink import OffloadHolder, ParamSink, TensorParamSink
+from mpzero.zero.construction import ConstructionMeters
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 
@@ -37,13 +40,15 @@ class ZeroStage(OffloadHolder, ABC):
     param_shards: list[torch.Tensor]
 
     meter: TransientMeter
+    construction: ConstructionMeters  # working bytes while the stage makes its buckets (construction.py)
+    gathers: bool = False  # stage 3: units are gathered into full buffers made at construction
 
     @property
     @abstractmethod
     def grad_shards(self) -> list[torch.Tensor]: ...
 
     @abstractmethod
-    def initial_master_slices(self) -> list[torch.Tensor]: ...
+    def initial_master_slices(self) -> Sequence[torch.Tensor]: ...
 
     @abstractmethod
     def begin_backward(self, last_micro_batch: bool) -> None: ...

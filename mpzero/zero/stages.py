@@ -8,7 +8,9 @@
   reduce-scattered from the gradient hooks while backward still runs, every micro-batch.
 
 The stage contract (what each stage exposes to the optimizer front) is `stage_base.ZeroStage`.
-Parameters start from DP rank 0's values (broadcast, as DDP does), so every rank agrees.
+Parameters are made bucket by bucket as the master store takes their starting values (construction.py): from
+their recipes (a model built on the meta device), identical on every rank, or from their values, broadcast from
+DP rank 0 (as DDP does), so every rank agrees.
 """
 
 from __future__ import annotations
@@ -19,31 +21,11 @@ import torch
 
 from mpzero.comm import CommGroup
 from mpzero.zero.config import PrecisionConfig, ZeroConfig
-from mpzero.zero.flat import FlatLayout, bind_params, bucket_layouts, initial_values
+from mpzero.zero.construction import ConstructionMeters, InitialSlices, bucket_values
+from mpzero.zero.flat import bind_params, bucket_layouts
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
-
-
-def flatten_params(layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device,
-                   keep: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per bucket: the parameters' storage (`keep="full"`: the whole flat buffer, parameters bound
-    to views of it; `keep="shard"`: only this rank's slice) and the fp32 values of this rank's slice
-    (in fp32 the slice itself; in mixed precision an fp32 copy of the unrounded values)."""
-    stores, initial = [], []
-    for layout in layouts:
-        values = initial_values(layout, device)
-        dp.broadcast(values)
-        owned = slice(layout.shard_start, layout.shard_start + layout.shard_numel)
-        flat = values if dtype == torch.float32 else values.to(dtype)
-        if keep == "full":
-            bind_params(layout, flat)
-            stores.append(flat)
-        else:
-            stores.append(flat[owned].clone())
-        own = stores[-1][owned] if keep == "full" else stores[-1]
-        initial.append(own if dtype == torch.float32 else values[owned].clone())
-    return stores, initial
 
 
 class _FullParams(ZeroStage):
@@ -52,20 +34,35 @@ class _FullParams(ZeroStage):
     parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
 
     def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device):
-        self.dp, self.meter = dp, TransientMeter()
+        self.dp, self.meter, self.construction = dp, TransientMeter(), ConstructionMeters()
         parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
         self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
-        self.param_flats, self._initial = flatten_params(self.layouts, dp, precision.torch_dtype, device, "full")
+        self.device, self.dtype = device, precision.torch_dtype
+        self.param_flats = [torch.empty(l.padded_numel, dtype=self.dtype, device=device) for l in self.layouts]
         self.param_shards = [flat[l.shard_start:l.shard_start + l.shard_numel]
                              for flat, l in zip(self.param_flats, self.layouts)]
         self.grads = self._make_grads(precision.grad_dtype, device, zero.overlap_comm)
 
+    def _make_bucket(self, b: int) -> tuple[torch.Tensor, TransientMeter, int]:
+        """Bucket b's parameters made into their flat buffer (bound to views of it); returns the fp32 values of
+        this rank's slice (in fp32 the slice itself), and the meter and bytes of the fp32 copy that keeps alive."""
+        layout, flat = self.layouts[b], self.param_flats[b]
+        own = slice(layout.shard_start, layout.shard_start + layout.shard_numel)
+        if self.dtype == torch.float32:
+            bucket_values(layout, self.device, self.dp, self.construction, out=flat)
+            held, values = 0, flat
+        else:
+            values = bucket_values(layout, self.device, self.dp, self.construction)
+            flat.copy_(values)
+            held = 4 * values.numel()
+        bind_params(layout, flat)
+        return values[own], self.construction.device, held
+
     @abstractmethod
     def _make_grads(self, dtype, device, overlap) -> ReplicatedGrads | ShardedGrads: ...
 
-    def initial_master_slices(self) -> list[torch.Tensor]:
-        initial, self._initial = self._initial, []
-        return initial
+    def initial_master_slices(self) -> InitialSlices:
+        return InitialSlices(len(self.layouts), self._make_bucket)
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
