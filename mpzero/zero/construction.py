@@ -9,13 +9,16 @@ counted by the stage's `construction` meter as the tensors are made and dropped,
   fp32 they are written into the parameters' own flat buffer: nothing more); stage 3, 4S, only this rank's shard
   of S elements, in mixed precision or when the shard goes to an offload tier (written straight into the shard
   otherwise), and 4E for a unit with a parameter that has no recipe (its values are the full unit's, broadcast
-  from DP rank 0 as DDP does); a shard that goes to an offload tier is also cast to the tier's dtype (pS, mixed);
+  from DP rank 0 as DDP does); a shard that goes to an offload tier is made on the host and then cast to the
+  tier's dtype (pS, mixed), after the draws;
 - the draw of one parameter (`draw`): its full fp32 tensor (4F, every TP rank draws the whole weight) and, when
   this rank's part is not a contiguous view of it (a row-parallel weight), that part's copy;
 - stage 3 where units are gathered (DP > 1 or offloaded parameters): each unit's full buffer is allocated and
   released at once (pE, the largest unit; the parameters are views of it): a moment on a GPU, untouched pages
   on the host.
-The construction peak is then the model states (the memory line's formula) plus the largest of these.
+The device's construction peak is the model states (the memory line's formula) plus the largest device working
+set (values and full buffer); the host's working set is the largest draw (or cast) beside an offloaded shard's
+values. Both go on the memory line (`construction peak`, `construction host working set`) and into the planner.
 """
 
 from __future__ import annotations
@@ -176,8 +179,9 @@ def construction_working_set(layouts: list[FlatLayout], stage: int, p: int, mixe
         full = p * layout.padded_numel if stage == 3 and gathers else 0  # the unit's full buffer, made and freed
         if values + full > device:
             device, device_text = values + full, "+".join(t for t in (what, f"{p}E" if full else "") if t)
-        cast = p * layout.shard_numel if stage == 3 and params_offloaded and mixed else 0
-        if on_host + cast + draw > host:
-            host, host_text = on_host + cast + draw, "+".join(
-                t for t in ("4S" if on_host else "", f"{p}S" if cast else "", "draw" if draw else "") if t)
+        cast = p * layout.shard_numel if stage == 3 and params_offloaded and mixed else 0  # after the draws
+        if on_host + max(cast, draw) > host:
+            host, host_text = on_host + max(cast, draw), "+".join(
+                t for t in ("4S" if on_host else "", (f"{p}S" if cast > draw else "draw") if cast or draw else "")
+                if t)
     return WorkingSet(device, f"max({device_text})" if device else "0", host, f"max({host_text})" if host else "0")
