@@ -2,11 +2,10 @@
 
 Part 1, "how large?": the largest GPT (head size 128, as many layers as heads: L = a = h/128, ~12h^3/128
 parameters; sequence 1024, micro-batch 1, fp16 as in the ZeRO papers, recomputation as the planner picks) that
-each strategy fits on 1 GPU (a 32 GB V100 with its DGX-2's 1.5 TB of host memory), 16 GPUs (one DGX-2: 16 x 32 GB,
-1.5 TB host) and 512 GPUs (80 GB each, 8 per node, 2 TB host per node), found by bisection with the planner, once
-as mpzero builds models today (the fp32 model on every device first) and once counting the step alone (what a
-streamed construction, DeepSpeed's zero.Init, would allow); then one dry run of the largest found per machine
-confirms the planner's figures on the real code.
+each published strategy fits on the hardware its paper used (`ROWS`: one V100-32GB, 128 and 400 V100s, 32 DGX-2
+nodes, ZeRO-Infinity's NVMe), found by bisection with the planner, beside the published figure; then a dry run of
+every cell's model on the real code confirms the planner's figures (a disk tier dry-runs as cpu: the device
+bytes are the same, and the dry run writes no files).
 
 Part 2, "does the pick hold?" (MEMORY.md A11): world 4 on this CPU, a per-rank memory budget: the planner's pick
 runs 2 steps with measured peak (VmHWM minus the RSS before the model is built, per rank; glibc's mmap threshold
@@ -41,24 +40,27 @@ from mpzero.arguments import parse_args  # noqa: E402
 from mpzero.planner.cost import Hardware  # noqa: E402
 from mpzero.planner.plan import Machine, Planner  # noqa: E402
 
-GIB, MIB = 2 ** 30, 2 ** 20
-MACHINES = {  # name: (world, device bytes, host bytes per node, gpus per node)
-    "1 GPU (V100 32 GB, 1.5 TB host)": (1, 32 * GIB, 1.5 * 2 ** 40, 1),
-    "16 GPUs (DGX-2: 16 x 32 GB, 1.5 TB host)": (16, 32 * GIB, 1.5 * 2 ** 40, 16),
-    "512 GPUs (80 GB each, 8 per node, 2 TB host per node)": (512, 80 * GIB, 2 * 2 ** 40, 8),
-}
-STRATEGIES = {  # name: (stage, optimizer tier, parameter tier)
-    "DP (ZeRO-0)": (0, "none", "none"), "ZeRO-1": (1, "none", "none"), "ZeRO-2": (2, "none", "none"),
-    "ZeRO-3": (3, "none", "none"), "ZeRO-2 + optimizer on CPU (ZeRO-Offload)": (2, "cpu", "none"),
-    "ZeRO-3 + optimizer and parameters on CPU (ZeRO-3 Offload)": (3, "cpu", "cpu"),
-}
-PUBLISHED = {  # (machine prefix, strategy) -> what the papers and blogs report
-    ("1 GPU", "DP (ZeRO-0)"): "1.4B (PyTorch DDP, one 32 GB V100: ZeRO-Offload paper)",
-    ("1 GPU", "ZeRO-2 + optimizer on CPU (ZeRO-Offload)"): "13B (ZeRO-Offload paper, one V100)",
-    ("1 GPU", "ZeRO-3 + optimizer and parameters on CPU (ZeRO-3 Offload)"): "40B (DeepSpeed ZeRO-3 Offload, one V100)",
-    ("16 GPUs", "ZeRO-2 + optimizer on CPU (ZeRO-Offload)"): "70B (ZeRO-Offload paper, DGX-2, with model parallelism)",
-    ("512 GPUs", "ZeRO-3 + optimizer and parameters on CPU (ZeRO-3 Offload)"): "2T (DeepSpeed, 512 V100s)",
-}
+GIB, MIB, TB = 2 ** 30, 2 ** 20, 10 ** 12
+DGX2 = {"device": 32 * GIB, "host": 1.5 * 2 ** 40, "disk": 28 * TB, "per_node": 16}  # 16 V100-32GB, NVMe [recalled]
+# (hardware, strategy, (stage, optimizer tier, parameter tier), TP sizes tried, published figure and source):
+# the hardware and figures of ../shared/MEMORY.md "W3 1.1" (the ZeRO, ZeRO-Offload and ZeRO-Infinity papers)
+ROWS = [
+    ("1 V100-32GB, 1.5 TB host", 1, {**DGX2, "per_node": 1}, "DP (ZeRO-0)", (0, "none", "none"), [1],
+     1.4e9, "PyTorch DDP, ZeRO-Offload paper"),
+    ("1 V100-32GB, 1.5 TB host", 1, {**DGX2, "per_node": 1}, "ZeRO-Offload (ZeRO-2, optimizer on CPU)",
+     (2, "cpu", "none"), [1], 13e9, "ZeRO-Offload paper"),
+    ("1 V100-32GB, 1.5 TB host", 1, {**DGX2, "per_node": 1}, "ZeRO-3 Offload (optimizer and parameters on CPU)",
+     (3, "cpu", "cpu"), [1], 40e9, "DeepSpeed ZeRO-3 Offload"),
+    ("128 V100-32GB (8 DGX-2), DP only", 128, DGX2, "ZeRO-1", (1, "none", "none"), [1], 6e9, "ZeRO paper"),
+    ("128 V100-32GB (8 DGX-2), DP only", 128, DGX2, "ZeRO-2", (2, "none", "none"), [1], 13e9, "ZeRO paper"),
+    ("400 V100-32GB (25 DGX-2), TP 16", 400, DGX2, "ZeRO-2", (2, "none", "none"), [16], 170e9, "ZeRO paper"),
+    ("512 V100-32GB (32 DGX-2)", 512, DGX2, "ZeRO-3 Offload (optimizer and parameters on CPU)", (3, "cpu", "cpu"),
+     [1, 2, 4, 8, 16], 2e12, "DeepSpeed ZeRO-3 Offload"),
+    ("1 DGX-2 (16 V100-32GB, NVMe)", 16, DGX2, "ZeRO-Infinity (optimizer and parameters on NVMe)",
+     (3, "disk", "disk"), [1, 2, 4, 8, 16], 1e12, "ZeRO-Infinity paper"),
+    ("512 V100-32GB (32 DGX-2, NVMe)", 512, DGX2, "ZeRO-Infinity (optimizer and parameters on NVMe)",
+     (3, "disk", "disk"), [1, 2, 4, 8, 16], 32e12, "ZeRO-Infinity paper"),
+]
 SEQ = 1024
 
 
@@ -70,31 +72,25 @@ def model_flags(heads: int) -> list[str]:
 
 
 def best_plan(heads: int, machine: Machine, stage: int, optimizer: str, params: str, tps):
-    """The fastest fitting plan of the model with `heads` heads under the strategy (None: nothing fits), and the
-    plan with the smallest device peak (for the limiting figure)."""
+    """The fastest fitting plan of the model with `heads` heads under the strategy (None: nothing fits), and every
+    plan evaluated."""
     planner = Planner(parse_args(model_flags(heads)), 50257, machine)
     plans = []
     for layout in planner.layouts(tps=tps, stages=[stage], micro_batches=[1]):
         if (layout.offload_optimizer, layout.offload_params) == (optimizer, params):
             plans.append(planner.evaluate(layout))
     fitting = [p for p in plans if p.fits]
-    best = max(fitting, key=lambda p: p.cost.tokens_per_second) if fitting else None
-    return best, min(plans, key=lambda p: p.device_peak), plans
+    return (max(fitting, key=lambda p: p.cost.tokens_per_second) if fitting else None), plans
 
 
-def largest(machine: Machine, strategy, tps, ignore_construction: bool) -> tuple[int, object]:
-    """Bisection on the head count (8 ... 4096): the largest model that fits."""
+def largest(machine: Machine, strategy, tps) -> tuple[int, object]:
+    """Bisection on the head count (8 ... 8192): the largest model that fits."""
     def fits(heads):
-        best, _, plans = best_plan(heads, machine, *strategy, tps)
-        if not ignore_construction:
-            return best
-        ok = [p for p in plans if max(p.backward_peak, p.step_peak) + machine.device_reserve <= machine.device_memory
-              and (machine.host_memory is None or p.host_per_node <= machine.host_memory)]
-        return max(ok, key=lambda p: p.cost.tokens_per_second) if ok else None
+        return best_plan(heads, machine, *strategy, tps)[0]
     lo, hi = 0, 8
     while fits(hi):
         lo, hi = hi, hi * 2
-        if hi > 4096:
+        if hi > 8192:
             break
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -102,20 +98,15 @@ def largest(machine: Machine, strategy, tps, ignore_construction: bool) -> tuple
     return lo, (fits(lo) if lo else None)
 
 
-def limit(heads: int, machine: Machine, strategy, tps, ignore_construction: bool) -> str:
-    """What stops the next size up: the term over budget in its least demanding layout."""
-    _, _, plans = best_plan(heads + 1, machine, *strategy, tps)
-    budget = machine.device_memory - machine.device_reserve
-
-    def over(p):
-        terms = {"backward": p.backward_peak, "optimizer step": p.step_peak}
-        if not ignore_construction:
-            terms["construction"] = p.construction
-        worst = max(terms, key=terms.get)
-        return worst if terms[worst] > budget else "host"
-    closest = min(plans, key=lambda p: max(p.backward_peak, p.step_peak,
-                                             0 if ignore_construction else p.construction))
-    return over(closest)
+def limit(heads: int, machine: Machine, strategy, tps) -> str:
+    """What stops the next size up: the largest term over its budget in the least demanding layout."""
+    _, plans = best_plan(heads + 1, machine, *strategy, tps)
+    closest = min(plans, key=lambda p: p.device_peak)
+    if closest.device_peak + machine.device_reserve > machine.device_memory:
+        terms = {"backward": closest.backward_peak, "optimizer step": closest.step_peak,
+                 "construction": closest.construction}
+        return max(terms, key=terms.get)
+    return closest.why or "host"
 
 
 def params_of(heads: int) -> int:
@@ -126,28 +117,21 @@ def params_of(heads: int) -> int:
 
 def part1(args) -> dict:
     rows = {}
-    for name, (world, device, host, per_node) in MACHINES.items():
-        machine = Machine(world, device, host, None, 2 * GIB, True, Hardware(gpus_per_node=per_node))
-        tps = [t for t in (1, 2, 4, 8, 16) if t <= per_node]
-        for strategy, spec in STRATEGIES.items():
-            start = time.perf_counter()
-            found = {}
-            for label, tp_choice, ignore in (("today", [1], False), ("+TP", tps, False), ("streamed init", tps, True)):
-                heads, plan = largest(machine, spec, tp_choice, ignore)
-                found[label] = {"heads": heads, "params": params_of(heads) if heads else 0, "plan": plan,
-                                "limited_by": limit(heads, machine, spec, tp_choice, ignore),
-                                "layout": plan.layout.describe() if plan else None,
-                                "device_peak": plan.device_peak if plan else None,
-                                "construction": plan.construction if plan else None,
-                                "host_per_node": plan.host_per_node if plan else None}
-            published = next((v for (m, s), v in PUBLISHED.items() if name.startswith(m) and s == strategy), "")
-            rows[f"{name} | {strategy}"] = {"found": found, "published": published,
-                                             "seconds": time.perf_counter() - start}
-            print(f"{name} | {strategy}: DP-only {found['today']['params'] / 1e9:.1f}B (limit: "
-                  f"{found['today']['limited_by']}), with TP {found['+TP']['params'] / 1e9:.1f}B "
-                  f"({found['+TP']['layout']}; limit: {found['+TP']['limited_by']}), streamed init "
-                  f"{found['streamed init']['params'] / 1e9:.1f}B ({found['streamed init']['layout']}; limit: "
-                  f"{found['streamed init']['limited_by']}) | published: {published or '-'}", flush=True)
+    for hardware, world, spec, strategy, tiers, tps, published, source in ROWS:
+        machine = Machine(world, spec["device"], spec["host"], spec["disk"], 2 * GIB, True,
+                          Hardware(gpus_per_node=min(spec["per_node"], world)))
+        start = time.perf_counter()
+        heads, plan = largest(machine, tiers, tps)
+        params = params_of(heads) if heads else 0
+        row = {"hardware": hardware, "world": world, "strategy": strategy, "heads": heads, "params": params,
+               "plan": plan, "layout": plan.layout.describe() if plan else None,
+               "limited_by": limit(heads, machine, tiers, tps), "published": published, "source": source,
+               "device_peak": plan.device_peak if plan else None, "construction": plan.construction if plan else None,
+               "host_per_node": plan.host_per_node if plan else None, "seconds": time.perf_counter() - start}
+        rows[f"{hardware} | {strategy}"] = row
+        print(f"{hardware} | {strategy}: {params / 1e9:.1f}B ({row['layout']}; limit: {row['limited_by']}) | "
+              f"published {published / 1e9:g}B ({source}) | {'at or above' if params >= published else 'BELOW'}",
+              flush=True)
     return rows
 
 
@@ -172,8 +156,9 @@ def confirm(heads: int, layout, world: int, timeout: int) -> dict:
         flags += ["--recompute-granularity", "selective"]
     if layout.sequence_parallel:
         flags += ["--sequence-parallel"]
-    if layout.offload_optimizer != "none":
-        flags += ["--offload-optimizer", layout.offload_optimizer, "--offload-params", layout.offload_params]
+    if layout.offload_optimizer != "none":  # the dry run keeps the disk tier in memory: cpu, the same device bytes
+        flags += ["--offload-optimizer", layout.offload_optimizer.replace("disk", "cpu"),
+                  "--offload-params", layout.offload_params.replace("disk", "cpu")]
     flags += ["--dry-run", "--world-size", str(world), "--rank", "0"]
     try:
         done = subprocess.run([sys.executable, "-c", DRY, *flags], cwd=ROOT, capture_output=True, text=True,
@@ -278,20 +263,11 @@ def main():
     if args.part in (None, 1):
         results["part1"] = part1(args)
         confirmations = {}
-        for row, data in results["part1"].items():
-            found = data["found"]["+TP"]
-            if not found["heads"] or not row.endswith(("DP (ZeRO-0)", "| ZeRO-3", "(ZeRO-3 Offload)")):
-                continue  # one confirmation per kind: DP, ZeRO-3 and ZeRO-3 Offload on each machine
-            world = MACHINES[row.split(" | ")[0]][0]
-            confirmations[row] = confirm(found["heads"], found["plan"].layout, world, args.confirm_timeout)
-            print(f"dry run of {row} ({found['params'] / 1e9:.1f}B, {found['layout']}): {confirmations[row]}",
-                  flush=True)
-            streamed = data["found"]["streamed init"]
-            if world == 512 and row.endswith(("| ZeRO-3", "(ZeRO-3 Offload)")) and streamed["heads"]:
-                key = row + " (streamed init)"  # the step of the largest model, run by the real code
-                confirmations[key] = confirm(streamed["heads"], streamed["plan"].layout, world, args.confirm_timeout)
-                print(f"dry run of {key} ({streamed['params'] / 1e9:.1f}B, {streamed['layout']}): "
-                      f"{confirmations[key]}", flush=True)
+        for key, row in results["part1"].items():
+            if row["heads"]:
+                confirmations[key] = confirm(row["heads"], row["plan"].layout, row["world"], args.confirm_timeout)
+                print(f"dry run of {key} ({row['params'] / 1e9:.1f}B, {row['layout']}): {confirmations[key]}",
+                      flush=True)
         results["confirmations"] = confirmations
     if args.part in (None, 2):
         results["part2"] = part2(args)

@@ -1,8 +1,9 @@
 """Deferred initialization: a model is built without storage, and each parameter is made when it is needed.
 
 A model's parameters are created without storage (a tensor of the right shape whose storage holds 0 bytes: it
-takes any device's data later through `param.data =`, which a meta tensor refuses), each with a recipe (`Recipe`): the shape of the FULL tensor
-(before tensor parallelism splits it), how to fill it, and how this TP rank's shard is cut from it. The draws of a
+takes any device's data later through `param.data =`, which a meta tensor refuses), each with a recipe
+(`Recipe`): the shape of the FULL tensor (before tensor parallelism splits it), how to fill it, and how this TP
+rank's shard is cut from it. The draws of a
 parameter come from its own CPU generator, seeded from (the model's init seed, the parameter's name), so a
 parameter's values do not depend on which parameters were drawn before it, on the device, or on the order in
 which anything is made: the whole model built at once and the same model streamed into ZeRO's buffers one

@@ -12,13 +12,13 @@ As a library:
                      init_parallel().tp)                      # no RNG tracker needed without dropout
     loss = model(tokens, labels, reduction="mean")
 
-Initialization is deferred (`mpzero.deferred_init`): every parameter is created on the meta device with its
+Initialization is deferred (`mpzero.deferred_init`): every parameter is created without storage, with its
 recipe, keyed by its name and seeded with `config.init_seed`, and drawn from a CPU generator of its own when it is
 made: building a model never touches torch's global RNG, and the weights are the same at every TP size (each rank
 draws every full weight and keeps its slice), on CPU and CUDA (drawn on the CPU, then moved), and whether the model
-is made whole (`device` a real device) or left on the meta device (`device="meta"`) for ZeRO to make one unit or
-bucket at a time, straight into this rank's shard (`ZeroOptimizer`; what `pretrain_gpt.py` does). Dropout draws from torch's
-default generator (hidden dropout, identical on every TP rank when seeded alike) and from the tracker's
+is made whole (`device` a real device) or left without storage (`device="meta"`) for ZeRO to make one unit or
+bucket at a time, straight into this rank's shard (`ZeroOptimizer`; what `pretrain_gpt.py` does). Dropout draws
+from torch's default generator (hidden dropout, identical on every TP rank when seeded alike) and from the tracker's
 tensor-parallel stream (attention dropout): the caller seeds those (`seed_everything`).
 
 Activation memory (Megatron's flags, Korthikanti et al. 2022): `recompute_activations` / granularity "selective"

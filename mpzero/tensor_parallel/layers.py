@@ -1,9 +1,11 @@
 """Megatron's tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
 
-Initialization is TP-invariant and deferred (`mpzero.deferred_init`): every parameter is created on the meta
-device with its recipe, the FULL weight's shape, fill and how this rank's slice is cut; when it is made, every
-rank draws the full weight from the parameter's own generator and keeps its slice, so a model at TP=2 starts from
-exactly the weights it has at TP=1. `init_method(full, generator)` fills the full fp32 weight in place.
+Initialization is TP-invariant and deferred (`mpzero.deferred_init`): every parameter is created without
+storage, with its recipe: the FULL weight's shape, its fill and how this rank's slice is cut; when it is made,
+every rank draws the full weight from the parameter's own generator and keeps its slice, so a model at TP=2 starts
+from exactly the weights it has at TP=1. `init_method(full, generator)` fills the full fp32 weight in place. A layer
+built alone is made with `name_parameters(layer, seed)` and `materialize_module(layer, device)` (GPTModel does both
+unless built with device "meta", which leaves it to ZeroOptimizer).
 Every parameter is marked with how it is split (`placement.mark_tensor_parallel`), so gradient norms,
 checkpoints and export can gather or reshard it generically.
 
