@@ -113,7 +113,8 @@ def test_layout_matches_single_process(stage):
     history = run_ranks(4, main_capturing_stdout, argv)[0][0]
     assert_close_lists(history["losses"], reference["losses"])
     assert_close_lists(history["grad_norms"], reference["grad_norms"])
-    assert history["losses"][-1] < history["losses"][0]
+    losses = history["losses"]  # it learns: the last half's mean below the first half's (each batch is noisy)
+    assert sum(losses[5:]) < sum(losses[:5])
 
 
 def test_checkpoint_resumes_bit_exact_and_the_other_rule_is_refused(tmp_path):

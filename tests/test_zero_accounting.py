@@ -100,9 +100,13 @@ def test_zero_report_lines_are_parseable():
     total, _ = _counted_params()
     fields = dict(part.strip().rsplit(" ", 1) for part in memory.line().split("|")[1:])
     # formula bytes: the paper's 2P + 14P/N at P counted here, N = 2
+    construction = {f"{t.name.replace(' ', '-')} {key}": value for t in memory.construction
+                    for key, value in (("bytes", str(t.measured)), ("formula", t.formula_text),
+                                       ("formula bytes", f"{t.formula:.0f}"), ("ratio", f"{t.ratio:.4f}"))}
     assert fields == {"stage": "2", "dp": "2", "params": str(total), "measured bytes": str(memory.measured),
                       "formula": "2P+14P/N", "formula bytes": f"{2 * total + 14 * total / 2:.0f}",
-                      "ratio": f"{memory.ratio:.4f}", "padding elements": str(memory.padding)}
+                      "ratio": f"{memory.ratio:.4f}", "padding elements": str(memory.padding), **construction}
+    assert construction["construction-peak formula"].startswith("2P+14P/N+")
     fields = dict(part.strip().rsplit(" ", 1) for part in comm.line().split("|")[1:])
     assert fields["theory"] == "(6P)(N-1)/N" and fields["micro-batches"] == "2"
     assert float(fields["measured bytes/iter"]) == pytest.approx(comm.measured, abs=1)
