@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpzero.zero.step_grads import PIECES_KEPT
+
 
 @dataclass(frozen=True)
 class PeakReport:
@@ -202,3 +204,14 @@ def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batc
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     return coef * numel * (dp_size - 1) / dp_size, f"({formula_text([(coef, 'P')])})(N-1)/N"
+
+
+# -- bounded working sets of issue 24 (items 2 and 3): the formulas the planner calls --------------------------------
+def step_fp32_bytes(offloaded: bool, largest_shard: int, sub_group_numel: int) -> tuple[int, str]:
+    """(bytes, formula) of fp32 gradient copies a mixed-precision step holds at once when the gradient buffers are
+    in the parameters' dtype (fp16, bf16 with --grad-reduce-in-bf16; fp32 buffers are used in place: 0):
+    in memory one bucket's shard, 4S (S = the largest shard); offloaded the pieces of two sub-groups (the one
+    updated, the one in flight), each no larger than a sub-group or a shard: 4 x 2 min(G, S) (`Fp32Buckets`)."""
+    if offloaded:
+        return 4 * PIECES_KEPT * min(sub_group_numel, largest_shard), f"{4 * PIECES_KEPT}min(G,S)"
+    return 4 * largest_shard, "4S"

@@ -128,6 +128,7 @@ class ZeroOptimizer:
         self.lr, self.iteration = optimizer.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
+        self.step_fp32_peak = 0  # the most fp32 gradient bytes a step held at once (low-precision gradients)
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
         self._transfer_mark = Transfers()
 
@@ -206,6 +207,9 @@ class ZeroOptimizer:
                                     f"the last checkpoint are intact; lower --lr or enable --clip-grad")
             clip_grads_(grads, norm, self.config.clip_grad)
             self.masters.step(grads, self.lr)
+            if isinstance(grads, Fp32Buckets):  # the fp32 copies go; their high-water mark stays for the report
+                grads.release()
+                self.step_fp32_peak = max(self.step_fp32_peak, grads.meter.peak)
             self.stage.after_update()
         self.scaler.update(skipped)
         if self.scaler.skips_at_min_scale >= self.precision.max_skips_at_min_scale:
@@ -220,12 +224,12 @@ class ZeroOptimizer:
 
     def _fp32_grads(self) -> list[torch.Tensor] | Fp32Buckets:
         """This rank's gradient slices in fp32, divided by the loss scale: fp32 buffers in place (they are zeroed
-        after the step anyway); low-precision ones as `Fp32Buckets`, cast bucket by bucket as the step reads them
-        (all at once for an offloaded optimizer: see step_grads.py)."""
+        after the step anyway); low-precision ones as `Fp32Buckets`, cast as the step reads them: a bucket at a
+        time in memory, a sub-group at a time by an offloaded optimizer (see step_grads.py)."""
         inverse = 1.0 / self.scaler.scale
         shards = self.stage.grad_shards
         if any(grad.dtype != torch.float32 for grad in shards):
-            return Fp32Buckets(shards, inverse, keep_all=self.offload.optimizer != "none")
+            return Fp32Buckets(shards, inverse)
         return [grad.mul_(inverse) if inverse != 1.0 else grad for grad in shards]
 
     # -- accounting -----------------------------------------------------------------------------

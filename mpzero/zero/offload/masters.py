@@ -5,7 +5,9 @@ the CPU.
 The partition is the concatenation of the buckets' shards (padding included), processed in sub-groups of
 `sub_group_numel` elements that may cross buckets, parameters and decay runs. Per sub-group k:
 
-    gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     CUDA only
+    gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     on the device only
+    (gradients already in host memory, a CPU run or streamed there in backward, are read in place; low-precision
+    ones are cast, unscaled and clipped a piece at a time, `Fp32Buckets.piece`: 4 x 2G bytes of fp32 at most)
     disk: masters and states read from one file each (k+1 read and k-1 written while k updates)
     the rule's step on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
 
@@ -33,12 +35,18 @@ from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empt
 from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.masters import MasterStore, OwnedPiece
+from mpzero.zero.step_grads import Fp32Buckets
 
 
 
 def _states(rule: UpdateRule) -> tuple[str, ...]:
     """One file per state on disk, in this order in every buffer: the master, then the rule's states."""
     return ("master",) + rule.state_names
+
+
+def _piece(grads, bucket: int, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of bucket's fp32 gradients: a view, or a cast piece of `Fp32Buckets`."""
+    return grads.piece(bucket, lo, hi) if isinstance(grads, Fp32Buckets) else grads[bucket][lo:hi]
 
 
 def _scratch_bytes(rule: UpdateRule) -> int:
@@ -119,6 +127,7 @@ class OffloadedMasters(MasterStore):
         self._scratch = torch.zeros(2 + len(self.rule.state_names), self.rule.block, dtype=torch.float32)
         self._buffers.append(self._scratch)
         self._unflushed = False  # the sink may still read _param_staging
+        self._staged = False  # this step's gradients come through the staging slots (they are on the device)
         self._device_to_host = 0
         if self.cuda:
             self._grad_staging = [buffer(torch.float32, pin) for _ in range(2)]
@@ -234,24 +243,27 @@ class OffloadedMasters(MasterStore):
             if max(lo, a) < min(hi, b):
                 yield bucket, max(lo, a), min(hi, b)
 
-    def _copy_grads(self, grads: list[torch.Tensor], k: int) -> None:
-        """Sub-group k's gradients device -> pinned staging slot k % 2, on the side stream."""
+    def _copy_grads(self, grads, k: int) -> None:
+        """Sub-group k's gradients device -> pinned staging slot k % 2, on the side stream (low-precision ones cast
+        to fp32 there first, a piece at a time: `Fp32Buckets.piece`)."""
         a, b = self._bounds(k)
         staging = self._grad_staging[k % 2]
         with torch.cuda.stream(self._copy_stream):
             for bucket, lo, hi in self._overlaps(self._active, a, b):
                 off = self._offsets[bucket]
-                staging[lo - a:hi - a].copy_(grads[bucket][lo - off:hi - off], non_blocking=True)
+                staging[lo - a:hi - a].copy_(_piece(grads, bucket, lo - off, hi - off), non_blocking=True)
                 self._device_to_host += 4 * (hi - lo)
             self._grad_ready[k % 2].record(self._copy_stream)
 
-    def _grad_view(self, grads: list[torch.Tensor], k: int, a: int, lo: int, hi: int) -> torch.Tensor:
-        """Host fp32 gradients of partition elements [lo, hi) (inside one bucket, inside sub-group k at a)."""
-        if self.cuda:
+    def _grad_view(self, grads, k: int, a: int, lo: int, hi: int) -> torch.Tensor:
+        """Host fp32 gradients of partition elements [lo, hi) (inside one bucket, inside sub-group k at a): the
+        staging slot, or the host gradients themselves (a CPU run, or gradients streamed to the host in backward);
+        low-precision ones cast for the sub-group's part of the bucket (`Fp32Buckets.piece`, kept while used)."""
+        if self._staged:
             return self._grad_staging[k % 2][lo - a:hi - a]
-        bucket = next(bk for bk, s, e in self._spans if s <= lo and hi <= e)
+        bucket, start, end = next(o for o in self._overlaps(self._active, *self._bounds(k)) if o[1] <= lo and hi <= o[2])
         off = self._offsets[bucket]
-        return grads[bucket][lo - off:hi - off]
+        return _piece(grads, bucket, start - off, end - off)[lo - start:hi - start]
 
     def _apply(self, p, g, states: dict[str, torch.Tensor], lr: float, decay: bool) -> None:
         c = self.config
@@ -295,14 +307,18 @@ class OffloadedMasters(MasterStore):
         self.sink.flush()
         self._unflushed = False
 
-    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+    def step(self, grads, lr: float) -> None:
+        """grads: per bucket, fp32 gradient shards, or `Fp32Buckets` over low-precision ones; on the device (copied
+        down here, sub-group by sub-group) or in host memory (read in place)."""
         self._drop_maps()
         self.step_count += 1
-        if self.cuda:
+        shards = grads.shards if isinstance(grads, Fp32Buckets) else grads
+        self._staged = shards[0].device.type == "cuda"
+        if self._staged:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are ready
             self._copy_grads(grads, 0)
         for k, (a, b, states) in enumerate(self._groups()):
-            if self.cuda:
+            if self._staged:
                 self._grad_ready[k % 2].synchronize()
                 if k + 1 < self._count:
                     self._copy_grads(grads, k + 1)  # slot (k+1) % 2 held k-1's gradients, used already
