@@ -37,11 +37,11 @@ from mpzero.zero.offload.params import SLOTS
 from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, transfer_theory)
+                                   memory_report, offload_formula, offload_tiers, streamed_grad_bytes,
+                                   transfer_theory)
 from mpzero.optim import AdamW, UpdateRule
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import FlatLayout
-from mpzero.zero.grads import MAX_INFLIGHT_REDUCTIONS
 from mpzero.zero.stage3 import Stage3
 
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
@@ -87,23 +87,22 @@ def _owned_unpadded(layout: FlatLayout) -> int:
     return sum(end - start for start, end, _ in layout.decay_runs())
 
 
-def stage3_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool) -> tuple[int, str]:
+def stage3_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
+                       streamed: bool = False) -> tuple[int, str]:
     """`Stage3.peak_working_set` itself, called on the attributes it reads, for layouts built without tensors."""
     partitioned = dp > 1
     stand_in = SimpleNamespace(layouts=list(layouts), partitioned=partitioned,
                                gathers=partitioned or params_offloaded,
                                tier=object() if params_offloaded else None, prefetch=zero.prefetch,
-                               grads=SimpleNamespace(overlap=zero.overlap_comm))
+                               grads=SimpleNamespace(overlap=zero.overlap_comm, streamed=streamed))
     return Stage3.peak_working_set(stand_in, p, g)
 
 
-def stage2_working_set(layouts, g: int, overlap: bool) -> tuple[int, str]:
-    sizes = [layout.padded_numel for layout in layouts]
-    if not overlap:
-        return g * sum(sizes), f"{g}x(all buckets)"
-    alive = MAX_INFLIGHT_REDUCTIONS + 1  # the bucket filling and those still being reduce-scattered
-    best = max(sum(sizes[i:i + alive]) for i in range(len(sizes)))
-    return g * best, f"{g}x({alive} largest consecutive buckets)"
+def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -> tuple[int, str]:
+    """The full gradient buckets in flight (and, streamed to the host, the reduced slices on their way):
+    `accounting.streamed_grad_bytes`, ShardedGrads' schedule replayed."""
+    return streamed_grad_bytes([layout.padded_numel for layout in layouts],
+                               [layout.shard_numel for layout in layouts], g, overlap, streamed)
 
 
 def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfig, dp: int, dp_rank: int = 0,
@@ -127,12 +126,17 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         params = 0
     else:
         params = p * shard
-    grads = g * (padded if stage < 2 else shard)
+    streamed = offload.streams_grads(stage)  # the gradient partition in host memory (issue 24)
+    grads = 0 if streamed else g * (padded if stage < 2 else shard)
     master = 4 if opt_off or p != 4 else 0  # DeviceMasters shares fp32 parameters; offloaded masters never do
     states = rule.state_bytes_per_param
     optimizer = 0 if opt_off else master * shard + states * owned
 
     host = disk = host_buffers = 0
+    if streamed:
+        host += g * shard
+        if cuda:  # ShardedGrads' pinned landing buffer for later micro-batches: one largest shard
+            host_buffers += g * max((layout.shard_numel for layout in layouts), default=0)
     if opt_off:
         files = 1 + len(rule.state_names)  # the master and each state: one host tensor or file each
         if offload.optimizer == "cpu":
@@ -149,13 +153,13 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
             host_buffers += SLOTS * aligned_bytes(max(regions, default=0), precision.torch_dtype)
 
     if stage == 3:
-        working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off)
+        working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off, streamed)
     elif stage == 2:
-        working, working_text = stage2_working_set(layouts, g, zero.overlap_comm)
+        working, working_text = stage2_working_set(layouts, g, zero.overlap_comm, streamed)
     else:
         working, working_text = 0, "0"
 
-    tiers = {"optimizer": offload.optimizer, "params": offload.params}
+    tiers = offload_tiers(stage, offload)
     offloaded = tuple(c for c, tier in tiers.items() if tier != "none")
     report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, states,
                            offloaded)
@@ -175,7 +179,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
     theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
     transfers = ()
     if offloaded:
-        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda, states=states)
+        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda, states=states, g=g)
         transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
     comm = CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,

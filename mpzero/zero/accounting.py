@@ -80,6 +80,8 @@ class MemoryReport:
 
     @property
     def ratio(self) -> float:
+        if self.formula == 0:  # everything offloaded (stage 3, parameters and optimizer off the device)
+            return 1.0 if self.measured == 0 else float("inf")
         return self.measured / self.formula
 
     def line(self) -> str:
@@ -158,13 +160,25 @@ def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str], states: i
     return per_tier
 
 
+def offload_tiers(stage: int, offload) -> dict[str, str]:
+    """Where each offloadable component lives ("none": the device), from an `OffloadConfig`: the optimizer's
+    masters and states, stage 3's parameters, and the gradient partition, streamed to host memory in backward
+    with an offloaded optimizer at stages 2-3 (`OffloadConfig.streams_grads`)."""
+    return {"optimizer": offload.optimizer, "params": offload.params,
+            "grads": "cpu" if offload.streams_grads(stage) else "none"}
+
+
 def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers: dict[str, str],
-                    device_is_host: bool, states: int) -> dict[str, tuple[float, str]]:
+                    device_is_host: bool, states: int, g: int = 4) -> dict[str, tuple[float, str]]:
     """Bytes per rank per iteration between tiers (see the module docstring), with formulas; `states`: the
-    rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states)."""
+    rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states). Gradients go
+    down as fp32 in the step, 4P/N, or, streamed in backward (tiers["grads"]), every micro-batch's reduced
+    slice in the gradients' dtype, m g P/N."""
     partition = numel / dp_size
     d2h, h2d, read, written = [], [], [], []
-    if tiers.get("optimizer", "none") != "none":
+    if tiers.get("grads", "none") != "none":
+        d2h.append((micro_batches * g, f"{micro_batches * g}P/N"))
+    elif tiers.get("optimizer", "none") != "none":
         d2h.append((4, "4P/N"))
         if tiers.get("params", "none") == "none":  # else the step writes the parameters to their own tier
             h2d.append((p, f"{p}P/N"))
@@ -215,3 +229,56 @@ def step_fp32_bytes(offloaded: bool, largest_shard: int, sub_group_numel: int) -
     if offloaded:
         return 4 * PIECES_KEPT * min(sub_group_numel, largest_shard), f"{4 * PIECES_KEPT}min(G,S)"
     return 4 * largest_shard, "4S"
+
+
+def streamed_grad_bytes(full: list[int], shard: list[int], g: int, overlap: bool, streamed: bool,
+                        order: list[int] | None = None, held_open: tuple[int, ...] = ()) -> tuple[int, str]:
+    """(bytes, formula): the most gradient bytes `ShardedGrads` holds on the device at once beyond persistent
+    shards, replayed from its schedule. Buckets become ready in `order` (default 0, 1, ...: reverse registration,
+    backward's order); each full buffer (`full[b]` elements) exists from its bucket's first gradient to the end of
+    its reduce-scatter, and at most MAX_INFLIGHT_REDUCTIONS reductions run at once; `held_open` buckets receive a
+    gradient first and complete last (stage 3's root: the tied embedding). Streamed (an offloaded optimizer, stages
+    2-3), each reduction lands in a device slice (`shard[b]`) that stays until the next slice starts its copy to
+    the host (IN_TRANSIT): with overlap, g x (2 consecutive buckets + 2 shards), whatever the model size;
+    unstreamed the shards themselves persist (gP/N, counted by the memory line) and no slice is added."""
+    from mpzero.zero.grads import IN_TRANSIT, MAX_INFLIGHT_REDUCTIONS
+    order = list(range(len(full))) if order is None else list(order)
+    state = {"now": 0, "peak": 0}
+    inflight, transit = [], []
+
+    def add(n: int) -> None:
+        state["now"] += n
+        state["peak"] = max(state["peak"], state["now"])
+
+    def complete() -> None:
+        bucket = inflight.pop(0)
+        state["now"] -= full[bucket]
+        if streamed:
+            while len(transit) >= IN_TRANSIT:
+                state["now"] -= shard[transit.pop(0)]
+            transit.append(bucket)
+
+    def launch(bucket: int) -> None:
+        while len(inflight) >= MAX_INFLIGHT_REDUCTIONS:
+            complete()
+        if streamed:
+            add(shard[bucket])
+        inflight.append(bucket)
+
+    for bucket in held_open:
+        add(full[bucket])
+    ready = [b for b in order if b not in held_open] + list(held_open)
+    if overlap:
+        for bucket in ready:
+            if bucket not in held_open:
+                add(full[bucket])
+            launch(bucket)
+    else:
+        for bucket in ready:
+            if bucket not in held_open:
+                add(full[bucket])
+        for bucket in range(len(full)):  # end_backward launches in bucket order
+            launch(bucket)
+    text = (f"{g}x(2 consecutive buckets" + (" + 2 shards)" if streamed else ")")) if overlap else \
+        f"{g}x(all buckets" + (" + 1 shard)" if streamed else ")")
+    return g * state["peak"], text

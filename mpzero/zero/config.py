@@ -65,6 +65,12 @@ class OffloadConfig:
     def uses_disk(self) -> bool:
         return "disk" in (self.optimizer, self.params)
 
+    def streams_grads(self, stage: int) -> bool:
+        """Whether the gradient partition lives in host memory, each reduced bucket streamed there in backward
+        (issue 24, item 3): an offloaded optimizer at stages 2-3 (stage 1 keeps full gradient buffers on the
+        device to accumulate micro-batches; the step copies its slice down, sub-group by sub-group)."""
+        return self.optimizer != "none" and stage >= 2
+
     def validate(self, stage: int) -> None:
         """Checks that need no file system (the path itself is checked where the run starts)."""
         for flag, tier in (("--offload-optimizer", self.optimizer), ("--offload-params", self.params)):

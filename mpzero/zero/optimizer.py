@@ -40,7 +40,7 @@ from mpzero.storages import unique_storage_bytes
 from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, transfer_theory)
+                                   memory_report, offload_formula, offload_tiers, transfer_theory)
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
@@ -74,13 +74,11 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
                precision: PrecisionConfig, units, offload: OffloadConfig, directory: str | None) -> ZeroStage:
     device = named_params[0][1].device
     if zero.stage == 3:
-        if offload.params == "none":
-            return Stage3(model, named_params, groups.dp, precision, zero, device, units)
         return Stage3(model, named_params, groups.dp, precision, zero, device, units, offload=offload,
                       directory=directory)
     if units is not None:
         raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
-    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device)
+    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device, offload)
 
 
 class ZeroOptimizer:
@@ -265,8 +263,8 @@ class ZeroOptimizer:
         if any(tier != "none" for tier in tiers.values()):
             moved, self._transfer_mark = self._transfers() - self._transfer_mark, self._transfers()
             expected = transfer_theory(p, self.numel, self.groups.dp_size, self._last_micro_batches, tiers,
-                                       device_is_host=self.stage.grad_shards[0].device.type == "cpu",
-                                       states=self.rule.state_bytes_per_param)
+                                       device_is_host=self.groups.device.type == "cpu",
+                                       states=self.rule.state_bytes_per_param, g=g)
             counted = {"device-to-host": moved.device_to_host, "host-to-device": moved.host_to_device,
                        "disk-read": moved.disk_read, "disk-written": moved.disk_written}
             transfers = tuple(TransferReport(name, counted[name] / iterations, *expected[name]) for name in counted)
@@ -279,7 +277,7 @@ class ZeroOptimizer:
         return self.precision.torch_dtype.itemsize, self.precision.grad_dtype.itemsize
 
     def _tiers(self) -> dict[str, str]:
-        return {"optimizer": self.offload.optimizer, "params": self.offload.params}
+        return offload_tiers(self.zero.stage, self.offload)
 
     def _transfers(self) -> Transfers:
         return self.stage.transfers() + self.masters.transfers()
