@@ -42,6 +42,7 @@ from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, offload_tiers, transfer_theory)
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
@@ -122,6 +123,7 @@ class ZeroOptimizer:
             self.close()
             raise
         self.scaler = make_loss_scaler(precision)
+        self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self.lr, self.iteration = optimizer.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
@@ -144,6 +146,8 @@ class ZeroOptimizer:
         if self._closed:
             return
         self._closed = True  # once: the reports stay readable after close
+        if self._delayed is not None and self._delayed.pending:
+            self._delayed._thread.join()  # its result is dropped: the state's files and threads go next
         for holder in (self.masters, self.stage, self.offload_directory):
             if holder is not None:
                 holder.close()
@@ -204,11 +208,17 @@ class ZeroOptimizer:
                                     f"{self.groups.world.rank}): stopped before the update, so the parameters and "
                                     f"the last checkpoint are intact; lower --lr or enable --clip-grad")
             clip_grads_(grads, norm, self.config.clip_grad)
-            self.masters.step(grads, self.lr)
-            if isinstance(grads, Fp32Buckets):  # the fp32 copies go; their high-water mark stays for the report
-                grads.release()
-                self.step_fp32_peak = max(self.step_fp32_peak, grads.meter.peak)
-            self.stage.after_update()
+            if self._delayed is not None and self.iteration >= self.offload.delayed_update_after:
+                self._delayed.finish()  # the previous iteration's update reaches the model now
+                self._delayed.start(grads, self.lr)  # this one's runs while the next forward/backward do
+            else:
+                self.masters.step(grads, self.lr)
+                if isinstance(grads, Fp32Buckets):  # the fp32 copies go; their high-water mark stays for the report
+                    grads.release()
+                    self.step_fp32_peak = max(self.step_fp32_peak, grads.meter.peak)
+                self.stage.after_update()
+        else:
+            self.finish_update()
         self.scaler.update(skipped)
         if self.scaler.skips_at_min_scale >= self.precision.max_skips_at_min_scale:
             raise TrainingError(f"fp16 gradients overflowed at the minimum loss scale {self.scaler.scale:g} for "
@@ -219,6 +229,13 @@ class ZeroOptimizer:
         self.iteration += 1
         self.zero_grad()
         return StepStats(None if skipped else norm, skipped, scale)
+
+    def finish_update(self) -> None:
+        """With --offload-delayed-update-after: apply the pending update now (before a checkpoint, an evaluation,
+        the end of training); a no-op otherwise. See delayed.py."""
+        if self._delayed is not None:
+            self._delayed.finish()
+            self.step_fp32_peak = max(self.step_fp32_peak, self._delayed.fp32_peak)
 
     def _fp32_grads(self) -> list[torch.Tensor] | Fp32Buckets:
         """This rank's gradient slices in fp32, divided by the loss scale: fp32 buffers in place (they are zeroed
@@ -298,6 +315,7 @@ class ZeroOptimizer:
     # -- export and checkpoint (collectives over DP, left out of the communication report) -------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
+        self.finish_update()
         return self._uncounted(consolidated_weights, self.model, self.stage.layouts, self.masters.masters(),
                                self.groups.dp)
 
@@ -305,6 +323,7 @@ class ZeroOptimizer:
         """This rank's own share of the fp32 weights and the rule's states, parameter by parameter, as views:
         a checkpoint writes them and reads into them directly, with no gather (see `load_owned_pieces`).
         This is the optimizer's one state format: checkpoints store it by name and global shape."""
+        self.finish_update()
         return self.masters.owned_pieces()
 
     def load_owned_pieces(self, step: int | None = None, loss_scaler: dict | None = None,
@@ -323,6 +342,7 @@ class ZeroOptimizer:
     def adam_step(self) -> int:
         """The update rule's step count (the same on every rank: every rank steps, a rank whose slice is padding
         too); the name is the checkpoint's older one."""
+        self.finish_update()
         return self.masters.step_count
 
     def _uncounted(self, fn, *args):

@@ -1,0 +1,89 @@
+"""--offload-delayed-update-after N (ZeRO-Offload's DPU, issue 24 item 4) equals, bit for bit, a reference loop
+that applies the update one step late: iteration i's gradients are taken at w_{i-1} for i <= N + 1 and at
+w_{i-2} after, while the optimizer steps w_i = step(w_{i-1}, g_i) in order (the reference is the same optimizer
+without the flag, the model's parameters swapped to w_{i-2} for forward/backward only). The CPU step of iteration
+i runs in a background thread during iteration i+1's forward/backward. Bad flags are one line each."""
+
+import pytest
+import torch
+
+from mpzero.errors import ConfigError
+from mpzero.parallel import init_parallel
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+from mpzero.zero.config import OffloadConfig
+from tests.cli import TINY, exit_code_and_stderr
+from tests.distributed import run_ranks
+from tests.zero_toy import make_batches, make_model
+
+STEPS, MICRO = 6, 2
+
+
+def _train(stage, dtype, tier, delay_after, reference, path):
+    groups = init_parallel(1)
+    model = make_model(num_layers=2)
+    precision = PrecisionConfig(dtype, initial_loss_scale=2.0 ** 16)  # fp16: the first iterations overflow
+    model.to(precision.torch_dtype)
+    offload = OffloadConfig(optimizer=tier, sub_group_numel=257, path=path if tier == "disk" else None,
+                            delayed_update_after=None if reference else delay_after)
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage, bucket_numel=400),
+                        AdamConfig(lr=3e-2, clip_grad=0.5), precision, offload=offload)
+    params = list(model.parameters())
+    losses, previous = [], None
+    for i, step_batches in enumerate(make_batches(STEPS, MICRO, groups.dp_size), start=1):
+        current = [p.detach().clone() for p in params]  # w_{i-1}, what the model holds now
+        stale = reference and i >= delay_after + 2
+        if stale:  # the reference: gradients at w_{i-2}
+            with torch.no_grad():
+                for p, value in zip(params, previous):
+                    p.copy_(value)
+        total = 0.0
+        for m, micro in enumerate(step_batches):
+            loss = model(*micro[groups.dp_rank]).mean() / MICRO
+            opt.backward(loss, last_micro_batch=m == MICRO - 1)
+            total += loss.item()
+        if stale:
+            with torch.no_grad():
+                for p, value in zip(params, current):
+                    p.copy_(value)
+        stats = opt.step()
+        losses.append((total, stats.grad_norm))
+        previous = current
+    opt.finish_update()
+    result = dict(losses=losses, params=[p.detach().clone() for p in params], adam_step=opt.adam_step(),
+                  masters=[m.clone() for m in opt.masters.masters()])
+    opt.close()
+    return result
+
+
+@pytest.mark.parametrize("stage,dtype,tier,delay_after", [
+    (2, "fp32", "cpu", 0), (2, "bf16", "cpu", 2), (1, "bf16", "cpu", 1), (3, "fp32", "cpu", 1),
+    (2, "fp16", "cpu", 1), (2, "bf16", "disk", 1)])
+def test_delayed_update_matches_the_one_step_late_reference_loop(stage, dtype, tier, delay_after, tmp_path):
+    delayed, = run_ranks(1, _train, stage, dtype, tier, delay_after, False, str(tmp_path / "a"))
+    reference, = run_ranks(1, _train, stage, dtype, tier, delay_after, True, str(tmp_path / "b"))
+    assert delayed["losses"] == reference["losses"]
+    skipped = sum(norm is None for _, norm in delayed["losses"])
+    assert (skipped > 0) == (dtype == "fp16")  # fp16's overflow skip is decided before the update starts: consistent
+    assert delayed["adam_step"] == reference["adam_step"] == STEPS - skipped
+    for ours, theirs in zip(delayed["params"] + delayed["masters"], reference["params"] + reference["masters"]):
+        assert torch.equal(ours, theirs)
+    # and it is not the ordinary run: the stale gradients change the trajectory after warm-up
+    ordinary, = run_ranks(1, _train, stage, dtype, tier, STEPS + 5, False, str(tmp_path / "c"))
+    assert ordinary["losses"][:delay_after + 1] == delayed["losses"][:delay_after + 1]
+    assert ordinary["losses"][delay_after + 2:] != delayed["losses"][delay_after + 2:]
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--offload-delayed-update-after", "2"], "needs --offload-optimizer cpu or disk"),
+    (["--offload-delayed-update-after", "-1", "--offload-optimizer", "cpu"], "must be >= 0"),
+    (["--offload-delayed-update-after", "1.5", "--offload-optimizer", "cpu"], "invalid int value"),
+])
+def test_bad_delayed_update_flags_are_one_line_errors(flags, fragment):
+    code, stderr = exit_code_and_stderr(TINY + ["--zero-stage", "2"] + flags)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], stderr
+
+
+def test_the_library_refuses_a_delay_without_an_offloaded_optimizer():
+    with pytest.raises(ConfigError, match="needs --offload-optimizer cpu or disk"):
+        OffloadConfig(delayed_update_after=0).validate(2)
