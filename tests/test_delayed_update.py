@@ -4,6 +4,8 @@ w_{i-2} after, while the optimizer steps w_i = step(w_{i-1}, g_i) in order (the 
 without the flag, the model's parameters swapped to w_{i-2} for forward/backward only). The CPU step of iteration
 i runs in a background thread during iteration i+1's forward/backward. Bad flags are one line each."""
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from mpzero.errors import ConfigError
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from mpzero.zero.config import OffloadConfig
-from tests.cli import TINY, exit_code_and_stderr
+from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.zero_toy import make_batches, make_model
 
@@ -87,3 +89,17 @@ def test_bad_delayed_update_flags_are_one_line_errors(flags, fragment):
 def test_the_library_refuses_a_delay_without_an_offloaded_optimizer():
     with pytest.raises(ConfigError, match="needs --offload-optimizer cpu or disk"):
         OffloadConfig(delayed_update_after=0).validate(2)
+
+
+def test_delayed_update_through_pretrain_gpt_saves_evaluates_and_resumes(tmp_path):
+    """Through the training loop at DP 2: the first N + 1 iterations are the ordinary run's; an evaluation (every
+    5 iterations) and the checkpoint apply the pending update first; the run resumes from its checkpoint."""
+    argv = TINY + ["--bf16", "--zero-stage", "2", "--offload-optimizer", "cpu", "--save", str(tmp_path / "ckpt")]
+    ordinary, _ = run_ranks(2, main_capturing_stdout, argv[:-2] + ["--save", str(tmp_path / "plain")])[0]
+    delayed, stdout = run_ranks(2, main_capturing_stdout, argv + ["--offload-delayed-update-after", "3"])[0]
+    assert delayed["losses"][:4] == ordinary["losses"][:4]
+    assert delayed["losses"][5:] != ordinary["losses"][5:] and all(map(math.isfinite, delayed["losses"]))
+    assert len(delayed["valid_losses"]) == 3 and all(map(math.isfinite, delayed["valid_losses"]))
+    resumed, _ = run_ranks(2, main_capturing_stdout, argv + ["--offload-delayed-update-after", "0", "--load",
+                                                             str(tmp_path / "ckpt"), "--train-iters", "12"])[0]
+    assert len(resumed["losses"]) == 2 and all(map(math.isfinite, resumed["losses"]))
