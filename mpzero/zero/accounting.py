@@ -15,13 +15,20 @@ m(2p + g)P(N-1)/N. With g = p these are the paper's 2P and 3P (times N-1/N).
 
 Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer's fp32 masters and states (KP/N with the master always a
 separate fp32 copy there: 12P/N for AdamW, 8P/N for SGD) move to host memory or disk, and with stage 3 the parameter shards (pP/N)
-too; the device keeps the rest of the stage's formula. Host staging and swap buffers are a separate, bounded
-term. Bytes moved per iteration: gradients device-to-host 4P/N and parameters host-to-device pP/N (on a
-GPU; zero when the device is the host), the disk tier's states read and written, KP/N each, and offloaded
-stage-3 parameters fetched for every gather, 2m pP/N (the step then writes pP/N to their tier, not the device).
+too; at stages 2-3 the gradient partition (gP/N) lives in host memory as well, each reduced bucket streamed there
+in backward (issue 24; `offload_tiers`): the device keeps the rest of the stage's formula (ZeRO-Offload at stage 2:
+pP; stage 3 with parameters offloaded: nothing between steps). Host staging and swap buffers are a separate,
+bounded term. Bytes moved per iteration: gradients device-to-host, streamed every micro-batch m gP/N (stage 1: 4P/N
+in the step), parameters host-to-device pP/N (on a GPU; zero when the device is the host), the disk tier's states
+read and written, KP/N each, and offloaded stage-3 parameters fetched for every gather, 2m pP/N (the step then
+writes pP/N to their tier, not the device).
 
 Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
 in flight (Stage3.peak_working_set), counted by a meter as the buffers are created and freed.
+
+Bounded working sets (issue 24), functions the planner calls: `streamed_grad_bytes` (the device's gradient bytes
+in backward: full buckets in flight and, streamed, the reduced slices on their way to the host) and
+`step_fp32_bytes` (the fp32 gradient copies of a mixed-precision step: a bucket in memory, two sub-groups offloaded).
 
 Both report lines are `|`-separated "name value" fields whose value has no spaces:
 `dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])` parses them.

@@ -17,6 +17,8 @@ Two ways to reduce, one per family of stages:
   without full gradients there is nothing to accumulate into, so accumulation costs one reduction
   per micro-batch (the ZeRO paper's stage 2 trade-off). At most MAX_INFLIGHT_REDUCTIONS full buffers
   wait for their reduce-scatter at a time, so the transient gradient memory is bounded by a few buckets.
+  With an offloaded optimizer (`host=True`) the slices live in host memory and each reduced bucket is streamed
+  there as soon as it is complete (issue 24): the device then holds only buckets in flight.
 Gradients are divided by the DP size before the sum (Megatron's order: less fp16 overflow), which
 leaves them averaged over the DP ranks.
 """
