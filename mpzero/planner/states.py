@@ -171,7 +171,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
                                        _host_buffer_text(offload, cuda, p, rule)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
-    if stage == 3 and after_step:
+    if (stage == 3 or stage == 2 and streamed) and after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              f"{report.formula_text}+{working_text}"))
 

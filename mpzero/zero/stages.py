@@ -18,6 +18,7 @@ from abc import abstractmethod
 import torch
 
 from mpzero.comm import CommGroup
+from mpzero.zero.accounting import streamed_grad_bytes
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import FlatLayout, bind_params, bucket_layouts, initial_values
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
@@ -121,3 +122,11 @@ class Stage2(_FullParams):
     def _make_grads(self, dtype, device, overlap):
         return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter,
                             host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory)
+
+    def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
+        """Gradients streamed to the host (an offloaded optimizer): the device's gradient bytes in backward,
+        reported as the memory line's peak (`accounting.streamed_grad_bytes`); None otherwise."""
+        if not self.grads.streamed:
+            return None
+        return streamed_grad_bytes([l.padded_numel for l in self.layouts], [l.shard_numel for l in self.layouts], g,
+                                   self.grads.overlap, streamed=True)
