@@ -13,6 +13,7 @@ from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from mpzero.zero.accounting import streamed_grad_bytes
 from mpzero.zero.config import OffloadConfig
+from tests.cli import TINY, main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.zero_toy import make_batches, make_model
 
@@ -80,3 +81,23 @@ def test_streamed_gradients_are_bounded_and_bitwise_the_in_memory_run(stage, dty
         report = streamed["report"]
         if report.peak is not None:  # stage 3: the meter at its fullest = the shards + the stated working set
             assert report.peak.measured - report.measured == report.peak.formula - report.formula, report.line()
+
+
+@pytest.mark.parametrize("stage,extra", [(2, []), (3, ["--offload-params", "cpu"])])
+def test_the_memory_line_prints_the_streamed_peak_against_its_formula(stage, extra):
+    """Through pretrain_gpt at DP 2: the line printed after the first step carries the in-step peak (shards + the
+    gradient buckets and slices in flight; stage 3 also the units gathered), counted = formula; the gradient
+    partition is host state (g = 4: bf16 with fp32 gradients), the device holds none of it between steps."""
+    argv = TINY + ["--bf16", "--zero-stage", str(stage), "--offload-optimizer", "cpu", "--zero-bucket-numel", "3000",
+                   "--train-iters", "2", "--eval-iters", "0"] + extra
+    _, stdout = run_ranks(2, main_capturing_stdout, argv)[0]
+    lines = [dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])
+             for line in stdout.splitlines() if line.startswith("zero memory")]
+    memory = lines[-1]
+    assert len(lines) == 2 and "peak bytes" in memory, stdout
+    assert memory["formula"] == ("2P" if stage == 2 else "0") and memory["host formula"] == \
+        ("16P/N" if stage == 2 else "18P/N"), memory
+    assert int(memory["peak bytes"]) - int(memory["measured bytes"]) == \
+        int(memory["peak formula bytes"]) - int(memory["formula bytes"]), memory
+    # stage 2: two buckets and two slices (g = 4); stage 3 with everything offloaded: only the working set
+    assert memory["peak formula"] == "2P+4x(2B+2S)" if stage == 2 else memory["peak formula"].endswith("S"), memory

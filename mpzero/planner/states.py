@@ -173,6 +173,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
     if (stage == 3 or stage == 2 and streamed) and after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
+                                                             working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
 
     comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, micro_batches, par_off)

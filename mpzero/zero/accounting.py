@@ -286,6 +286,6 @@ def streamed_grad_bytes(full: list[int], shard: list[int], g: int, overlap: bool
                 add(full[bucket])
         for bucket in range(len(full)):  # end_backward launches in bucket order
             launch(bucket)
-    text = (f"{g}x(2 consecutive buckets" + (" + 2 shards)" if streamed else ")")) if overlap else \
-        f"{g}x(all buckets" + (" + 1 shard)" if streamed else ")")
+    # the text has no spaces (a memory-line field): B buckets and S reduced slices at the fullest moment
+    text = (f"{g}x(2B" + ("+2S)" if streamed else ")")) if overlap else f"{g}x(allB" + ("+S)" if streamed else ")")
     return g * state["peak"], text

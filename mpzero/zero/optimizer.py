@@ -265,7 +265,7 @@ class ZeroOptimizer:
             working_set, text = working
             report = dataclasses.replace(report, peak=PeakReport(
                 report.measured + self.stage.meter.peak, report.formula + working_set,
-                f"{report.formula_text}+{text}"))
+                text if report.formula == 0 else f"{report.formula_text}+{text}"))
         return report
 
     def comm_report(self) -> CommReport:
