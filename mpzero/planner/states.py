@@ -143,7 +143,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
             host += files * 4 * shard
         else:
             disk += files * round_up(4 * shard)
-        host_buffers += buffer_bytes(offload, shard, cuda, p, rule)
+        host_buffers += buffer_bytes(offload, shard, cuda, p, rule, staged_grads=not streamed)
     if par_off:
         if offload.params == "cpu":
             host += p * shard
@@ -169,7 +169,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
                         for name, coef in per_param.items()]
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
-                                       _host_buffer_text(offload, cuda, p, rule)))
+                                       _host_buffer_text(offload, cuda, p, rule, stage)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
     if (stage == 3 or stage == 2 and streamed) and after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
@@ -187,12 +187,12 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
                      working, working_text, comm_bytes, report, comm, states)
 
 
-def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRule) -> str:
+def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRule, stage: int) -> str:
     """The formula text the code prints for the host buffers (masters' text, then the parameter tier's)."""
     parts = []
     if offload.optimizer == "disk":
         parts.append(f"{offload.buffer_count}x{1 + len(rule.state_names)} swap x 4 B")
-    if cuda:
+    if cuda and not offload.streams_grads(stage):
         parts.append("2 grad staging x 4 B")
     parts.append(f"param staging x {p} B")
     return "buffers: " + " + ".join(parts) + (f" + {SLOTS}U" if offload.params == "disk" else "")

@@ -139,7 +139,7 @@ class ZeroOptimizer:
         from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
         device = self.stage.grad_shards[0].device
         return OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
-                                directory, device)
+                                directory, device, staged_grads=not offload.streams_grads(self.zero.stage))
 
     def close(self) -> None:
         """Release the offload tiers' files and threads, then their folder and its lock (a no-op in memory)."""

@@ -65,18 +65,20 @@ def round_to_block(numel: int) -> int:
     return -(-numel // per_block) * per_block
 
 
-def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int, rule: UpdateRule) -> int:
+def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int, rule: UpdateRule,
+                 staged_grads: bool = True) -> int:
     """Host bytes `OffloadedMasters` allocates for buffers over a partition of `numel` elements (exactly: each
     buffer's storage, alignment slack included; the pinned allocator may round the reservation further).
     G = min(sub_group_numel, numel) rounded up to 1024 elements; each buffer is aligned_bytes(G, dtype):
       disk tier: buffer_count x S states x fp32 (S = 1 + the rule's states);  CUDA: 2 pinned fp32 gradient
-      staging buffers; always: 1 parameter staging buffer in the model's dtype, and a (S + 1) x 256 fp32 scratch."""
+      staging buffers (not when the gradients are streamed to the host in backward, `staged_grads=False`);
+      always: 1 parameter staging buffer in the model's dtype, and a (S + 1) x 256 fp32 scratch."""
     g = _group_numel(offload, numel)
     fp32 = round_up(4 * g) + ALIGN  # = aligned_bytes(g, torch.float32)
     total = round_up(param_bytes * g) + ALIGN + _scratch_bytes(rule)
     if offload.optimizer == "disk":
         total += offload.buffer_count * len(_states(rule)) * fp32
-    if cuda:
+    if cuda and staged_grads:
         total += 2 * fp32
     return total
 
@@ -85,19 +87,23 @@ class OffloadedMasters(MasterStore):
     """Masters and the rule's states off the device: tier "cpu" (host tensors) or "disk" (one file per state under
     `directory`, streamed through `offload.buffer_count` buffers). See the module docstring. `directory`: an
     `OffloadDirectory` shared with stage 3's parameter tier, or a path that this store locks, creates and removes.
+    `staged_grads`: the step's gradients are on the device (stage 1) and come down through pinned staging slots;
+    False when the stage streams them to host memory in backward (stages 2-3): no slots.
 
     Single-threaded use: call its methods from one thread; it runs its own I/O threads. Call `close()` when done
     (stops the threads, closes and removes the files: they are scratch, a checkpoint holds the state).
     """
 
     def __init__(self, layouts: list[FlatLayout], sink: ParamSink, initial: list[torch.Tensor], config: OptimizerConfig,
-                 offload: OffloadConfig, directory: OffloadDirectory | str | None, device: torch.device):
+                 offload: OffloadConfig, directory: OffloadDirectory | str | None, device: torch.device,
+                 staged_grads: bool = True):
         if offload.optimizer not in ("cpu", "disk"):
             raise ConfigError(f"OffloadedMasters needs --offload-optimizer cpu or disk, got {offload.optimizer!r}")
         self.config, self.rule, self.layouts, self.sink, self.offload = config, config.rule, layouts, sink, offload
         self.states = _states(self.rule)
         self.tier = offload.optimizer
         self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
+        self._slots = self.cuda and staged_grads  # pinned gradient staging for device gradients
         self.impl = self.rule.resolve_impl(torch.device("cpu"), config.impl)
         self.step_count = 0
         self._offsets, total = [], 0  # where each bucket's shard starts in the partition
@@ -129,7 +135,7 @@ class OffloadedMasters(MasterStore):
         self._unflushed = False  # the sink may still read _param_staging
         self._staged = False  # this step's gradients come through the staging slots (they are on the device)
         self._device_to_host = 0
-        if self.cuda:
+        if self._slots:
             self._grad_staging = [buffer(torch.float32, pin) for _ in range(2)]
             self._grad_ready = [torch.cuda.Event() for _ in range(2)]
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -314,6 +320,8 @@ class OffloadedMasters(MasterStore):
         self.step_count += 1
         shards = grads.shards if isinstance(grads, Fp32Buckets) else grads
         self._staged = shards[0].device.type == "cuda"
+        if self._staged and not self._slots:
+            raise RuntimeError("gradients on the device, but this store was built for host gradients (staged_grads)")
         if self._staged:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are ready
             self._copy_grads(grads, 0)
@@ -383,12 +391,12 @@ class OffloadedMasters(MasterStore):
         per_g, buffers = p, 1  # the parameter staging buffer
         if self.tier == "disk":
             per_g, buffers = per_g + o.buffer_count * len(self.states) * 4, buffers + o.buffer_count * len(self.states)
-        if self.cuda:
+        if self._slots:
             per_g, buffers = per_g + 2 * 4, buffers + 2
         scratch = _scratch_bytes(self.rule)  # AdamW's is 4 KiB: counted with the alignment slack
         blocks = f"{buffers + 1}x4KiB" if scratch == ALIGN else f"{buffers}x4KiB+{scratch}B"
         text = f"{per_g}G+{blocks}(G={_group_numel(o, self.numel)})"
-        return buffer_bytes(o, self.numel, self.cuda, p, self.rule), text
+        return buffer_bytes(o, self.numel, self.cuda, p, self.rule, self._slots), text
 
     def transfers(self) -> Transfers:
         return Transfers(device_to_host=self._device_to_host, host_to_device=self.sink.transfers().host_to_device,
