@@ -267,7 +267,7 @@ class ShardedGrads:
     def tier_bytes(self) -> TierBytes:
         """Streamed: the host slices (state) and the landing buffer (CUDA)."""
         return TierBytes(host=sum(t.untyped_storage().nbytes() for t in self.host_tensors()),
-                         host_buffers=self.host_buffer_formula()[0])
+                         host_buffers=sum(t.untyped_storage().nbytes() for t in self.host_buffers()))
 
     def transfers(self) -> Transfers:
         return Transfers(device_to_host=self.device_to_host)
@@ -276,4 +276,8 @@ class ShardedGrads:
         """(bytes, text): the landing buffer of one largest shard in the gradients' dtype (CUDA, streamed)."""
         if self._landing is None:
             return 0, "0"
-        return self._landing.untyped_storage().nbytes(), f"{self._dtype.itemsize}S"
+        largest = max((layout.shard_numel for layout in self._layouts), default=0)
+        return self._dtype.itemsize * largest, f"{self._dtype.itemsize}S"
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        return [self._landing] if self._landing is not None else []
