@@ -11,7 +11,7 @@ import torch
 
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from mpzero.zero.accounting import streamed_grad_bytes
+from mpzero.zero.accounting import step_fp32_bytes, streamed_grad_bytes
 from mpzero.zero.config import OffloadConfig
 from tests.cli import TINY, main_capturing_stdout
 from tests.distributed import run_ranks
@@ -23,7 +23,7 @@ STEPS, MICRO = 3, 2
 def _train(stage, dtype, tier, overlap, prefetch, layers, bucket_numel):
     groups = init_parallel(1)
     model = make_model(num_layers=layers)
-    precision = PrecisionConfig(dtype)
+    precision = PrecisionConfig(dtype, initial_loss_scale=2.0 ** 12)  # fp16: steps that are not skipped
     model.to(precision.torch_dtype)
     zero = ZeroConfig(stage=stage, overlap_comm=overlap, prefetch=prefetch, bucket_numel=bucket_numel)
     offload = OffloadConfig(optimizer=tier, sub_group_numel=301)
@@ -50,7 +50,8 @@ def _train(stage, dtype, tier, overlap, prefetch, layers, bucket_numel):
     result = dict(losses=losses, params=[p.detach().clone() for p in params],
                   masters=[m.clone() for m in opt.masters.masters()], streamed=grads.streamed,
                   device_peak=grads.device_meter.peak, bound=bound + persistent, report=report,
-                  host=[t.measured for t in report.tiers if t.name == "host"])
+                  host=[t.measured for t in report.tiers if t.name == "host"], fp32_peak=opt.step_fp32_peak,
+                  fp32_bound=step_fp32_bytes(tier != "none", max(shard), offload.sub_group_numel)[0] if g < 4 else 0)
     opt.close()
     return result
 
@@ -71,13 +72,15 @@ def test_streamed_gradients_are_bounded_and_bitwise_the_in_memory_run(stage, dty
     for streamed, in_memory in zip(run_ranks(dp, _train, stage, dtype, "cpu", *args[2:]),
                                    run_ranks(dp, _train, stage, dtype, "none", *args[2:])):
         assert streamed["streamed"] and not in_memory["streamed"]
-        assert streamed["losses"] == in_memory["losses"]
+        assert streamed["losses"] == in_memory["losses"] and all(norm for _, norm in streamed["losses"])
         assert all(torch.equal(a, b) for a, b in zip(streamed["params"], in_memory["params"]))
         assert all(torch.equal(a, b) for a, b in zip(streamed["masters"], in_memory["masters"]))
         # the device's gradient bytes: exactly the stated bound, and less than keeping the partition there
         assert streamed["device_peak"] == streamed["bound"], (streamed["device_peak"], streamed["bound"])
         assert in_memory["device_peak"] == in_memory["bound"]
         assert streamed["device_peak"] <= in_memory["device_peak"]  # one bucket at DP 1: a slice for the shard
+        # fp16's gradients: the step's fp32 copies, a bucket at a time in memory, two sub-groups at most offloaded
+        assert streamed["fp32_peak"] <= streamed["fp32_bound"] and in_memory["fp32_peak"] == in_memory["fp32_bound"]
         report = streamed["report"]
         if report.peak is not None:  # stage 3: the meter at its fullest = the shards + the stated working set
             assert report.peak.measured - report.measured == report.peak.formula - report.formula, report.line()
