@@ -91,10 +91,15 @@ def test_the_library_refuses_a_delay_without_an_offloaded_optimizer():
         OffloadConfig(delayed_update_after=0).validate(2)
 
 
-def test_delayed_update_through_pretrain_gpt_saves_evaluates_and_resumes(tmp_path):
+@pytest.mark.parametrize("tiers", [["--zero-stage", "2", "--offload-optimizer", "cpu"],
+                                   ["--zero-stage", "3", "--offload-optimizer", "disk", "--offload-params", "disk"]])
+def test_delayed_update_through_pretrain_gpt_saves_evaluates_and_resumes(tmp_path, tiers):
     """Through the training loop at DP 2: the first N + 1 iterations are the ordinary run's; an evaluation (every
-    5 iterations) and the checkpoint apply the pending update first; the run resumes from its checkpoint."""
-    argv = TINY + ["--bf16", "--zero-stage", "2", "--offload-optimizer", "cpu", "--save", str(tmp_path / "ckpt")]
+    5 iterations) and the checkpoint apply the pending update first; the run resumes from its checkpoint. Stage 3
+    with parameters on disk: the deferred values reach the parameter tier when the update is applied."""
+    if "disk" in tiers:
+        tiers = tiers + ["--offload-path", str(tmp_path / "swap")]
+    argv = TINY + ["--bf16"] + tiers + ["--save", str(tmp_path / "ckpt")]
     ordinary, _ = run_ranks(2, main_capturing_stdout, argv[:-2] + ["--save", str(tmp_path / "plain")])[0]
     delayed, stdout = run_ranks(2, main_capturing_stdout, argv + ["--offload-delayed-update-after", "3"])[0]
     assert delayed["losses"][:4] == ordinary["losses"][:4]
