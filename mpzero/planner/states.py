@@ -11,7 +11,8 @@ Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b 
 p / g bytes per parameter / gradient element:
   parameters   stages 0-2: p sum E_b (full flat buffers);  stage 3: p sum S_b (shards; DP 1: the whole copy);
                none on the device when stage 3 offloads them
-  gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards)
+  gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards), in host memory with an
+               offloaded optimizer (streamed there in backward, issue 24; + the CUDA landing buffer, g max S_b)
   optimizer    fp32 masters 4 sum S_b in mixed precision (in fp32 the master is the parameter slice), the update
                rule's states (`rule.state_bytes_per_param`: AdamW 8, SGD 4) x the owned elements that are not
                padding; none on the device when offloaded
@@ -22,7 +23,7 @@ Transient, inside a step (beyond the states above):
   stage 3      `Stage3.peak_working_set`: gathered units, prefetch, gradient buckets, staging ((p + g)(R + 2L))
   stage 2      full gradient buckets: g x the two largest consecutive buckets with overlap (the one filling and
                the one being reduce-scattered; gradients arrive in reverse registration order), all of them
-               without overlap
+               without overlap; streamed, + the reduced slices on their way (`accounting.streamed_grad_bytes`)
   stages 0-1   none (persistent full gradient buffers, reduced in place)
 """
 
