@@ -127,7 +127,8 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     training, checkpoint = run.training, run.checkpoint
 
     def save():
-        if checkpoint.save:  # (a delayed update is applied first: the optimizer's state is read whole)
+        if checkpoint.save:
+            state.optimizer.finish_update()  # --offload-delayed-update-after: the state is saved whole
             meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": run.flags,
                     "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
             if run.data.tokenizer is not None:

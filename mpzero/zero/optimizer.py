@@ -209,7 +209,7 @@ class ZeroOptimizer:
                                     f"the last checkpoint are intact; lower --lr or enable --clip-grad")
             clip_grads_(grads, norm, self.config.clip_grad)
             if self._delayed is not None and self.iteration >= self.offload.delayed_update_after:
-                self._delayed.finish()  # the previous iteration's update reaches the model now
+                self.finish_update()  # the previous iteration's update reaches the model now
                 self._delayed.start(grads, self.lr)  # this one's runs while the next forward/backward do
             else:
                 self.masters.step(grads, self.lr)
@@ -232,7 +232,8 @@ class ZeroOptimizer:
 
     def finish_update(self) -> None:
         """With --offload-delayed-update-after: apply the pending update now (before a checkpoint, an evaluation,
-        the end of training); a no-op otherwise. See delayed.py."""
+        the end of training); a no-op otherwise. Every rank calls it (the stage spreads the parameters over DP).
+        See delayed.py."""
         if self._delayed is not None:
             self._delayed.finish()
             self.step_fp32_peak = max(self.step_fp32_peak, self._delayed.fp32_peak)
@@ -341,8 +342,8 @@ class ZeroOptimizer:
 
     def adam_step(self) -> int:
         """The update rule's step count (the same on every rank: every rank steps, a rank whose slice is padding
-        too); the name is the checkpoint's older one."""
-        self.finish_update()
+        too); the name is the checkpoint's older one. With a delayed update pending, call `finish_update()` first
+        (on every rank: it spreads the parameters)."""
         return self.masters.step_count
 
     def _uncounted(self, fn, *args):
