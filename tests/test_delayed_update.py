@@ -15,6 +15,7 @@ from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from mpzero.zero.config import OffloadConfig
 from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
+from tests.test_offload_cli import _checkpoint_state
 from tests.zero_toy import make_batches, make_model
 
 STEPS, MICRO = 6, 2
@@ -105,6 +106,8 @@ def test_delayed_update_through_pretrain_gpt_saves_evaluates_and_resumes(tmp_pat
     assert delayed["losses"][:4] == ordinary["losses"][:4]
     assert delayed["losses"][5:] != ordinary["losses"][5:] and all(map(math.isfinite, delayed["losses"]))
     assert len(delayed["valid_losses"]) == 3 and all(map(math.isfinite, delayed["valid_losses"]))
+    meta, _ = _checkpoint_state(str(tmp_path / "ckpt"))
+    assert meta["step"] == 10  # the last update was applied before the save
     resumed, _ = run_ranks(2, main_capturing_stdout, argv + ["--offload-delayed-update-after", "0", "--load",
                                                              str(tmp_path / "ckpt"), "--train-iters", "12"])[0]
     assert len(resumed["losses"]) == 2 and all(map(math.isfinite, resumed["losses"]))
