@@ -114,7 +114,7 @@ class ZeroOptimizer:
         self.numel = sum(p.numel() for _, p in named)
         self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize,
                                                          self.rule.state_bytes_per_param)
-        self.stage = self.masters = None
+        self.stage = self.masters = self._delayed = None
         self._closed = False
         try:
             self.stage = make_stage(model, named, groups, zero, precision, units, offload, self.offload_directory)
