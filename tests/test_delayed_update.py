@@ -58,12 +58,13 @@ def _train(stage, dtype, tier, delay_after, reference, path):
     return result
 
 
-@pytest.mark.parametrize("stage,dtype,tier,delay_after", [
-    (2, "fp32", "cpu", 0), (2, "bf16", "cpu", 2), (1, "bf16", "cpu", 1), (3, "fp32", "cpu", 1),
-    (2, "fp16", "cpu", 1), (2, "bf16", "disk", 1)])
-def test_delayed_update_matches_the_one_step_late_reference_loop(stage, dtype, tier, delay_after, tmp_path):
-    delayed, = run_ranks(1, _train, stage, dtype, tier, delay_after, False, str(tmp_path / "a"))
-    reference, = run_ranks(1, _train, stage, dtype, tier, delay_after, True, str(tmp_path / "b"))
+@pytest.mark.parametrize("stage,dtype,tier,delay_after,dp", [
+    (2, "fp32", "cpu", 0, 1), (2, "bf16", "cpu", 2, 1), (1, "bf16", "cpu", 1, 1), (3, "fp32", "cpu", 1, 1),
+    (2, "fp16", "cpu", 1, 1), (2, "bf16", "disk", 1, 1), (2, "bf16", "cpu", 1, 2), (1, "fp32", "disk", 0, 2)])
+def test_delayed_update_matches_the_one_step_late_reference_loop(stage, dtype, tier, delay_after, dp, tmp_path):
+    """Stage 3 at DP 1 only: the reference swaps the model's parameters, which stage 3 shards at DP > 1."""
+    delayed = run_ranks(dp, _train, stage, dtype, tier, delay_after, False, str(tmp_path / "a"))[0]
+    reference = run_ranks(dp, _train, stage, dtype, tier, delay_after, True, str(tmp_path / "b"))[0]
     assert delayed["losses"] == reference["losses"]
     skipped = sum(norm is None for _, norm in delayed["losses"])
     assert (skipped > 0) == (dtype == "fp16")  # fp16's overflow skip is decided before the update starts: consistent
@@ -71,7 +72,7 @@ def test_delayed_update_matches_the_one_step_late_reference_loop(stage, dtype, t
     for ours, theirs in zip(delayed["params"] + delayed["masters"], reference["params"] + reference["masters"]):
         assert torch.equal(ours, theirs)
     # and it is not the ordinary run: the stale gradients change the trajectory after warm-up
-    ordinary, = run_ranks(1, _train, stage, dtype, tier, STEPS + 5, False, str(tmp_path / "c"))
+    ordinary = run_ranks(dp, _train, stage, dtype, tier, STEPS + 5, False, str(tmp_path / "c"))[0]
     assert ordinary["losses"][:delay_after + 1] == delayed["losses"][:delay_after + 1]
     assert ordinary["losses"][delay_after + 2:] != delayed["losses"][delay_after + 2:]
 
