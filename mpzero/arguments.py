@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "refuses it), buffered, or auto (direct where possible)")
     off.add_argument("--no-offload-pin-memory", dest="offload_pin_memory", action="store_false",
                      help="GPU runs: pageable instead of page-locked host buffers (slower copies, less locked RAM)")
+    off.add_argument("--offload-delayed-update-after", type=int, default=None, metavar="N",
+                     help="ZeRO-Offload's one-step delayed parameter update after N ordinary steps: the CPU step "
+                          "of iteration i overlaps the forward/backward of i+1, which then sees the parameters "
+                          "one update late (changes the numerics; needs --offload-optimizer cpu or disk)")
 
     precision = p.add_argument_group("mixed precision")
     dtype = precision.add_mutually_exclusive_group()
@@ -356,7 +360,8 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
                           f"{optimizer} was given too: keep one of them")
     return OffloadConfig(optimizer=optimizer, params=args.offload_params, path=args.offload_path,
                          sub_group_numel=args.offload_sub_group_numel, buffer_count=args.offload_buffer_count,
-                         io=args.offload_io, pin_memory=args.offload_pin_memory)
+                         io=args.offload_io, pin_memory=args.offload_pin_memory,
+                         delayed_update_after=args.offload_delayed_update_after)
 
 
 def check_offload_directory(offload: OffloadConfig) -> None:

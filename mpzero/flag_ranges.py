@@ -32,6 +32,7 @@ RANGES = {
     "eval_interval": (1, True, None, False), "eval_iters": (0, True, None, False),
     "save_interval": (1, True, None, False), "vocab_size": (1, True, None, False),
     "offload_sub_group_numel": (1, True, None, False), "offload_buffer_count": (3, True, None, False),
+    "offload_delayed_update_after": (0, True, None, False),
     "recompute_num_layers": (1, True, None, False), "cross_entropy_chunk_size": (0, True, None, False),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }

@@ -69,8 +69,21 @@ def test_bf16_gradients_match_one_process_and_fp32_gradients(single_process, tp,
 
 def test_fp32_buckets_cast_one_bucket_at_a_time_like_casting_all_at_once():
     shards = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) for n in (5, 7, 3)]
-    buckets = Fp32Buckets(shards, inverse_scale=2 ** -10, keep_all=False)
+    buckets = Fp32Buckets(shards, inverse_scale=2 ** -10)
     buckets.clip_(0.37)
     for b, shard in enumerate(shards):
         assert torch.equal(buckets[b], shard.float().mul_(2 ** -10).mul_(0.37))
-        assert list(buckets._cast) == [b]  # the previous bucket's fp32 copy is gone
+        assert len(buckets._cast) == 1 and buckets.meter.current == 4 * shard.numel()  # the previous one is gone
+    assert buckets.meter.peak == 4 * 7
+
+
+def test_fp32_pieces_are_the_whole_cast_and_at_most_two_stay():
+    shards = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.float16) for n in (50, 70)]
+    buckets = Fp32Buckets(shards, inverse_scale=2 ** -12)
+    buckets.clip_(0.21)
+    for b, lo, hi in [(0, 0, 13), (0, 13, 50), (1, 0, 9), (1, 9, 61), (1, 61, 70)]:
+        assert torch.equal(buckets.piece(b, lo, hi), shards[b][lo:hi].float().mul_(2 ** -12).mul_(0.21))
+        assert len(buckets._cast) <= 2
+    assert buckets.meter.peak == 4 * (9 + 52)
+    buckets.release()
+    assert buckets.meter.current == 0

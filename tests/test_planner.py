@@ -169,7 +169,8 @@ def test_deepspeed_estimator_output_for_t5_3b():
     assert [round(b / GIB, 2) for b in deepspeed_zero2(total, 8, 1, False)] == [127.48, 15.93]
     assert [round(b / GIB, 2) for b in deepspeed_zero2(2851 * 10 ** 6, 8, 1, True)] == [127.45, 5.31]
     host, device = mpzero_from_counts(total, layer, 8, 3, 2, 4, "cpu", "cpu")
-    assert host == 14 * total / 8 and device == 4 * total / 8 + 6 * 3 * layer
+    # the gradient partition (g = 4) is streamed to host memory with the optimizer offloaded (issue 24)
+    assert host == 18 * total / 8 and device == 6 * 3 * layer
 
 
 def _gpt(layers, hidden, heads, **change):

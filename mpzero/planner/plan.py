@@ -32,6 +32,7 @@ from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
 from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.planner.transients import compute_transients
+from mpzero.zero.accounting import step_fp32_bytes
 
 TIERS = ("none", "cpu", "disk")
 
@@ -198,8 +199,8 @@ class Planner:
         mixed = self.precision.dtype != "fp32"
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
-        shards = [lay.shard_numel for lay in layouts]  # Fp32Buckets: one at a time, all when offloaded
-        cast = sum(shards) if offload.optimizer != "none" else max(shards, default=0)
+        largest_shard = max((lay.shard_numel for lay in layouts), default=0)  # Fp32Buckets: a bucket, or sub-groups
+        cast = step_fp32_bytes(offload.optimizer != "none", largest_shard, offload.sub_group_numel)[0] // 4
         transients = compute_transients(config, layout.tp, layout.micro_batch, self.seq, self.p, self.g, cast,
                                         max(runs, default=0), machine.cuda, self.precision.dtype == "fp16")
         working = max(transients["cross entropy"], transients["vocabulary gradients"],

@@ -11,7 +11,8 @@ Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b 
 p / g bytes per parameter / gradient element:
   parameters   stages 0-2: p sum E_b (full flat buffers);  stage 3: p sum S_b (shards; DP 1: the whole copy);
                none on the device when stage 3 offloads them
-  gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards)
+  gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards), in host memory with an
+               offloaded optimizer (streamed there in backward, issue 24; + the CUDA landing buffer, g max S_b)
   optimizer    fp32 masters 4 sum S_b in mixed precision (in fp32 the master is the parameter slice), the update
                rule's states (`rule.state_bytes_per_param`: AdamW 8, SGD 4) x the owned elements that are not
                padding; none on the device when offloaded
@@ -22,7 +23,7 @@ Transient, inside a step (beyond the states above):
   stage 3      `Stage3.peak_working_set`: gathered units, prefetch, gradient buckets, staging ((p + g)(R + 2L))
   stage 2      full gradient buckets: g x the two largest consecutive buckets with overlap (the one filling and
                the one being reduce-scattered; gradients arrive in reverse registration order), all of them
-               without overlap
+               without overlap; streamed, + the reduced slices on their way (`accounting.streamed_grad_bytes`)
   stages 0-1   none (persistent full gradient buffers, reduced in place)
 """
 
@@ -38,11 +39,11 @@ from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, transfer_theory)
+                                   memory_report, offload_formula, offload_tiers, streamed_grad_bytes,
+                                   transfer_theory)
 from mpzero.optim import AdamW, UpdateRule
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.flat import FlatLayout
-from mpzero.zero.grads import MAX_INFLIGHT_REDUCTIONS
 from mpzero.zero.stage3 import Stage3
 
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
@@ -88,23 +89,22 @@ def _owned_unpadded(layout: FlatLayout) -> int:
     return sum(end - start for start, end, _ in layout.decay_runs())
 
 
-def stage3_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool) -> tuple[int, str]:
+def stage3_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
+                       streamed: bool = False) -> tuple[int, str]:
     """`Stage3.peak_working_set` itself, called on the attributes it reads, for layouts built without tensors."""
     partitioned = dp > 1
     stand_in = SimpleNamespace(layouts=list(layouts), partitioned=partitioned,
                                gathers=partitioned or params_offloaded,
                                tier=object() if params_offloaded else None, prefetch=zero.prefetch,
-                               grads=SimpleNamespace(overlap=zero.overlap_comm))
+                               grads=SimpleNamespace(overlap=zero.overlap_comm, streamed=streamed))
     return Stage3.peak_working_set(stand_in, p, g)
 
 
-def stage2_working_set(layouts, g: int, overlap: bool) -> tuple[int, str]:
-    sizes = [layout.padded_numel for layout in layouts]
-    if not overlap:
-        return g * sum(sizes), f"{g}x(all buckets)"
-    alive = MAX_INFLIGHT_REDUCTIONS + 1  # the bucket filling and those still being reduce-scattered
-    best = max(sum(sizes[i:i + alive]) for i in range(len(sizes)))
-    return g * best, f"{g}x({alive} largest consecutive buckets)"
+def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -> tuple[int, str]:
+    """The full gradient buckets in flight (and, streamed to the host, the reduced slices on their way):
+    `accounting.streamed_grad_bytes`, ShardedGrads' schedule replayed."""
+    return streamed_grad_bytes([layout.padded_numel for layout in layouts],
+                               [layout.shard_numel for layout in layouts], g, overlap, streamed)
 
 
 def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfig, dp: int, dp_rank: int = 0,
@@ -128,19 +128,24 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         params = 0
     else:
         params = p * shard
-    grads = g * (padded if stage < 2 else shard)
+    streamed = offload.streams_grads(stage)  # the gradient partition in host memory (issue 24)
+    grads = 0 if streamed else g * (padded if stage < 2 else shard)
     master = 4 if opt_off or p != 4 else 0  # DeviceMasters shares fp32 parameters; offloaded masters never do
     states = rule.state_bytes_per_param
     optimizer = 0 if opt_off else master * shard + states * owned
 
     host = disk = host_buffers = 0
+    if streamed:
+        host += g * shard
+        if cuda:  # ShardedGrads' pinned landing buffer for later micro-batches: one largest shard
+            host_buffers += g * max((layout.shard_numel for layout in layouts), default=0)
     if opt_off:
         files = 1 + len(rule.state_names)  # the master and each state: one host tensor or file each
         if offload.optimizer == "cpu":
             host += files * 4 * shard
         else:
             disk += files * round_up(4 * shard)
-        host_buffers += buffer_bytes(offload, shard, cuda, p, rule)
+        host_buffers += buffer_bytes(offload, shard, cuda, p, rule, staged_grads=not streamed)
     if par_off:
         if offload.params == "cpu":
             host += p * shard
@@ -150,13 +155,13 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
             host_buffers += SLOTS * aligned_bytes(max(regions, default=0), precision.torch_dtype)
 
     if stage == 3:
-        working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off)
+        working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off, streamed)
     elif stage == 2:
-        working, working_text = stage2_working_set(layouts, g, zero.overlap_comm)
+        working, working_text = stage2_working_set(layouts, g, zero.overlap_comm, streamed)
     else:
         working, working_text = 0, "0"
 
-    tiers = {"optimizer": offload.optimizer, "params": offload.params}
+    tiers = offload_tiers(stage, offload)
     offloaded = tuple(c for c, tier in tiers.items() if tier != "none")
     report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, states,
                            offloaded)
@@ -166,7 +171,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
                         for name, coef in per_param.items()]
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
-                                       _host_buffer_text(offload, cuda, p, rule)))
+                                       _host_buffer_text(offload, cuda, p, rule, stage)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
     built = construction_working_set(list(layouts), stage, p, precision.dtype != "fp32", offload.params != "none",
                                      stage == 3 and (dp > 1 or offload.params != "none"))
@@ -174,27 +179,28 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         TierReport("construction peak", report.measured + built.device, report.formula + built.device,
                    f"{report.formula_text}+{built.device_text}"),
         TierReport("construction host working set", built.host, built.host, built.host_text)))
-    if stage == 3 and after_step:
+    if (stage == 3 or stage == 2 and streamed) and after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
+                                                             working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
 
     comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, micro_batches, par_off)
     theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
     transfers = ()
     if offloaded:
-        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda, states=states)
+        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda, states=states, g=g)
         transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
     comm = CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
                      working, working_text, comm_bytes, report, comm, states)
 
 
-def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRule) -> str:
+def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRule, stage: int) -> str:
     """The formula text the code prints for the host buffers (masters' text, then the parameter tier's)."""
     parts = []
     if offload.optimizer == "disk":
         parts.append(f"{offload.buffer_count}x{1 + len(rule.state_names)} swap x 4 B")
-    if cuda:
+    if cuda and not offload.streams_grads(stage):
         parts.append("2 grad staging x 4 B")
     parts.append(f"param staging x {p} B")
     return "buffers: " + " + ".join(parts) + (f" + {SLOTS}U" if offload.params == "disk" else "")

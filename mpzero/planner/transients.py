@@ -15,7 +15,8 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
 - the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
   fp16's loss-scaled gradients), then, with gradients in the parameters' dtype (fp16, bf16 with
   --grad-reduce-in-bf16), the fp32 cast of one bucket's shard at a time (4 x the largest shard: `Fp32Buckets`;
-  of every shard, 4S, with an offloaded optimizer); the larger of the two.
+  with an offloaded optimizer two sub-groups' pieces, 4 x 2 min(G, S): `accounting.step_fp32_bytes`); the larger
+  of the two.
 The step's peak takes the largest of the backward ones beside the saved activations, and the step's beside the states.
 """
 

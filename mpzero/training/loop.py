@@ -128,6 +128,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
 
     def save():
         if checkpoint.save:
+            state.optimizer.finish_update()  # --offload-delayed-update-after: the state is saved whole
             meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": run.flags,
                     "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
             if run.data.tokenizer is not None:
@@ -181,6 +182,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                 save()
             if stop:
                 break
+        state.optimizer.finish_update()  # --offload-delayed-update-after: the last update reaches the model
         if terminated:  # a scheduler's "save and leave now": no end-of-training evaluation in its grace period
             if groups.is_logging_rank:
                 print(f"stopped by SIGTERM at iteration {iteration}: skipping the end-of-training evaluation",
@@ -343,6 +345,7 @@ def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
 
 def _evaluate_and_log(state: TrainingState, dataset, where: str, iteration: int, run: RunConfig,
                       tensorboard) -> float:
+    state.optimizer.finish_update()  # --offload-delayed-update-after: evaluate the updated parameters
     loss = evaluate(state, dataset, run)
     if state.groups.is_logging_rank:
         print(validation_line(where, loss), flush=True)

@@ -15,10 +15,13 @@ m(2p + g)P(N-1)/N. With g = p these are the paper's 2P and 3P (times N-1/N).
 
 Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer's fp32 masters and states (KP/N with the master always a
 separate fp32 copy there: 12P/N for AdamW, 8P/N for SGD) move to host memory or disk, and with stage 3 the parameter shards (pP/N)
-too; the device keeps the rest of the stage's formula. Host staging and swap buffers are a separate, bounded
-term. Bytes moved per iteration: gradients device-to-host 4P/N and parameters host-to-device pP/N (on a
-GPU; zero when the device is the host), the disk tier's states read and written, KP/N each, and offloaded
-stage-3 parameters fetched for every gather, 2m pP/N (the step then writes pP/N to their tier, not the device).
+too; at stages 2-3 the gradient partition (gP/N) lives in host memory as well, each reduced bucket streamed there
+in backward (issue 24; `offload_tiers`): the device keeps the rest of the stage's formula (ZeRO-Offload at stage 2:
+pP; stage 3 with parameters offloaded: nothing between steps). Host staging and swap buffers are a separate,
+bounded term. Bytes moved per iteration: gradients device-to-host, streamed every micro-batch m gP/N (stage 1: 4P/N
+in the step), parameters host-to-device pP/N (on a GPU; zero when the device is the host), the disk tier's states
+read and written, KP/N each, and offloaded stage-3 parameters fetched for every gather, 2m pP/N (the step then
+writes pP/N to their tier, not the device).
 
 Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
 in flight (Stage3.peak_working_set), counted by a meter as the buffers are created and freed.
@@ -27,6 +30,10 @@ Construction (mpzero.zero.construction): the `construction peak` on the device i
 above) plus the largest working set of one bucket or unit, and the host's `construction working set` is one
 parameter's draw (plus an offloaded shard's values and cast), each counted by a meter against its formula.
 
+Bounded working sets (issue 24), functions the planner calls: `streamed_grad_bytes` (the device's gradient bytes
+in backward: full buckets in flight and, streamed, the reduced slices on their way to the host) and
+`step_fp32_bytes` (the fp32 gradient copies of a mixed-precision step: a bucket in memory, two sub-groups offloaded).
+
 Both report lines are `|`-separated "name value" fields whose value has no spaces:
 `dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])` parses them.
 """
@@ -34,6 +41,8 @@ Both report lines are `|`-separated "name value" fields whose value has no space
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from mpzero.zero.step_grads import PIECES_KEPT
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,8 @@ class MemoryReport:
 
     @property
     def ratio(self) -> float:
+        if self.formula == 0:  # everything offloaded (stage 3, parameters and optimizer off the device)
+            return 1.0 if self.measured == 0 else float("inf")
         return self.measured / self.formula
 
     def line(self) -> str:
@@ -161,13 +172,25 @@ def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str], states: i
     return per_tier
 
 
+def offload_tiers(stage: int, offload) -> dict[str, str]:
+    """Where each offloadable component lives ("none": the device), from an `OffloadConfig`: the optimizer's
+    masters and states, stage 3's parameters, and the gradient partition, streamed to host memory in backward
+    with an offloaded optimizer at stages 2-3 (`OffloadConfig.streams_grads`)."""
+    return {"optimizer": offload.optimizer, "params": offload.params,
+            "grads": "cpu" if offload.streams_grads(stage) else "none"}
+
+
 def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers: dict[str, str],
-                    device_is_host: bool, states: int) -> dict[str, tuple[float, str]]:
+                    device_is_host: bool, states: int, g: int = 4) -> dict[str, tuple[float, str]]:
     """Bytes per rank per iteration between tiers (see the module docstring), with formulas; `states`: the
-    rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states)."""
+    rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states). Gradients go
+    down as fp32 in the step, 4P/N, or, streamed in backward (tiers["grads"]), every micro-batch's reduced
+    slice in the gradients' dtype, m g P/N."""
     partition = numel / dp_size
     d2h, h2d, read, written = [], [], [], []
-    if tiers.get("optimizer", "none") != "none":
+    if tiers.get("grads", "none") != "none":
+        d2h.append((micro_batches * g, f"{micro_batches * g}P/N"))
+    elif tiers.get("optimizer", "none") != "none":
         d2h.append((4, "4P/N"))
         if tiers.get("params", "none") == "none":  # else the step writes the parameters to their own tier
             h2d.append((p, f"{p}P/N"))
@@ -207,3 +230,67 @@ def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batc
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     return coef * numel * (dp_size - 1) / dp_size, f"({formula_text([(coef, 'P')])})(N-1)/N"
+
+
+# -- bounded working sets of issue 24 (items 2 and 3): the formulas the planner calls --------------------------------
+def step_fp32_bytes(offloaded: bool, largest_shard: int, sub_group_numel: int) -> tuple[int, str]:
+    """(bytes, formula) of fp32 gradient copies a mixed-precision step holds at once when the gradient buffers are
+    in the parameters' dtype (fp16, bf16 with --grad-reduce-in-bf16; fp32 buffers are used in place: 0):
+    in memory one bucket's shard, 4S (S = the largest shard); offloaded the pieces of two sub-groups (the one
+    updated, the one in flight), each no larger than a sub-group or a shard: 4 x 2 min(G, S) (`Fp32Buckets`)."""
+    if offloaded:
+        return 4 * PIECES_KEPT * min(sub_group_numel, largest_shard), f"{4 * PIECES_KEPT}min(G,S)"
+    return 4 * largest_shard, "4S"
+
+
+def streamed_grad_bytes(full: list[int], shard: list[int], g: int, overlap: bool, streamed: bool,
+                        order: list[int] | None = None, held_open: tuple[int, ...] = ()) -> tuple[int, str]:
+    """(bytes, formula): the most gradient bytes `ShardedGrads` holds on the device at once beyond persistent
+    shards, replayed from its schedule. Buckets become ready in `order` (default 0, 1, ...: reverse registration,
+    backward's order); each full buffer (`full[b]` elements) exists from its bucket's first gradient to the end of
+    its reduce-scatter, and at most MAX_INFLIGHT_REDUCTIONS reductions run at once; `held_open` buckets receive a
+    gradient first and complete last (stage 3's root: the tied embedding). Streamed (an offloaded optimizer, stages
+    2-3), each reduction lands in a device slice (`shard[b]`) that stays until the next slice starts its copy to
+    the host (IN_TRANSIT): with overlap, g x (2 consecutive buckets + 2 shards), whatever the model size;
+    unstreamed the shards themselves persist (gP/N, counted by the memory line) and no slice is added."""
+    from mpzero.zero.grads import IN_TRANSIT, MAX_INFLIGHT_REDUCTIONS
+    order = list(range(len(full))) if order is None else list(order)
+    state = {"now": 0, "peak": 0}
+    inflight, transit = [], []
+
+    def add(n: int) -> None:
+        state["now"] += n
+        state["peak"] = max(state["peak"], state["now"])
+
+    def complete() -> None:
+        bucket = inflight.pop(0)
+        state["now"] -= full[bucket]
+        if streamed:
+            while len(transit) >= IN_TRANSIT:
+                state["now"] -= shard[transit.pop(0)]
+            transit.append(bucket)
+
+    def launch(bucket: int) -> None:
+        while len(inflight) >= MAX_INFLIGHT_REDUCTIONS:
+            complete()
+        if streamed:
+            add(shard[bucket])
+        inflight.append(bucket)
+
+    for bucket in held_open:
+        add(full[bucket])
+    ready = [b for b in order if b not in held_open] + list(held_open)
+    if overlap:
+        for bucket in ready:
+            if bucket not in held_open:
+                add(full[bucket])
+            launch(bucket)
+    else:
+        for bucket in ready:
+            if bucket not in held_open:
+                add(full[bucket])
+        for bucket in range(len(full)):  # end_backward launches in bucket order
+            launch(bucket)
+    # the text has no spaces (a memory-line field): B buckets and S reduced slices at the fullest moment
+    text = (f"{g}x(2B" + ("+2S)" if streamed else ")")) if overlap else f"{g}x(allB" + ("+S)" if streamed else ")")
+    return g * state["peak"], text

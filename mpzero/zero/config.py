@@ -56,6 +56,7 @@ class OffloadConfig:
     buffer_count: int = 3  # --offload-buffer-count: sub-group buffers (3: read next, update, write previous)
     io: str = "auto"  # --offload-io: direct (O_DIRECT), buffered, or auto (direct where the file system allows)
     pin_memory: bool = True  # host buffers page-locked on a CUDA run (--no-offload-pin-memory)
+    delayed_update_after: int | None = None  # --offload-delayed-update-after N: ZeRO-Offload's DPU after N steps
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +65,12 @@ class OffloadConfig:
     @property
     def uses_disk(self) -> bool:
         return "disk" in (self.optimizer, self.params)
+
+    def streams_grads(self, stage: int) -> bool:
+        """Whether the gradient partition lives in host memory, each reduced bucket streamed there in backward
+        (issue 24, item 3): an offloaded optimizer at stages 2-3 (stage 1 keeps full gradient buffers on the
+        device to accumulate micro-batches; the step copies its slice down, sub-group by sub-group)."""
+        return self.optimizer != "none" and stage >= 2
 
     def validate(self, stage: int) -> None:
         """Checks that need no file system (the path itself is checked where the run starts)."""
@@ -89,6 +96,13 @@ class OffloadConfig:
         if self.sub_group_numel < 1 or self.buffer_count < 3:
             raise ConfigError(f"--offload-sub-group-numel {self.sub_group_numel} must be positive and "
                               f"--offload-buffer-count {self.buffer_count} at least 3 (read, update, write)")
+        if self.delayed_update_after is not None and self.optimizer == "none":
+            raise ConfigError(f"--offload-delayed-update-after {self.delayed_update_after} needs --offload-optimizer "
+                              "cpu or disk: the delayed update is the offloaded optimizer's CPU step")
+        if self.delayed_update_after is not None and (not isinstance(self.delayed_update_after, int)
+                                                      or self.delayed_update_after < 0):
+            raise ConfigError(f"--offload-delayed-update-after {self.delayed_update_after} must be a whole number "
+                              "of warm-up steps >= 0")
         if self.io == "direct" and (self.sub_group_numel * 4) % DIRECT_IO_ALIGN:
             raise ConfigError(f"--offload-io direct needs --offload-sub-group-numel to be a multiple of "
                               f"{DIRECT_IO_ALIGN // 4} elements (O_DIRECT transfers {DIRECT_IO_ALIGN}-byte "

@@ -17,6 +17,8 @@ Two ways to reduce, one per family of stages:
   without full gradients there is nothing to accumulate into, so accumulation costs one reduction
   per micro-batch (the ZeRO paper's stage 2 trade-off). At most MAX_INFLIGHT_REDUCTIONS full buffers
   wait for their reduce-scatter at a time, so the transient gradient memory is bounded by a few buckets.
+  With an offloaded optimizer (`host=True`) the slices live in host memory and each reduced bucket is streamed
+  there as soon as it is complete (issue 24): the device then holds only buckets in flight.
 Gradients are divided by the DP size before the sum (Megatron's order: less fp16 overflow), which
 leaves them averaged over the DP ranks.
 """
@@ -30,6 +32,7 @@ import torch
 from mpzero.comm import CommGroup
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
+from mpzero.zero.offload.sink import TierBytes, Transfers
 
 
 class GradCollector:
@@ -117,25 +120,55 @@ class ReplicatedGrads:
 
 MAX_INFLIGHT_REDUCTIONS = 1  # full gradient buffers whose reduce-scatter may still run: more overlap would
 # keep more of them alive (all of them, unbounded: the whole model's gradients at the end of backward)
+IN_TRANSIT = 1  # streamed: reduced shards whose device-to-host copy may still run
 
 
 class ShardedGrads:
+    """Only this rank's gradient slice persists (see the module docstring). `host=True` (an offloaded optimizer,
+    issue 24 item 3): the slices live in host memory (pinned on CUDA) and each reduced bucket is streamed there
+    as soon as its reduce-scatter completes: the reduction lands in a device shard-sized buffer, which is copied to
+    the host on a side stream (CUDA; on a CPU run the copy is a plain one) and freed once the next one starts, so
+    the device holds the full buckets in flight plus at most MAX_INFLIGHT_REDUCTIONS + IN_TRANSIT reduced shards
+    (`accounting.streamed_grad_bytes`), never the gradient partition. Micro-batches after the first land in a
+    pinned host buffer (CUDA) and are added to the host slice, the same additions in the same order: bitwise."""
+
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
-                 meter: TransientMeter, after_ready: Callable[[int], None] = lambda bucket: None):
-        self.dp, self._layouts, self._dtype, self._device = dp, layouts, dtype, device
+                 meter: TransientMeter, after_ready: Callable[[int], None] = lambda bucket: None,
+                 host: bool = False, pin: bool = False):
+        self.dp, self._layouts, self._dtype, self._device = dp, layouts, dtype, torch.device(device)
         self.overlap, self._after_ready, self._meter = overlap, after_ready, meter
-        self.shards = [torch.zeros(l.shard_numel, dtype=dtype, device=device) for l in layouts]
+        self.streamed = host
+        self.device_meter = TransientMeter()  # gradient bytes on the device: shards (unstreamed), buckets, transit
+        cuda = self._device.type == "cuda"
+        pin = pin and host and cuda
+        where = torch.device("cpu") if host else self._device
+        self.shards = [torch.zeros(l.shard_numel, dtype=dtype, device=where, pin_memory=pin) for l in layouts]
+        if not host:
+            self.device_meter.add(sum(shard.nbytes for shard in self.shards))
         self._zeroed = set(range(len(layouts)))  # buckets whose shard holds zeros (nothing reduced since zero_())
         self._full: dict[int, torch.Tensor] = {}  # bucket -> full gradient buffer of this micro-batch
-        self._inflight = []  # (bucket, handle, reduced slice, full buffer kept alive until the wait)
+        self._inflight = []  # (bucket, handle, reduced slice, full buffer kept alive until the wait, first)
+        self._transit = []  # streamed: (bucket, reduced device slice, host landing, event or None, first)
         self._launched: set[int] = set()
+        self.device_to_host = 0  # bytes copied to the host by streaming (0 on a CPU run: the device is the host)
+        self._stream = torch.cuda.Stream(self._device) if host and cuda else None
+        largest = max((l.shard_numel for l in layouts), default=0)
+        self._landing = (torch.empty(largest, dtype=dtype, pin_memory=pin) if host and cuda else None)
         self.collector = GradCollector(layouts, self._full_buffer, self._ready)
+
+    def _add(self, nbytes: int) -> None:
+        self._meter.add(nbytes)
+        self.device_meter.add(nbytes)
+
+    def _sub(self, nbytes: int) -> None:
+        self._meter.sub(nbytes)
+        self.device_meter.sub(nbytes)
 
     def _full_buffer(self, bucket: int) -> torch.Tensor:
         if bucket not in self._full:
             numel = self._layouts[bucket].padded_numel
             self._full[bucket] = torch.zeros(numel, dtype=self._dtype, device=self._device)
-            self._meter.add(self._full[bucket].nbytes)
+            self._add(self._full[bucket].nbytes)
         return self._full[bucket]
 
     def begin_backward(self, last_micro_batch: bool) -> None:
@@ -153,24 +186,62 @@ class ShardedGrads:
             full.div_(self.dp.size)
         del self._full[bucket]
         self._launched.add(bucket)
+        while len(self._inflight) >= MAX_INFLIGHT_REDUCTIONS:
+            self._complete_oldest()
         # The first reduction after zero_() lands in the shard itself (0 + x = x; only a -0.0 stays -0.0, which
         # no later step tells from +0.0); later micro-batches reduce into a temporary that is added to it.
-        reduced = None if bucket in self._zeroed else torch.empty_like(self.shards[bucket])
+        # Streamed, every reduction lands in a device temporary on its way to the host.
+        first = bucket in self._zeroed
         self._zeroed.discard(bucket)
-        handle = self.dp.reduce_scatter_into(self.shards[bucket] if reduced is None else reduced, full,
-                                             async_op=self.overlap)
-        self._inflight.append((bucket, handle, reduced, full))
-        while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
-            self._complete_oldest()
+        if self.streamed:
+            reduced = torch.empty(self._layouts[bucket].shard_numel, dtype=self._dtype, device=self._device)
+            self._add(reduced.nbytes)
+        else:
+            reduced = self.shards[bucket] if first else torch.empty_like(self.shards[bucket])
+        handle = self.dp.reduce_scatter_into(reduced, full, async_op=self.overlap)
+        self._inflight.append((bucket, handle, reduced, full, first))
 
     def _complete_oldest(self) -> None:
-        """Wait for the oldest reduction, add its result to the shard and drop its full buffer."""
-        bucket, handle, reduced, full = self._inflight.pop(0)
+        """Wait for the oldest reduction, drop its full buffer, and add its result to the shard (streamed: send it
+        to the host)."""
+        bucket, handle, reduced, full, first = self._inflight.pop(0)
         if handle is not None:
             handle.wait()
-        if reduced is not None:
+        self._sub(full.nbytes)
+        del full
+        if self.streamed:
+            self._send(bucket, reduced, first)
+        elif not first:
             self.shards[bucket].add_(reduced)
-        self._meter.sub(full.nbytes)
+
+    def _send(self, bucket: int, reduced: torch.Tensor, first: bool) -> None:
+        """The reduced slice to the host: into the shard (first micro-batch) or a landing buffer added to it when
+        the copy is done; the previous copy is finished first (IN_TRANSIT)."""
+        while len(self._transit) >= IN_TRANSIT:
+            self._finish_oldest_send()
+        host = reduced.device.type == "cpu"
+        target = self.shards[bucket] if first else (reduced if host else self._landing[:reduced.numel()])
+        event = None
+        if self._stream is not None:  # CUDA: a side stream, after the reduction on the current one
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream):
+                target.copy_(reduced, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            reduced.record_stream(self._stream)
+        elif target is not reduced:
+            target.copy_(reduced)
+        if not host:
+            self.device_to_host += reduced.nbytes
+        self._transit.append((bucket, reduced, target, event, first))
+
+    def _finish_oldest_send(self) -> None:
+        bucket, reduced, target, event, first = self._transit.pop(0)
+        if event is not None:
+            event.synchronize()
+        if not first:
+            self.shards[bucket].add_(target)
+        self._sub(reduced.nbytes)
 
     def end_backward(self) -> None:
         for bucket in range(len(self.shards)):
@@ -178,6 +249,8 @@ class ShardedGrads:
                 self._launch(bucket)
         while self._inflight:
             self._complete_oldest()
+        while self._transit:
+            self._finish_oldest_send()
 
     def zero_(self) -> None:
         for shard in self.shards:
@@ -185,4 +258,26 @@ class ShardedGrads:
         self._zeroed = set(range(len(self.shards)))
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return list(self.shards)  # full buckets exist only during one micro-batch's backward
+        """Device storage between steps: the shards (streamed: none; they are host state, `host_tensors`)."""
+        return [] if self.streamed else list(self.shards)  # full buckets exist only during a micro-batch's backward
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return list(self.shards) if self.streamed else []
+
+    def tier_bytes(self) -> TierBytes:
+        """Streamed: the host slices (state) and the landing buffer (CUDA)."""
+        return TierBytes(host=sum(t.untyped_storage().nbytes() for t in self.host_tensors()),
+                         host_buffers=sum(t.untyped_storage().nbytes() for t in self.host_buffers()))
+
+    def transfers(self) -> Transfers:
+        return Transfers(device_to_host=self.device_to_host)
+
+    def host_buffer_formula(self) -> tuple[int, str]:
+        """(bytes, text): the landing buffer of one largest shard in the gradients' dtype (CUDA, streamed)."""
+        if self._landing is None:
+            return 0, "0"
+        largest = max((layout.shard_numel for layout in self._layouts), default=0)
+        return self._dtype.itemsize * largest, f"{self._dtype.itemsize}S"
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        return [self._landing] if self._landing is not None else []

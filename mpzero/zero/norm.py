@@ -69,6 +69,7 @@ def grad_norm_squared(grads: list[torch.Tensor], runs: list[tuple[int, int, int]
         total += sum_of_squares(grads[bucket][start:end], scale)
     if check_overflow:
         total = torch.where(_any_not_finite(grads, device), torch.inf, total)
+    total = total.to(groups.device)  # gradients streamed to host memory: the all-reduce and the read are the device's
     groups.world.all_reduce(total)  # an fp64 scalar: gloo and NCCL both reduce float64
     return total
 

@@ -41,9 +41,10 @@ from mpzero.storages import unique_storage_bytes
 from mpzero.tensor_parallel.placement import placements
 from mpzero.zero.offload.sink import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, transfer_theory)
+                                   memory_report, offload_formula, offload_tiers, transfer_theory)
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import construction_working_set
+from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
@@ -77,13 +78,11 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
     first = named_params[0][1]
     device = groups.device if is_deferred(first) else first.device  # a deferred model is made on the run's device
     if zero.stage == 3:
-        if offload.params == "none":
-            return Stage3(model, named_params, groups.dp, precision, zero, device, units)
         return Stage3(model, named_params, groups.dp, precision, zero, device, units, offload=offload,
                       directory=directory)
     if units is not None:
         raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
-    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device)
+    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device, offload)
 
 
 class ZeroOptimizer:
@@ -118,7 +117,7 @@ class ZeroOptimizer:
         self.numel = sum(p.numel() for _, p in named)
         self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize,
                                                          self.rule.state_bytes_per_param)
-        self.stage = self.masters = None
+        self.stage = self.masters = self._delayed = None
         self._closed = False
         try:
             self.stage = make_stage(model, named, groups, zero, precision, units, offload, self.offload_directory)
@@ -130,10 +129,12 @@ class ZeroOptimizer:
             self.close()
             raise
         self.scaler = make_loss_scaler(precision)
+        self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self.lr, self.iteration = optimizer.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
+        self.step_fp32_peak = 0  # the most fp32 gradient bytes a step held at once (low-precision gradients)
         self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
         self._transfer_mark = Transfers()
 
@@ -147,7 +148,7 @@ class ZeroOptimizer:
             from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
             device = self.stage.grad_shards[0].device
             masters = OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
-                                       directory, device)
+                                       directory, device, staged_grads=not offload.streams_grads(self.zero.stage))
         initial.finish()
         unmade = [name for name, param in self.model.named_parameters() if is_deferred(param)]
         if unmade:
@@ -161,6 +162,8 @@ class ZeroOptimizer:
         if self._closed:
             return
         self._closed = True  # once: the reports stay readable after close
+        if self._delayed is not None and self._delayed.pending:
+            self._delayed._thread.join()  # its result is dropped: the state's files and threads go next
         for holder in (self.masters, self.stage, self.offload_directory):
             if holder is not None:
                 holder.close()
@@ -221,8 +224,17 @@ class ZeroOptimizer:
                                     f"{self.groups.world.rank}): stopped before the update, so the parameters and "
                                     f"the last checkpoint are intact; lower --lr or enable --clip-grad")
             clip_grads_(grads, norm, self.config.clip_grad)
-            self.masters.step(grads, self.lr)
-            self.stage.after_update()
+            if self._delayed is not None and self.iteration >= self.offload.delayed_update_after:
+                self.finish_update()  # the previous iteration's update reaches the model now
+                self._delayed.start(grads, self.lr)  # this one's runs while the next forward/backward do
+            else:
+                self.masters.step(grads, self.lr)
+                if isinstance(grads, Fp32Buckets):  # the fp32 copies go; their high-water mark stays for the report
+                    grads.release()
+                    self.step_fp32_peak = max(self.step_fp32_peak, grads.meter.peak)
+                self.stage.after_update()
+        else:
+            self.finish_update()
         self.scaler.update(skipped)
         if self.scaler.skips_at_min_scale >= self.precision.max_skips_at_min_scale:
             raise TrainingError(f"fp16 gradients overflowed at the minimum loss scale {self.scaler.scale:g} for "
@@ -234,14 +246,22 @@ class ZeroOptimizer:
         self.zero_grad()
         return StepStats(None if skipped else norm, skipped, scale)
 
+    def finish_update(self) -> None:
+        """With --offload-delayed-update-after: apply the pending update now (before a checkpoint, an evaluation,
+        the end of training); a no-op otherwise. Every rank calls it (the stage spreads the parameters over DP).
+        See delayed.py."""
+        if self._delayed is not None:
+            self._delayed.finish()
+            self.step_fp32_peak = max(self.step_fp32_peak, self._delayed.fp32_peak)
+
     def _fp32_grads(self) -> list[torch.Tensor] | Fp32Buckets:
         """This rank's gradient slices in fp32, divided by the loss scale: fp32 buffers in place (they are zeroed
-        after the step anyway); low-precision ones as `Fp32Buckets`, cast bucket by bucket as the step reads them
-        (all at once for an offloaded optimizer: see step_grads.py)."""
+        after the step anyway); low-precision ones as `Fp32Buckets`, cast as the step reads them: a bucket at a
+        time in memory, a sub-group at a time by an offloaded optimizer (see step_grads.py)."""
         inverse = 1.0 / self.scaler.scale
         shards = self.stage.grad_shards
         if any(grad.dtype != torch.float32 for grad in shards):
-            return Fp32Buckets(shards, inverse, keep_all=self.offload.optimizer != "none")
+            return Fp32Buckets(shards, inverse)
         return [grad.mul_(inverse) if inverse != 1.0 else grad for grad in shards]
 
     # -- accounting -----------------------------------------------------------------------------
@@ -267,7 +287,7 @@ class ZeroOptimizer:
             working_set, text = working
             report = dataclasses.replace(report, peak=PeakReport(
                 report.measured + self.stage.meter.peak, report.formula + working_set,
-                f"{report.formula_text}+{text}"))
+                text if report.formula == 0 else f"{report.formula_text}+{text}"))
         return report
 
     def comm_report(self) -> CommReport:
@@ -282,8 +302,8 @@ class ZeroOptimizer:
         if any(tier != "none" for tier in tiers.values()):
             moved, self._transfer_mark = self._transfers() - self._transfer_mark, self._transfers()
             expected = transfer_theory(p, self.numel, self.groups.dp_size, self._last_micro_batches, tiers,
-                                       device_is_host=self.stage.grad_shards[0].device.type == "cpu",
-                                       states=self.rule.state_bytes_per_param)
+                                       device_is_host=self.groups.device.type == "cpu",
+                                       states=self.rule.state_bytes_per_param, g=g)
             counted = {"device-to-host": moved.device_to_host, "host-to-device": moved.host_to_device,
                        "disk-read": moved.disk_read, "disk-written": moved.disk_written}
             transfers = tuple(TransferReport(name, counted[name] / iterations, *expected[name]) for name in counted)
@@ -296,7 +316,7 @@ class ZeroOptimizer:
         return self.precision.torch_dtype.itemsize, self.precision.grad_dtype.itemsize
 
     def _tiers(self) -> dict[str, str]:
-        return {"optimizer": self.offload.optimizer, "params": self.offload.params}
+        return offload_tiers(self.zero.stage, self.offload)
 
     def _transfers(self) -> Transfers:
         return self.stage.transfers() + self.masters.transfers()
@@ -317,6 +337,7 @@ class ZeroOptimizer:
     # -- export and checkpoint (collectives over DP, left out of the communication report) -------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
+        self.finish_update()
         return self._uncounted(consolidated_weights, self.model, self.stage.layouts, self.masters.masters(),
                                self.groups.dp)
 
@@ -324,6 +345,7 @@ class ZeroOptimizer:
         """This rank's own share of the fp32 weights and the rule's states, parameter by parameter, as views:
         a checkpoint writes them and reads into them directly, with no gather (see `load_owned_pieces`).
         This is the optimizer's one state format: checkpoints store it by name and global shape."""
+        self.finish_update()
         return self.masters.owned_pieces()
 
     def load_owned_pieces(self, step: int | None = None, loss_scaler: dict | None = None,
@@ -341,7 +363,8 @@ class ZeroOptimizer:
 
     def adam_step(self) -> int:
         """The update rule's step count (the same on every rank: every rank steps, a rank whose slice is padding
-        too); the name is the checkpoint's older one."""
+        too); the name is the checkpoint's older one. With a delayed update pending, call `finish_update()` first
+        (on every rank: it spreads the parameters)."""
         return self.masters.step_count
 
     def _uncounted(self, fn, *args):

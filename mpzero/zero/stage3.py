@@ -107,8 +107,10 @@ class Stage3(ZeroStage):
         self._full = [None] * len(self.layouts)  # made with each unit (`_make_unit`)
         self._handles = [None] * len(self.layouts)
         self._gathered = [not self.gathers] * len(self.layouts)
+        streamed = offload is not None and offload.streams_grads(3)
         self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
-                                  after_ready=self._grads_ready)
+                                  after_ready=self._grads_ready, host=streamed,
+                                  pin=streamed and offload.pin_memory)
         self.in_backward, self._order, self._order_frozen = False, [], False
         self._hooks = []
         for u, module in enumerate(self.modules):
@@ -173,25 +175,38 @@ class Stage3(ZeroStage):
         Offloaded parameters at DP > 1 add device staging of S = the largest layer unit's shard: with prefetch,
         at layer j the next unit's shard (its gather in flight) and the one after it (read ahead) are staged
         through that unit's backward: + p(S if a next unit exists + S if a second one does); without
-        prefetch a unit's shard is staged only until its own gather completes, before its gradients come."""
+        prefetch a unit's shard is staged only until its own gather completes, before its gradients come.
+        Gradients streamed to the host (an offloaded optimizer) add the reduced slices on their way: at layer j
+        the previous unit's (being reduced) and the one before it (copied to the host), + g min(j, 2) S; when the
+        root's reduction starts, the last layer's slice and the root's own, + g(S + Sr) (Sr: the root's shard);
+        without overlap, the root's slice beside every full bucket, + g Sr (the root is at least a layer's shard)."""
         root = self.layouts[0].padded_numel
+        root_shard = self.layouts[0].shard_numel
         largest = max((layout.padded_numel for layout in self.layouts[1:]), default=0)
         shard = max((layout.shard_numel for layout in self.layouts[1:]), default=0)
         units, gathered = len(self.layouts) - 1, p if self.gathers else 0
         staged = p if self.tier is not None and self.partitioned else 0
-        best = (0, 0, 0)  # (bytes, L coefficient, S coefficient) at the fullest moment of any layer
+        streamed = getattr(self.grads, "streamed", False)
+        overlap = self.grads.overlap
+        moments = []  # (R, L, S, Sr coefficients): bytes per element of each at one moment
         for j in range(units):
-            grads = (1 + (j > 0)) if self.grads.overlap else j + 1
+            grads = (1 + (j > 0)) if overlap else j + 1
+            slices = g * min(j, 2) if streamed and overlap else 0
             if self.prefetch:
                 ahead = (j < units - 1) + (j < units - 2)
-                moments = [(gathered * (1 + (j < units - 1)) + g * grads, staged * ahead)]
+                moments.append((gathered + g, gathered * (1 + (j < units - 1)) + g * grads, staged * ahead + slices, 0))
             else:
-                moments = [(gathered + g * grads, 0), (gathered + g * (grads - 1), staged)]
-            for l_coef, s_coef in moments:
-                best = max(best, (l_coef * largest + s_coef * shard, l_coef, s_coef))
-        working, l_coef, s_coef = best
-        text = f"{gathered + g}R+{l_coef}L" + (f"+{s_coef}S" if s_coef else "")
-        return (gathered + g) * root + working, text
+                moments += [(gathered + g, gathered + g * grads, slices, 0),
+                            (gathered + g, gathered + g * (grads - 1), staged + slices, 0)]
+        if streamed and overlap:  # the root's reduction: its slice and the last layer's on its way
+            moments.append((gathered + g, 0, g * (units > 0), g))
+        elif streamed:  # end of backward: the root's slice beside every bucket, then the first layer's beside it
+            moments += [(gathered + g, g * units, 0, g), (gathered, g * units, g * (units > 0), g)]
+        sizes = (root, largest, shard, root_shard)
+        working, coefs = max((sum(c * n for c, n in zip(m, sizes)), m) for m in moments) if moments else \
+            ((gathered + g) * root, (gathered + g, 0, 0, 0))
+        text = "+".join(f"{c}{name}" for c, name in zip(coefs, ("R", "L", "S", "Sr")) if c or name in "RL")
+        return working, text
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -316,13 +331,15 @@ class Stage3(ZeroStage):
         return self.tier if self.tier is not None else super().param_sink()
 
     def tier_bytes(self) -> TierBytes:
-        return self.tier.tier_bytes() if self.tier is not None else TierBytes()
+        return (self.tier.tier_bytes() if self.tier is not None else TierBytes()) + self.grads.tier_bytes()
 
     def transfers(self) -> Transfers:
-        return self.tier.traffic() if self.tier is not None else Transfers()
+        return (self.tier.traffic() if self.tier is not None else Transfers()) + self.grads.transfers()
 
     def host_buffer_formula(self) -> tuple[int, str]:
-        return self.tier.host_buffer_formula() if self.tier is not None else (0, "0")
+        tier = self.tier.host_buffer_formula() if self.tier is not None else (0, "0")
+        grads = self.grads.host_buffer_formula()
+        return tier[0] + grads[0], "+".join(t for t in (tier[1], grads[1]) if t != "0") or "0"
 
     def check_files(self) -> None:
         if self.tier is not None:

@@ -20,11 +20,13 @@ from abc import abstractmethod
 import torch
 
 from mpzero.comm import CommGroup
-from mpzero.zero.config import PrecisionConfig, ZeroConfig
+from mpzero.zero.accounting import streamed_grad_bytes
+from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import ConstructionMeters, InitialSlices, bucket_values
 from mpzero.zero.flat import bind_params, bucket_layouts
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
 from mpzero.zero.meter import TransientMeter
+from mpzero.zero.offload.sink import TierBytes, Transfers
 from mpzero.zero.stage_base import ZeroStage
 
 
@@ -33,8 +35,10 @@ class _FullParams(ZeroStage):
 
     parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
 
-    def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device):
+    def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device,
+                 offload: OffloadConfig | None = None):
         self.dp, self.meter, self.construction = dp, TransientMeter(), ConstructionMeters()
+        self.offload = offload or OffloadConfig()
         parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
         self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
         self.device, self.dtype = device, precision.torch_dtype
@@ -80,6 +84,15 @@ class _FullParams(ZeroStage):
     def held_tensors(self) -> list[torch.Tensor]:
         return self.param_flats + self.grads.held_tensors()
 
+    def tier_bytes(self) -> TierBytes:
+        return self.grads.tier_bytes() if isinstance(self.grads, ShardedGrads) else TierBytes()
+
+    def transfers(self) -> Transfers:
+        return self.grads.transfers() if isinstance(self.grads, ShardedGrads) else Transfers()
+
+    def host_buffer_formula(self) -> tuple[int, str]:
+        return self.grads.host_buffer_formula() if isinstance(self.grads, ShardedGrads) else (0, "0")
+
     def after_update(self) -> None:
         if self.parts_of_dp and self.dp.size > 1:  # each rank updated its own slice: gather everyone's (at DP 1
             # the slice is the whole buffer: nothing to copy)
@@ -105,4 +118,13 @@ class Stage2(_FullParams):
     number, parts_of_dp = 2, True
 
     def _make_grads(self, dtype, device, overlap):
-        return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter)
+        return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter,
+                            host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory)
+
+    def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
+        """Gradients streamed to the host (an offloaded optimizer): the device's gradient bytes in backward,
+        reported as the memory line's peak (`accounting.streamed_grad_bytes`); None otherwise."""
+        if not self.grads.streamed:
+            return None
+        return streamed_grad_bytes([l.padded_numel for l in self.layouts], [l.shard_numel for l in self.layouts], g,
+                                   self.grads.overlap, streamed=True)

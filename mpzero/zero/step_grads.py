@@ -1,15 +1,19 @@
-"""The optimizer step's fp32 view of this rank's gradient shards: unscaled, clipped, cast one bucket at a time.
+"""The optimizer step's fp32 view of this rank's gradient shards: unscaled, clipped, cast a piece at a time.
 
 AdamW updates fp32 masters with fp32 gradients. When the gradient buffers are fp32 (fp32 runs, and bf16 with
 Megatron's default --accumulate-allreduce-grads-in-fp32) the step works on them in place: unscaled and clipped
 where they lie, no copy. When they are in the parameters' dtype (fp16, bf16 with --grad-reduce-in-bf16),
-`Fp32Buckets` casts them on demand: bucket b is cast, unscaled (x 1/loss scale) and clipped (x the clipping
-coefficient, once the norm is known) when the step first reads it, in that order, the same arithmetic as casting
-every shard at once; the fp32 copy of the previous bucket is dropped, so the step's fp32 working set is one
-bucket's shard (4 x its elements), not 4P/N. The norm reads the low-precision shards themselves
-(`grad_norm_squared(..., scale=)` casts chunk by chunk). An offloaded optimizer copies gradients to the host on a
-side stream, ahead of the bucket it updates: it gets every bucket cast at once (`keep_all`, 4P/N as before;
-issue 24 streams them).
+`Fp32Buckets` casts them on demand: a piece is cast, unscaled (x 1/loss scale) and clipped (x the clipping
+coefficient, once the norm is known) when the step first reads it, in that order, the same arithmetic elementwise
+as casting every shard at once, so the result is bitwise that of the whole cast. The norm reads the
+low-precision shards themselves (`grad_norm_squared(..., scale=)` casts chunk by chunk).
+
+Two readers, each with a bounded fp32 working set (issue 24, item 2), counted by `meter`:
+- the in-memory step (`DeviceMasters`) reads whole buckets, `buckets[b]`: one bucket's shard at a time,
+  4 x the largest shard (`accounting.step_fp32_bytes`);
+- an offloaded optimizer reads sub-groups, `buckets.piece(b, lo, hi)`: the pieces of the sub-group it updates
+  and of the one whose gradients are on their way to the host, at most `PIECES_KEPT` pieces, each inside one
+  sub-group of G elements: 4 x 2G, whatever the model size.
 """
 
 from __future__ import annotations
@@ -18,18 +22,24 @@ from collections.abc import Sequence
 
 import torch
 
+from mpzero.zero.meter import TransientMeter
+
+PIECES_KEPT = 2  # fp32 pieces alive at once for an offloaded optimizer: the sub-group updated and one in flight
+
 
 class Fp32Buckets(Sequence):
     """Per bucket, this rank's gradient shard as fp32, unscaled and clipped (see the module docstring)."""
 
-    def __init__(self, shards: list[torch.Tensor], inverse_scale: float, keep_all: bool):
-        self.shards, self.inverse_scale, self._keep_all = shards, inverse_scale, keep_all
+    def __init__(self, shards: list[torch.Tensor], inverse_scale: float):
+        self.shards, self.inverse_scale = shards, inverse_scale
         self._coef: float | None = None
-        self._cast: dict[int, torch.Tensor] = {}
+        self._cast: dict[tuple[int, int, int], torch.Tensor] = {}  # (bucket, lo, hi) -> fp32 copy, oldest first
+        self._read = False
+        self.meter = TransientMeter()  # fp32 bytes alive: the step's working set
 
     def clip_(self, coef: float) -> None:
-        """Multiply every gradient by `coef` (before any bucket is read)."""
-        if self._cast:
+        """Multiply every gradient by `coef` (before any piece is read)."""
+        if self._read:
             raise RuntimeError("clip_() after a bucket was read: its fp32 copy is already final")
         self._coef = coef
 
@@ -37,13 +47,37 @@ class Fp32Buckets(Sequence):
         return len(self.shards)
 
     def __getitem__(self, bucket: int) -> torch.Tensor:
-        if bucket not in self._cast:
-            if not self._keep_all:
-                self._cast.clear()  # at most one fp32 bucket at a time
-            grad = self.shards[bucket].float()
+        """Bucket's whole shard in fp32; the previous bucket's copy is dropped first (one at a time)."""
+        key = (bucket, 0, self.shards[bucket].numel())
+        if key not in self._cast:
+            self.release()
+        return self._get(key)
+
+    def piece(self, bucket: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of bucket's shard in fp32; at most PIECES_KEPT pieces stay alive (oldest dropped)."""
+        key = (bucket, lo, hi)
+        if key not in self._cast:
+            while len(self._cast) >= PIECES_KEPT:
+                self._drop(next(iter(self._cast)))
+        return self._get(key)
+
+    def _get(self, key: tuple[int, int, int]) -> torch.Tensor:
+        if key not in self._cast:
+            bucket, lo, hi = key
+            grad = self.shards[bucket][lo:hi].float()
             if self.inverse_scale != 1.0:
                 grad.mul_(self.inverse_scale)
             if self._coef is not None:
                 grad.mul_(self._coef)
-            self._cast[bucket] = grad
-        return self._cast[bucket]
+            self._cast[key] = grad
+            self._read = True
+            self.meter.add(grad.nbytes)
+        return self._cast[key]
+
+    def _drop(self, key: tuple[int, int, int]) -> None:
+        self.meter.sub(self._cast.pop(key).nbytes)
+
+    def release(self) -> None:
+        """Drop every fp32 copy (the step is over, or moves to another bucket)."""
+        for key in list(self._cast):
+            self._drop(key)

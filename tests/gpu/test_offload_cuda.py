@@ -1,8 +1,10 @@
-"""The offload tiers on a GPU through pretrain_gpt.main (world of one): gradients leave the device through pinned
-staging buffers on a side stream, AdamW runs on the CPU, parameters come back host-to-device. Losses equal the
+"""The offload tiers on a GPU through pretrain_gpt.main (world of one): gradients leave the device on a side stream
+(stages 2-3: each reduced bucket streamed to pinned host memory in backward; stage 1: through pinned staging
+buffers in the step), AdamW runs on the CPU, parameters come back host-to-device. Losses equal the
 in-memory run (fp32, within 1e-5 relative: the in-memory step runs AdamW on the GPU, in another rounding order
 than the CPU's), the device holds only its share of the formula (the optimizer's 12P/N is off it, counted in
-host memory or on disk), and the device<->host traffic equals its theory (4P/N down, pP/N up)."""
+host memory or on disk, and at stages 2-3 the gradients' gP/N), and the device<->host traffic equals its theory
+(down: m gP/N streamed at stages 2-3, 4P/N at stage 1; up: pP/N)."""
 
 import re
 

@@ -5,7 +5,9 @@ the CPU.
 The partition is the concatenation of the buckets' shards (padding included), processed in sub-groups of
 `sub_group_numel` elements that may cross buckets, parameters and decay runs. Per sub-group k:
 
-    gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     CUDA only
+    gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     on the device only
+    (gradients already in host memory, a CPU run or streamed there in backward, are read in place; low-precision
+    ones are cast, unscaled and clipped a piece at a time, `Fp32Buckets.piece`: 4 x 2G bytes of fp32 at most)
     disk: masters and states read from one file each (k+1 read and k-1 written while k updates)
     the rule's step on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
 
@@ -33,12 +35,18 @@ from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empt
 from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.masters import MasterStore, OwnedPiece
+from mpzero.zero.step_grads import Fp32Buckets
 
 
 
 def _states(rule: UpdateRule) -> tuple[str, ...]:
     """One file per state on disk, in this order in every buffer: the master, then the rule's states."""
     return ("master",) + rule.state_names
+
+
+def _piece(grads, bucket: int, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of bucket's fp32 gradients: a view, or a cast piece of `Fp32Buckets`."""
+    return grads.piece(bucket, lo, hi) if isinstance(grads, Fp32Buckets) else grads[bucket][lo:hi]
 
 
 def _scratch_bytes(rule: UpdateRule) -> int:
@@ -57,18 +65,20 @@ def round_to_block(numel: int) -> int:
     return -(-numel // per_block) * per_block
 
 
-def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int, rule: UpdateRule) -> int:
+def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int, rule: UpdateRule,
+                 staged_grads: bool = True) -> int:
     """Host bytes `OffloadedMasters` allocates for buffers over a partition of `numel` elements (exactly: each
     buffer's storage, alignment slack included; the pinned allocator may round the reservation further).
     G = min(sub_group_numel, numel) rounded up to 1024 elements; each buffer is aligned_bytes(G, dtype):
       disk tier: buffer_count x S states x fp32 (S = 1 + the rule's states);  CUDA: 2 pinned fp32 gradient
-      staging buffers; always: 1 parameter staging buffer in the model's dtype, and a (S + 1) x 256 fp32 scratch."""
+      staging buffers (not when the gradients are streamed to the host in backward, `staged_grads=False`);
+      always: 1 parameter staging buffer in the model's dtype, and a (S + 1) x 256 fp32 scratch."""
     g = _group_numel(offload, numel)
     fp32 = round_up(4 * g) + ALIGN  # = aligned_bytes(g, torch.float32)
     total = round_up(param_bytes * g) + ALIGN + _scratch_bytes(rule)
     if offload.optimizer == "disk":
         total += offload.buffer_count * len(_states(rule)) * fp32
-    if cuda:
+    if cuda and staged_grads:
         total += 2 * fp32
     return total
 
@@ -77,19 +87,23 @@ class OffloadedMasters(MasterStore):
     """Masters and the rule's states off the device: tier "cpu" (host tensors) or "disk" (one file per state under
     `directory`, streamed through `offload.buffer_count` buffers). See the module docstring. `directory`: an
     `OffloadDirectory` shared with stage 3's parameter tier, or a path that this store locks, creates and removes.
+    `staged_grads`: the step's gradients are on the device (stage 1) and come down through pinned staging slots;
+    False when the stage streams them to host memory in backward (stages 2-3): no slots.
 
     Single-threaded use: call its methods from one thread; it runs its own I/O threads. Call `close()` when done
     (stops the threads, closes and removes the files: they are scratch, a checkpoint holds the state).
     """
 
     def __init__(self, layouts: list[FlatLayout], sink: ParamSink, initial: list[torch.Tensor], config: OptimizerConfig,
-                 offload: OffloadConfig, directory: OffloadDirectory | str | None, device: torch.device):
+                 offload: OffloadConfig, directory: OffloadDirectory | str | None, device: torch.device,
+                 staged_grads: bool = True):
         if offload.optimizer not in ("cpu", "disk"):
             raise ConfigError(f"OffloadedMasters needs --offload-optimizer cpu or disk, got {offload.optimizer!r}")
         self.config, self.rule, self.layouts, self.sink, self.offload = config, config.rule, layouts, sink, offload
         self.states = _states(self.rule)
         self.tier = offload.optimizer
         self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
+        self._slots = self.cuda and staged_grads  # pinned gradient staging for device gradients
         self.impl = self.rule.resolve_impl(torch.device("cpu"), config.impl)
         self.step_count = 0
         self._offsets, total = [], 0  # where each bucket's shard starts in the partition
@@ -119,8 +133,9 @@ class OffloadedMasters(MasterStore):
         self._scratch = torch.zeros(2 + len(self.rule.state_names), self.rule.block, dtype=torch.float32)
         self._buffers.append(self._scratch)
         self._unflushed = False  # the sink may still read _param_staging
+        self._staged = False  # this step's gradients come through the staging slots (they are on the device)
         self._device_to_host = 0
-        if self.cuda:
+        if self._slots:
             self._grad_staging = [buffer(torch.float32, pin) for _ in range(2)]
             self._grad_ready = [torch.cuda.Event() for _ in range(2)]
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -234,24 +249,27 @@ class OffloadedMasters(MasterStore):
             if max(lo, a) < min(hi, b):
                 yield bucket, max(lo, a), min(hi, b)
 
-    def _copy_grads(self, grads: list[torch.Tensor], k: int) -> None:
-        """Sub-group k's gradients device -> pinned staging slot k % 2, on the side stream."""
+    def _copy_grads(self, grads, k: int) -> None:
+        """Sub-group k's gradients device -> pinned staging slot k % 2, on the side stream (low-precision ones cast
+        to fp32 there first, a piece at a time: `Fp32Buckets.piece`)."""
         a, b = self._bounds(k)
         staging = self._grad_staging[k % 2]
         with torch.cuda.stream(self._copy_stream):
             for bucket, lo, hi in self._overlaps(self._active, a, b):
                 off = self._offsets[bucket]
-                staging[lo - a:hi - a].copy_(grads[bucket][lo - off:hi - off], non_blocking=True)
+                staging[lo - a:hi - a].copy_(_piece(grads, bucket, lo - off, hi - off), non_blocking=True)
                 self._device_to_host += 4 * (hi - lo)
             self._grad_ready[k % 2].record(self._copy_stream)
 
-    def _grad_view(self, grads: list[torch.Tensor], k: int, a: int, lo: int, hi: int) -> torch.Tensor:
-        """Host fp32 gradients of partition elements [lo, hi) (inside one bucket, inside sub-group k at a)."""
-        if self.cuda:
+    def _grad_view(self, grads, k: int, a: int, lo: int, hi: int) -> torch.Tensor:
+        """Host fp32 gradients of partition elements [lo, hi) (inside one bucket, inside sub-group k at a): the
+        staging slot, or the host gradients themselves (a CPU run, or gradients streamed to the host in backward);
+        low-precision ones cast for the sub-group's part of the bucket (`Fp32Buckets.piece`, kept while used)."""
+        if self._staged:
             return self._grad_staging[k % 2][lo - a:hi - a]
-        bucket = next(bk for bk, s, e in self._spans if s <= lo and hi <= e)
+        bucket, start, end = next(o for o in self._overlaps(self._active, *self._bounds(k)) if o[1] <= lo and hi <= o[2])
         off = self._offsets[bucket]
-        return grads[bucket][lo - off:hi - off]
+        return _piece(grads, bucket, start - off, end - off)[lo - start:hi - start]
 
     def _apply(self, p, g, states: dict[str, torch.Tensor], lr: float, decay: bool) -> None:
         c = self.config
@@ -295,14 +313,20 @@ class OffloadedMasters(MasterStore):
         self.sink.flush()
         self._unflushed = False
 
-    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+    def step(self, grads, lr: float) -> None:
+        """grads: per bucket, fp32 gradient shards, or `Fp32Buckets` over low-precision ones; on the device (copied
+        down here, sub-group by sub-group) or in host memory (read in place)."""
         self._drop_maps()
         self.step_count += 1
-        if self.cuda:
+        shards = grads.shards if isinstance(grads, Fp32Buckets) else grads
+        self._staged = shards[0].device.type == "cuda"
+        if self._staged and not self._slots:
+            raise RuntimeError("gradients on the device, but this store was built for host gradients (staged_grads)")
+        if self._staged:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are ready
             self._copy_grads(grads, 0)
         for k, (a, b, states) in enumerate(self._groups()):
-            if self.cuda:
+            if self._staged:
                 self._grad_ready[k % 2].synchronize()
                 if k + 1 < self._count:
                     self._copy_grads(grads, k + 1)  # slot (k+1) % 2 held k-1's gradients, used already
@@ -367,12 +391,12 @@ class OffloadedMasters(MasterStore):
         per_g, buffers = p, 1  # the parameter staging buffer
         if self.tier == "disk":
             per_g, buffers = per_g + o.buffer_count * len(self.states) * 4, buffers + o.buffer_count * len(self.states)
-        if self.cuda:
+        if self._slots:
             per_g, buffers = per_g + 2 * 4, buffers + 2
         scratch = _scratch_bytes(self.rule)  # AdamW's is 4 KiB: counted with the alignment slack
         blocks = f"{buffers + 1}x4KiB" if scratch == ALIGN else f"{buffers}x4KiB+{scratch}B"
         text = f"{per_g}G+{blocks}(G={_group_numel(o, self.numel)})"
-        return buffer_bytes(o, self.numel, self.cuda, p, self.rule), text
+        return buffer_bytes(o, self.numel, self.cuda, p, self.rule, self._slots), text
 
     def transfers(self) -> Transfers:
         return Transfers(device_to_host=self._device_to_host, host_to_device=self.sink.transfers().host_to_device,
