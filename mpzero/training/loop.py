@@ -25,6 +25,7 @@ from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import resolved_impls
+from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
 from mpzero.training.batches import load_batch, micro_batch_indices
@@ -96,6 +97,7 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
+    nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
     data_tokenizers, data_notes = _data_tokenizers(run, groups)
     # bad data paths fail before the model is built
@@ -103,6 +105,8 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
         print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
+        if nodes_line:
+            print(nodes_line, flush=True)
         for note in _resume_notes(run, resumed) + data_notes:
             print(note, flush=True)
     state = build_training_state(run, provider, groups)
