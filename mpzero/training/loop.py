@@ -34,7 +34,7 @@ from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.signals import TerminationSignal
-from mpzero.training.tensorboard import TensorBoardLogger
+from mpzero.training.metrics import MetricsLogger
 from mpzero.zero import ZeroOptimizer
 
 
@@ -126,7 +126,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         state.optimizer.close()
         raise
     state.optimizer.comm_report()  # measure communication from the first iteration on
-    tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
+    tensorboard = MetricsLogger(run.logging, groups.is_logging_rank, run.flags)  # TensorBoard and wandb
     termination = TerminationSignal(groups.world, groups.device)
     training, checkpoint = run.training, run.checkpoint
 
@@ -378,10 +378,13 @@ def _log_interval(interval, iteration, consumed, lr, stats, run: RunConfig, stat
               flush=True)
         print(comm.line(), flush=True)
     applied = {"lm loss": loss} if interval["losses"] else {}  # no point plotted for an all-skipped interval
+    model_states = state.optimizer.memory_report()
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
                          "loss-scale": stats.loss_scale,
                          "batch-size": training.global_batch_size, "throughput": tokens_per_s,
                          **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)},
+                         "zero/memory-bytes": model_states.measured, "zero/memory-formula-bytes": model_states.formula,
+                         "zero/comm-bytes-per-iter": comm.measured, "zero/comm-theory-bytes-per-iter": comm.theory,
                          **_offload_scalars(state.optimizer, comm)}, iteration)
 
 
