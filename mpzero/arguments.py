@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--split", default="969, 30, 1", help="train, validation, test proportions")
     data.add_argument("--data-cache-path", default=None, help="where index caches go (default: beside the data)")
     data.add_argument("--tokenizer-type", default=None,
-                      help="GPTSentencePieceTokenizer, GPT2BPETokenizer or NullTokenizer")
-    data.add_argument("--tokenizer-model", default=None, help="SentencePiece model file")
+                      help="GPTSentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer")
+    data.add_argument("--tokenizer-model", default=None,
+                      help="SentencePiece model file, or a Hugging Face tokenizer.json or its directory")
     data.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     data.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     data.add_argument("--override-tokenizer-check", action="store_true",
