@@ -56,10 +56,11 @@ def _pyarrow():
 @dataclass
 class RowBatch:
     """Consecutive rows of one parquet file, the requested columns only: row first_line + k (1-based) is
-    element k of each column. `nbytes`: the text's UTF-8 bytes."""
+    element k of each column, as Python values (str, list of str or None; made in the reading process, so the
+    workers never import pyarrow). `nbytes`: the text's UTF-8 bytes."""
     path: str
     first_line: int
-    columns: dict  # key -> pyarrow Array (pickled to the workers as its buffers)
+    columns: dict[str, list]
     nbytes: int
 
     def location(self, number: int) -> str:
@@ -67,7 +68,7 @@ class RowBatch:
 
     def documents(self, keys: list[str]):
         """(row number, {key: [text, ...]} or None, reason or None) per row, as LineBatch.documents."""
-        values = {key: self.columns[key].to_pylist() for key in keys}
+        values = self.columns
         for k in range(len(values[keys[0]]) if keys else 0):
             doc, reason = {}, None
             for key in keys:
@@ -105,7 +106,8 @@ def read_row_batches(path: str, keys: list[str], max_rows: int):
         try:
             for batch in reader.iter_batches(batch_size=max_rows, columns=list(dict.fromkeys(keys))):
                 columns = {key: batch.column(key) for key in keys}
-                yield RowBatch(path, first, columns, sum(_text_bytes(c, pa) for c in columns.values()))
+                nbytes = sum(_text_bytes(c, pa) for c in columns.values())
+                yield RowBatch(path, first, {key: c.to_pylist() for key, c in columns.items()}, nbytes)
                 first += batch.num_rows
         except (pa.ArrowException, OSError) as exc:  # a damaged row group
             raise ConfigError(f"{path}: cannot read past row {first - 1} ({str(exc).splitlines()[0][:200]})") \
