@@ -62,6 +62,7 @@ def check_shared_directory(world, path: str, flag: str) -> None:
         world.all_gather_objects(None)  # everyone has looked before rank 0 removes the marker
         if world.rank == 0 and os.path.exists(marker):
             os.remove(marker)
+        world.all_gather_objects(None)  # and it is gone before any rank goes on
     blind = [(rank, node) for rank, (found, node) in enumerate(seen) if not found]
     if blind:
         rank, node = blind[0]
