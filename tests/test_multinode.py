@@ -98,8 +98,11 @@ def test_a_save_directory_not_shared_by_the_nodes_is_refused_at_start(tmp_path):
     argvs = [TP2 + TINY + ["--save", str(tmp_path / f"local{node}")] for node in (0, 1)]
     codes, outs = two_nodes(tmp_path, None, "unshared", argvs)
     assert all(code != 0 for code in codes)
-    errors = [line for _, err in outs for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 4, errors  # one line per rank, each naming its own --save
+    # one line per rank, each naming its own --save; torchrun's agent stops a node's other workers once one has
+    # failed, so a rank may be gone before it says its line: at least one per node
+    per_node = [[line for line in err.splitlines() if line.startswith("error: ")] for _, err in outs]
+    assert all(1 <= len(lines) <= 2 for lines in per_node), outs
+    errors = per_node[0] + per_node[1]
     for line in errors:
         assert re.search(r"--save \S+local[01] is not one directory for every rank: rank [23] \(node \S+/1\) "
                          r"does not see", line), line
@@ -150,7 +153,8 @@ def test_a_lost_node_ends_the_other_with_one_line_per_rank(tmp_path):
     assert waited < 60, f"the surviving node took {waited:.0f} s to stop (--distributed-timeout-minutes 1)"
     err = _outputs(tmp_path, "lost")[0][1]
     workers = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(workers) == 2, err[-3000:]  # each surviving rank says one line, with no traceback
+    # each surviving rank says one line, with no traceback (one may be stopped by its agent before it does)
+    assert 1 <= len(workers) <= 2, err[-3000:]
     assert all("a peer rank has died or timed out" in line for line in workers), workers
     # no frame of mpzero's in a traceback: what follows the workers' lines is torchrun's own report of them
     assert "pretrain_gpt.py\", line" not in err and "/mpzero/" not in err, err[-3000:]
