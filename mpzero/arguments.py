@@ -203,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--eval-interval", type=int, default=1000)
     evaluation.add_argument("--eval-iters", type=int, default=100)
     evaluation.add_argument("--tensorboard-dir", default=None)
+    evaluation.add_argument("--wandb-project", default=None,
+                            help="log the TensorBoard scalars and the run's flags to this Weights & Biases project "
+                                 "as well (pip install -e '.[wandb]'; WANDB_MODE=offline keeps them on the machine)")
+    evaluation.add_argument("--wandb-exp-name", default=None, help="the wandb run's name (default: wandb's)")
+    evaluation.add_argument("--wandb-save-dir", default=None,
+                            help="where wandb keeps its files (default: --save/wandb, else ./wandb)")
+    evaluation.add_argument("--wandb-entity", default=None, help="the wandb user or team (default: your login's)")
 
     ckpt = p.add_argument_group("checkpointing")
     ckpt.add_argument("--save", default=None, help="directory to save checkpoints in")
@@ -223,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--split", default="969, 30, 1", help="train, validation, test proportions")
     data.add_argument("--data-cache-path", default=None, help="where index caches go (default: beside the data)")
     data.add_argument("--tokenizer-type", default=None,
-                      help="GPTSentencePieceTokenizer, GPT2BPETokenizer or NullTokenizer")
-    data.add_argument("--tokenizer-model", default=None, help="SentencePiece model file")
+                      help="GPTSentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer")
+    data.add_argument("--tokenizer-model", default=None,
+                      help="SentencePiece model file, or a Hugging Face tokenizer.json or its directory")
     data.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     data.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     data.add_argument("--override-tokenizer-check", action="store_true",
@@ -286,6 +294,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
         if path:
             check_output_directory(path, flag)
+    logging = logging_config(args)
     resolved = {"global_batch_size": global_batch, "vocab_size": vocab_size,
                 "max_position_embeddings": model.max_position_embeddings}
     return RunConfig(
@@ -300,9 +309,34 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                     load_optim=not (args.finetune or args.no_load_optim),
                                     load_rng=not (args.finetune or args.no_load_rng), finetune=args.finetune,
                                     overwrite=args.overwrite_checkpoints),
-        logging=LoggingConfig(args.log_interval, args.tensorboard_dir),
+        logging=logging,
         schedule=lr_schedule(args), zero=sections[0], optimizer=sections[1], precision=sections[2], offload=offload,
         flags={**vars(args), **resolved})
+
+
+WANDB_FLAGS = ("wandb_exp_name", "wandb_save_dir", "wandb_entity")
+
+
+def logging_config(args: argparse.Namespace) -> LoggingConfig:
+    """TensorBoard and wandb; with --wandb-project the wandb package must be importable and its directory
+    writable (created if missing), and the other --wandb-* flags need --wandb-project."""
+    for name in ("wandb_project",) + WANDB_FLAGS:
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            raise ConfigError(f"--{name.replace('_', '-')} is empty: give a name or drop the flag")
+    if args.wandb_project is None:
+        given = [name for name in WANDB_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --wandb-project (the project to log to)")
+        return LoggingConfig(args.log_interval, args.tensorboard_dir)
+    try:
+        import wandb  # noqa: F401 - only whether it is installed
+    except ImportError:
+        raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
+                          "pip install -e '.[wandb]', or drop --wandb-project") from None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
+    check_output_directory(save_dir, "--wandb-save-dir")
+    return LoggingConfig(args.log_interval, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, save_dir,
+                         args.wandb_entity)
 
 
 def tokenizer_record(args: argparse.Namespace) -> dict:

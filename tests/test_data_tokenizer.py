@@ -71,8 +71,8 @@ def test_null_tokenizer_reads_ids_and_adds_eod():
 
 
 def test_build_tokenizer_errors_name_the_problem(tmp_path, sp_model):
-    with pytest.raises(ConfigError, match="GPTSentencePieceTokenizer, GPT2BPETokenizer, NullTokenizer"):
-        build_tokenizer("HuggingFaceTokenizer")
+    with pytest.raises(ConfigError, match="GPTSentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, Null"):
+        build_tokenizer("SentencePieceTokenizer")
     with pytest.raises(ConfigError, match="needs --tokenizer-model"):
         build_tokenizer("GPTSentencePieceTokenizer")
     with pytest.raises(ConfigError, match="does not exist"):

@@ -85,3 +85,25 @@ def test_a_run_rebuilds_a_damaged_index_file_and_trains_the_same_samples(tmp_pat
     assert history["losses"] == first
     assert f"note: index cache file {victims[0]} " in stdout + other and "rebuilt it" in stdout + other
     assert os.path.isfile(victims[0])
+
+
+def _load_from(cache_dirs):
+    from mpzero.errors import ConfigError
+    from mpzero.parallel import init_parallel
+
+    groups = init_parallel(1)
+    try:  # each rank its own directory: what a node-local --data-cache-path is to the other nodes
+        load_or_build(cache_dirs[groups.world.rank], "test", {"n": 3}, lambda: {"a": np.arange(3)}, ("a",), groups)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_a_cache_directory_not_shared_by_every_rank_stops_every_rank_with_one_line(tmp_path):
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for d in dirs:
+        os.mkdir(d)
+    errors = run_ranks(2, _load_from, dirs)
+    assert errors[0] == errors[1] and "after rank 0 built it: --data-cache-path must be a directory every rank " \
+                                      "can read (a shared file system)" in errors[0], errors
+    assert dirs[1] in errors[0]

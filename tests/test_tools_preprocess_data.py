@@ -125,7 +125,7 @@ def test_presplit_sentences_become_sequences_as_in_megatron(tmp_path):
 def test_bad_arguments_print_one_error_line(tmp_path, capsys):
     assert preprocess_main(_null_args(str(tmp_path / "missing.jsonl"), str(tmp_path / "o"))) == 2
     assert capsys.readouterr().err == f"error: --input {tmp_path / 'missing.jsonl'} does not exist: " \
-                                      f"give a JSONL file (optionally .gz)\n"
+                                      f"give a JSONL file (optionally .gz) or parquet files\n"
     inp = _jsonl(tmp_path / "in.jsonl", [{"text": "1"}])
     assert preprocess_main(["--input", inp, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "BPE"]) == 2
     assert "unknown --tokenizer-type 'BPE'" in capsys.readouterr().err

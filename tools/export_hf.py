@@ -6,6 +6,7 @@
 Writes config.json (every architecture choice that changes the logits: activation, LayerNorm epsilon, tied or
 untied output weights, the real vocabulary without its padding), model.safetensors, generation_config.json,
 the tokenizer (GPT-2 BPE: vocab.json, merges.txt and tokenizer_config.json, loadable with AutoTokenizer;
+HuggingFaceTokenizer: tokenizer.json and tokenizer_config.json, the same;
 SentencePiece: sentencepiece.model) and README.md saying where it came from and how to load the tokenizer.
 The weights are read with tools/checkpoint_util.py's reader (every chunk checksummed). The directory appears
 complete or not at all: it is written beside --output and renamed into place. Needs `pip install mpzero[hf]`
@@ -38,7 +39,8 @@ TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_fil
 README_TITLE = "# GPT-2 exported from mpzero"
 # every file an export writes (the tokenizer's depend on the run's): --overwrite replaces only a directory of these
 EXPORTED_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "README.md", "vocab.json",
-                            "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "sentencepiece.model"})
+                            "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "sentencepiece.model",
+                            "tokenizer.json"})
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 
 
@@ -125,6 +127,15 @@ def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: 
         return ("The run's GPT-2 byte-level BPE (vocab.json, merges.txt): `AutoTokenizer.from_pretrained(dir)` "
                 "encodes text as mpzero's GPT2BPETokenizer does. End of document: `<|endoftext|>` "
                 f"(id {tokenizer.eod}).")
+    if kind == "HuggingFaceTokenizer":
+        shutil.copyfile(tokenizer.files[0], os.path.join(directory, "tokenizer.json"))
+        special = {"eos_token": tokenizer.eod_token}
+        _write_json(directory, "special_tokens_map.json", special)
+        _write_json(directory, "tokenizer_config.json", {**special, "tokenizer_class": "PreTrainedTokenizerFast",
+                                                          "model_max_length": positions})
+        return ("The run's Hugging Face tokenizer (`tokenizer.json`): `AutoTokenizer.from_pretrained(dir)` loads it; "
+                "`tok(text, add_special_tokens=False)` encodes as mpzero's HuggingFaceTokenizer does (mpzero adds no "
+                f"BOS). End of document: `{tokenizer.eod_token}` (id {tokenizer.eod}).")
     if kind == "GPTSentencePieceTokenizer":
         shutil.copyfile(run_tok.tokenizer_model, os.path.join(directory, "sentencepiece.model"))
         path = os.path.join(final, "sentencepiece.model")

@@ -5,8 +5,11 @@
         --append-eod --workers 2
 
 writes data/kjv_text_document.bin/.idx (one pair per --json-keys key), usable as `--data-path
-data/kjv_text_document` here and in Megatron-LM. Input: one JSON object per line, plain or .gz; a
-malformed line stops the run with its file and line unless --skip-malformed is given. Progress
+data/kjv_text_document` here and in Megatron-LM. Input: one JSON object per line, plain or .gz, or parquet
+files (`--input data/fineweb/` or a quoted glob: every .parquet file, sorted; the --json-keys columns are read;
+pip install -e '.[parquet]'); a malformed line or row stops the run with its file and line (row) unless
+--skip-malformed is given. A Hugging Face tokenizer.json: --tokenizer-type HuggingFaceTokenizer
+--tokenizer-model DIR_OR_FILE. Progress
 (MB/s, documents/s, tokens) goes to stderr; outputs appear only once complete. Ctrl-C or SIGTERM
 removes the temporary files and exits with one line (code 128 + signal number); temporary files of a
 run killed outright are removed by the next run of the same --output-prefix.
@@ -26,11 +29,13 @@ from mpzero.cli import INPUT_ERRORS, exit_code, print_error
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz, read in order")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz, and/or parquet files, directories of them or globs, read "
+                        "in order")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--tokenizer-type", required=True, help=" | ".join(TOKENIZER_TYPES))
-    p.add_argument("--tokenizer-model", help="SentencePiece model (GPTSentencePieceTokenizer)")
+    p.add_argument("--tokenizer-model", help="SentencePiece model (GPTSentencePieceTokenizer), or a tokenizer.json "
+                                              "or its directory (HuggingFaceTokenizer)")
     p.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     p.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer only")

@@ -1,13 +1,21 @@
-"""Train a SentencePiece tokenizer (BPE by default, or unigram) on a JSONL corpus, for GPTSentencePieceTokenizer.
+"""Train a SentencePiece tokenizer (BPE by default, or unigram) for GPTSentencePieceTokenizer, or a byte-level BPE
+Hugging Face tokenizer.json for HuggingFaceTokenizer, on a JSONL corpus (or parquet files).
 
     python tools/train_tokenizer.py --input data_sample/kjv_sample.jsonl.gz --vocab-size 8000 \
         --output-prefix data/kjv_tok
+    python tools/train_tokenizer.py --tokenizer-type HuggingFaceTokenizer --input data/fineweb/ --vocab-size 32000 \
+        --output-prefix data/fw_tok
 
+HuggingFaceTokenizer: writes data/fw_tok/tokenizer.json (`--tokenizer-model data/fw_tok` for the other tools):
+GPT-2's byte-level BPE (its regex split, no prefix space, every byte in the base alphabet, so any text encodes and
+decodes back unchanged) with `<|endoftext|>` as id 0, the end-of-document token.
+
+GPTSentencePieceTokenizer (the default):
 writes data/kjv_tok.model and data/kjv_tok.vocab. Ids: 0 <unk>, 1 <s>, 2 </s> (the end-of-document
 token EOD), then 256 byte pieces (byte fallback: any text encodes without <unk>), then the learned
 pieces. Text is kept as is (no Unicode normalisation, whitespace and newlines preserved), so
 detokenize(tokenize(text)) == text. Every document is one training sentence; the same input and
-flags give the same model bytes.
+flags give the same model bytes (for either type).
 """
 
 from __future__ import annotations
@@ -28,11 +36,16 @@ _MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are left out of training (Sent
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="JSONL file(s), optionally .gz, and/or parquet files, directories of them or globs")
+    p.add_argument("--tokenizer-type", choices=["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"],
+                   default="GPTSentencePieceTokenizer",
+                   help="what to train: a SentencePiece PREFIX.model, or a byte-level BPE PREFIX/tokenizer.json")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX.model and PREFIX.vocab (SentencePiece), or PREFIX/tokenizer.json")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="SentencePiece's model type")
     p.add_argument("--character-coverage", type=float, default=1.0,
                    help="share of characters given their own piece; the rest fall back to bytes")
     p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines")
@@ -72,9 +85,43 @@ def train(args) -> tuple[bytes, int]:
     return model.getvalue(), len(skipped)
 
 
+HF_EOD = "<|endoftext|>"
+
+
+def train_hf(args) -> tuple[str, int]:
+    """A byte-level BPE tokenizer.json (its JSON text) and how many malformed lines were skipped."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    check_inputs(args.input)
+    if args.vocab_size < 300:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is too small: {HF_EOD} and 256 byte tokens come first, "
+                          f"so use at least 300 (thousands for real text)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=[HF_EOD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    skipped: list[str] = []
+    tokenizer.train_from_iterator(iter_texts(args.input, args.json_keys, args.skip_malformed, skipped), trainer)
+    return tokenizer.to_str(), len(skipped)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return exit_code(lambda: _train_and_write(args), INPUT_ERRORS)
+    write = _train_and_write_hf if args.tokenizer_type == "HuggingFaceTokenizer" else _train_and_write
+    return exit_code(lambda: write(args), INPUT_ERRORS)
+
+
+def _train_and_write_hf(args) -> None:
+    text, skipped = train_hf(args)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(text)
+    os.makedirs(args.output_prefix, exist_ok=True)
+    path = os.path.join(args.output_prefix, "tokenizer.json")
+    write_atomically(path, text)
+    print(f"wrote {path} ({tokenizer.get_vocab_size()} tokens, EOD {HF_EOD} id {tokenizer.token_to_id(HF_EOD)})"
+          + (f"; skipped {skipped} malformed lines" if skipped else ""))
 
 
 def _train_and_write(args) -> None:

@@ -62,10 +62,18 @@ def load_or_build(cache_dir: str, kind: str, description: dict, build: Callable[
         raise failure  # a bug, not bad input: keep its traceback
     if error:
         raise ConfigError(error)
-    damage = _check(marker, paths, full=False)  # rank 0 has just verified or written the set
-    if damage is not None:
-        raise ConfigError(f"index cache file {damage[0]} {damage[1] or 'is missing'} after rank 0 built it: "
-                          f"--data-cache-path must be a directory every rank can read (a shared file system)")
+    def verify():  # rank 0 has just verified or written the set; another node may not see it
+        damage = _check(marker, paths, full=False)
+        if damage is not None:
+            raise ConfigError(f"index cache file {damage[0]} {damage[1] or 'is missing'} after rank 0 built it: "
+                              f"--data-cache-path must be a directory every rank can read (a shared file system)")
+
+    if group is None:
+        verify()
+    else:  # agreed: every rank stops with the line, not rank 0 later with a peer's broken connection
+        error = group.run_agreed(verify, (ConfigError,))[1]
+        if error:
+            raise ConfigError(error)
     arrays = {}
     for name, path in paths.items():
         try:

@@ -1,4 +1,4 @@
-"""JSONL -> Megatron indexed datasets, streaming, with parallel workers that keep document order.
+"""JSONL or parquet -> Megatron indexed datasets, streaming, with parallel workers that keep document order.
 
 The main process reads raw lines in small batches (bounded: at most `2 * workers + 2` batches of
 ~128 KB are in flight), workers parse and tokenize them, and the main process writes the results in
@@ -25,7 +25,7 @@ import numpy as np
 
 from mpzero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from mpzero.data.interrupts import deferred_interrupts, worker_signals
-from mpzero.data.jsonl import LineBatch, MalformedLine, check_inputs, parse_line, read_batches
+from mpzero.data.jsonl import LineBatch, check_inputs, read_batches
 from mpzero.data.tokenizer import build_tokenizer
 from mpzero.data.tokenizer_identity import remove_data_tokenizer, tokenizer_identity, write_data_tokenizer
 from mpzero.errors import ConfigError
@@ -80,15 +80,12 @@ class _Encoder:
         self._eod = np.array([self.tokenizer.eod], dtype=self.dtype)
 
     def encode_batch(self, batch: LineBatch) -> _EncodedBatch:
-        docs, malformed = [], []  # docs: (line number, {key: [text, ...]})
-        for k, line in enumerate(batch.lines):
-            try:
-                doc = parse_line(line, self.json_keys)
-            except MalformedLine as exc:
-                malformed.append((batch.first_line + k, str(exc)))
-                continue
-            if doc is not None:
-                docs.append((batch.first_line + k, doc))
+        docs, malformed = [], []  # docs: (line or row number, {key: [text, ...]})
+        for number, doc, reason in batch.documents(self.json_keys):
+            if reason is not None:
+                malformed.append((number, reason))
+            elif doc is not None:
+                docs.append((number, doc))
         try:
             encoded = self._encode_documents(docs)
         except ValueError:  # text the tokenizer rejects (NullTokenizer: not integer ids): find its lines
@@ -145,32 +142,32 @@ def _encode_in_worker(batch: LineBatch):
     return _worker_encoder[0].encode_batch(batch)
 
 
-def _encoded_batches(cfg: PreprocessConfig, encoder: _Encoder):
-    """(path, nbytes, _EncodedBatch) per input batch, in input order."""
-    batches = read_batches(cfg.inputs, _BATCH_LINES, _BATCH_BYTES)
+def _encoded_batches(cfg: PreprocessConfig, inputs: list[str], encoder: _Encoder):
+    """(input batch, _EncodedBatch) per input batch, in input order."""
+    batches = read_batches(inputs, _BATCH_LINES, _BATCH_BYTES, cfg.json_keys)
     if cfg.workers == 1:
         for batch in batches:
-            yield batch.path, batch.nbytes, encoder.encode_batch(batch)
+            yield batch, encoder.encode_batch(batch)
         return
     init = (cfg.tokenizer, cfg.json_keys, cfg.append_eod)
     pool = ProcessPoolExecutor(cfg.workers, initializer=_init_worker, initargs=init)
     try:
         pending = deque()
         for batch in batches:
-            pending.append((batch.path, batch.nbytes, pool.submit(_encode_in_worker, batch)))
+            pending.append((batch, pool.submit(_encode_in_worker, batch)))
             if len(pending) >= 2 * cfg.workers + 2:  # bounded memory: wait before reading further
-                path, nbytes, future = pending.popleft()
-                yield path, nbytes, future.result()
+                batch, future = pending.popleft()
+                yield batch, future.result()
         while pending:
-            path, nbytes, future = pending.popleft()
-            yield path, nbytes, future.result()
+            batch, future = pending.popleft()
+            yield batch, future.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
     """Write `{output_prefix}_{key}_document.bin/.idx` for every JSON key; returns the counts."""
-    check_inputs(cfg.inputs)
+    inputs = check_inputs(cfg.inputs)
     if cfg.workers < 1:
         raise ConfigError(f"--workers {cfg.workers}: need at least 1")
     encoder = _Encoder(cfg.tokenizer, cfg.json_keys, cfg.append_eod)  # checks the tokenizer before any work
@@ -179,9 +176,10 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
     try:
         for key in cfg.json_keys:  # inside the try: if one cannot be opened, the others' files go too
             builders[key] = IndexedDatasetBuilder(output_prefix_for(cfg.output_prefix, key), encoder.dtype)
-        with _progress_bar(cfg, progress) as bar, closing(_encoded_batches(cfg, encoder)) as results:
-            for path, nbytes, batch in results:
-                _write_batch(cfg, builders, path, batch, stats)
+        with _progress_bar(inputs, progress) as bar, closing(_encoded_batches(cfg, inputs, encoder)) as results:
+            for source, batch in results:
+                _write_batch(cfg, builders, source, batch, stats)
+                nbytes = source.nbytes
                 stats.bytes += nbytes
                 if stats.documents // cfg.log_interval != (stats.documents - batch.documents) // cfg.log_interval:
                     _show_rates(bar, stats, start)
@@ -205,12 +203,12 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessStats:
     return stats
 
 
-def _write_batch(cfg: PreprocessConfig, builders: dict, path: str, batch: _EncodedBatch,
+def _write_batch(cfg: PreprocessConfig, builders: dict, source, batch: _EncodedBatch,
                  stats: PreprocessStats) -> None:
     for line_number, reason in batch.malformed:
-        where = f"{path}:{line_number}: {reason}"
+        where = f"{source.location(line_number)}: {reason}"
         if not cfg.skip_malformed:
-            raise ConfigError(f"{where}; fix or remove the line, or pass --skip-malformed to skip such lines")
+            raise ConfigError(f"{where}; fix or remove it, or pass --skip-malformed to skip such lines")
         stats.skipped += 1
         stats.first_skipped = stats.first_skipped or where
     for key, builder in builders.items():
@@ -219,11 +217,12 @@ def _write_batch(cfg: PreprocessConfig, builders: dict, path: str, batch: _Encod
     stats.documents += batch.documents
 
 
-def _progress_bar(cfg: PreprocessConfig, enabled: bool):
+def _progress_bar(inputs: list[str], enabled: bool):
     from tqdm import tqdm
 
-    gz = any(p.endswith(".gz") for p in cfg.inputs)
-    total = None if gz else sum(os.path.getsize(p) for p in cfg.inputs)  # .gz: uncompressed size unknown
+    # .gz: the uncompressed size is unknown; parquet: the bar counts the text's bytes, not the file's
+    unknown = any(p.endswith((".gz", ".parquet")) for p in inputs)
+    total = None if unknown else sum(os.path.getsize(p) for p in inputs)
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=not enabled, desc="preprocess", mininterval=0.5)
 

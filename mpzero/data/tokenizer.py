@@ -8,18 +8,24 @@
   the end-of-document id is the model's end-of-sentence id; the vocabulary is the model's size.
 - `GPT2BPETokenizer`: GPT-2's byte-level BPE from a local `vocab.json` + `merges.txt` (HF `tokenizers`
   runs it; nothing is ever downloaded). EOD is `<|endoftext|>`; the vocabulary is vocab.json's size.
+- `HuggingFaceTokenizer`: any Hugging Face `tokenizer.json` (Llama 3, SmolLM, Mistral, or one trained by
+  tools/train_tokenizer.py), `--tokenizer-model` naming the file or its directory; run by `tokenizers`, from the
+  local file only. No special token is added to a document (no BOS). EOD is the tokenizer's end-of-text token:
+  the directory's tokenizer_config.json `eos_token` where there is one, else the first of `<|endoftext|>`,
+  `<|end_of_text|>`, `</s>`, `<eos>` it has. The vocabulary is its largest id + 1 (added tokens included).
 - `NullTokenizer`: text is already whitespace-separated ids; EOD = `vocab_size` (one extra id).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
 from mpzero.errors import ConfigError
 
-TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
@@ -30,6 +36,13 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_existing(vocab_file, "--vocab-file", tokenizer_type),
                                 _existing(merge_file, "--merge-file", tokenizer_type))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or "
+                              "its directory)")
+        if os.path.isdir(tokenizer_model):
+            tokenizer_model = os.path.join(tokenizer_model, "tokenizer.json")
+        return HuggingFaceTokenizer(_existing(tokenizer_model, "--tokenizer-model", tokenizer_type))
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or vocab_size < 1:
             raise ConfigError("NullTokenizer needs --vocab-size (a positive number of token ids)")
@@ -104,6 +117,52 @@ class GPT2BPETokenizer:
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer:
+    EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+    def __init__(self, tokenizer_file: str):
+        from tokenizers import Tokenizer
+
+        try:
+            self._tok = Tokenizer.from_file(tokenizer_file)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception on a bad file
+            raise ConfigError(f"--tokenizer-model {tokenizer_file} is not a Hugging Face tokenizer.json "
+                              f"({str(exc).splitlines()[0][:200]}): train one with tools/train_tokenizer.py "
+                              f"--type hf-bpe") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        config_file = os.path.join(os.path.dirname(tokenizer_file), "tokenizer_config.json")
+        eos = _config_eos_token(config_file)
+        candidates = (eos,) if eos else self.EOD_TOKENS
+        found = [token for token in candidates if token in vocab]
+        if not found:
+            raise ConfigError(f"--tokenizer-model {tokenizer_file} has no end-of-text token for end-of-document "
+                              f"(looked for {', '.join(candidates)}): add one as a special token")
+        self.vocab_size = max(vocab.values()) + 1
+        self.eod, self.eod_token = vocab[found[0]], found[0]
+        self.files = (tokenizer_file,) + ((config_file,) if eos else ())  # what defines the ids and the EOD
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.array(self.tokenize(t), dtype=np.int64) for t in texts]  # encode_batch would start threads
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _config_eos_token(path: str) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or {"content": ...}), None without the file or the key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as error:
+        raise ConfigError(f"{path} is unreadable ({error}): fix or remove it") from None
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
 
 
 class NullTokenizer:

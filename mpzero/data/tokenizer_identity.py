@@ -8,6 +8,8 @@ into the same embedding rows. Megatron compares `tokenizer_type` on load; mpzero
     {"type": "GPTSentencePieceTokenizer", "sha256": sha256 of the .model file, "vocab_size": 512}
     {"type": "GPT2BPETokenizer", "sha256": of vocab.json then merges.txt (`cat vocab.json merges.txt | sha256sum`),
      "vocab_size": 50257}
+    {"type": "HuggingFaceTokenizer", "sha256": of tokenizer.json (then tokenizer_config.json where its eos_token
+     chose the end of document), "vocab_size": 128256}
     {"type": "NullTokenizer", "sha256": null, "vocab_size": 1001}    the text is the ids: the size says it all
     {"type": null, "sha256": null, "vocab_size": 300}                --mock-data: no tokenizer, only --vocab-size
 

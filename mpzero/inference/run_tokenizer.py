@@ -52,8 +52,8 @@ def run_tokenizer(flags: dict, load: str, overrides: dict | None = None) -> RunT
         chosen.update({name: overrides.get(name) for name in FILE_FLAGS})
     for name in FILE_FLAGS:
         path = chosen[name]
-        if path and name not in overrides and not os.path.isfile(path) and not os.path.isabs(path):
-            found = [p for p in (os.path.join(d, path) for d in _run_directories(flags, load)) if os.path.isfile(p)]
+        if path and name not in overrides and not os.path.exists(path) and not os.path.isabs(path):
+            found = [p for p in (os.path.join(d, path) for d in _run_directories(flags, load)) if os.path.exists(p)]
             chosen[name] = found[0] if found else path
     return RunTokenizer(**chosen)
 

@@ -86,5 +86,7 @@ def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float,
             offload += 2 * (4 + plan.state_bytes) * shard / disk
         if layout.offload_params == "disk":
             offload += p * shard / disk
-    tp_bandwidth = hw.tp_bandwidth if layout.tp <= hw.gpus_per_node else min(hw.tp_bandwidth, hw.dp_bandwidth)
+    # TP groups are adjacent ranks (parallel.rank_grid): inside a node only when they tile it exactly
+    tp_inside_node = ranks_per_node % layout.tp == 0
+    tp_bandwidth = hw.tp_bandwidth if tp_inside_node else min(hw.tp_bandwidth, hw.dp_bandwidth)
     return Cost(compute, dp, fetch, tp_bytes / tp_bandwidth, offload, tokens)

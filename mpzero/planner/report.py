@@ -62,7 +62,7 @@ def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, sel
     nodes = machine.world_size // per_node
     launcher = ["torchrun"] + (["--nnodes", str(nodes)] if nodes > 1 else []) + ["--nproc-per-node", str(per_node)]
     if nodes > 1:
-        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "--rdzv-id", "JOB"]
     argv = without_layout_flags(user_argv) + layout_argv(layout, selective_flags, offload_path)
     return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
 

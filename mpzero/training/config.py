@@ -68,6 +68,10 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: str | None = None
+    wandb_project: str | None = None  # None: no Weights & Biases run
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None  # resolved: --save/wandb, or ./wandb without --save (wandb's own default)
+    wandb_entity: str | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import resolved_impls
+from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
 from mpzero.training.batches import load_batch, micro_batch_indices
@@ -33,7 +34,7 @@ from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.signals import TerminationSignal
-from mpzero.training.tensorboard import TensorBoardLogger
+from mpzero.training.metrics import MetricsLogger
 from mpzero.zero import ZeroOptimizer
 
 
@@ -96,6 +97,7 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
+    nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
     data_tokenizers, data_notes = _data_tokenizers(run, groups)
     # bad data paths fail before the model is built
@@ -103,6 +105,8 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     if groups.is_logging_rank:
         print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
         print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
+        if nodes_line:
+            print(nodes_line, flush=True)
         for note in _resume_notes(run, resumed) + data_notes:
             print(note, flush=True)
     state = build_training_state(run, provider, groups)
@@ -122,7 +126,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         state.optimizer.close()
         raise
     state.optimizer.comm_report()  # measure communication from the first iteration on
-    tensorboard = TensorBoardLogger(run.logging.tensorboard_dir, groups.is_logging_rank)
+    tensorboard = MetricsLogger(run.logging, groups.is_logging_rank, run.flags)  # TensorBoard and wandb
     termination = TerminationSignal(groups.world, groups.device)
     training, checkpoint = run.training, run.checkpoint
 
@@ -377,10 +381,13 @@ def _log_interval(interval, iteration, consumed, lr, stats, run: RunConfig, stat
               flush=True)
         print(comm.line(), flush=True)
     applied = {"lm loss": loss} if interval["losses"] else {}  # no point plotted for an all-skipped interval
+    model_states = state.optimizer.memory_report()
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
                          "loss-scale": stats.loss_scale,
                          "batch-size": training.global_batch_size, "throughput": tokens_per_s,
                          **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)},
+                         "zero/memory-bytes": model_states.measured, "zero/memory-formula-bytes": model_states.formula,
+                         "zero/comm-bytes-per-iter": comm.measured, "zero/comm-theory-bytes-per-iter": comm.theory,
                          **_offload_scalars(state.optimizer, comm)}, iteration)
 
 
