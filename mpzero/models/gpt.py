@@ -47,11 +47,18 @@ from mpzero.errors import ConfigError
 from mpzero.fused import layer_norm, scaled_masked_softmax
 from mpzero.fused.impl import (ATTENTION_BACKENDS, planned_attention_backend, planned_impl,
                                resolve_attention_backend)
+from mpzero.models.norms import RMSNorm
+from mpzero.models.rotary import RotaryEmbedding
+from mpzero.models.swiglu import SwiGLUMLP
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
 from mpzero.tensor_parallel.layers import linear_with_sequence_gather
 from mpzero.tensor_parallel.mappings import scatter_to_sequence_parallel
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,43 @@ class GPTConfig:
     openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
+    # The LLaMA family's choices, Megatron's flags with Megatron's meanings (GPT-2's values by default):
+    normalization: str = "LayerNorm"  # --normalization: LayerNorm or RMSNorm (no bias; eps is --norm-epsilon)
+    swiglu: bool = False  # --swiglu: MLP down(silu(gate(x)) * up(x)) instead of fc2(gelu(fc1(x)))
+    ffn_hidden_size: int | None = None  # --ffn-hidden-size; None: 4h, or with --swiglu int(8h/3 / 64) * 64
+    position_embedding_type: str = "learned_absolute"  # --position-embedding-type: learned_absolute, rope or none
+    add_position_embedding: bool = True  # False: --no-position-embedding (no learned absolute positions)
+    rotary_base: float = 10000.0  # --rotary-base: RoPE's theta (Llama 2: 10000, Llama 3: 500000)
+    rotary_percent: float = 1.0  # --rotary-percent: the share of each head's features rotated
+    group_query_attention: bool = False  # --group-query-attention: K/V heads shared by groups of query heads
+    num_query_groups: int | None = None  # --num-query-groups: K/V heads with --group-query-attention (default 1)
+    add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in QKV, projection and MLP linears)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads: --num-query-groups under --group-query-attention (Megatron's default 1), else one per head."""
+        return (self.num_query_groups or 1) if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's hidden width: --ffn-hidden-size, else Megatron's default (4h; 8h/3 rounded down to a
+        multiple of 64 with --swiglu, the same parameter count as 4h with two matrices)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_embedding_type == "learned_absolute" and self.add_position_embedding
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates (0 without rope)."""
+        return int(self.head_dim * self.rotary_percent) if self.position_embedding_type == "rope" else 0
 
     @property
     def granularity(self) -> str | None:
@@ -117,6 +161,35 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
+        self._validate_family(tp_size)
+
+    def _validate_family(self, tp_size: int) -> None:
+        """The LLaMA family's flags, each a one-line error (Megatron's rules where it has them)."""
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization {self.normalization} is not one of {', '.join(NORMALIZATIONS)}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type} is not one of "
+                              f"{', '.join(POSITION_EMBEDDINGS)}")
+        if self.ffn_size < 1 or self.ffn_size % tp_size:
+            raise ConfigError(f"--ffn-hidden-size {self.ffn_size} must be positive and divisible by "
+                              f"--tensor-model-parallel-size {tp_size}" + ("" if self.ffn_hidden_size else
+                              " (it defaults to 4h, or int(8h/3 / 64) * 64 with --swiglu): give it explicitly"))
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ConfigError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention")
+        groups, heads = self.query_groups, self.num_attention_heads
+        if groups < 1 or heads % groups:
+            raise ConfigError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}: each "
+                              f"key/value head serves a whole number of query heads")
+        if groups % tp_size:
+            raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size "
+                              f"{tp_size}: each TP rank must own whole key/value groups")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} must lie in (0, 1]")
+        if not self.rotary_base > 0:
+            raise ConfigError(f"--rotary-base {self.rotary_base} must be positive")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates "
+                              f"{self.rotary_dim} features: RoPE needs an even number, at least 2")
 
     def _validate_activation_memory(self, tp_size: int) -> None:
         """Megatron's rules for the recomputation and sequence-parallel flags, each a one-line error."""
@@ -182,8 +255,12 @@ class GPTConfig:
         """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
         is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                 "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu")
-        return {name: getattr(self, name) for name in names}
+                 "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "normalization",
+                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear")
+        position = ("learned_absolute" if self.learned_positions
+                    else "rope" if self.position_embedding_type == "rope" else "none")
+        return {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
+                "num_query_groups": self.query_groups, "position_embedding_type": position}
 
     def flops_per_token(self, tp_size: int = 1) -> float:
         """Matmul FLOPs per trained token, forward and backward, as Megatron counts them
@@ -277,6 +354,13 @@ class LayerNorm(nn.Module):
         return layer_norm(x, weight, bias, self.eps, impl=self.impl)
 
 
+def norm(config: GPTConfig, device=None, tp: CommGroup | None = None) -> nn.Module:
+    """The configured normalization (--normalization), replicated across TP; `tp` under sequence parallelism."""
+    if config.normalization == "RMSNorm":
+        return RMSNorm(config.hidden_size, config.layernorm_epsilon, config.layernorm_impl, device, tp)
+    return LayerNorm(config, device, tp)
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp).
     The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
@@ -289,18 +373,21 @@ class SelfAttention(nn.Module):
     kernel's fp32 logsumexp, at the cost of one more attention forward."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
-                 device=None):
+                 device=None, rotary: RotaryEmbedding | None = None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
-        self.head_dim = h // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
+        self.local_groups = config.query_groups // tp.size
         self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
-        self.config = config
+        self.config, self.rotary = config, rotary
         self.selective = config.granularity == "selective"
-        sp = config.sequence_parallel
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
+        sp, bias = config.sequence_parallel, config.add_bias_linear
+        width = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim  # 3h without GQA
+        self.qkv = ColumnParallelLinear(h, width, tp, _normal(std, generator), bias=bias, device=device,
+                                        sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
-                                       device=device, sequence_parallel=sp)
+                                       bias=bias, device=device, sequence_parallel=sp)
 
     def backend(self, device: torch.device) -> str:
         """flash, fused, unfused or local: the core attention this module runs on `device`."""
@@ -316,16 +403,35 @@ class SelfAttention(nn.Module):
             context = self._core_attention(qkv, dropout)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s(/tp), h] out
 
-    def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
+    def split_heads(self, qkv: torch.Tensor, start: int = 0):
+        """qkv [b, s, local width] at positions [start, start + s) -> q [b, local_heads, s, head_dim] and k, v
+        [b, local_groups, s, head_dim], RoPE applied to q and k. The rows are laid out group by group, each group
+        its query heads then its key and its value head (Megatron's GQA layout; [heads, (q, k, v), head_dim]
+        without GQA), so a contiguous column-parallel split hands each rank whole groups."""
         b, s = qkv.shape[:2]
-        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        # each [b, local_heads, s, head_dim]; heads differ across TP ranks, so must their dropout masks (no
-        # dropout: nothing drawn, no RNG state swapped, which torch.compile would have to break around)
+        per_group = self.local_heads // self.local_groups
+        x = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim).permute(3, 0, 2, 1, 4)
+        if per_group == 1:
+            q, k, v = x.unbind(0)  # views of qkv, no copies
+        else:  # [b, groups, per_group, s, hd] -> [b, local_heads, s, hd]: query head i uses group i // per_group
+            q = x[:per_group].permute(1, 2, 0, 3, 4).reshape(b, self.local_heads, s, self.head_dim)
+            k, v = x[per_group], x[per_group + 1]
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, start)
+        return q, k, v
+
+    def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
+        q, k, v = self.split_heads(qkv)
+        # heads differ across TP ranks, so must their dropout masks (no dropout: nothing drawn, no RNG state
+        # swapped, which torch.compile would have to break around)
         with self.rng.fork() if self.rng is not None and dropout > 0 else contextlib.nullcontext():
             return self.attend(q, k, v, dropout, self.backend(qkv.device))
 
     def attend(self, q, k, v, dropout: float, backend: str) -> torch.Tensor:
-        """Causal attention of q over k, v ([b, local_heads, s, head_dim] each) on `backend`."""
+        """Causal attention of q [b, local_heads, s, head_dim] over k, v [b, local_groups, s, head_dim] on
+        `backend` (GQA: SDPA's enable_gqa on flash; the local path repeats each group's k, v for its heads)."""
+        if k.size(1) != q.size(1) and backend not in ("flash", "fused"):
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
         if backend == "flash":
             return self._flash(q, k, v, dropout)
         if backend == "fused":
@@ -341,20 +447,23 @@ class SelfAttention(nn.Module):
 
     def _flash(self, q, k, v, dropout: float) -> torch.Tensor:
         """The same maths in one kernel that never materializes [s, s] (FlashAttention on GPUs)."""
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                              enable_gqa=k.size(1) != q.size(1))
 
 
 class MLP(nn.Module):
-    """h -> 4h (column-parallel, GELU on this rank's shard) -> h (row-parallel, all-reduced)."""
+    """h -> ffn (4h by default; column-parallel, GELU on this rank's shard) -> h (row-parallel, all-reduced)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, generator: torch.Generator, device=None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
         sp = config.sequence_parallel
         self.approximate = "tanh" if config.openai_gelu else "none"
-        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std, generator), device=device, sequence_parallel=sp)
-        self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
-                                     device=device, sequence_parallel=sp)
+        f, bias = config.ffn_size, config.add_bias_linear
+        self.fc1 = ColumnParallelLinear(h, f, tp, _normal(std, generator), bias=bias, device=device,
+                                        sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(f, h, tp, _normal(std / math.sqrt(2 * config.num_layers), generator),
+                                     bias=bias, device=device, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
@@ -377,17 +486,23 @@ class _HiddenDropout(nn.Dropout):
 
 
 class TransformerLayer(nn.Module):
-    """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))); hidden dropout is replicated across TP
+    """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))), its parts chosen by the config (LayerNorm or RMSNorm,
+    GELU or SwiGLU MLP, RoPE or none in the attention); hidden dropout is replicated across TP
     (sequence parallel: x, the LayerNorms, dropouts and residual adds are this rank's slice of the sequence)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None, generator: torch.Generator,
-                 device=None):
+                 device=None, rotary: RotaryEmbedding | None = None):
         super().__init__()
         sp_group = tp if config.sequence_parallel else None
-        self.input_layernorm = LayerNorm(config, device, sp_group)
-        self.attention = SelfAttention(config, tp, rng, generator, device)
-        self.post_attention_layernorm = LayerNorm(config, device, sp_group)
-        self.mlp = MLP(config, tp, generator, device)
+        self.input_layernorm = norm(config, device, sp_group)
+        self.attention = SelfAttention(config, tp, rng, generator, device, rotary)
+        self.post_attention_layernorm = norm(config, device, sp_group)
+        if config.swiglu:
+            std = config.init_method_std
+            self.mlp = SwiGLUMLP(config, tp, _normal(std, generator),
+                                 _normal(std / math.sqrt(2 * config.num_layers), generator), device)
+        else:
+            self.mlp = MLP(config, tp, generator, device)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -396,7 +511,7 @@ class TransformerLayer(nn.Module):
 
 
 class GPTEmbedding(nn.Module):
-    """Vocab-parallel token embedding plus replicated learned positions. Padding rows of the table
+    """Vocab-parallel token embedding plus replicated learned positions (none with RoPE). Padding rows of the table
     start (and, receiving no gradient, stay) at zero. Under sequence parallelism the sum (all-reduced over
     the vocabulary shards) is cut to this rank's sequence slice before the dropout, as in Megatron."""
 
@@ -408,19 +523,22 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
                                                       tp, _vocab_rows(std, vocab, generator), device)
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
-        # drawn from the CPU generator like every other weight, so a GPU run starts where a CPU run does
-        # (given a weight, nn.Embedding skips its own reset_parameters, a draw from the global RNG)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                 _weight=torch.empty(config.max_position_embeddings,
-                                                                     config.hidden_size))
-        nn.init.normal_(self.position_embeddings.weight, std=std, generator=generator)
-        self.position_embeddings.to(device)
-        mark_tensor_parallel(self.position_embeddings.weight, None)
+        self.position_embeddings = None  # RoPE (in the attention) or no positions
+        if config.learned_positions:
+            # drawn from the CPU generator like every other weight, so a GPU run starts where a CPU run does
+            # (given a weight, nn.Embedding skips its own reset_parameters, a draw from the global RNG)
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                     _weight=torch.empty(config.max_position_embeddings,
+                                                                         config.hidden_size))
+            nn.init.normal_(self.position_embeddings.weight, std=std, generator=generator)
+            self.position_embeddings.to(device)
+            mark_tensor_parallel(self.position_embeddings.weight, None)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(start, start + tokens.size(1), device=tokens.device))
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
         return self.dropout(x)
@@ -463,11 +581,15 @@ class GPTModel(nn.Module):
         self.config, self.tp, self.rng = config, tp, rng
         generator = torch.Generator().manual_seed(config.init_seed)  # CPU: the same weights for a CUDA model
         self.embedding = GPTEmbedding(config, tp, generator, device, rng)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, generator, device)
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base,
+                                          device)
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, generator, device, self.rotary)
                                     for _ in range(config.num_layers))
         if config.torch_compile:
             compile_layers(self.layers)
-        self.final_layernorm = LayerNorm(config, device, tp if config.sequence_parallel else None)
+        self.final_layernorm = norm(config, device, tp if config.sequence_parallel else None)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
             self.output_layer = ColumnParallelLinear(

@@ -26,17 +26,19 @@ from mpzero.errors import ConfigError
 from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
                                              reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
                                              scatter_to_tp)
-from mpzero.tensor_parallel.placement import mark_tensor_parallel
+from mpzero.tensor_parallel.placement import mark_tensor_parallel, tp_slice, tp_unslice
 
 InitMethod = Callable[[torch.Tensor], None]
 
 
 def sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, group: CommGroup,
-                      init_method: InitMethod, device=None) -> nn.Parameter:
+                      init_method: InitMethod, device=None, chunks: int = 1) -> nn.Parameter:
+    """This rank's shard of a full weight drawn by `init_method`; `chunks` > 1: the full weight is that many
+    blocks along `partition_dim` (SwiGLU's [gate; up]) and the shard is this rank's slice of each (`tp_slice`)."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)  # drawn identically on every rank, whatever the TP size
-    shard = full.chunk(group.size, dim=partition_dim)[group.rank].contiguous()
-    return mark_tensor_parallel(nn.Parameter(shard.to(device)), partition_dim)
+    shard = tp_slice(full, partition_dim, group.size, group.rank, chunks).contiguous()
+    return mark_tensor_parallel(nn.Parameter(shard.to(device)), partition_dim, chunks=chunks)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -45,8 +47,8 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _bias(size: int, partition_dim: int | None, device) -> nn.Parameter:
-    return mark_tensor_parallel(nn.Parameter(torch.zeros(size, device=device)), partition_dim)
+def _bias(size: int, partition_dim: int | None, device, chunks: int = 1) -> nn.Parameter:
+    return mark_tensor_parallel(nn.Parameter(torch.zeros(size, device=device)), partition_dim, chunks=chunks)
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -81,17 +83,19 @@ def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across the TP group; y stays sharded
-    unless `gather_output`. The input is replicated, so its gradient is all-reduced on the way back
+    unless `gather_output` (`chunks` > 1: W is that many row blocks, each split across TP, see `TensorPlacement`).
+    The input is replicated, so its gradient is all-reduced on the way back
     (with `sequence_parallel` the input is this rank's sequence slice, gathered; its gradient reduce-scattered)."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
-                 bias: bool = True, gather_output: bool = False, device=None, sequence_parallel: bool = False):
+                 bias: bool = True, gather_output: bool = False, device=None, sequence_parallel: bool = False,
+                 chunks: int = 1):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and group.size > 1
-        local_out = _divide(out_features, group.size, "output size")
-        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, device)
-        self.bias = _bias(local_out, 0, device) if bias else None
+        local_out = _divide(out_features, group.size * chunks, "output size") * chunks
+        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, device, chunks)
+        self.bias = _bias(local_out, 0, device, chunks) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -148,8 +152,11 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.group)
 
 
-def gather_full(tensor: torch.Tensor, partition_dim: int | None, group: CommGroup) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor, partition_dim: int | None, group: CommGroup, chunks: int = 1) -> torch.Tensor:
     """The unsharded tensor from every TP rank's shard (for export, checks and checkpoint conversion)."""
     if partition_dim is None or group.size == 1:
         return tensor.detach().clone()
-    return group.all_gather_cat(tensor.detach(), dim=partition_dim)
+    gathered = group.all_gather_cat(tensor.detach(), dim=partition_dim)
+    if chunks == 1:
+        return gathered
+    return tp_unslice(list(gathered.chunk(group.size, dim=partition_dim)), partition_dim, chunks)
