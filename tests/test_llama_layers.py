@@ -44,17 +44,32 @@ def test_rope_matches_the_rotation_formula(rot_dim):
     q, k = torch.randn(2, 3, 10, 8, generator=g), torch.randn(2, 1, 10, 8, generator=g)
     rope = RotaryEmbedding(16, rot_dim, 500000.0)
     for start in (0, 5):  # a cache offset gives positions start..start+9
-        q_rot, k_rot = rope(q, k, start)
+        q_rot, k_rot = rope.rotate(q, k, start)
         positions = torch.arange(start, start + 10)
         torch.testing.assert_close(q_rot, _rope_formula(q, positions, rot_dim, 500000.0), **TOL)
         torch.testing.assert_close(k_rot, _rope_formula(k, positions, rot_dim, 500000.0), **TOL)
+
+
+def test_rope_backward_matches_autograd_of_the_formula():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64)
+    rope = RotaryEmbedding(8, 4, 10000.0)
+    cos, sin = rope.cos[:6].double(), rope.sin[:6].double()
+    from mpzero.models.rotary import apply_rotary
+    (apply_rotary(x, cos, sin) * dy).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    expected = torch.cat((x_ref[..., :2] * cos[:, :2] - x_ref[..., 2:4] * sin[:, :2],
+                          x_ref[..., 2:4] * cos[:, 2:] + x_ref[..., :2] * sin[:, 2:], x_ref[..., 4:]), dim=-1)
+    (expected * dy).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)  # float64: rounding only
 
 
 def test_rope_scores_depend_only_on_the_distance():
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
     rope = RotaryEmbedding(32, 16, 10000.0)
-    scores = [(rope(q, k, m)[0] * rope(k, k, n)[1]).sum().item() for m, n in ((3, 1), (12, 10), (30, 28))]
+    scores = [(rope.rotate(q, k, m)[0] * rope.rotate(k, k, n)[1]).sum().item() for m, n in ((3, 1), (12, 10), (30, 28))]
     assert max(scores) - min(scores) < 1e-5
     cos, sin = rope_cos_sin(32, 16, 10000.0)
     assert cos.dtype == sin.dtype == torch.float32  # fp32 tables whatever the model's dtype
@@ -145,3 +160,23 @@ def test_llama_at_tp2_matches_tp1(sequence_parallel):
         assert grads2.keys() == grads.keys()
         for name in grads:
             torch.testing.assert_close(grads2[name], grads[name], **TOL)
+
+
+def _counted_flops(config, batch, seq):
+    from torch.utils.flop_counter import FlopCounterMode
+    from mpzero.tensor_parallel import seed_everything
+    groups = init_parallel(1)
+    model = GPTModel(config, groups.tp, seed_everything(1, groups.tp_rank, groups.device))
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(2))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens[:, :-1], tokens[:, 1:], reduction="mean").backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("change", [{}, {"recompute_activations": True}, {"attention_backend": "unfused"},
+                                    {"group_query_attention": False, "num_query_groups": None}])
+def test_flops_per_token_equals_the_counted_matmuls(change):
+    """QKV 2h(h + 2gd), SwiGLU's three matrices: the formula against every matmul FlopCounterMode counts (the
+    explicit attention paths: torch 2.13's counter has no entry for the CPU flash kernel, it counts 0 there)."""
+    config = GPTConfig(**{**LLAMA.__dict__, "seq_length": 12, "max_position_embeddings": 12, **change})
+    assert run_ranks(1, _counted_flops, config, 3, 12)[0] == config.flops_per_token() * 3 * 12

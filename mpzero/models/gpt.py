@@ -274,10 +274,15 @@ class GPTConfig:
         --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
         core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
         al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
-        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V."""
+        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V.
+        The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
+        2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
         vocab = self.padded_vocab_size(tp_size)
-        per_layer = 24 * h ** 2 + 4 * s * h
+        # QKV 2h(h + 2 g d) (6h^2 without GQA), projection 2h^2, MLP 2 h f x 2 matrices (16h^2 at f = 4h) or 3
+        # with SwiGLU (gate, up, down), attention 4sh; RoPE, norms and the activations are not matmuls
+        qkv = 2 * h * (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        per_layer = qkv + 2 * h ** 2 + 2 * h * self.ffn_size * (3 if self.swiglu else 2) + 4 * s * h
         recomputed = 0
         if self.granularity == "full":
             n = self.resolved_recompute_num_layers
@@ -417,7 +422,7 @@ class SelfAttention(nn.Module):
             q = x[:per_group].permute(1, 2, 0, 3, 4).reshape(b, self.local_heads, s, self.head_dim)
             k, v = x[per_group], x[per_group + 1]
         if self.rotary is not None:
-            q, k = self.rotary(q, k, start)
+            q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
         return q, k, v
 
     def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:

@@ -31,14 +31,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate_half_transposed(g: torch.Tensor) -> torch.Tensor:
+    """The adjoint of `_rotate_half`: cat(g2, -g1)."""
+    half = g.size(-1) // 2
+    return torch.cat((g[..., half:], -g[..., :half]), dim=-1)
+
+
+class _Rotate(torch.autograd.Function):
+    """rope(x) with its exact backward, the rotation by the opposite angle: dx = g cos + rotate_half^T(g) sin.
+    It keeps nothing for backward but references to the cos/sin tables' rows (the model's buffers, not
+    activations: casting them in backward again spares a per-layer copy in bf16)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.cos, ctx.sin = cos, sin
+        return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.cos.to(g.dtype) + _rotate_half_transposed(g) * ctx.sin.to(g.dtype), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, heads, s, head_dim] rotated by cos, sin [s, rot_dim] on its first rot_dim features."""
     rot_dim = cos.size(-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if rot_dim == x.size(-1):
-        return x * cos + _rotate_half(x) * sin
-    rotated, passed = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
+        return _Rotate.apply(x, cos, sin)
+    return torch.cat((_Rotate.apply(x[..., :rot_dim], cos, sin), x[..., rot_dim:]), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -57,7 +76,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rope_cos_sin(self.max_positions, self.rot_dim, self.base, self.cos.device)
         self.cos, self.sin = cos, sin
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k [b, heads, s, head_dim] at positions [start, start + s), rotated."""
         s = q.size(2)
         cos, sin = self.cos[start:start + s], self.sin[start:start + s]
