@@ -311,12 +311,16 @@ class GPTConfig:
             recompute_num_layers=self.resolved_recompute_num_layers,
             distribute_saved_activations=self.distribute_saved_activations,
             offload_activations=self.offload_activations == "cpu",
-            layernorm_impl=planned_impl("layer_norm", device, self.layernorm_impl),
+            layernorm_impl=planned_impl("rms_norm" if self.normalization == "RMSNorm" else "layer_norm", device,
+                                        self.layernorm_impl),
             softmax_impl=("torch" if attention == "unfused"
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
             flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
-            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0)
+            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0,
+            ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
+            rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
+            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions)
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
@@ -415,12 +419,11 @@ class SelfAttention(nn.Module):
         without GQA), so a contiguous column-parallel split hands each rank whole groups."""
         b, s = qkv.shape[:2]
         per_group = self.local_heads // self.local_groups
-        x = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim).permute(3, 0, 2, 1, 4)
-        if per_group == 1:
-            q, k, v = x.unbind(0)  # views of qkv, no copies
-        else:  # [b, groups, per_group, s, hd] -> [b, local_heads, s, hd]: query head i uses group i // per_group
-            q = x[:per_group].permute(1, 2, 0, 3, 4).reshape(b, self.local_heads, s, self.head_dim)
-            k, v = x[per_group], x[per_group + 1]
+        x = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
+        # query head i uses group i // per_group; q stays laid out [b, s, heads, hd] (a view of qkv with one
+        # group per rank, else a copy) like k and v, so attention's output is too and the projection reads a view
+        q = x[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k, v = x[:, :, :, per_group].transpose(1, 2), x[:, :, :, per_group + 1].transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
         return q, k, v
