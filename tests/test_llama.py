@@ -104,3 +104,21 @@ def test_a_checkpoint_of_the_other_family_or_grouping_is_refused(tmp_path, other
     run_ranks(1, quiet_main, LLAMA + ["--save", str(tmp_path), "--train-iters", "1", "--eval-iters", "0"])
     code, stderr = run_ranks(1, exit_code_and_stderr, other + ["--load", str(tmp_path), "--train-iters", "2"])[0]
     assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
+
+
+def _lines(stdout: str, kind: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(kind)]
+
+
+def test_the_real_run_dry_run_and_planner_agree_for_a_llama_layout():
+    """TP 2 x DP 2, ZeRO 3, bf16, SP + selective: the run's activation line says counted = formula (ratio 1),
+    and the dry run prints the real run's lines with the planner's figures equal to them."""
+    argv = LLAMA + ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "--bf16", "--train-iters", "1",
+                    "--sequence-parallel", "--recompute-activations"]
+    real = run_ranks(4, main_capturing_stdout, argv)[0][1]
+    activation = _lines(real, "activation memory rank 0 ")
+    assert activation and activation[0].count("ratio 1.0000") == 2, activation
+    _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "4", "--rank", "0"])  # plain python
+    assert _lines(dry, "planner |")[0].endswith("| equal")
+    for kind in ("zero memory", "zero comm", "activation memory rank 0 "):
+        assert _lines(dry, kind) == _lines(real, kind) and _lines(real, kind), kind
