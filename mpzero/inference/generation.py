@@ -52,13 +52,14 @@ class SamplingConfig:
 
 
 class KVCache:
-    """Every layer's keys and values for positions [0, length), this rank's heads:
-    [batch, local_heads, max_length, head_dim] each, filled as positions are computed."""
+    """Every layer's keys and values for positions [0, length), this rank's key/value heads (its query groups
+    under GQA: the cache is heads/groups times smaller): [batch, local_groups, max_length, head_dim] each,
+    RoPE already applied to the keys, filled as positions are computed."""
 
     def __init__(self, model: GPTModel, batch: int, max_length: int):
         attention = model.layers[0].attention
         weight = attention.qkv.weight
-        shape = (batch, attention.local_heads, max_length, attention.head_dim)
+        shape = (batch, attention.local_groups, max_length, attention.head_dim)
         self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in model.layers]
         self.values = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in model.layers]
         self.length = 0
@@ -67,8 +68,7 @@ class KVCache:
 def _cached_attention(attention, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int):
     """SelfAttention.forward for positions [start, start + s) given the cached keys and values before them."""
     b, s, _ = x.shape
-    qkv = attention.qkv(x).view(b, s, attention.local_heads, 3, attention.head_dim)
-    q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
+    q, k, v = attention.split_heads(attention.qkv(x), start)  # q [b, heads, s, d]; k, v [b, groups, s, d]
     keys[:, :, start:start + s], values[:, :, start:start + s] = k, v
     backend = attention.backend(x.device)
     if start == 0:  # the prompt: the model's own causal attention
@@ -78,9 +78,13 @@ def _cached_attention(attention, x: torch.Tensor, keys: torch.Tensor, values: to
         future = None  # one new position sees every key
         if s > 1:
             future = torch.arange(start + s, device=x.device) > torch.arange(start, start + s, device=x.device)[:, None]
+        grouped = k.size(1) != q.size(1)
         if backend in ("flash", "fused"):  # any SDPA kernel: cuDNN's needs no mask of its own here
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future,
+                                                     enable_gqa=grouped)
         else:
+            if grouped:  # each group's keys and values for each of its query heads
+                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
             scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, start + s]
             probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(attention.head_dim), causal=False, mask=future,
                                           impl="torch" if backend == "unfused" else attention.softmax_impl)
@@ -99,9 +103,7 @@ def forward_cached(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> tor
     if start + s > model.config.max_position_embeddings:
         raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
                           f"{model.config.max_position_embeddings}")
-    embedding = model.embedding
-    x = embedding.word_embeddings(tokens) + embedding.position_embeddings(
-        torch.arange(start, start + s, device=tokens.device))  # no dropout: inference
+    x = model.embedding(tokens, start)  # learned positions from `start` (RoPE: in the attention); eval: no dropout
     for layer, keys, values in zip(model.layers, cache.keys, cache.values):
         x = x + _cached_attention(layer.attention, layer.input_layernorm(x), keys, values, start)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
