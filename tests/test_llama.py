@@ -122,3 +122,14 @@ def test_the_real_run_dry_run_and_planner_agree_for_a_llama_layout():
     assert _lines(dry, "planner |")[0].endswith("| equal")
     for kind in ("zero memory", "zero comm", "activation memory rank 0 "):
         assert _lines(dry, kind) == _lines(real, kind) and _lines(real, kind), kind
+
+
+def test_the_example_config_is_a_llama_at_tp2_zero3():
+    import os
+    from tests.cli import ROOT
+    args = parse_args(["--config", os.path.join(ROOT, "examples", "llama_tiny.yaml")])
+    config = gpt_config(args, 4000)
+    assert (args.tensor_model_parallel_size, args.zero_stage) == (2, 3)
+    assert (config.normalization, config.swiglu, config.position_embedding_type, config.query_groups,
+            config.learned_positions, config.add_bias_linear) == ("RMSNorm", True, "rope", 2, False, False)
+    config.validate(2)
