@@ -9,6 +9,6 @@ from mpzero.fused.softmax import fused_softmax_supported, scaled_masked_softmax,
 
 __all__ = [
     "IMPLS", "adamw_reference", "adamw_step", "fused_softmax_supported", "layer_norm", "layer_norm_reference",
-    "resolve_impl", "rms_norm", "rms_norm_reference", "resolved_impls", "scaled_masked_softmax", "scaled_masked_softmax_reference",
-    "triton_available",
+    "resolve_impl", "resolved_impls", "rms_norm", "rms_norm_reference", "scaled_masked_softmax",
+    "scaled_masked_softmax_reference", "triton_available",
 ]
