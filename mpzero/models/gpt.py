@@ -47,6 +47,7 @@ from mpzero.errors import ConfigError
 from mpzero.fused import layer_norm, scaled_masked_softmax
 from mpzero.fused.impl import (ATTENTION_BACKENDS, planned_attention_backend, planned_impl,
                                resolve_attention_backend)
+from mpzero.models.kv_cache import KVCache
 from mpzero.models.norms import RMSNorm
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.models.swiglu import SwiGLUMLP
@@ -402,11 +403,16 @@ class SelfAttention(nn.Module):
         """flash, fused, unfused or local: the core attention this module runs on `device`."""
         return self.config.attention(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start: int = 0) -> torch.Tensor:
+        """x [b, s(/tp), h] -> [b, s(/tp), h]. With `cache` (this layer's keys and values, `KVCache.layer`):
+        inference at positions [start, start + s), the new keys and values appended, attention over all."""
         qkv = self.qkv(x)  # [b, s, 3h/tp]: the whole sequence, also when x is a sequence-parallel slice
         b, s = qkv.shape[:2]
         dropout = self.dropout if self.training else 0.0
-        if self.selective and self.training:  # keeps qkv itself (whose views q, k, v are), not copies
+        if cache is not None:
+            context = self._cached_attention(qkv, *cache, start)
+        elif self.selective and self.training:  # keeps qkv itself (whose views q, k, v are), not copies
             context = recompute(partial(self._core_attention, dropout=dropout), self.rng, qkv)
         else:
             context = self._core_attention(qkv, dropout)
@@ -427,6 +433,30 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
         return q, k, v
+
+    def _cached_attention(self, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          start: int) -> torch.Tensor:
+        """The core attention of positions [start, start + s) over the cached keys and values before them and
+        their own (written into the cache): query i (position start + i) sees keys [0, start + i]."""
+        q, k, v = self.split_heads(qkv, start)  # q [b, heads, s, d]; k, v [b, groups, s, d]
+        s = q.size(2)
+        keys[:, :, start:start + s], values[:, :, start:start + s] = k, v
+        backend = self.backend(qkv.device)
+        if start == 0:  # the prompt: the model's own causal attention
+            return self.attend(q, k, v, 0.0, backend)
+        k, v = keys[:, :, :start + s], values[:, :, :start + s]
+        future = None  # one new position sees every key
+        if s > 1:
+            future = torch.arange(start + s, device=q.device) > torch.arange(start, start + s, device=q.device)[:, None]
+        if backend in ("flash", "fused"):  # any SDPA kernel: cuDNN's needs no mask of its own here
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future,
+                                                  enable_gqa=k.size(1) != q.size(1))
+        if k.size(1) != q.size(1):  # each group's keys and values for each of its query heads
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, start + s]
+        probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(self.head_dim), causal=False, mask=future,
+                                      impl="torch" if backend == "unfused" else self.softmax_impl)
+        return torch.matmul(probs, v)
 
     def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
         q, k, v = self.split_heads(qkv)
@@ -513,8 +543,9 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config, tp, generator, device)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_layernorm(x)))
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start: int = 0) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_layernorm(x), cache, start))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -606,10 +637,14 @@ class GPTModel(nn.Module):
                 sequence_parallel=config.sequence_parallel)
             mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                reduction: str = "none") -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "none",
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] -> with labels: per-token losses [b, s] (`reduction="none"`, for a loss mask) or their
-        mean (`reduction="mean"`); without labels: this rank's logits [b, s, V/tp]."""
+        mean (`reduction="mean"`); without labels: this rank's logits [b, s, V/tp]. With a `cache` (inference,
+        `mpzero.models.KVCache`): tokens at positions [cache.length, cache.length + s), appended to the cache,
+        -> this rank's logits of the last position [b, 1, V/tp] (nanoGPT's inference forward)."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if tokens.size(1) > self.config.max_position_embeddings:
@@ -639,6 +674,25 @@ class GPTModel(nn.Module):
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp)
         return losses.mean() if reduction == "mean" else losses
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        start, s = cache.length, tokens.size(1)
+        if start + s > self.config.max_position_embeddings:
+            raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
+                              f"{self.config.max_position_embeddings}")
+        if self.config.sequence_parallel:
+            raise ConfigError("a KV cache needs the model without --sequence-parallel (inference holds whole "
+                              "sequences)")
+        x = self.embedding(tokens, start)  # learned positions from `start` (RoPE: in the attention)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache.layer(i), start)
+        cache.length += s
+        x = self.final_layernorm(x[:, -1:])  # only the last position's logits are needed
+        if self.output_layer is None:
+            logits = F.linear(copy_to_tp(x, self.tp), self.embedding.word_embeddings.weight)
+        else:
+            logits = self.output_layer(x)
+        return self._mask_vocab_padding(logits)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         """The transformer layers, each in its activation-counting region (`mpzero.activations`), with full
