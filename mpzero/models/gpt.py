@@ -1,9 +1,14 @@
-"""GPT-2 built from the tensor-parallel layers.
+"""GPT-2 (and the LLaMA family) built from the tensor-parallel layers.
 
 Learned positions, pre-LayerNorm blocks, causal self-attention with heads split across the TP group,
 GELU MLP of width 4h (erf, or tanh with `openai_gelu`), final LayerNorm, output projection tied to the
 vocab-parallel input embedding (or its own column-parallel weight with `untie_embeddings_and_output_weights`).
 Activations are [batch, seq, hidden]. The model knows TP (it takes `groups.tp`) but not ZeRO.
+
+The LLaMA family is the same transformer with other parts, chosen by the config with Megatron's flags:
+RMSNorm (`models/norms.py`), a SwiGLU MLP whose [gate; up] weight is split so each TP rank holds matching
+halves (`models/swiglu.py`), RoPE in HF's rotate-half convention (`models/rotary.py`), grouped-query attention
+(K/V groups split across TP with their query heads), no biases, untied output weights.
 
 As a library:
 
