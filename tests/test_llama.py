@@ -32,6 +32,7 @@ def test_the_flags_reach_the_config_and_its_architecture():
         "num_query_groups": 2, "add_bias_linear": False, "rotary_base": 500000, "rotary_percent": 0.5}
     gpt = gpt_config(parse_args(TINY), 300)
     assert (gpt.normalization, gpt.ffn_size, gpt.query_groups, gpt.learned_positions) == ("LayerNorm", 128, 4, True)
+    assert gpt.architecture()["rotary_base"] is None  # RoPE's settings mean nothing without RoPE: not compared
 
 
 def test_megatrons_default_ffn_with_swiglu_and_gqa_default_of_one_group():
@@ -85,8 +86,10 @@ def test_tp2_dp2_matches_single_process(reference, stage, modes):
     assert_close_lists(history["valid_losses"], reference["valid_losses"])
 
 
-def test_a_tp2_checkpoint_reloads_at_tp1_with_the_same_next_losses(tmp_path):
-    argv = LLAMA + ["--train-iters", "6", "--eval-iters", "0"]
+@pytest.mark.parametrize("biases", [False, True], ids=["no-bias", "bias"])  # bias: fc1's 1-D [gate; up] chunks too
+def test_a_tp2_checkpoint_reloads_at_tp1_with_the_same_next_losses(tmp_path, biases):
+    flags = [f for f in LLAMA if not (biases and f == "--disable-bias-linear")]
+    argv = flags + ["--train-iters", "6", "--eval-iters", "0"]
     tp2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "3"]
     uninterrupted = run_ranks(4, quiet_main, argv + tp2)[0]
     run_ranks(4, quiet_main, argv + tp2 + ["--save", str(tmp_path), "--exit-interval", "4"])
@@ -133,3 +136,13 @@ def test_the_example_config_is_a_llama_at_tp2_zero3():
     assert (config.normalization, config.swiglu, config.position_embedding_type, config.query_groups,
             config.learned_positions, config.add_bias_linear) == ("RMSNorm", True, "rope", 2, False, False)
     config.validate(2)
+
+
+def test_compiled_llama_layers_match_eager_at_tp2():
+    """--torch-compile with RoPE's autograd function, GQA and SwiGLU inside each compiled layer: the eager losses
+    and gradient norms within 1e-5 relative (inductor reorders float sums, tests/test_torch_compile.py)."""
+    argv = LLAMA + ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "--train-iters", "3", "--eval-iters", "0"]
+    eager = run_ranks(2, main_capturing_stdout, argv, deadline=300)[0][0]
+    compiled = run_ranks(2, main_capturing_stdout, argv + ["--torch-compile"], deadline=300)[0][0]
+    assert_close_lists(compiled["losses"], eager["losses"], rel=1e-5)
+    assert_close_lists(compiled["grad_norms"], eager["grad_norms"], rel=1e-5)

@@ -265,8 +265,11 @@ class GPTConfig:
                  "swiglu", "rotary_base", "rotary_percent", "add_bias_linear")
         position = ("learned_absolute" if self.learned_positions
                     else "rope" if self.position_embedding_type == "rope" else "none")
-        return {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
+        arch = {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
                 "num_query_groups": self.query_groups, "position_embedding_type": position}
+        if position != "rope":  # unused without RoPE: not part of what the weights mean
+            arch["rotary_base"] = arch["rotary_percent"] = None
+        return arch
 
     def flops_per_token(self, tp_size: int = 1) -> float:
         """Matmul FLOPs per trained token, forward and backward, as Megatron counts them

@@ -91,6 +91,9 @@ class ColumnParallelLinear(nn.Module):
                  bias: bool = True, gather_output: bool = False, device=None, sequence_parallel: bool = False,
                  chunks: int = 1):
         super().__init__()
+        if gather_output and chunks != 1:
+            raise ConfigError("ColumnParallelLinear: gather_output would concatenate [gate_r; up_r] blocks rank by "
+                              "rank, not the global [gate; up]: use chunks 1 with gather_output")
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and group.size > 1
         local_out = _divide(out_features, group.size * chunks, "output size") * chunks
