@@ -380,10 +380,11 @@ def _read_rng(directory: str, meta: dict, groups: ParallelGroups, advice: str):
 def _check_same_architecture(meta: dict, architecture: dict, directory: str) -> None:
     """Megatron's check_checkpoint_args: e.g. 4 heads saved, 8 loaded, gives QKV rows of the same shape that
     mean something else. Checkpoints that predate meta["architecture"] are compared on their saved flags (where a
-    flag left unset, such as --ffn-hidden-size, is compared through the shapes instead)."""
+    flag left unset, such as --ffn-hidden-size, is compared through the shapes instead, and a setting this model
+    does not use, such as --rotary-base without RoPE, not at all)."""
     saved = meta.get("architecture") or meta.get("config") or {}
-    for name, value in architecture.items():  # a flag saved as None took its default, resolved like this run's
-        if saved.get(name) is not None and saved[name] != value:
+    for name, value in architecture.items():  # None on either side: a default resolved elsewhere, or unused
+        if value is not None and saved.get(name) is not None and saved[name] != value:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{directory} was saved with {flag} {saved[name]}, this run has {value}: the "
                               f"weights would mean something else; match the model flags or point --load elsewhere")
