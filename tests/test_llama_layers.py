@@ -151,10 +151,12 @@ def _model(tp_size, config):
                              for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_llama_at_tp2_matches_tp1(sequence_parallel):
-    config = GPTConfig(**{**LLAMA.__dict__, "sequence_parallel": sequence_parallel})
-    logits, grads = run_ranks(1, _model, 1, LLAMA)[0]
+@pytest.mark.parametrize("change", [{}, {"sequence_parallel": True}, {"rotary_percent": 0.5, "add_bias_linear": True},
+                                    {"position_embedding_type": "none", "group_query_attention": False,
+                                     "num_query_groups": None}], ids=["plain", "sp", "partial-rope-bias", "no-pos"])
+def test_llama_at_tp2_matches_tp1(change):
+    config = GPTConfig(**{**LLAMA.__dict__, **change})
+    logits, grads = run_ranks(1, _model, 1, GPTConfig(**{**config.__dict__, "sequence_parallel": False}))[0]
     for logits2, grads2 in run_ranks(2, _model, 2, config):
         torch.testing.assert_close(logits2, logits, **TOL)
         assert grads2.keys() == grads.keys()
@@ -180,3 +182,12 @@ def test_flops_per_token_equals_the_counted_matmuls(change):
     explicit attention paths: torch 2.13's counter has no entry for the CPU flash kernel, it counts 0 there)."""
     config = GPTConfig(**{**LLAMA.__dict__, "seq_length": 12, "max_position_embeddings": 12, **change})
     assert run_ranks(1, _counted_flops, config, 3, 12)[0] == config.flops_per_token() * 3 * 12
+
+
+def test_rope_tables_are_recomputed_after_a_meta_device_build():
+    rope = RotaryEmbedding(16, 8, 500000.0, device="meta")
+    assert rope.cos.is_meta and "cos" not in rope.state_dict()  # non-persistent: never in checkpoints
+    rope.to_empty(device="cpu")
+    rope.reset_buffers()
+    cos, sin = rope_cos_sin(16, 8, 500000.0)
+    assert torch.equal(rope.cos, cos) and torch.equal(rope.sin, sin)
