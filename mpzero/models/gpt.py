@@ -380,9 +380,11 @@ def norm(config: GPTConfig, device=None, tp: CommGroup | None = None) -> nn.Modu
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp).
-    The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
-    column-parallel split hands each rank whole heads with their q, k and v. The core attention runs on the
+    """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp). Grouped-query attention
+    (g key/value heads, each shared by n/g query heads): this rank holds groups [r*g/tp, (r+1)*g/tp) with their
+    query heads. The fused QKV weight is laid out group by group ([g, (n/g q heads, k, v), head_dim] rows; head by
+    head, [heads, (q,k,v), head_dim], without GQA), so a contiguous column-parallel split hands each rank whole
+    groups. RoPE (`rotary`, shared by the model's layers) rotates q and k per rank. The core attention runs on the
     configured backend (`GPTConfig.attention`: torch's scaled_dot_product_attention for flash and fused,
     explicit [s, s] scores for local and unfused), resolved for the device of its input. Selective recomputation
     keeps the QKV output (q, k and v are its views) and recomputes the core attention in backward, its dropout
