@@ -1,7 +1,7 @@
 """tools/export_hf.py and tools/import_hf.py against transformers' LlamaForCausalLM (built here from a config:
 nothing is downloaded). A LLaMA trained at TP 2 x DP 2 under ZeRO-3 (GQA, RoPE, RMSNorm, SwiGLU) exports to a
 directory HF loads with no missing or unexpected key, with mpzero's logits at TP 1 and 2 (fp32: 1e-4, the issue's
-bound); a randomly initialized HF Llama (GQA, theta 500000, tied and untied) imports with HF's logits at TP 1 and
+bound); a randomly initialized HF Llama (GQA, theta 500000, untied, and tied in sharded safetensors) imports with HF's logits at TP 1 and
 2, greedy generation through mpzero's GQA KV cache equals HF's `generate`, and import -> export gives back
 identical tensors."""
 
@@ -76,8 +76,14 @@ def _random_hf_llama(directory, tied):
                          bos_token_id=None)
     torch.manual_seed(7)
     model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, max_shard_size="100KB" if tied else "1GB")  # tied: sharded safetensors
     return model
+
+
+def _safetensors(directory):
+    """Every tensor of a directory's safetensors files (one file or shards)."""
+    names = [n for n in os.listdir(directory) if n.endswith(".safetensors")]
+    return {k: t for n in names for k, t in load_file(os.path.join(directory, n)).items()}
 
 
 def _mpzero_greedy(checkpoint, prompts, tp, new_tokens):
@@ -109,8 +115,9 @@ def test_a_random_hf_llama_imports_with_its_logits_and_greedy_generation(tmp_pat
         cached, full = run_ranks(tp, _mpzero_greedy, checkpoint, prompts, tp, 12)[0]
         assert cached == full == expected
     assert _quiet(export_main, ["--load", checkpoint, "--output", again]) == 0  # import -> export: the same tensors
-    original, exported = load_file(os.path.join(source, "model.safetensors")), load_file(
-        os.path.join(again, "model.safetensors"))
+    if tied:
+        assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))
+    original, exported = _safetensors(source), _safetensors(again)
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
 
 
