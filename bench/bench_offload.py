@@ -90,12 +90,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--sub-group", type=int, default=16_777_216)
     p.add_argument("--largest", action="store_true", help="one run: stage 3, optimizer and parameters on disk")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true", help="bf16 gradients (2 bytes, not fp32's 4)")
     args = p.parse_args()
     heads = max(args.hidden_size // 64, 1)
     common = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
               str(heads), "--seq-length", str(args.seq_length), "--micro-batch-size", "1", "--train-iters",
               str(args.iters), "--lr", "1e-4", "--mock-data", "--vocab-size", "32000", "--eval-iters", "0",
               "--log-interval", "1", "--bf16", "--zero-stage", "2", "--offload-sub-group-numel", str(args.sub_group)]
+    if args.grad_reduce_in_bf16:
+        common.append("--grad-reduce-in-bf16")
     swap = os.path.join(args.path, "swap")
     shutil.rmtree(swap, ignore_errors=True)
     print(f"load {os.getloadavg()[0]:.2f}; torch threads: default; disk: {args.path}", flush=True)
@@ -111,10 +114,13 @@ def main() -> None:
         r = results[name]
         print(f"{name}: {r['params']} parameters, {r['ms']:.0f} ms/iter, disk {r['disk'] / 1e9:.2f} GB/iter, "
               f"peak RSS {r['rss'] / 2**30:.2f} GiB, losses {r['losses']}\n  {r['memory']}", flush=True)
+    bandwidth = 2 / (1 / write + 1 / read)  # half the bytes are read, half written
     if args.largest:
+        r = results["largest"]
+        print(f"disk bound {r['disk'] / bandwidth:.1f} s/iter; measured {r['ms'] / 1000:.1f} s/iter "
+              f"({r['ms'] / 1000 / (r['disk'] / bandwidth):.2f}x the disk bound)", flush=True)
         return
     base = results["in memory"]["ms"] / 1000
-    bandwidth = 2 / (1 / write + 1 / read)  # half the bytes are read, half written
     print("\n| mode | ms/iter | x in memory | disk GB/iter | bound ms | x bound | peak RSS GiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():

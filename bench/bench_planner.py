@@ -83,24 +83,32 @@ def best_plan(heads: int, machine: Machine, stage: int, optimizer: str, params: 
     return (max(fitting, key=lambda p: p.cost.tokens_per_second) if fitting else None), plans
 
 
+def step_of(tps) -> int:
+    """Head counts tried: multiples of the TP size when the row fixes one (each TP rank owns whole heads)."""
+    return tps[0] if len(tps) == 1 else 1
+
+
 def largest(machine: Machine, strategy, tps) -> tuple[int, object]:
-    """Bisection on the head count (8 ... 8192): the largest model that fits."""
-    def fits(heads):
-        return best_plan(heads, machine, *strategy, tps)[0]
-    lo, hi = 0, 8
+    """Bisection on the head count (up to 8192): the largest model that fits."""
+    step = step_of(tps)
+
+    def fits(k):
+        return best_plan(k * step, machine, *strategy, tps)[0]
+    lo, hi = 0, max(8 // step, 1)
     while fits(hi):
         lo, hi = hi, hi * 2
-        if hi > 8192:
+        if hi * step > 8192:
             break
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, (fits(lo) if lo else None)
+    return lo * step, (fits(lo) if lo else None)
 
 
-def limit(heads: int, machine: Machine, strategy, tps) -> str:
-    """What stops the next size up: the largest term over its budget in the least demanding layout."""
-    _, plans = best_plan(heads + 1, machine, *strategy, tps)
+def limit(heads: int, machine: Machine, strategy, tps, found) -> str:
+    """What stops the next size up (by the found layout's TP size, so that it can split the heads): the largest
+    term over its budget in the least demanding layout."""
+    _, plans = best_plan(heads + (found.layout.tp if found else step_of(tps)), machine, *strategy, tps)
     closest = min(plans, key=lambda p: p.device_peak)
     if closest.device_peak + machine.device_reserve > machine.device_memory:
         terms = {"backward": closest.backward_peak, "optimizer step": closest.step_peak,
@@ -125,7 +133,7 @@ def part1(args) -> dict:
         params = params_of(heads) if heads else 0
         row = {"hardware": hardware, "world": world, "strategy": strategy, "heads": heads, "params": params,
                "plan": plan, "layout": plan.layout.describe() if plan else None,
-               "limited_by": limit(heads, machine, tiers, tps), "published": published, "source": source,
+               "limited_by": limit(heads, machine, tiers, tps, plan), "published": published, "source": source,
                "device_peak": plan.device_peak if plan else None, "construction": plan.construction if plan else None,
                "host_per_node": plan.host_per_node if plan else None, "seconds": time.perf_counter() - start}
         rows[f"{hardware} | {strategy}"] = row

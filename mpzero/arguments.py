@@ -23,6 +23,7 @@ from mpzero.files import check_output_directory
 from mpzero.flag_ranges import check_ranges
 from mpzero.fused.impl import ATTENTION_BACKENDS
 from mpzero.models import GPTConfig
+from mpzero.models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
                                     RunConfig, TrainingConfig)
@@ -52,7 +53,28 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float, default=0.1)
     model.add_argument("--attention-dropout", type=float, default=0.1)
     model.add_argument("--init-method-std", type=float, default=0.02)
-    model.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    model.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                       help="epsilon of LayerNorm or RMSNorm (--norm-epsilon is Megatron's newer name)")
+    model.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm",
+                       help="RMSNorm: LLaMA's normalization (no mean subtracted, no bias)")
+    model.add_argument("--swiglu", action="store_true",
+                       help="gated MLP down(silu(gate(x)) * up(x)); --ffn-hidden-size defaults to int(8h/3 / 64) * 64")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="the MLP's hidden width (default 4h)")
+    model.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, default="learned_absolute",
+                       help="rope: rotary embeddings on q and k (HF's rotate-half convention) instead of learned "
+                            "absolute positions")
+    model.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                       help="no learned absolute position embedding")
+    model.add_argument("--rotary-base", type=int, default=10000, help="RoPE's theta (Llama 3: 500000)")
+    model.add_argument("--rotary-percent", type=float, default=1.0,
+                       help="the share of each head's features RoPE rotates")
+    model.add_argument("--group-query-attention", action="store_true",
+                       help="grouped-query attention: --num-query-groups key/value heads, each shared by "
+                            "heads / groups query heads")
+    model.add_argument("--num-query-groups", type=int, default=None,
+                       help="key/value heads with --group-query-attention (default 1); divisible by TP")
+    model.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                       help="no biases in the attention and MLP linears (LLaMA)")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="an output projection of its own instead of the input embedding's transpose")
@@ -367,7 +389,12 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      seq_length=args.seq_length,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                      openai_gelu=args.openai_gelu, init_seed=args.seed,
-                     cross_entropy_chunk_size=args.cross_entropy_chunk_size)
+                     cross_entropy_chunk_size=args.cross_entropy_chunk_size,
+                     normalization=args.normalization, swiglu=args.swiglu, ffn_hidden_size=args.ffn_hidden_size,
+                     position_embedding_type=args.position_embedding_type,
+                     add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
+                     rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
+                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear)
 
 
 def lr_schedule(args: argparse.Namespace) -> LRSchedule:

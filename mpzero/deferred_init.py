@@ -47,13 +47,34 @@ class Recipe:
     seed: int | None = None  # set with the key by `name_parameters`
     key: str | None = None
 
-    def values(self) -> torch.Tensor:
-        """This rank's part of the parameter, fp32, on the host, contiguous."""
+    def values(self, meter=None) -> torch.Tensor:
+        """This rank's part of the parameter, fp32, on the host, contiguous. `meter` (add/sub of bytes): counts
+        the full tensor and a copied part while both live; the part returned stays counted (`drawn_bytes`) until
+        the caller subtracts it."""
         if self.key is None:
             raise RuntimeError("a deferred parameter has no key: call name_parameters(model, seed) after building it")
         full = torch.empty(self.full_shape, dtype=torch.float32)
+        if meter is not None:
+            meter.add(full.numel() * 4)
         self.fill(full, parameter_generator(self.seed, self.key))
-        return self.shard(full).contiguous()
+        part = self.shard(full).contiguous()
+        if meter is not None and not _shares_storage(part, full):
+            meter.add(part.numel() * 4)  # the copy and the full tensor, both alive here
+            meter.sub(full.numel() * 4)  # the full tensor goes with this frame
+        return part
+
+    def drawn_bytes(self) -> tuple[int, int]:
+        """(peak, kept): the host bytes making this parameter holds at its peak (the full tensor, and this rank's
+        part when that is a copy) and the bytes of what `values()` returns (the part, or the full tensor it views)."""
+        full = torch.empty(self.full_shape, dtype=torch.float32, device="meta")
+        part = self.shard(full).contiguous()
+        if _shares_storage(part, full):
+            return 4 * full.numel(), 4 * full.numel()
+        return 4 * (full.numel() + part.numel()), 4 * part.numel()
+
+
+def _shares_storage(part: torch.Tensor, full: torch.Tensor) -> bool:
+    return part is full or part._base is full
 
 
 def parameter_generator(seed: int, key: str) -> torch.Generator:

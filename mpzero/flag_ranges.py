@@ -34,6 +34,8 @@ RANGES = {
     "offload_sub_group_numel": (1, True, None, False), "offload_buffer_count": (3, True, None, False),
     "offload_delayed_update_after": (0, True, None, False),
     "recompute_num_layers": (1, True, None, False), "cross_entropy_chunk_size": (0, True, None, False),
+    "ffn_hidden_size": (1, True, None, False), "num_query_groups": (1, True, None, False),
+    "rotary_base": (1, True, None, False), "rotary_percent": (0.0, False, 1.0, True),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 

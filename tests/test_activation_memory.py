@@ -1,6 +1,6 @@
 """Activation bytes counted with saved-tensor hooks equal the formula (mpzero/activations/formula.py) to the byte:
 every recomputation mode, with and without sequence parallelism and distributed checkpoints, at TP 1 and 2,
-fp32 and bf16, dropout on and off; per layer and for the whole micro-batch. The formula's paper terms are
+fp32 and bf16, dropout on and off, GPT-2 and the LLaMA family; per layer and for the whole micro-batch. The formula's paper terms are
 Korthikanti et al.'s Table 2; the training run prints one line per rank with ratio 1.0000."""
 
 import dataclasses
@@ -23,6 +23,9 @@ from tests.distributed import run_ranks
 BASE = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=300, max_position_embeddings=16,
                  seq_length=16)
 FULL = dict(recompute_granularity="full")
+LLAMA = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=48, position_embedding_type="rope",
+             group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
 MODES = {
     "none": {}, "selective": dict(recompute_activations=True), "full uniform 1": FULL,
     "full uniform 2": dict(FULL, recompute_method="uniform", recompute_num_layers=2),
@@ -39,9 +42,14 @@ MODES = {
     "flash selective": dict(attention_backend="flash", recompute_activations=True),
     "sp flash": dict(attention_backend="flash", attention_dropout=0.0, sequence_parallel=True),
     "unfused": dict(attention_backend="unfused"),
+    # the LLaMA family: RMSNorm, SwiGLU, RoPE, 4 heads in 2 query groups, no biases, untied output
+    "llama": LLAMA, "llama selective": dict(LLAMA, recompute_activations=True),
+    "llama flash": dict(LLAMA, attention_backend="flash", attention_dropout=0.0),
+    "llama full": dict(LLAMA, **FULL), "llama sp selective": dict(LLAMA, sequence_parallel=True,
+                                                                  recompute_activations=True),
 }
 TP2_ONLY = ("sp", "sp selective", "sp full", "distributed", "distributed uniform 2", "sp untied",
-            "sp, loss in chunks of 5", "sp flash")
+            "sp, loss in chunks of 5", "sp flash", "llama sp selective")
 
 
 def _count(groups, config, dtype, batch=2, seq=16):
@@ -73,7 +81,7 @@ def _count_every_mode(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_counted_bytes_equal_the_formula_in_every_mode(tp):
     for rank, results in enumerate(run_ranks(tp, _count_every_mode, tp)):
-        assert len(results) == (40 if tp == 1 else 72)
+        assert len(results) == (56 if tp == 1 else 92)
         for key, (layers, total, formula_layers, formula_total) in results.items():
             assert layers == formula_layers, (rank, key)
             assert total == formula_total, (rank, key)

@@ -191,7 +191,7 @@ def _gpt2_dir(path, exported, **config):
 
 @pytest.mark.parametrize("case,message", [
     ("empty", "is not a Hugging Face model directory (no config.json)"),
-    ("llama", "has model_type 'llama', not 'gpt2'"),
+    ("bert", "has model_type 'bert': only 'gpt2' and 'llama' models import"),
     ("relu", "has activation_function 'relu'"),
     ("narrow_mlp", "has n_inner 128"),
     ("missing_tensor", "has no transformer.h.1.mlp.c_proj.bias"),
@@ -202,7 +202,7 @@ def test_import_refuses_what_is_not_a_gpt2_model(exported, tmp_path, capsys, cas
     if case == "empty":
         os.makedirs(source)
     else:
-        config = {"llama": {"model_type": "llama"}, "relu": {"activation_function": "relu"},
+        config = {"bert": {"model_type": "bert"}, "relu": {"activation_function": "relu"},
                   "narrow_mlp": {"n_inner": 128}}.get(case, {})
         state = _gpt2_dir(source, exported, **config)
         if case == "missing_tensor":

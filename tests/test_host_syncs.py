@@ -16,7 +16,6 @@ on the host), and a CUDA stream or event synchronise has no CPU counterpart. Tho
 `make gpu-check`; everything the loop and the optimizer read through the calls above fails here.
 """
 
-import collections
 import os
 import traceback
 

@@ -23,6 +23,7 @@ from mpzero.tensor_parallel.placement import placement_of
 from mpzero.training.loop import BuiltModel, build_training_state, train
 from tests.cli import TINY
 from tests.distributed import run_ranks
+from tests.test_llama import LLAMA_FLAGS
 
 FIVE = TINY + ["--train-iters", "5", "--eval-iters", "0", "--zero-bucket-numel", "3000", "--seed", "7"]
 
@@ -71,11 +72,15 @@ def reference():
     return run_ranks(1, _initial_and_losses, _argv(1, 1, 0, "fp32", "none", "none", ""), False)[0][0]
 
 
-def _check_layout(reference, tmp_path, tp, dp, stage, precision, optimizer, params):
+def _check_layout(reference, tmp_path, tp, dp, stage, precision, optimizer, params, family=()):
     streamed, whole = ([run_ranks(tp * dp, _initial_and_losses,
-                                  _argv(tp, dp, stage, precision, optimizer, params, str(tmp_path / kind)), flag)[0]
+                                  _argv(tp, dp, stage, precision, optimizer, params, str(tmp_path / kind))
+                                  + list(family), flag)[0]
                         for kind, flag in (("streamed", True), ("whole", False))])
     assert len(streamed[1]) == 5 and streamed[1] == whole[1]  # losses, bitwise
+    if family:  # another architecture: its own starting weights, the same in both builds
+        assert all(torch.equal(streamed[0][name], values) for name, values in whole[0].items())
+        return
     for name, values in reference.items():  # the same starting weights at every layout, in fp32
         assert torch.equal(streamed[0][name], values), name
         assert torch.equal(whole[0][name], values), name
@@ -107,3 +112,8 @@ PRODUCT = [(tp, dp, stage, precision, optimizer, params)
 def test_streamed_build_equals_whole_build_everywhere(reference, tmp_path, tp, dp, stage, precision, optimizer,
                                                      params):
     _check_layout(reference, tmp_path, tp, dp, stage, precision, optimizer, params)
+
+
+def test_streamed_llama_equals_whole_build(reference, tmp_path):
+    """The LLaMA family's blocks (RMSNorm, SwiGLU's [gate; up] halves, a copied row-parallel part, GQA) stream too."""
+    _check_layout(reference, tmp_path, 2, 2, 3, "bf16", "cpu", "none", family=LLAMA_FLAGS)

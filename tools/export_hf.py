@@ -1,7 +1,10 @@
-"""Export an mpzero checkpoint (any TP x DP x ZeRO layout) as a Hugging Face GPT-2 directory.
+"""Export an mpzero checkpoint (any TP x DP x ZeRO layout) as a Hugging Face GPT-2 or Llama directory.
 
     python tools/export_hf.py --load checkpoints/quickstart --output hf/kjv
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/kjv')"
+
+A LLaMA-family checkpoint (RMSNorm, SwiGLU, RoPE; mpzero.inference.hf_llama) becomes a LlamaForCausalLM directory
+(config.json with num_key_value_heads, rope_theta, rms_norm_eps, tie_word_embeddings, intermediate_size).
 
 Writes config.json (every architecture choice that changes the logits: activation, LayerNorm epsilon, tied or
 untied output weights, the real vocabulary without its padding), model.safetensors, generation_config.json,
@@ -31,12 +34,12 @@ from mpzero.checkpointing.verify import resolve_iteration, single_process
 from mpzero.cli import INPUT_ERRORS, exit_code
 from mpzero.errors import ConfigError
 from mpzero.files import directory_beside, replace_output_directory
-from mpzero.inference import (check_gpt_weights, gpt_config_from_meta, hf_config, run_tokenizer,
-                              to_hf_state_dict)
+from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
+from mpzero.inference.hf import ADAPTERS, adapter_for_config
 from checkpoint_util import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
-README_TITLE = "# GPT-2 exported from mpzero"
+README_TITLES = {adapter.title for adapter in ADAPTERS.values()}
 # every file an export writes (the tokenizer's depend on the run's): --overwrite replaces only a directory of these
 EXPORTED_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "README.md", "vocab.json",
                             "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "sentencepiece.model",
@@ -52,6 +55,7 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     directory, iteration = resolve_iteration(load, iteration)
     meta = read_meta_file(directory, previous_advice(load, iteration))
     config = gpt_config_from_meta(meta, directory)
+    adapter = adapter_for_config(config)
     flags = meta.get("config") or {}
     run_tok = run_tokenizer(flags, load, tokenizer_overrides)
     tokenizer = run_tok.build(config.vocab_size)
@@ -59,23 +63,23 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     weights = read_consolidated(load, iteration)["model"]
     check_gpt_weights(weights, config, directory)
     torch_dtype, dtype_name = DTYPES[dtype]
-    state = to_hf_state_dict(weights, config, torch_dtype)
+    state = adapter.to_hf_state_dict(weights, config, torch_dtype)
 
     tmp = directory_beside(output)  # a fresh name: never a directory of the user's
     try:
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        _write_json(tmp, "config.json", hf_config(config, flags, eod, dtype_name))
+        _write_json(tmp, "config.json", adapter.hf_config(config, flags, eod, dtype_name))
         _write_json(tmp, "generation_config.json", {"bos_token_id": eod, "eos_token_id": eod})
         note = _write_tokenizer(tmp, output, run_tok, tokenizer, config.max_position_embeddings)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(_readme(directory, iteration, meta, config, note, output))
+            f.write(_readme(directory, iteration, meta, config, note, output, adapter))
         replace_output_directory(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(t.numel() for t in state.values())
     return (f"exported {directory} (iteration {iteration}, {size:,} parameters, {dtype_name}) to {output}: "
-            f"GPT2LMHeadModel.from_pretrained({output!r})")
+            f"{adapter.architecture}.from_pretrained({output!r})")
 
 
 def _safetensors_writer():
@@ -106,7 +110,7 @@ def _not_an_export(output: str) -> str | None:
             first = f.readline().rstrip("\n")
     except (OSError, ValueError):
         first = None
-    return None if first == README_TITLE else "its README.md is not an mpzero export's"
+    return None if first in README_TITLES else "its README.md is not an mpzero export's"
 
 
 def _write_json(directory: str, name: str, content: dict) -> None:
@@ -153,17 +157,16 @@ def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: 
     return "The run trained on --mock-data: there is no tokenizer; inputs are token ids."
 
 
-def _readme(directory: str, iteration: int, meta: dict, config, note: str, output: str) -> str:
+def _readme(directory: str, iteration: int, meta: dict, config, note: str, output: str, adapter) -> str:
     layout = meta.get("layout", {})
-    return (f"{README_TITLE}\n\n"
+    return (f"{adapter.title}\n\n"
             f"Checkpoint `{directory}`, iteration {iteration}, saved at TP {layout.get('tp')} x DP {layout.get('dp')} "
             f"(ZeRO stage {(meta.get('config') or {}).get('zero_stage')}); {config.num_layers} layers, hidden "
             f"{config.hidden_size}, {config.num_attention_heads} heads, vocabulary {config.vocab_size}, "
-            f"{config.max_position_embeddings} positions, GELU "
-            f"{'tanh (--openai-gelu)' if config.openai_gelu else 'erf'}, output weights "
+            f"{config.max_position_embeddings} positions, {adapter.describe(config)}, output weights "
             f"{'untied' if config.untie_embeddings_and_output_weights else 'tied'}.\n\n"
-            f"    from transformers import GPT2LMHeadModel\n"
-            f"    model = GPT2LMHeadModel.from_pretrained({output!r})\n\n"
+            f"    from transformers import {adapter.architecture}\n"
+            f"    model = {adapter.architecture}.from_pretrained({output!r})\n\n"
             f"## Tokenizer\n\n{note}\n\n"
             f"Back to mpzero: `python tools/import_hf.py --input {output} --save CKPT`.\n")
 

@@ -1,4 +1,4 @@
-"""Import a local Hugging Face GPT-2 directory (saved by `save_pretrained`) as an mpzero checkpoint.
+"""Import a local Hugging Face GPT-2 or Llama directory (saved by `save_pretrained`) as an mpzero checkpoint.
 
     python tools/import_hf.py --input hf/gpt2 --save checkpoints/gpt2
     torchrun --nproc_per_node 4 pretrain_gpt.py --load checkpoints/gpt2 --finetune --save checkpoints/ft \
@@ -10,7 +10,7 @@ from-consolidated does) whose meta.json states the model, so `--load ... --finet
 TP x DP x ZeRO layout with the same logits, and tools/generate.py and tools/export_hf.py read it. The tokenizer
 files (vocab.json + merges.txt, or sentencepiece.model) are copied to SAVE/tokenizer/ and recorded. A model
 mpzero's GPT cannot compute (another model type, activation, MLP width, attention scaling) or a directory that
-is not a GPT-2 model is one `error:` line and exit code 2; --save appears complete or not at all.
+is not a GPT-2 or Llama model is one `error:` line and exit code 2; --save appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from mpzero.cli import INPUT_ERRORS, exit_code
 from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
 from mpzero.files import directory_beside, replace_output_directory
-from mpzero.inference import from_hf_state_dict, gpt_config_from_hf, model_flags
-from mpzero.inference.hf_gpt2 import command_line
+from mpzero.inference.hf import adapter_for_hf
 from checkpoint_util import save_weights_only
 
 
@@ -49,8 +48,9 @@ def import_hf(input_dir: str, save: str) -> str:
         raise ConfigError(f"{source}: config.json is not valid JSON") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{source}: config.json is not a JSON object")
-    config = gpt_config_from_hf(hf, source)
-    weights = from_hf_state_dict(_read_state(input_dir, source), config, source)
+    adapter = adapter_for_hf(hf, source)  # by model_type: gpt2 or llama
+    config = adapter.config_from_hf(hf, source)
+    weights = adapter.from_hf_state_dict(_read_state(input_dir, source), config, source)
     tokenizer_files, tokenizer_flags, note = _tokenizer(input_dir, config.vocab_size, save)
     if os.path.lexists(save) and (not os.path.isdir(save) or os.path.islink(save) or os.listdir(save)):
         raise ConfigError(f"--save {save} already exists and is not empty: choose a new directory")
@@ -64,7 +64,7 @@ def import_hf(input_dir: str, save: str) -> str:
         os.makedirs(os.path.join(tmp, "tokenizer"))
         for name in tokenizer_files:
             shutil.copyfile(os.path.join(input_dir, name), os.path.join(tmp, "tokenizer", name))
-        flags = {**model_flags(config), **tokenizer_flags}
+        flags = {**adapter.model_flags(config), **tokenizer_flags}
         save_weights_only({"model": weights, "meta": {"config": flags}}, tmp)
         replace_output_directory(tmp, save)
     except BaseException:
@@ -73,7 +73,7 @@ def import_hf(input_dir: str, save: str) -> str:
     tokenizer_args = [f"--{k.replace('_', '-')} {v}" for k, v in tokenizer_flags.items() if k != "vocab_size"]
     size = sum(t.numel() for t in weights.values())
     return (f"imported {input_dir} ({size:,} parameters) to {save} (iteration 0, weights only){note}\n"
-            f"train from it: pretrain_gpt.py --load {save} --finetune {' '.join(command_line(config))} "
+            f"train from it: pretrain_gpt.py --load {save} --finetune {' '.join(adapter.command_line(config))} "
             f"{' '.join(tokenizer_args)} --seq-length N ...")
 
 
@@ -144,7 +144,7 @@ def _tokenizer(input_dir: str, vocab_size: int, save: str) -> tuple[list[str], d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="a local Hugging Face GPT-2 directory (save_pretrained)")
+    p.add_argument("--input", required=True, help="a local Hugging Face GPT-2 or Llama directory (save_pretrained)")
     p.add_argument("--save", required=True, help="a new directory for the mpzero checkpoint")
     args = p.parse_args(argv)
     with single_process():  # no process group here: DCP's warning about that says nothing

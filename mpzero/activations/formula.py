@@ -75,6 +75,13 @@ class ActivationSetting:
     rng_state_bytes: int = CPU_RNG_STATE_BYTES
     rng_streams: int = 1  # tracker streams saved beside the default generator
     chunked_cross_entropy: bool = False  # the output projection and the loss fused, chunk by chunk of tokens
+    # The LLaMA family's shapes and parts (GPT-2's by default):
+    ffn_hidden_size: int | None = None  # f; None: 4h
+    num_query_groups: int | None = None  # g, the K/V heads; None: a
+    rms_norm: bool = False  # RMSNorm instead of LayerNorm
+    swiglu: bool = False  # the gated MLP: [gate; up] output 2f, SiLU output f, down-projection input f
+    rotary: bool = False  # RoPE: rotated copies of q and k
+    learned_positions: bool = True  # position ids kept by the learned position embedding
 
 
 @dataclass(frozen=True)
@@ -243,10 +250,14 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
 
     hidden, attn_drop, flash = st.hidden_dropout, st.attention_dropout, st.flash_attention
     core = kind == "stored"  # the core attention's tensors are kept (selective recomputes them)
-    # Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t)
-    rep_items = [("LayerNorm inputs", 2 * e), ("QKV input", e), ("MLP input", e)] + (
+    # Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t), evaluated
+    # for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each)
+    f = Fraction(st.ffn_hidden_size or 4 * h, h)
+    rep_items = [("norm inputs", 2 * e), ("QKV input", e), ("MLP input", e)] + (
         [("hidden dropout masks", 2)] if hidden else [])
-    shard_items = [("Q, K", 2 * e), ("V", e), ("projection input", e), ("GELU input", 4 * e), ("fc2 input", 4 * e)]
+    mlp_items = ([("gate and up outputs", 2 * f * e), ("SiLU output", f * e), ("down-projection input", f * e)]
+                 if st.swiglu else [("GELU input", f * e), ("fc2 input", f * e)])
+    shard_items = [("Q, K, V", _attention_inputs(st, core, flash) * e), ("projection input", e)] + mlp_items
     attn_items = ([("softmax output", e), ("value-matmul input (dropout output)", e)]
                   + ([("attention dropout mask", 1)] if attn_drop else [])) if core and not flash else []
     rep = Fraction(sum(c for _, c in rep_items))
@@ -260,12 +271,18 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
 
     div = "/t" if sp else ""
     ln_torch = st.layernorm_impl == "torch"
+    norm = "RMSNorm" if st.rms_norm else "LayerNorm"
     if ln_torch and e < 4:
-        terms.append(Term("LayerNorm inputs kept in fp32", f"{2 * (4 - e)}sbh{div}", 2 * (4 - e) * sbh // rep_div))
-    terms.append(Term("LayerNorm mean+rstd fp32", f"16sb{div}", 16 * s * b // rep_div))
+        terms.append(Term(f"{norm} inputs kept in fp32", f"{2 * (4 - e)}sbh{div}", 2 * (4 - e) * sbh // rep_div))
+    if ln_torch and st.rms_norm:  # the reference multiplies the weight into a kept fp32 x * rstd
+        terms.append(Term("RMSNorm normalized inputs fp32", f"8sbh{div}", 8 * sbh // rep_div))
+    if st.rms_norm:
+        terms.append(Term("RMSNorm rstd fp32", f"8sb{div}", 8 * s * b // rep_div))
+    else:
+        terms.append(Term("LayerNorm mean+rstd fp32", f"16sb{div}", 16 * s * b // rep_div))
     if e < 4:
-        copies = 4 if ln_torch else 2  # weight and bias (reference) or weight only (Triton)
-        terms.append(Term("LayerNorm fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
+        copies = 4 if ln_torch and not st.rms_norm else 2  # weight and bias (LayerNorm reference) or weight only
+        terms.append(Term(f"{norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
     if core and flash:
         terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
     elif core:
@@ -283,6 +300,23 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
     if kind == "selective":
         terms.append(rng_term)
     return LayerFormula(kind, tuple(terms), paper_text, host)
+
+
+def _attention_inputs(st: ActivationSetting, core: bool, flash: bool) -> Fraction:
+    """What the attention keeps of q, k and v, in units of e sbh/t (3 for GPT-2). r = g/a: K and V are r times
+    Q's size. Selective recomputation (no `core`) keeps the QKV output (1 + 2r). The local path's matmuls keep
+    contiguous copies of q, k and v at the query heads' size (K and V repeated to every head under GQA): 3.
+    Flash (SDPA, enable_gqa under GQA) keeps the QKV output whole through its views, plus RoPE's rotated q (1)
+    and k (r), or under GQA with several groups per rank q regrouped into a copy (1)."""
+    a, t = st.num_attention_heads, st.tp
+    groups = st.num_query_groups or a
+    r = Fraction(groups, a)
+    if not core:
+        return 1 + 2 * r
+    if not flash:
+        return Fraction(3)
+    q_copy = 1 if st.rotary or (groups != a and groups // t > 1) else 0
+    return 1 + 2 * r + q_copy + (r if st.rotary else 0)
 
 
 def _exact(value: Fraction) -> int:
@@ -305,16 +339,22 @@ def outside_terms(setting: ActivationSetting) -> list[Term]:
     else:
         terms += [Term("shard-local token ids (int64)", "8sb", 8 * s * b),
                   Term("ids outside the vocabulary shard (bool)", "sb", s * b)]
-    terms.append(Term("position ids (int64)", "8s", 8 * s))
+    if st.learned_positions:
+        terms.append(Term("position ids (int64)", "8s", 8 * s))
     if st.hidden_dropout:
         terms.append(Term("embedding dropout mask", f"{m}sbh{div}", m * s * b * h // rep_div))
     ln_torch = st.layernorm_impl == "torch"
     ln_in = 4 if ln_torch else e
-    terms.append(Term("final LayerNorm input", f"{ln_in}sbh{div}", ln_in * s * b * h // rep_div))
-    terms.append(Term("final LayerNorm mean+rstd fp32", f"8sb{div}", 8 * s * b // rep_div))
+    norm = "RMSNorm" if st.rms_norm else "LayerNorm"
+    terms.append(Term(f"final {norm} input", f"{ln_in}sbh{div}", ln_in * s * b * h // rep_div))
+    if st.rms_norm and ln_torch:
+        terms.append(Term("final RMSNorm normalized input fp32", f"4sbh{div}", 4 * s * b * h // rep_div))
+    stats = 4 if st.rms_norm else 8
+    terms.append(Term(f"final {norm} {'rstd' if st.rms_norm else 'mean+rstd'} fp32", f"{stats}sb{div}",
+                      stats * s * b // rep_div))
     if e < 4:
-        copies = 2 if ln_torch else 1
-        terms.append(Term("final LayerNorm fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
+        copies = 2 if ln_torch and not st.rms_norm else 1
+        terms.append(Term(f"final {norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
     terms.append(Term("logits input", f"{e}sbh{div}", e * s * b * h // rep_div))
     if st.chunked_cross_entropy:
         terms.append(Term("cross-entropy max and sum of exponentials fp32", "8sb", 8 * s * b))

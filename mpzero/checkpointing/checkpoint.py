@@ -379,10 +379,12 @@ def _read_rng(directory: str, meta: dict, groups: ParallelGroups, advice: str):
 
 def _check_same_architecture(meta: dict, architecture: dict, directory: str) -> None:
     """Megatron's check_checkpoint_args: e.g. 4 heads saved, 8 loaded, gives QKV rows of the same shape that
-    mean something else. Checkpoints that predate meta["architecture"] are compared on their saved flags."""
+    mean something else. Checkpoints that predate meta["architecture"] are compared on their saved flags (where a
+    flag left unset, such as --ffn-hidden-size, is compared through the shapes instead, and a setting this model
+    does not use, such as --rotary-base without RoPE, not at all)."""
     saved = meta.get("architecture") or meta.get("config") or {}
-    for name, value in architecture.items():
-        if name in saved and saved[name] != value:
+    for name, value in architecture.items():  # None on either side: a default resolved elsewhere, or unused
+        if value is not None and saved.get(name) is not None and saved[name] != value:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{directory} was saved with {flag} {saved[name]}, this run has {value}: the "
                               f"weights would mean something else; match the model flags or point --load elsewhere")
@@ -413,5 +415,5 @@ def _local_shares(optimizer, where: dict[str, TensorPlacement], keys: tuple[str,
         for k in keys:
             share = per_key.setdefault(checkpoint_key(k, piece.name),
                                        LocalShare(placement.global_shape(groups.tp_size), []))
-            share.chunks.extend(chunks(piece, k, placement, groups.tp_rank))
+            share.chunks.extend(chunks(piece, k, placement, groups.tp_rank, groups.tp_size))
     return {key: share for key, share in per_key.items() if share.chunks}

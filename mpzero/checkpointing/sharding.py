@@ -74,23 +74,38 @@ def rectangles(start: int, end: int, cols: int) -> list[tuple[tuple[int, int], t
     return out
 
 
-def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int) -> list[Chunk]:
+def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int, tp_size: int) -> list[Chunk]:
     """The part of `piece` that is real (not vocabulary padding), in the global tensor's coordinates, with
-    views into `piece.tensors[key]`. 1-D parameters are handled as one row."""
+    views into `piece.tensors[key]`. 1-D parameters are handled as one row. A placement of k > 1 chunks (SwiGLU's
+    [gate; up]) holds k blocks of the split dimension, each cut on its own: block j of this rank's rows lands at
+    j * (global rows / k) + tp_rank * (local rows / k)."""
     if len(piece.shape) > 2:
         raise NotImplementedError(f"{piece.name}: checkpoints handle 1-D and 2-D parameters")
     out = []
     shape = tuple(piece.shape) if len(piece.shape) == 2 else (1, piece.shape.numel())
-    for (row, col), (rows, cols), flat in rectangles(piece.start, piece.end, shape[1]):
+    k = placement.chunks
+    block = max(piece.shape.numel() // k, 1)  # flat elements per local block (whole rows: chunks split dimension 0)
+    for lo in range(piece.start - piece.start % block, piece.end, block):
+        j, start, end = lo // block, max(lo, piece.start), min(lo + block, piece.end)
+        out.extend(_block_chunks(piece, key, placement, tp_rank, tp_size, shape, j, start, end))
+    return out
+
+
+def _block_chunks(piece, key, placement, tp_rank, tp_size, shape, j, start, end) -> list[Chunk]:
+    """`chunks` for the elements [start, end) of this rank's local block j (the whole tensor when chunks is 1)."""
+    out, k = [], placement.chunks
+    for (row, col), (rows, cols), flat in rectangles(start, end, shape[1]):
         view = piece.tensors[key][flat - piece.start:flat - piece.start + rows * cols]
         if placement.partition_dim == 0 and len(piece.shape) == 2:
-            row += tp_rank * shape[0]
+            local_rows = shape[0] // k
+            row += j * local_rows * (tp_size - 1) + tp_rank * local_rows
             real_rows = min(rows, (placement.unpadded_size or row + rows) - row)  # drop vocabulary padding
             if real_rows <= 0:
                 continue
             rows, view = real_rows, view[:real_rows * cols]
         elif placement.partition_dim is not None:  # split along the last (or only) dimension
-            col += tp_rank * shape[1]
+            local_cols = shape[1] // k
+            col += j * local_cols * (tp_size - 1) + tp_rank * local_cols
         if len(piece.shape) == 2:
             out.append(Chunk((row, col), (rows, cols), view.view(rows, cols)))
         else:

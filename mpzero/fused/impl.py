@@ -39,19 +39,22 @@ INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
 
 IMPLS = {
     "layer_norm": ("torch", "compile", "triton"),
+    "rms_norm": ("torch", "compile", "triton"),
     "scaled_masked_softmax": ("torch", "compile", "triton"),
     "adamw_step": ("torch", "compile", "torch_fused", "triton"),
 }
 
 # The CPU winner per op, measured by bench/bench_fused_cpu.py (see bench/README.md for the numbers).
-CPU_CHOICE = {"layer_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused"}
+CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused"}
 # The CUDA winner per op at GPT-2 shapes, measured on an H100 by bench/bench_fused_gpu.py (triton.testing.do_bench
 # medians, bench/README.md "On one H100", 2026-11-22):
 # - layer_norm: torch's F.layer_norm, 0.201 ms fwd+bwd at [8192, 768] bf16 against 0.582 for the Triton kernel
 #   (and 0.581 compiled): the kernel holds one row per program with a serial dweight/dbias pass, 2.9x slower;
 # - scaled_masked_softmax: the Triton kernel, 0.584 ms at [1, 96, 1024, 1024] bf16 against torch's 5.239 (9.0x);
 # - adamw_step: the Triton kernel, 1.253 ms over 124M fp32 masters + bf16 copy against torch's fused 1.644.
-CUDA_CHOICE = {"layer_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton"}
+# - rms_norm: not measured yet; torch's reference by analogy with layer_norm (the kernel has the same one-row,
+#   serial-dweight design that lost 2.9x there).
+CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton"}
 
 # --attention-backend, with Megatron-core's names and their meaning here:
 # - flash: torch's F.scaled_dot_product_attention, whose dispatcher picks FlashAttention-2, cuDNN or the

@@ -15,6 +15,7 @@ from mpzero.cli import run_or_exit
 from mpzero.errors import ConfigError
 from mpzero.fused.adam import triton_kernel_specs as adam_specs
 from mpzero.fused.layer_norm import triton_kernel_specs as layer_norm_specs
+from mpzero.fused.rms_norm import triton_kernel_specs as rms_norm_specs
 from mpzero.fused.softmax import triton_kernel_specs as softmax_specs
 from mpzero.fused.impl import INTERPRETED, KernelSpec, triton
 
@@ -29,7 +30,7 @@ class CompileResult:
 
 
 def all_kernel_specs() -> list[KernelSpec]:
-    return layer_norm_specs() + softmax_specs() + adam_specs()
+    return layer_norm_specs() + rms_norm_specs() + softmax_specs() + adam_specs()
 
 
 def compile_spec(spec: KernelSpec, capability: int) -> CompileResult:

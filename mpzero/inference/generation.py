@@ -1,9 +1,8 @@
-"""Text generation from a GPTModel at any TP size: a KV cache over the model's own layers, and sampling.
+"""Text generation from a GPTModel at any TP size: sampling and the batch loop over the model's own forward.
 
-The cached forward reuses the model's modules (embeddings, LayerNorms, the QKV and output projections, the MLP,
-the output layer and the core attention maths for the prompt) and re-expresses only how attention reads keys and
-values from the cache. The model's forward, which training runs, is untouched; `generate(..., use_cache=False)`
-runs exactly it over the whole prefix at every step, the reference the cache is tested and benchmarked against.
+The KV cache goes through the model's forward (`model(tokens, cache=cache)`, `mpzero.models.KVCache`; grouped-query
+attention caches only the key/value heads); `generate(..., use_cache=False)` runs the forward over the whole prefix
+at every step instead, the reference the cache is tested and benchmarked against.
 
 Prompts of different lengths share a batch as in Megatron's generation: every row starts at the shortest prompt's
 length, and a row whose prompt is longer keeps its own prompt tokens until it has passed them. Positions stay
@@ -20,11 +19,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mpzero.errors import ConfigError
-from mpzero.fused import scaled_masked_softmax
-from mpzero.models import GPTModel
+from mpzero.models import GPTModel, KVCache
 from mpzero.tensor_parallel import gather_from_tp
 
 
@@ -51,67 +48,15 @@ class SamplingConfig:
             raise ConfigError(f"--top-p must lie in (0, 1], got {self.top_p}")
 
 
-class KVCache:
-    """Every layer's keys and values for positions [0, length), this rank's heads:
-    [batch, local_heads, max_length, head_dim] each, filled as positions are computed."""
-
-    def __init__(self, model: GPTModel, batch: int, max_length: int):
-        attention = model.layers[0].attention
-        weight = attention.qkv.weight
-        shape = (batch, attention.local_heads, max_length, attention.head_dim)
-        self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in model.layers]
-        self.values = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in model.layers]
-        self.length = 0
-
-
-def _cached_attention(attention, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int):
-    """SelfAttention.forward for positions [start, start + s) given the cached keys and values before them."""
-    b, s, _ = x.shape
-    qkv = attention.qkv(x).view(b, s, attention.local_heads, 3, attention.head_dim)
-    q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, local_heads, s, head_dim]
-    keys[:, :, start:start + s], values[:, :, start:start + s] = k, v
-    backend = attention.backend(x.device)
-    if start == 0:  # the prompt: the model's own causal attention
-        context = attention.attend(q, k, v, 0.0, backend)
-    else:  # query i (position start + i) sees keys [0, start + i]
-        k, v = keys[:, :, :start + s], values[:, :, :start + s]
-        future = None  # one new position sees every key
-        if s > 1:
-            future = torch.arange(start + s, device=x.device) > torch.arange(start, start + s, device=x.device)[:, None]
-        if backend in ("flash", "fused"):  # any SDPA kernel: cuDNN's needs no mask of its own here
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future)
-        else:
-            scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, start + s]
-            probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(attention.head_dim), causal=False, mask=future,
-                                          impl="torch" if backend == "unfused" else attention.softmax_impl)
-            context = torch.matmul(probs, v)
-    return attention.dense(context.transpose(1, 2).reshape(b, s, -1))
-
-
 def _full_logits(model: GPTModel, local_logits: torch.Tensor) -> torch.Tensor:
     """[b, V/tp] of this rank (padding masked) -> [b, V] fp32 on every rank, the padding cropped."""
     return gather_from_tp(local_logits, model.tp)[:, :model.config.vocab_size].float()
 
 
 def forward_cached(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """tokens [b, s] at positions [cache.length, cache.length + s) -> the full logits of the last one [b, V]."""
-    start, s = cache.length, tokens.size(1)
-    if start + s > model.config.max_position_embeddings:
-        raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
-                          f"{model.config.max_position_embeddings}")
-    embedding = model.embedding
-    x = embedding.word_embeddings(tokens) + embedding.position_embeddings(
-        torch.arange(start, start + s, device=tokens.device))  # no dropout: inference
-    for layer, keys, values in zip(model.layers, cache.keys, cache.values):
-        x = x + _cached_attention(layer.attention, layer.input_layernorm(x), keys, values, start)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    cache.length += s
-    x = model.final_layernorm(x[:, -1:])  # only the last position's logits are needed
-    if model.output_layer is None:
-        logits = F.linear(x, model.embedding.word_embeddings.weight)
-    else:
-        logits = model.output_layer(x)
-    return _full_logits(model, model._mask_vocab_padding(logits)[:, -1])
+    """tokens [b, s] at positions [cache.length, cache.length + s) -> the full logits of the last one [b, V]
+    (the model's own forward, given the cache)."""
+    return _full_logits(model, model(tokens, cache=cache)[:, -1])
 
 
 def forward_full(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,14 @@ import torch.nn.functional as F
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.tensor_parallel import placements
+from mpzero.tensor_parallel.placement import tp_slice
 
 # The GPTConfig fields a checkpoint must state (meta["architecture"], else the run's flags in meta["config"]).
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
 OPTIONAL = ("layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "init_method_std",
-            "make_vocab_size_divisible_by")
+            "make_vocab_size_divisible_by", "normalization", "swiglu", "ffn_hidden_size", "position_embedding_type",
+            "add_position_embedding", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
+            "add_bias_linear")
 
 
 def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
@@ -37,6 +40,11 @@ def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
         raise ConfigError(f"checkpoint {directory} does not state its model's --{missing[0].replace('_', '-')} in "
                           f"meta.json: not a GPT checkpoint written by pretrain_gpt.py or tools/import_hf.py")
     known = {name: saved[name] for name in REQUIRED + OPTIONAL if saved.get(name) is not None}
+    groups = known.get("num_query_groups")  # the architecture record states the groups, not the flag turning them on
+    if groups is not None and groups != known["num_attention_heads"]:
+        known["group_query_attention"] = True
+    elif not known.get("group_query_attention"):
+        known.pop("num_query_groups", None)
     config = GPTConfig(**known, layernorm_impl="auto" if flags.get("layernorm_fusion", True) else "torch",
                        softmax_impl="auto" if flags.get("masked_softmax_fusion", True) else "torch")
     return dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0, recompute_activations=False)
@@ -44,18 +52,22 @@ def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
 
 def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """{parameter name: global shape} of a GPTModel with this config (vocabulary unpadded, as checkpoints store)."""
-    h, v = config.hidden_size, config.vocab_size
-    shapes = {"embedding.word_embeddings.weight": (v, h),
-              "embedding.position_embeddings.weight": (config.max_position_embeddings, h),
-              "final_layernorm.weight": (h,), "final_layernorm.bias": (h,)}
+    h, v, f = config.hidden_size, config.vocab_size, config.ffn_size
+    qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
+    fc1 = 2 * f if config.swiglu else f
+    norm = {"weight": (h,)} if config.normalization == "RMSNorm" else {"weight": (h,), "bias": (h,)}
+    shapes = {"embedding.word_embeddings.weight": (v, h), **{f"final_layernorm.{k}": s for k, s in norm.items()}}
+    if config.learned_positions:
+        shapes["embedding.position_embeddings.weight"] = (config.max_position_embeddings, h)
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
-                       p + "attention.qkv.weight": (3 * h, h), p + "attention.qkv.bias": (3 * h,),
-                       p + "attention.dense.weight": (h, h), p + "attention.dense.bias": (h,),
-                       p + "post_attention_layernorm.weight": (h,), p + "post_attention_layernorm.bias": (h,),
-                       p + "mlp.fc1.weight": (4 * h, h), p + "mlp.fc1.bias": (4 * h,),
-                       p + "mlp.fc2.weight": (h, 4 * h), p + "mlp.fc2.bias": (h,)})
+        linears = {"attention.qkv": (qkv, h), "attention.dense": (h, h), "mlp.fc1": (fc1, h), "mlp.fc2": (h, f)}
+        for name, shape in linears.items():
+            shapes[p + name + ".weight"] = shape
+            if config.add_bias_linear:
+                shapes[p + name + ".bias"] = shape[:1]
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            shapes.update({f"{p}{name}.{k}": s for k, s in norm.items()})
     if config.untie_embeddings_and_output_weights:
         shapes["output_layer.weight"] = (v, h)
     return shapes
@@ -89,5 +101,5 @@ def load_full_weights(model: GPTModel, weights: dict[str, torch.Tensor]) -> None
                 if full.size(dim) < padded:  # zero rows past the real vocabulary, as the model starts with
                     pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded - full.size(dim)]
                     full = F.pad(full, pad)
-                full = full.chunk(tp_size, dim=dim)[tp_rank]
+                full = tp_slice(full, dim, tp_size, tp_rank, placement.chunks)
             param.copy_(full)

@@ -1,9 +1,14 @@
-"""GPT-2 built from the tensor-parallel layers.
+"""GPT-2 (and the LLaMA family) built from the tensor-parallel layers.
 
 Learned positions, pre-LayerNorm blocks, causal self-attention with heads split across the TP group,
 GELU MLP of width 4h (erf, or tanh with `openai_gelu`), final LayerNorm, output projection tied to the
 vocab-parallel input embedding (or its own column-parallel weight with `untie_embeddings_and_output_weights`).
 Activations are [batch, seq, hidden]. The model knows TP (it takes `groups.tp`) but not ZeRO.
+
+The LLaMA family is the same transformer with other parts, chosen by the config with Megatron's flags:
+RMSNorm (`models/norms.py`), a SwiGLU MLP whose [gate; up] weight is split so each TP rank holds matching
+halves (`models/swiglu.py`), RoPE in HF's rotate-half convention (`models/rotary.py`), grouped-query attention
+(K/V groups split across TP with their query heads), no biases, untied output weights.
 
 As a library:
 
@@ -51,11 +56,19 @@ from mpzero.errors import ConfigError
 from mpzero.fused import layer_norm, scaled_masked_softmax
 from mpzero.fused.impl import (ATTENTION_BACKENDS, planned_attention_backend, planned_impl,
                                resolve_attention_backend)
+from mpzero.models.kv_cache import KVCache
+from mpzero.models.norms import RMSNorm
+from mpzero.models.rotary import RotaryEmbedding
+from mpzero.models.swiglu import SwiGLUMLP
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear,
                                     VocabParallelEmbedding, copy_to_tp, mark_tensor_parallel, recompute,
                                     vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
 from mpzero.tensor_parallel.layers import linear_with_sequence_gather, ones_, zeros_
 from mpzero.tensor_parallel.mappings import scatter_to_sequence_parallel
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,43 @@ class GPTConfig:
     openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
+    # The LLaMA family's choices, Megatron's flags with Megatron's meanings (GPT-2's values by default):
+    normalization: str = "LayerNorm"  # --normalization: LayerNorm or RMSNorm (no bias; eps is --norm-epsilon)
+    swiglu: bool = False  # --swiglu: MLP down(silu(gate(x)) * up(x)) instead of fc2(gelu(fc1(x)))
+    ffn_hidden_size: int | None = None  # --ffn-hidden-size; None: 4h, or with --swiglu int(8h/3 / 64) * 64
+    position_embedding_type: str = "learned_absolute"  # --position-embedding-type: learned_absolute, rope or none
+    add_position_embedding: bool = True  # False: --no-position-embedding (no learned absolute positions)
+    rotary_base: float = 10000.0  # --rotary-base: RoPE's theta (Llama 2: 10000, Llama 3: 500000)
+    rotary_percent: float = 1.0  # --rotary-percent: the share of each head's features rotated
+    group_query_attention: bool = False  # --group-query-attention: K/V heads shared by groups of query heads
+    num_query_groups: int | None = None  # --num-query-groups: K/V heads with --group-query-attention (default 1)
+    add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in QKV, projection and MLP linears)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads: --num-query-groups under --group-query-attention (Megatron's default 1), else one per head."""
+        return (self.num_query_groups or 1) if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's hidden width: --ffn-hidden-size, else Megatron's default (4h; 8h/3 rounded down to a
+        multiple of 64 with --swiglu, the same parameter count as 4h with two matrices)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_embedding_type == "learned_absolute" and self.add_position_embedding
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates (0 without rope)."""
+        return int(self.head_dim * self.rotary_percent) if self.position_embedding_type == "rope" else 0
 
     @property
     def granularity(self) -> str | None:
@@ -121,6 +171,35 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
+        self._validate_family(tp_size)
+
+    def _validate_family(self, tp_size: int) -> None:
+        """The LLaMA family's flags, each a one-line error (Megatron's rules where it has them)."""
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization {self.normalization} is not one of {', '.join(NORMALIZATIONS)}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type} is not one of "
+                              f"{', '.join(POSITION_EMBEDDINGS)}")
+        if self.ffn_size < 1 or self.ffn_size % tp_size:
+            raise ConfigError(f"--ffn-hidden-size {self.ffn_size} must be positive and divisible by "
+                              f"--tensor-model-parallel-size {tp_size}" + ("" if self.ffn_hidden_size else
+                              " (it defaults to 4h, or int(8h/3 / 64) * 64 with --swiglu): give it explicitly"))
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ConfigError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention")
+        groups, heads = self.query_groups, self.num_attention_heads
+        if groups < 1 or heads % groups:
+            raise ConfigError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}: each "
+                              f"key/value head serves a whole number of query heads")
+        if groups % tp_size:
+            raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size "
+                              f"{tp_size}: each TP rank must own whole key/value groups")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} must lie in (0, 1]")
+        if not self.rotary_base > 0:
+            raise ConfigError(f"--rotary-base {self.rotary_base} must be positive")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates "
+                              f"{self.rotary_dim} features: RoPE needs an even number, at least 2")
 
     def _validate_activation_memory(self, tp_size: int) -> None:
         """Megatron's rules for the recomputation and sequence-parallel flags, each a one-line error."""
@@ -186,8 +265,15 @@ class GPTConfig:
         """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
         is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                 "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu")
-        return {name: getattr(self, name) for name in names}
+                 "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "normalization",
+                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear")
+        position = ("learned_absolute" if self.learned_positions
+                    else "rope" if self.position_embedding_type == "rope" else "none")
+        arch = {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
+                "num_query_groups": self.query_groups, "position_embedding_type": position}
+        if position != "rope":  # unused without RoPE: not part of what the weights mean
+            arch["rotary_base"] = arch["rotary_percent"] = None
+        return arch
 
     def flops_per_token(self, tp_size: int = 1) -> float:
         """Matmul FLOPs per trained token, forward and backward, as Megatron counts them
@@ -201,10 +287,15 @@ class GPTConfig:
         --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
         core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
         al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
-        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V."""
+        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V.
+        The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
+        2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
         vocab = self.padded_vocab_size(tp_size)
-        per_layer = 24 * h ** 2 + 4 * s * h
+        # QKV 2h(h + 2 g d) (6h^2 without GQA), projection 2h^2, MLP 2 h f x 2 matrices (16h^2 at f = 4h) or 3
+        # with SwiGLU (gate, up, down), attention 4sh; RoPE, norms and the activations are not matmuls
+        qkv = 2 * h * (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        per_layer = qkv + 2 * h ** 2 + 2 * h * self.ffn_size * (3 if self.swiglu else 2) + 4 * s * h
         recomputed = 0
         if self.granularity == "full":
             n = self.resolved_recompute_num_layers
@@ -233,12 +324,16 @@ class GPTConfig:
             recompute_num_layers=self.resolved_recompute_num_layers,
             distribute_saved_activations=self.distribute_saved_activations,
             offload_activations=self.offload_activations == "cpu",
-            layernorm_impl=planned_impl("layer_norm", device, self.layernorm_impl),
+            layernorm_impl=planned_impl("rms_norm" if self.normalization == "RMSNorm" else "layer_norm", device,
+                                        self.layernorm_impl),
             softmax_impl=("torch" if attention == "unfused"
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
             flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
-            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0)
+            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0,
+            ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
+            rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
+            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions)
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
@@ -283,10 +378,19 @@ class LayerNorm(nn.Module):
         return layer_norm(x, weight, bias, self.eps, impl=self.impl)
 
 
+def norm(config: GPTConfig, tp: CommGroup | None = None) -> nn.Module:
+    """The configured normalization (--normalization), replicated across TP; `tp` under sequence parallelism."""
+    if config.normalization == "RMSNorm":
+        return RMSNorm(config.hidden_size, config.layernorm_epsilon, config.layernorm_impl, tp)
+    return LayerNorm(config, tp)
+
+
 class SelfAttention(nn.Module):
-    """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp).
-    The fused QKV weight is laid out head by head ([heads, (q,k,v), head_dim] rows), so a contiguous
-    column-parallel split hands each rank whole heads with their q, k and v. The core attention runs on the
+    """Causal multi-head attention; this TP rank computes heads [r*n/tp, (r+1)*n/tp). Grouped-query attention
+    (g key/value heads, each shared by n/g query heads): this rank holds groups [r*g/tp, (r+1)*g/tp) with their
+    query heads. The fused QKV weight is laid out group by group ([g, (n/g q heads, k, v), head_dim] rows; head by
+    head, [heads, (q,k,v), head_dim], without GQA), so a contiguous column-parallel split hands each rank whole
+    groups. RoPE (`rotary`, shared by the model's layers) rotates q and k per rank. The core attention runs on the
     configured backend (`GPTConfig.attention`: torch's scaled_dot_product_attention for flash and fused,
     explicit [s, s] scores for local and unfused), resolved for the device of its input. Selective recomputation
     keeps the QKV output (q, k and v are its views) and recomputes the core attention in backward, its dropout
@@ -294,42 +398,93 @@ class SelfAttention(nn.Module):
     keeps no [s, s] tensor (Megatron calls selective recomputation unnecessary there): it then saves only the
     kernel's fp32 logsumexp, at the cost of one more attention forward."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
-        self.head_dim = h // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
+        self.local_groups = config.query_groups // tp.size
         self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
-        self.config = config
+        self.config, self.rotary = config, rotary
         self.selective = config.granularity == "selective"
-        sp = config.sequence_parallel
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp, _normal(std), sequence_parallel=sp)
-        self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), sequence_parallel=sp)
+        sp, bias = config.sequence_parallel, config.add_bias_linear
+        width = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim  # 3h without GQA
+        self.qkv = ColumnParallelLinear(h, width, tp, _normal(std), bias=bias, sequence_parallel=sp)
+        self.dense = RowParallelLinear(h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), bias=bias,
+                                       sequence_parallel=sp)
 
     def backend(self, device: torch.device) -> str:
         """flash, fused, unfused or local: the core attention this module runs on `device`."""
         return self.config.attention(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start: int = 0) -> torch.Tensor:
+        """x [b, s(/tp), h] -> [b, s(/tp), h]. With `cache` (this layer's keys and values, `KVCache.layer`):
+        inference at positions [start, start + s), the new keys and values appended, attention over all."""
         qkv = self.qkv(x)  # [b, s, 3h/tp]: the whole sequence, also when x is a sequence-parallel slice
         b, s = qkv.shape[:2]
         dropout = self.dropout if self.training else 0.0
-        if self.selective and self.training:  # keeps qkv itself (whose views q, k, v are), not copies
+        if cache is not None:
+            context = self._cached_attention(qkv, *cache, start)
+        elif self.selective and self.training:  # keeps qkv itself (whose views q, k, v are), not copies
             context = recompute(partial(self._core_attention, dropout=dropout), self.rng, qkv)
         else:
             context = self._core_attention(qkv, dropout)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s(/tp), h] out
 
-    def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
+    def split_heads(self, qkv: torch.Tensor, start: int = 0):
+        """qkv [b, s, local width] at positions [start, start + s) -> q [b, local_heads, s, head_dim] and k, v
+        [b, local_groups, s, head_dim], RoPE applied to q and k. The rows are laid out group by group, each group
+        its query heads then its key and its value head (Megatron's GQA layout; [heads, (q, k, v), head_dim]
+        without GQA), so a contiguous column-parallel split hands each rank whole groups."""
         b, s = qkv.shape[:2]
-        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        # each [b, local_heads, s, head_dim]; heads differ across TP ranks, so must their dropout masks (no
-        # dropout: nothing drawn, no RNG state swapped, which torch.compile would have to break around)
+        per_group = self.local_heads // self.local_groups
+        x = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
+        # query head i uses group i // per_group; q stays laid out [b, s, heads, hd] (a view of qkv with one
+        # group per rank, else a copy) like k and v, so attention's output is too and the projection reads a view
+        q = x[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k, v = x[:, :, :, per_group].transpose(1, 2), x[:, :, :, per_group + 1].transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
+        return q, k, v
+
+    def _cached_attention(self, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          start: int) -> torch.Tensor:
+        """The core attention of positions [start, start + s) over the cached keys and values before them and
+        their own (written into the cache): query i (position start + i) sees keys [0, start + i]."""
+        q, k, v = self.split_heads(qkv, start)  # q [b, heads, s, d]; k, v [b, groups, s, d]
+        s = q.size(2)
+        keys[:, :, start:start + s], values[:, :, start:start + s] = k, v
+        backend = self.backend(qkv.device)
+        if start == 0:  # the prompt: the model's own causal attention
+            return self.attend(q, k, v, 0.0, backend)
+        k, v = keys[:, :, :start + s], values[:, :, :start + s]
+        future = None  # one new position sees every key
+        if s > 1:
+            future = torch.arange(start + s, device=q.device) > torch.arange(start, start + s, device=q.device)[:, None]
+        if backend in ("flash", "fused"):  # any SDPA kernel: cuDNN's needs no mask of its own here
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if future is None else ~future,
+                                                  enable_gqa=k.size(1) != q.size(1))
+        if k.size(1) != q.size(1):  # each group's keys and values for each of its query heads
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [b, local_heads, s, start + s]
+        probs = scaled_masked_softmax(scores, 1.0 / math.sqrt(self.head_dim), causal=False, mask=future,
+                                      impl="torch" if backend == "unfused" else self.softmax_impl)
+        return torch.matmul(probs, v)
+
+    def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
+        q, k, v = self.split_heads(qkv)
+        # heads differ across TP ranks, so must their dropout masks (no dropout: nothing drawn, no RNG state
+        # swapped, which torch.compile would have to break around)
         with self.rng.fork() if self.rng is not None and dropout > 0 else contextlib.nullcontext():
             return self.attend(q, k, v, dropout, self.backend(qkv.device))
 
     def attend(self, q, k, v, dropout: float, backend: str) -> torch.Tensor:
-        """Causal attention of q over k, v ([b, local_heads, s, head_dim] each) on `backend`."""
+        """Causal attention of q [b, local_heads, s, head_dim] over k, v [b, local_groups, s, head_dim] on
+        `backend` (GQA: SDPA's enable_gqa on flash; the local path repeats each group's k, v for its heads)."""
+        if k.size(1) != q.size(1) and backend not in ("flash", "fused"):
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
         if backend == "flash":
             return self._flash(q, k, v, dropout)
         if backend == "fused":
@@ -345,19 +500,21 @@ class SelfAttention(nn.Module):
 
     def _flash(self, q, k, v, dropout: float) -> torch.Tensor:
         """The same maths in one kernel that never materializes [s, s] (FlashAttention on GPUs)."""
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                              enable_gqa=k.size(1) != q.size(1))
 
 
 class MLP(nn.Module):
-    """h -> 4h (column-parallel, GELU on this rank's shard) -> h (row-parallel, all-reduced)."""
+    """h -> ffn (4h by default; column-parallel, GELU on this rank's shard) -> h (row-parallel, all-reduced)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
         sp = config.sequence_parallel
         self.approximate = "tanh" if config.openai_gelu else "none"
-        self.fc1 = ColumnParallelLinear(h, 4 * h, tp, _normal(std), sequence_parallel=sp)
-        self.fc2 = RowParallelLinear(4 * h, h, tp, _normal(std / math.sqrt(2 * config.num_layers)),
+        f, bias = config.ffn_size, config.add_bias_linear
+        self.fc1 = ColumnParallelLinear(h, f, tp, _normal(std), bias=bias, sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(f, h, tp, _normal(std / math.sqrt(2 * config.num_layers)), bias=bias,
                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -381,25 +538,32 @@ class _HiddenDropout(nn.Dropout):
 
 
 class TransformerLayer(nn.Module):
-    """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))); hidden dropout is replicated across TP
+    """x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))), its parts chosen by the config (LayerNorm or RMSNorm,
+    GELU or SwiGLU MLP, RoPE or none in the attention); hidden dropout is replicated across TP
     (sequence parallel: x, the LayerNorms, dropouts and residual adds are this rank's slice of the sequence)."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         sp_group = tp if config.sequence_parallel else None
-        self.input_layernorm = LayerNorm(config, sp_group)
-        self.attention = SelfAttention(config, tp, rng)
-        self.post_attention_layernorm = LayerNorm(config, sp_group)
-        self.mlp = MLP(config, tp)
+        self.input_layernorm = norm(config, sp_group)
+        self.attention = SelfAttention(config, tp, rng, rotary)
+        self.post_attention_layernorm = norm(config, sp_group)
+        if config.swiglu:
+            std = config.init_method_std
+            self.mlp = SwiGLUMLP(config, tp, _normal(std), _normal(std / math.sqrt(2 * config.num_layers)))
+        else:
+            self.mlp = MLP(config, tp)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_layernorm(x)))
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start: int = 0) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_layernorm(x), cache, start))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
 class GPTEmbedding(nn.Module):
-    """Vocab-parallel token embedding plus replicated learned positions. Padding rows of the table
+    """Vocab-parallel token embedding plus replicated learned positions (none with RoPE). Padding rows of the table
     start (and, receiving no gradient, stay) at zero. Under sequence parallelism the sum (all-reduced over
     the vocabulary shards) is cut to this rank's sequence slice before the dropout, as in Megatron."""
 
@@ -410,16 +574,19 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
                                                       tp, _vocab_rows(std, vocab))
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
-        # a deferred weight like every other (given a weight, nn.Embedding skips its own reset_parameters, a draw
-        # from the global RNG), so a GPU run starts where a CPU run does
-        shape = (config.max_position_embeddings, config.hidden_size)
-        self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
-        self.position_embeddings.weight = mark_tensor_parallel(deferred_parameter(shape, _normal(std)), None)
+        self.position_embeddings = None  # RoPE (in the attention) or no positions
+        if config.learned_positions:
+            # a deferred weight like every other (given a weight, nn.Embedding skips its own reset_parameters, a
+            # draw from the global RNG), so a GPU run starts where a CPU run does
+            shape = (config.max_position_embeddings, config.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
+            self.position_embeddings.weight = mark_tensor_parallel(deferred_parameter(shape, _normal(std)), None)
         self.dropout = _HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(start, start + tokens.size(1), device=tokens.device))
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
         return self.dropout(x)
@@ -461,10 +628,13 @@ class GPTModel(nn.Module):
                               f"to 0 and no recomputation")
         self.config, self.tp, self.rng = config, tp, rng
         self.embedding = GPTEmbedding(config, tp, rng)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng) for _ in range(config.num_layers))
+        self.rotary = None
+        if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
+            self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, rng, self.rotary) for _ in range(config.num_layers))
         if config.torch_compile:
             compile_layers(self.layers)
-        self.final_layernorm = LayerNorm(config, tp if config.sequence_parallel else None)
+        self.final_layernorm = norm(config, tp if config.sequence_parallel else None)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
             self.output_layer = ColumnParallelLinear(
@@ -476,10 +646,14 @@ class GPTModel(nn.Module):
         if torch.device(device if device is not None else "cpu").type != "meta":
             materialize_module(self, device)  # the whole build; on the meta device ZeroOptimizer streams it
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                reduction: str = "none") -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "none",
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] -> with labels: per-token losses [b, s] (`reduction="none"`, for a loss mask) or their
-        mean (`reduction="mean"`); without labels: this rank's logits [b, s, V/tp]."""
+        mean (`reduction="mean"`); without labels: this rank's logits [b, s, V/tp]. With a `cache` (inference,
+        `mpzero.models.KVCache`): tokens at positions [cache.length, cache.length + s), appended to the cache,
+        -> this rank's logits of the last position [b, 1, V/tp] (nanoGPT's inference forward)."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if tokens.size(1) > self.config.max_position_embeddings:
@@ -509,6 +683,25 @@ class GPTModel(nn.Module):
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp)
         return losses.mean() if reduction == "mean" else losses
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        start, s = cache.length, tokens.size(1)
+        if start + s > self.config.max_position_embeddings:
+            raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
+                              f"{self.config.max_position_embeddings}")
+        if self.config.sequence_parallel:
+            raise ConfigError("a KV cache needs the model without --sequence-parallel (inference holds whole "
+                              "sequences)")
+        x = self.embedding(tokens, start)  # learned positions from `start` (RoPE: in the attention)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache.layer(i), start)
+        cache.length += s
+        x = self.final_layernorm(x[:, -1:])  # only the last position's logits are needed
+        if self.output_layer is None:
+            logits = F.linear(copy_to_tp(x, self.tp), self.embedding.word_embeddings.weight)
+        else:
+            logits = self.output_layer(x)
+        return self._mask_vocab_padding(logits)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         """The transformer layers, each in its activation-counting region (`mpzero.activations`), with full

@@ -196,7 +196,6 @@ class Planner:
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
         layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel)
-        mixed = self.precision.dtype != "fp32"
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         largest_shard = max((lay.shard_numel for lay in layouts), default=0)  # Fp32Buckets: a bucket, or sub-groups

@@ -229,7 +229,8 @@ def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_bat
                      gradients all-reduced (4B). Sequence parallel: forward 2 all-gathers + 2 reduce-scatters
                      (4B), backward the inputs gathered again, their gradients reduce-scattered and the outputs'
                      gradients gathered (6B), plus the LayerNorms' fp32 weight and bias gradients (2 x 2 x 8h)
-                     and the row-parallel biases' (2 x 2ph) all-reduced
+                     and the row-parallel biases' (2 x 2ph) all-reduced (RMSNorm: weights only; none
+                     of the biases with --disable-bias-linear)
       recomputation  full: each recomputed layer's forward again (4B); distributed checkpoints: each one
                      all-gathered before its replay (B); selective: none (the core attention has no TP traffic)
       outside        the embedding's all-reduce (2B; sequence parallel + its slice's gradient gathered, B), the
@@ -250,10 +251,12 @@ def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_bat
         n = getattr(config, "resolved_recompute_num_layers", 1)
         recomputed = L if method == "uniform" else n
         checkpoints = -(-L // n) if method == "uniform" else n
-    layer = (10 * B + 32 * h + 4 * h * p) if sp else 8 * B
+    norm_params = 1 if getattr(config, "normalization", "LayerNorm") == "RMSNorm" else 2  # RMSNorm: no bias
+    biases = 4 * h * p if getattr(config, "add_bias_linear", True) else 0
+    layer = (10 * B + 16 * norm_params * h + biases) if sp else 8 * B
     total = L * layer + recomputed * 4 * B
     if getattr(config, "distribute_saved_activations", False):
         total += checkpoints * B
-    total += (3 * B + 16 * h + 3 * B) if sp else (2 * B + 2 * B)
+    total += (3 * B + 8 * norm_params * h + 3 * B) if sp else (2 * B + 2 * B)
     total += 24 * micro_batch * seq
     return total * r * micro_batches

@@ -20,7 +20,6 @@ the TP group (`copy_to_tp` on the parameter), so every rank holds the same bias 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +31,18 @@ from mpzero.errors import ConfigError
 from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
                                              reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
                                              scatter_to_tp)
-from mpzero.tensor_parallel.placement import mark_tensor_parallel
+from mpzero.tensor_parallel.placement import mark_tensor_parallel, tp_slice, tp_unslice
 
 InitMethod = Fill  # (full fp32 weight, its generator) -> None, in place
 
 
-def _chunk(full: torch.Tensor, dim: int, parts: int, rank: int) -> torch.Tensor:
-    return full.chunk(parts, dim=dim)[rank]
-
-
 def sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, group: CommGroup,
-                      init_method: InitMethod, shard: Callable[[torch.Tensor], torch.Tensor] | None = None
-                      ) -> nn.Parameter:
+                      init_method: InitMethod, chunks: int = 1) -> nn.Parameter:
     """A deferred parameter: this rank's part of a full weight of `full_shape`, drawn identically on every rank
-    whatever the TP size. `shard`: full -> this rank's part (default: the rank's contiguous chunk along
-    `partition_dim`)."""
-    shard = shard or partial(_chunk, dim=partition_dim, parts=group.size, rank=group.rank)
-    return mark_tensor_parallel(deferred_parameter(full_shape, init_method, shard), partition_dim)
+    whatever the TP size; `chunks` > 1: the full weight is that many blocks along `partition_dim` (SwiGLU's
+    [gate; up]) and the part is this rank's slice of each (`tp_slice`)."""
+    shard = partial(tp_slice, partition_dim=partition_dim, tp_size=group.size, tp_rank=group.rank, chunks=chunks)
+    return mark_tensor_parallel(deferred_parameter(full_shape, init_method, shard), partition_dim, chunks=chunks)
 
 
 def zeros_(full: torch.Tensor, generator: torch.Generator) -> None:
@@ -65,8 +59,8 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _bias(size: int, partition_dim: int | None) -> nn.Parameter:
-    return mark_tensor_parallel(deferred_parameter((size,), zeros_), partition_dim)
+def _bias(size: int, partition_dim: int | None, chunks: int = 1) -> nn.Parameter:
+    return mark_tensor_parallel(deferred_parameter((size,), zeros_), partition_dim, chunks=chunks)
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -101,17 +95,22 @@ def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across the TP group; y stays sharded
-    unless `gather_output`. The input is replicated, so its gradient is all-reduced on the way back
+    unless `gather_output` (`chunks` > 1: W is that many row blocks, each split across TP, see `TensorPlacement`).
+    The input is replicated, so its gradient is all-reduced on the way back
     (with `sequence_parallel` the input is this rank's sequence slice, gathered; its gradient reduce-scattered)."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
-                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False):
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+                 chunks: int = 1):
         super().__init__()
+        if gather_output and chunks != 1:
+            raise ConfigError("ColumnParallelLinear: gather_output would concatenate [gate_r; up_r] blocks rank by "
+                              "rank, not the global [gate; up]: use chunks 1 with gather_output")
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and group.size > 1
-        local_out = _divide(out_features, group.size, "output size")
-        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method)
-        self.bias = _bias(local_out, 0) if bias else None
+        local_out = _divide(out_features, group.size * chunks, "output size") * chunks
+        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, chunks)
+        self.bias = _bias(local_out, 0, chunks) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -167,8 +166,11 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.group)
 
 
-def gather_full(tensor: torch.Tensor, partition_dim: int | None, group: CommGroup) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor, partition_dim: int | None, group: CommGroup, chunks: int = 1) -> torch.Tensor:
     """The unsharded tensor from every TP rank's shard (for export, checks and checkpoint conversion)."""
     if partition_dim is None or group.size == 1:
         return tensor.detach().clone()
-    return group.all_gather_cat(tensor.detach(), dim=partition_dim)
+    gathered = group.all_gather_cat(tensor.detach(), dim=partition_dim)
+    if chunks == 1:
+        return gathered
+    return tp_unslice(list(gathered.chunk(group.size, dim=partition_dim)), partition_dim, chunks)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from mpzero.errors import ConfigError
@@ -22,11 +23,14 @@ _UNMARKED = object()
 
 @dataclass(frozen=True)
 class TensorPlacement:
-    """A parameter's TP layout: its TP-local shape, split dimension (None: replicated) and real extent along
-    it (None: the whole extent; the vocabulary is padded past its real size)."""
+    """A parameter's TP layout: its TP-local shape, split dimension (None: replicated), real extent along
+    it (None: the whole extent; the vocabulary is padded past its real size) and `chunks`: the global tensor is
+    that many equal blocks along the split dimension, each split across TP, rank r holding the r-th slice of
+    every block in order (Megatron's stride; 2 for SwiGLU's [gate; up], so each rank holds [gate_r; up_r])."""
     local_shape: tuple[int, ...]
     partition_dim: int | None
     unpadded_size: int | None = None
+    chunks: int = 1
 
     @property
     def is_sharded(self) -> bool:
@@ -40,16 +44,34 @@ class TensorPlacement:
 
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int | None,
-                         unpadded_size: int | None = None) -> nn.Parameter:
+                         unpadded_size: int | None = None, chunks: int = 1) -> nn.Parameter:
     """partition_dim None means replicated across the TP group (identical values and gradients).
     unpadded_size: the real extent along partition_dim when the full tensor is padded past it (the
-    vocabulary), so checkpoints store only real rows and reload at any TP size."""
+    vocabulary), so checkpoints store only real rows and reload at any TP size. chunks: see TensorPlacement."""
     if partition_dim is not None and not 0 <= partition_dim < param.ndim:
         raise ConfigError(f"partition_dim {partition_dim} is not a dimension of a {param.ndim}-D parameter")
+    if chunks != 1 and (partition_dim != 0 or unpadded_size is not None):
+        raise ConfigError("chunks > 1 needs partition_dim 0 and no padding (SwiGLU's [gate; up] rows)")
     param.tensor_parallel = partition_dim is not None
     param.partition_dim = partition_dim
     param.unpadded_size = unpadded_size
+    param.partition_chunks = chunks
     return param
+
+
+def tp_slice(full: torch.Tensor, partition_dim: int, tp_size: int, tp_rank: int, chunks: int = 1) -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of the full tensor: its 1/tp slice of each of the `chunks` blocks along
+    `partition_dim`, concatenated (chunks 1: the plain contiguous split, a view). The one way shards are cut."""
+    if chunks == 1:
+        return full.chunk(tp_size, dim=partition_dim)[tp_rank]
+    blocks = full.chunk(chunks, dim=partition_dim)
+    return torch.cat([block.chunk(tp_size, dim=partition_dim)[tp_rank] for block in blocks], partition_dim)
+
+
+def tp_unslice(shards: list[torch.Tensor], partition_dim: int, chunks: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's shard (`tp_slice`'s inverse)."""
+    pieces = [shard.chunk(chunks, dim=partition_dim) for shard in shards]
+    return torch.cat([rank_pieces[j] for j in range(chunks) for rank_pieces in pieces], partition_dim)
 
 
 def mark_replicated(module: nn.Module) -> nn.Module:
@@ -69,7 +91,8 @@ def placement_of(name: str, param: nn.Parameter) -> TensorPlacement:
     if partition_dim is not None and not (isinstance(partition_dim, int) and 0 <= partition_dim < param.ndim):
         raise ConfigError(f"parameter {name!r} has partition_dim {partition_dim!r}, not a dimension of its "
                           f"{param.ndim}-D shape: fix its mark_tensor_parallel call")
-    return TensorPlacement(tuple(param.shape), partition_dim, getattr(param, "unpadded_size", None))
+    return TensorPlacement(tuple(param.shape), partition_dim, getattr(param, "unpadded_size", None),
+                           getattr(param, "partition_chunks", 1))
 
 
 def placements(named_params) -> dict[str, TensorPlacement]:

@@ -35,14 +35,10 @@ from mpzero.zero.meter import TransientMeter
 
 
 def draw_bytes(param: torch.Tensor) -> int:
-    """Host bytes of making one deferred parameter (0 for one with storage): its full fp32 tensor, and this
-    rank's part when that is a copy rather than a view."""
+    """Host bytes at the peak of making one deferred parameter (0 for one with storage): its full fp32 tensor,
+    and this rank's part when that is a copy rather than a view (`Recipe.drawn_bytes`)."""
     recipe = recipe_of(param)
-    if recipe is None:
-        return 0
-    full = torch.empty(recipe.full_shape, dtype=torch.float32, device="meta")
-    part = recipe.shard(full)
-    return 4 * full.numel() + (0 if part.is_contiguous() else 4 * part.numel())
+    return 0 if recipe is None else recipe.drawn_bytes()[0]
 
 
 def fully_deferred(layout: FlatLayout) -> bool:
@@ -69,13 +65,12 @@ def fill_values(layout: FlatLayout, out: torch.Tensor, start: int, meters: Const
         a, b = max(lo, start), min(hi, end)
         if a >= b:
             continue
-        drawn = draw_bytes(param)
-        meters.host.add(drawn)
         recipe = recipe_of(param)
-        values = recipe.values() if recipe is not None else param.detach()
+        values = recipe.values(meters.host) if recipe is not None else param.detach()
         out[a - start:b - start].copy_(values.reshape(-1)[a - lo:b - lo])
+        if recipe is not None:  # what values() left counted: the part, or the full tensor it views
+            meters.host.sub(values.untyped_storage().nbytes())
         del values
-        meters.host.sub(drawn)
     return out
 
 

@@ -19,14 +19,14 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = {tuple(line.split()[1:3]) for line in proc.stdout.splitlines() if line.startswith("ok ")}
-    # Every variant the fused ops launch, enumerated here: LayerNorm forward and backward per dtype, softmax
+    # Every variant the fused ops launch, enumerated here: LayerNorm and RMSNorm forward and backward per dtype, softmax
     # forward, causal forward and backward per dtype, and AdamW per (gradient dtype, model copy dtype) pair
     # the optimizer uses (fp32 training; bf16/fp16 mixed precision with fp32 or low-precision gradients).
     dtypes = ("fp32", "fp16", "bf16")
-    names = ([f"layer_norm_{d}_{t}" for t in dtypes for d in ("fwd", "bwd")]
+    names = ([f"{norm}_{d}_{t}" for norm in ("layer_norm", "rms_norm") for t in dtypes for d in ("fwd", "bwd")]
              + [f"softmax_{d}_{t}" for t in dtypes for d in ("fwd", "fwd_causal", "bwd")]
              + [f"adamw_grad_{g}_copy_{c}" for g, c in (("fp32", "none"), ("fp32", "bf16"), ("fp32", "fp16"),
                                                        ("bf16", "bf16"), ("fp16", "fp16"))])
     expected = {(name, f"sm_{cc}") for name in names for cc in (80, 90)}
-    assert len(expected) == 2 * 20  # LayerNorm 2 x 3 dtypes, softmax 3 x 3, AdamW 5 grad/copy variants
+    assert len(expected) == 2 * 26  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5 grad/copy variants
     assert compiled == expected

@@ -1,0 +1,64 @@
+"""The Hugging Face adapters of mpzero's model families, one record each: GPT-2 (`GPT2LMHeadModel`, hf_gpt2.py) and
+LLaMA (`LlamaForCausalLM`, hf_llama.py). tools/export_hf.py picks the adapter by the checkpoint's config, and
+tools/import_hf.py by config.json's model_type; neither names a family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from mpzero.errors import ConfigError
+from mpzero.inference import hf_gpt2, hf_llama
+from mpzero.models import GPTConfig
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    model_type: str  # config.json's
+    architecture: str  # the transformers class
+    title: str  # an export's README.md first line
+    config_from_hf: Callable[[dict, str], GPTConfig]
+    check_exportable: Callable[[GPTConfig], None]
+    to_hf_state_dict: Callable
+    from_hf_state_dict: Callable
+    hf_config: Callable
+    model_flags: Callable[[GPTConfig], dict]
+    command_line: Callable[[GPTConfig], list[str]]
+    describe: Callable[[GPTConfig], str]  # the choices beyond shapes, for the export's README
+
+
+def _check_gpt2(config: GPTConfig) -> None:
+    unsupported = [(config.group_query_attention, "grouped-query attention"),
+                   (not config.add_bias_linear, "--disable-bias-linear"),
+                   (config.ffn_size != 4 * config.hidden_size, f"--ffn-hidden-size {config.ffn_size}"),
+                   (not config.learned_positions, "no learned position embedding")]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(f"this model has {what}: GPT2LMHeadModel cannot compute it")
+
+
+GPT2 = HFAdapter("gpt2", "GPT2LMHeadModel", "# GPT-2 exported from mpzero", hf_gpt2.gpt_config_from_hf, _check_gpt2,
+                 hf_gpt2.to_hf_state_dict, hf_gpt2.from_hf_state_dict, hf_gpt2.hf_config, hf_gpt2.model_flags,
+                 hf_gpt2.command_line,
+                 lambda c: f"GELU {'tanh (--openai-gelu)' if c.openai_gelu else 'erf'}")
+LLAMA = HFAdapter("llama", "LlamaForCausalLM", "# LLaMA exported from mpzero", hf_llama.config_from_hf,
+                  hf_llama.check_exportable, hf_llama.to_hf_state_dict, hf_llama.from_hf_state_dict,
+                  hf_llama.hf_config, hf_llama.model_flags, hf_llama.command_line,
+                  lambda c: (f"{c.query_groups} key/value heads, SwiGLU width {c.ffn_size}, RoPE theta "
+                             f"{c.rotary_base:g}, RMSNorm eps {c.layernorm_epsilon:g}"))
+ADAPTERS = {adapter.model_type: adapter for adapter in (GPT2, LLAMA)}
+
+
+def adapter_for_config(config: GPTConfig) -> HFAdapter:
+    """The adapter exporting this model; a model neither HF class computes is one ConfigError line."""
+    adapter = LLAMA if hf_llama.is_llama(config) else GPT2
+    adapter.check_exportable(config)
+    return adapter
+
+
+def adapter_for_hf(hf: dict, source: str) -> HFAdapter:
+    adapter = ADAPTERS.get(hf.get("model_type"))
+    if adapter is None:
+        raise ConfigError(f"{source} has model_type {hf.get('model_type')!r}: only "
+                          f"{' and '.join(repr(k) for k in ADAPTERS)} models import")
+    return adapter
