@@ -86,3 +86,29 @@ def test_construction_peak_is_counted_and_equals_its_formula(extra):
         assert int(fields[f"{name} bytes"]) == int(fields[f"{name} formula bytes"]) > 0, fields
     working = int(fields["construction-peak bytes"]) - int(fields["measured bytes"])
     assert working > 0 if "--bf16" in extra else working == 0  # fp32 values are made in the parameters' buffers
+
+
+def _construction_reports(argv):
+    """Every rank's own construction figures (a rank's shard overlaps other parameters than rank 0's)."""
+    import torch.distributed as dist
+    from mpzero.arguments import parse_args, run_config
+    from mpzero.parallel import init_parallel
+    from mpzero.training.loop import build_training_state
+    import pretrain_gpt
+    run = run_config(parse_args(argv), dist.get_world_size())
+    state = build_training_state(run, pretrain_gpt.gpt_provider, init_parallel(run.parallel.tensor_model_parallel_size))
+    report = state.optimizer.memory_report()
+    state.optimizer.close()
+    return [(t.name, t.measured, t.formula) for t in report.construction]
+
+
+def test_every_rank_counts_only_the_parameters_its_shard_overlaps():
+    """ZeRO-3 at DP 4: each rank draws the parameters that overlap its own shard, and its formula says the same."""
+    # h 64, vocab 100: a layer's MLP weights (16,384 elements) are the largest, and rank 0's quarter of a layer
+    # unit holds only its QKV weight (12,288)
+    argv = TINY + ["--zero-stage", "3", "--bf16", "--hidden-size", "64", "--vocab-size", "100"]
+    per_rank = run_ranks(4, _construction_reports, argv)
+    for reports in per_rank:
+        for name, measured, formula in reports:
+            assert measured == formula, (name, per_rank)
+    assert len({reports[1][1] for reports in per_rank}) > 1  # the ranks' host working sets differ

@@ -12,7 +12,8 @@ counted by the stage's `construction` meter as the tensors are made and dropped,
   from DP rank 0 as DDP does); a shard that goes to an offload tier is made on the host and then cast to the
   tier's dtype (pS, mixed), after the draws;
 - the draw of one parameter (`draw`): its full fp32 tensor (4F, every TP rank draws the whole weight) and, when
-  this rank's part is not a contiguous view of it (a row-parallel weight), that part's copy;
+  this rank's part is not a contiguous view of it (a row-parallel weight), that part's copy; at stage 3 only the
+  parameters that overlap this rank's shard are drawn;
 - stage 3 where units are gathered (DP > 1 or offloaded parameters): each unit's full buffer is allocated and
   released at once (pE, the largest unit; the parameters are views of it): a moment on a GPU, untouched pages
   on the host.
@@ -158,8 +159,11 @@ def construction_working_set(layouts: list[FlatLayout], stage: int, p: int, mixe
     made (a made parameter has no recipe, and draws nothing)."""
     device, device_text, host, host_text = 0, "0", 0, "0"
     for layout in layouts:
-        draw = max((draw_bytes(param) for param in layout.params), default=0)
         deferred = fully_deferred(layout)
+        # stage 3 makes only the parameters that overlap this rank's shard; stages 0-2 the whole bucket
+        start, end = (layout.shard_start, layout.shard_start + layout.shard_numel) if stage == 3 else (0, layout.numel)
+        draw = max((draw_bytes(param) for i, param in enumerate(layout.params)
+                    if layout.offsets[i] < end and start < layout.offsets[i] + param.numel()), default=0)
         on_host = 0
         if stage < 3:
             values, what = (4 * layout.padded_numel, "4E") if mixed else (0, "")
