@@ -106,10 +106,16 @@ def test_175b_and_1t_dry_runs_equal_the_plan_and_allocate_nothing():
                                  *model, "--global-batch-size", "64")
         assert code == 0
         (sp,) = [x for x in json.loads(planned)["layouts"] if x["layout"]["sequence_parallel"]]
-        assert sp["zero_memory_line"] == _lines(stdout, "zero memory")[-1]
+        # the planner's line is DP rank 0's; at stage 3 the host's construction draws are the parameters this rank's
+        # shard overlaps, its own (the dry run's `planner |` line above compares them for its rank): all else equal
+        assert _rank_free(sp["zero_memory_line"]) == _rank_free(_lines(stdout, "zero memory")[-1])
         assert sp["zero_comm_line"] == _lines(stdout, "zero comm")[0]
         counted = int(_lines(stdout, "activation memory")[0].split("| micro-batch ")[1].split(" B")[0].replace(",", ""))
         assert sp["activations_saved"] == counted
+
+
+def _rank_free(line: str) -> str:
+    return " | ".join(f for f in line.split(" | ") if not f.startswith("construction-host-working-set"))
 
 
 def test_bad_flags_are_one_line():
