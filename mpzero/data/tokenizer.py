@@ -87,7 +87,20 @@ class GPTSentencePieceTokenizer:
         return self._sp.DecodeIds([int(i) for i in ids])
 
 
-class GPT2BPETokenizer:
+class _TokenizersLibrary:
+    """Encoding and decoding through a `tokenizers.Tokenizer` (`self._tok`), special tokens as plain text."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.array(self.tokenize(t), dtype=np.int64) for t in texts]  # encode_batch would start threads
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(_TokenizersLibrary):
     _EOD_TOKEN = "<|endoftext|>"
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -109,17 +122,8 @@ class GPT2BPETokenizer:
         self.eod = vocab[self._EOD_TOKEN]
         self.files = (vocab_file, merge_file)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
 
-    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.array(self.tokenize(t), dtype=np.int64) for t in texts]  # encode_batch would start threads
-
-    def detokenize(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_TokenizersLibrary):
     EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
     def __init__(self, tokenizer_file: str):
@@ -142,15 +146,6 @@ class HuggingFaceTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self.eod, self.eod_token = vocab[found[0]], found[0]
         self.files = (tokenizer_file,) + ((config_file,) if eos else ())  # what defines the ids and the EOD
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.array(self.tokenize(t), dtype=np.int64) for t in texts]  # encode_batch would start threads
-
-    def detokenize(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _config_eos_token(path: str) -> str | None:

@@ -21,6 +21,7 @@ import re
 import torch
 
 from mpzero.errors import ConfigError
+from mpzero.inference import hf_gpt2
 from mpzero.inference.weights import expected_shapes
 from mpzero.models import GPTConfig
 
@@ -208,14 +209,10 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
 
 
 def model_flags(config: GPTConfig) -> dict:
-    """The pretrain_gpt.py flags (by name) that build this model: recorded in an imported checkpoint's meta.json."""
-    return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
-            "num_attention_heads": config.num_attention_heads, "vocab_size": config.vocab_size,
-            "max_position_embeddings": config.max_position_embeddings, "seq_length": config.max_position_embeddings,
-            "layernorm_epsilon": config.layernorm_epsilon, "init_method_std": config.init_method_std,
-            "hidden_dropout": config.hidden_dropout, "attention_dropout": config.attention_dropout,
-            "untie_embeddings_and_output_weights": config.untie_embeddings_and_output_weights,
-            **{k: v for k, v in config.architecture().items() if k in LLAMA_KEYS},
+    """The pretrain_gpt.py flags (by name) that build this model: recorded in an imported checkpoint's meta.json;
+    GPT-2's (`hf_gpt2.model_flags`) less its GELU, plus the family's."""
+    flags = {k: v for k, v in hf_gpt2.model_flags(config).items() if k != "openai_gelu"}
+    return {**flags, **{k: v for k, v in config.architecture().items() if k in LLAMA_KEYS},
             "group_query_attention": config.group_query_attention, "add_position_embedding": False}
 
 
