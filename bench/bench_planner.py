@@ -43,7 +43,8 @@ from mpzero.planner.plan import Machine, Planner  # noqa: E402
 GIB, MIB, TB = 2 ** 30, 2 ** 20, 10 ** 12
 DGX2 = {"device": 32 * GIB, "host": 1.5 * 2 ** 40, "disk": 28 * TB, "per_node": 16}  # 16 V100-32GB, NVMe [recalled]
 # (hardware, strategy, (stage, optimizer tier, parameter tier), TP sizes tried, published figure and source):
-# the hardware and figures of ../shared/MEMORY.md "W3 1.1" (the ZeRO, ZeRO-Offload and ZeRO-Infinity papers)
+# the hardware and figures of the ZeRO (SC'20), ZeRO-Offload (ATC'21) and ZeRO-Infinity (SC'21) papers and DeepSpeed's
+# ZeRO-3 Offload announcement; the DGX-2's NVMe size is an estimate
 ROWS = [
     ("1 V100-32GB, 1.5 TB host", 1, {**DGX2, "per_node": 1}, "DP (ZeRO-0)", (0, "none", "none"), [1],
      1.4e9, "PyTorch DDP, ZeRO-Offload paper"),

@@ -76,11 +76,13 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, DW_part, DB_part, n_rows, n
     tl.store(DB_part + pid * n_cols + cols, db, mask=col_ok)
 
 
-def _programs_for_reduction(device: torch.device) -> int:
-    """How many programs share the rows of the backward: a few per SM on a GPU, two under the interpreter."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+def reduction_grid(n_rows: int, block_m: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per program) of a norm's backward: a few programs per SM on a GPU, two under the interpreter,
+    each a whole number of row blocks, and at least one (with no rows it writes zero partial sums)."""
+    wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    programs = max(1, min(wanted, triton.cdiv(n_rows, block_m)))
+    rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_m)) * block_m
+    return max(1, triton.cdiv(n_rows, rows_per_program)), rows_per_program
 
 
 class _TritonLayerNorm(torch.autograd.Function):
@@ -106,10 +108,7 @@ class _TritonLayerNorm(torch.autograd.Function):
         x2, weight, mean, rstd = ctx.saved_tensors
         n_rows, n_cols = x2.shape
         block_m, block_n, warps = row_block(n_cols, MAX_WIDTH, "layer_norm")
-        programs = max(1, min(_programs_for_reduction(x2.device), triton.cdiv(n_rows, block_m)))
-        # At least one block: with no rows, one program writes zero partial sums (dweight = dbias = 0).
-        rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_m)) * block_m
-        programs = max(1, triton.cdiv(n_rows, rows_per_program))
+        programs, rows_per_program = reduction_grid(n_rows, block_m, x2.device)
         dx = torch.empty_like(x2)
         dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         db_part = torch.empty_like(dw_part)
@@ -124,21 +123,22 @@ def _triton_layer_norm(x, weight, bias, eps):
     return _TritonLayerNorm.apply(x, weight, bias, eps)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+def check_norm_inputs(op: str, module: str, x: torch.Tensor, **params: torch.Tensor) -> None:
+    """A norm's contract: fp32, contiguous parameters of x's width on x's device; x in fp32/fp16/bf16."""
     width = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in params.items():
         if t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous() or t.device != x.device:
-            raise ConfigError(f"layer_norm: {name} must be a contiguous fp32 tensor of shape ({width},) on "
-                              f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}: keep LayerNorm "
+            raise ConfigError(f"{op}: {name} must be a contiguous fp32 tensor of shape ({width},) on "
+                              f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}: keep {module} "
                               f"parameters in fp32 beside the input")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ConfigError(f"layer_norm: input dtype {x.dtype} is not fp32/fp16/bf16")
+        raise ConfigError(f"{op}: input dtype {x.dtype} is not fp32/fp16/bf16")
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
                impl: str = "auto") -> torch.Tensor:
     """LayerNorm over x's last dimension (autograd-aware); `impl` as in `mpzero.fused.impl`."""
-    _check_inputs(x, weight, bias)
+    check_norm_inputs("layer_norm", "LayerNorm", x, weight=weight, bias=bias)
     fn = dispatch("layer_norm", x.device, impl, {"torch": layer_norm_reference, "triton": _triton_layer_norm})
     return fn(x, weight, bias, eps)
 

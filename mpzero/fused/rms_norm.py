@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from mpzero.errors import ConfigError
 from mpzero.fused.impl import KernelSpec, dispatch, jit, launch_device, row_block, tl, triton
-from mpzero.fused.layer_norm import MAX_WIDTH, _programs_for_reduction
+from mpzero.fused.layer_norm import MAX_WIDTH, check_norm_inputs, reduction_grid
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,10 +83,7 @@ class _TritonRMSNorm(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         n_rows, n_cols = x2.shape
         block_m, block_n, warps = row_block(n_cols, MAX_WIDTH, "rms_norm")
-        programs = max(1, min(_programs_for_reduction(x2.device), triton.cdiv(n_rows, block_m)))
-        # At least one block: with no rows, one program writes zero partial sums (dweight = 0).
-        rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_m)) * block_m
-        programs = max(1, triton.cdiv(n_rows, rows_per_program))
+        programs, rows_per_program = reduction_grid(n_rows, block_m, x2.device)
         dx = torch.empty_like(x2)
         dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         with launch_device(x2):
@@ -103,14 +99,7 @@ def _triton_rms_norm(x, weight, eps):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
     """RMSNorm over x's last dimension (autograd-aware); `impl` as in `mpzero.fused.impl`."""
-    width = x.shape[-1]
-    if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous() \
-            or weight.device != x.device:
-        raise ConfigError(f"rms_norm: weight must be a contiguous fp32 tensor of shape ({width},) on {x.device}, "
-                          f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}: keep RMSNorm weights in "
-                          f"fp32 beside the input")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ConfigError(f"rms_norm: input dtype {x.dtype} is not fp32/fp16/bf16")
+    check_norm_inputs("rms_norm", "RMSNorm", x, weight=weight)
     fn = dispatch("rms_norm", x.device, impl, {"torch": rms_norm_reference, "triton": _triton_rms_norm})
     return fn(x, weight, eps)
 

@@ -81,19 +81,27 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], config: GPTConfig,
             for ours, theirs, kind in name_pairs(config)}
 
 
+def known_tensors(state: dict[str, torch.Tensor], config: GPTConfig, pairs, old_buffers: re.Pattern, source: str,
+                  family: str, hf_class: str) -> dict[str, torch.Tensor]:
+    """An HF state dict less the buffers older releases saved and, tied, the output weight (HF reads it from the
+    embedding whatever the file holds); a tensor no name pair expects is one ConfigError line."""
+    state = {key: t for key, t in state.items() if not old_buffers.match(key)}
+    if not config.untie_embeddings_and_output_weights:
+        state.pop("lm_head.weight", None)
+    unexpected = sorted(set(state) - {theirs for _, theirs, _ in pairs})
+    if unexpected:
+        raise ConfigError(f"{source} holds {unexpected[0]}, which a {family} of its config.json does not have "
+                          f"({len(unexpected)} such tensors): not a {hf_class} this mpzero can import")
+    return state
+
+
 def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
     """mpzero's full fp32 weights by name from an HF GPT-2 state dict (keys with or without `transformer.`);
     a missing, unexpected or misshapen tensor is one ConfigError line."""
     state = {key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key: t
              for key, t in state.items()}
-    state = {key: t for key, t in state.items() if not _OLD_BUFFERS.match(key)}
-    if not config.untie_embeddings_and_output_weights:
-        state.pop("lm_head.weight", None)  # tied: HF reads it from wte whatever the file holds
     pairs = name_pairs(config)
-    unexpected = sorted(set(state) - {theirs for _, theirs, _ in pairs})
-    if unexpected:
-        raise ConfigError(f"{source} holds {unexpected[0]}, which a GPT-2 of its config.json does not have "
-                          f"({len(unexpected)} such tensors): not a GPT2LMHeadModel this mpzero can import")
+    state = known_tensors(state, config, pairs, _OLD_BUFFERS, source, "GPT-2", "GPT2LMHeadModel")
     heads, shapes, weights = config.num_attention_heads, expected_shapes(config), {}
     for ours, theirs, kind in pairs:
         if theirs not in state:

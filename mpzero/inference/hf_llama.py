@@ -100,14 +100,8 @@ def _fuse(parts: dict[str, torch.Tensor], config: GPTConfig) -> torch.Tensor:
 def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
     """mpzero's full fp32 weights by name from an HF Llama state dict; a missing, unexpected or misshapen tensor
     is one ConfigError line."""
-    state = {key: t for key, t in state.items() if not _OLD_BUFFERS.match(key)}
-    if not config.untie_embeddings_and_output_weights:
-        state.pop("lm_head.weight", None)  # tied: HF reads it from embed_tokens whatever the file holds
     pairs = name_pairs(config)
-    unexpected = sorted(set(state) - {theirs for _, theirs, _ in pairs})
-    if unexpected:
-        raise ConfigError(f"{source} holds {unexpected[0]}, which a Llama of its config.json does not have "
-                          f"({len(unexpected)} such tensors): not a LlamaForCausalLM this mpzero can import")
+    state = hf_gpt2.known_tensors(state, config, pairs, _OLD_BUFFERS, source, "Llama", "LlamaForCausalLM")
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for ours, theirs, kind in pairs:
         if theirs not in state:
