@@ -49,8 +49,8 @@ class Recipe:
 
     def values(self, meter=None) -> torch.Tensor:
         """This rank's part of the parameter, fp32, on the host, contiguous. `meter` (add/sub of bytes): counts
-        the full tensor and a copied part while both live; the part returned stays counted (`drawn_bytes`) until
-        the caller subtracts it."""
+        the full tensor and a copied part while both live; what is returned stays counted (its storage's bytes)
+        until the caller subtracts them."""
         if self.key is None:
             raise RuntimeError("a deferred parameter has no key: call name_parameters(model, seed) after building it")
         full = torch.empty(self.full_shape, dtype=torch.float32)
@@ -63,14 +63,12 @@ class Recipe:
             meter.sub(full.numel() * 4)  # the full tensor goes with this frame
         return part
 
-    def drawn_bytes(self) -> tuple[int, int]:
-        """(peak, kept): the host bytes making this parameter holds at its peak (the full tensor, and this rank's
-        part when that is a copy) and the bytes of what `values()` returns (the part, or the full tensor it views)."""
+    def drawn_bytes(self) -> int:
+        """The host bytes making this parameter holds at its peak: the full tensor, and this rank's part when that
+        is a copy rather than a view."""
         full = torch.empty(self.full_shape, dtype=torch.float32, device="meta")
         part = self.shard(full).contiguous()
-        if _shares_storage(part, full):
-            return 4 * full.numel(), 4 * full.numel()
-        return 4 * (full.numel() + part.numel()), 4 * part.numel()
+        return 4 * (full.numel() + (0 if _shares_storage(part, full) else part.numel()))
 
 
 def _shares_storage(part: torch.Tensor, full: torch.Tensor) -> bool:

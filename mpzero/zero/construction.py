@@ -39,7 +39,7 @@ def draw_bytes(param: torch.Tensor) -> int:
     """Host bytes at the peak of making one deferred parameter (0 for one with storage): its full fp32 tensor,
     and this rank's part when that is a copy rather than a view (`Recipe.drawn_bytes`)."""
     recipe = recipe_of(param)
-    return 0 if recipe is None else recipe.drawn_bytes()[0]
+    return 0 if recipe is None else recipe.drawn_bytes()
 
 
 def fully_deferred(layout: FlatLayout) -> bool:
@@ -112,7 +112,7 @@ class InitialSlices(Sequence):
     def __init__(self, count: int, make: Callable[[int], tuple[torch.Tensor, TransientMeter, int]],
                  done: Callable[[], None] | None = None):
         self._count, self._make, self._done = count, make, done
-        self._next, self._latest, self._held = 0, None, (TransientMeter(), 0)
+        self._next, self._latest, self._held = 0, None, None  # (meter, bytes) the latest slice keeps counted
 
     def __len__(self) -> int:
         return self._count
@@ -131,9 +131,10 @@ class InitialSlices(Sequence):
 
     def _drop(self) -> None:
         self._latest = None
-        meter, held = self._held
-        meter.sub(held)
-        self._held = (meter, 0)
+        if self._held is not None:
+            meter, held = self._held
+            meter.sub(held)
+            self._held = None
 
     def finish(self) -> None:
         if self._count:
