@@ -236,7 +236,8 @@ class ShardedGrads:
         while len(self._transit) >= IN_TRANSIT:
             self._finish_oldest_send()
         host = reduced.device.type == "cpu"
-        if self.file is not None:  # the first region buffer, on its way to the file
+        if self.file is not None:  # the first region buffer, on its way to the file (once the last write is done)
+            self.file.wait()
             target = self.file.buffers[0][:reduced.numel()]
         else:
             target = self.shards[bucket] if first else (reduced if host else self._landing[:reduced.numel()])
@@ -270,10 +271,11 @@ class ShardedGrads:
         buffer = self.file.buffers[0]  # holds `arrived`
         values = arrived
         if not first:
+            self.file.wait()  # buffer 1 may still be on its way out
             buffer = self.file.buffers[1]
             values = self.file.read(bucket, buffer)
             values.add_(arrived)
-        self.file.write(bucket, buffer)
+        self.file.write_behind(bucket, buffer)  # overlaps the rest of backward; the norm only reads the buffer
         if self._last and self.on_final is not None:
             self.on_final(bucket, values)
 
@@ -285,6 +287,8 @@ class ShardedGrads:
             self._complete_oldest()
         while self._transit:
             self._finish_oldest_send()
+        if self.file is not None:
+            self.file.wait()
 
     def zero_(self) -> None:
         for shard in self.shards:

@@ -4,7 +4,8 @@ bucket's slice in its own 4096-byte aligned region, so that every transfer is on
 where the file system allows).
 
 Backward (`ShardedGrads`, stages 2-3 with `--offload-optimizer disk`): each reduced slice lands in a host buffer
-(`buffers[0]`: on CUDA the pinned landing buffer of the device-to-host copy) and is written to its region; a later
+(`buffers[0]`: on CUDA the pinned landing buffer of the device-to-host copy) and is written to its region on the
+I/O thread while backward goes on (`write_behind`; the buffers are touched again only after `wait()`); a later
 micro-batch reads the region into `buffers[1]`, adds the new slice and writes it back (the same additions, in the
 same order, as the slices kept in memory: bitwise). The step (`FileGrads`, step_grads.py) reads the regions back in
 bucket order through `RegionReader`, the next region read ahead on an I/O thread into the other buffer.
@@ -57,7 +58,8 @@ class GradFile:
         except BaseException:
             self.file.close(remove=True)
             raise
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="mpzero-grad-read")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="mpzero-grad-io")
+        self._writing: Future | None = None
 
     def _region_view(self, buffer: torch.Tensor, bucket: int) -> torch.Tensor:
         """The whole region of `bucket` in `buffer` (its slice and the alignment tail past it)."""
@@ -66,6 +68,17 @@ class GradFile:
     def write(self, bucket: int, buffer: torch.Tensor) -> None:
         """Bucket's slice, held at the start of `buffer` (one of `buffers`), to its region, whole."""
         self.file.write(self.offsets[bucket], self._region_view(buffer, bucket))
+
+    def write_behind(self, bucket: int, buffer: torch.Tensor) -> None:
+        """`write` on the I/O thread; `wait()` before `buffer` is changed or read into again."""
+        self.wait()
+        self._writing = self._io.submit(self.write, bucket, buffer)
+
+    def wait(self) -> None:
+        """The write behind, if any, is done (its error raised here)."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
 
     def read(self, bucket: int, buffer: torch.Tensor) -> torch.Tensor:
         """Bucket's slice from its region into `buffer` (one of `buffers`); returns the slice's view."""
@@ -85,9 +98,12 @@ class GradFile:
         return 2 * aligned_bytes(largest // self.dtype.itemsize, self.dtype), f"2x(R+{ALIGN // 1024}KiB)"
 
     def check(self) -> None:
+        self.wait()
         self.file.check()
 
     def close(self) -> None:
+        if self._writing is not None:
+            self._writing.exception()  # the run is being torn down: its error, if any, was not the first
         self._io.shutdown(wait=True)
         self.file.close(remove=True)
 
@@ -98,6 +114,7 @@ class RegionReader:
     A slice stays valid until the bucket after the next is asked for."""
 
     def __init__(self, grads: GradFile):
+        grads.wait()  # backward's last write is in the file
         self._grads = grads
         self._current: tuple[int, int] | None = None  # (bucket, buffer index)
         self._ahead: tuple[int, int, Future] | None = None  # (bucket, buffer index, its read)
