@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mpzero.arguments import parse_args, run_config
 from mpzero.cli import print_error, run_or_exit
 from mpzero.errors import ConfigError, TrainingError
-from mpzero.models import GPTConfig, GPTModel
+from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker
 from mpzero.training.loop import BuiltModel, train
@@ -31,8 +31,9 @@ from mpzero.training.loop import BuiltModel, train
 def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker) -> BuiltModel:
     """The model without storage: ZeroOptimizer makes it one unit or bucket at a time, straight into this rank's
     shard (streamed construction: no rank holds the fp32 model; the same weights as a whole build)."""
-    model = GPTModel(config, groups.tp, rng, device="meta")
-    return BuiltModel(model, config.flops_per_token(groups.tp_size), config.architecture())
+    family = family_of(config)
+    model = family.build(config, groups.tp, rng, device="meta")
+    return BuiltModel(model, family.flops_per_token(config, groups.tp_size), family.architecture(config))
 
 
 def main(argv: list[str] | None = None) -> dict:

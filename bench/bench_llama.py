@@ -1,19 +1,27 @@
 """Seconds per training step (forward, backward, AdamW) of mpzero's LLaMA at TP=1 against a plain eager PyTorch
 Llama of the same shape written here (nanoGPT style: RMSNorm, SwiGLU, rotate-half RoPE, grouped-query attention
-through `F.scaled_dot_product_attention(enable_gqa=True)`, no biases, untied output, torch.optim.AdamW fused), measured
-in the same run. mpzero runs as a world of one through its ZeRO-1 optimizer (the step a training run takes), with
-the local and the flash attention backends. The variants take turns step by step (median of --steps after 2
-warm-up rounds), so a shared machine's load falls on all of them.
+through `F.scaled_dot_product_attention(enable_gqa=True)`, no biases, untied output, torch.optim.AdamW fused) and
+against Megatron-Core's `GPTModel` with the same spec (when `megatron-core` is installed), measured in the same run.
+mpzero runs as a world of one through its ZeRO-1 optimizer (the step a training run takes), with the local and the
+flash attention backends. The variants take turns step by step (median of --steps after 2 warm-up rounds), so a
+shared machine's load falls on all of them; each ratio is the median over rounds of the ratio within a round.
 
+    pip install megatron-core     # optional: adds the megatron-core row (0.16.1 measured; no apex, no TE)
     python bench/bench_llama.py [--hidden-size 256 --num-layers 4 --seq-length 256 --micro-batch-size 8]
 
-Megatron-Core's GPT with the same spec is not compared here (it needs Transformer Engine or apex for its fused
-paths and CUDA for most of them); the eager model is the reference.
+Megatron-Core on a CPU: its local layer spec (`get_gpt_layer_local_spec(normalization="RMSNorm")`: torch's RMSNorm,
+Megatron's core attention with explicit scores and the unfused softmax, GQA by repeating K/V, the gated SwiGLU
+linear_fc1) with every CUDA fusion off, `use_cpu_initialization`, and torch.optim.AdamW fused as its optimizer (its
+own distributed optimizer needs CUDA). Three CUDA-only spots are stepped around, none inside the timed maths:
+its RNG tracker (CUDA generator states; nothing is drawn with dropout 0, so a tracker whose fork does nothing),
+RoPE's one-time move of its frequencies to `torch.cuda.current_device()` (patched to the CPU for the forward), and
+the default causal mask made on CUDA (the bool [1, 1, s, s] mask is passed, as Megatron's training loop does).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -24,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for bench_step
 from bench_step import timed  # noqa: E402
-from mpzero.models import GPTConfig, GPTModel  # noqa: E402
+from mpzero.models import GPTConfig, family_of  # noqa: E402
 from mpzero.parallel import init_parallel  # noqa: E402
 from mpzero.tensor_parallel import seed_everything  # noqa: E402
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
@@ -75,6 +83,7 @@ def eager_step(a):
         model(inputs, labels).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    step.numel = sum(p.numel() for p in model.parameters())
     return step
 
 
@@ -85,12 +94,54 @@ def mpzero_step(a, groups, backend):
                        ffn_hidden_size=a.ffn_hidden_size, position_embedding_type="rope",
                        group_query_attention=True, num_query_groups=a.num_query_groups, add_bias_linear=False,
                        untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=1)
-    model = GPTModel(config, groups.tp, seed_everything(1, 0, groups.device), device=groups.device)
+    model = family_of(config).build(config, groups.tp, seed_everything(1, 0, groups.device), device=groups.device)
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-4), PrecisionConfig("fp32"))
 
     def step(inputs, labels):
         opt.backward(model(inputs, labels).mean(), last_micro_batch=True)
         opt.step()
+    step.numel = sum(p.numel() for p in model.parameters())
+    return step
+
+
+def megatron_core_step(a):
+    """Megatron-Core's GPTModel with the spec above, or None when megatron-core is not installed."""
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel as MegatronGPT
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel import random as megatron_random
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        return None
+    from unittest import mock
+
+    class _NoDrawTracker:  # dropout 0: the attention's fork draws nothing
+        def fork(self, name=None):
+            return contextlib.nullcontext()
+    megatron_random._CUDA_RNG_STATE_TRACKER = _NoDrawTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    parallel_state.initialize_model_parallel(1, 1)  # over the gloo world of one that init_parallel made
+    config = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups, ffn_hidden_size=a.ffn_hidden_size, normalization="RMSNorm",
+        layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+    model = MegatronGPT(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=a.vocab_size,
+                        max_sequence_length=a.seq_length, position_embedding_type="rope", rotary_base=10000,
+                        share_embeddings_and_output_weights=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    positions = torch.arange(a.seq_length)[None].expand(a.micro_batch_size, -1)
+    mask = torch.triu(torch.ones(1, 1, a.seq_length, a.seq_length, dtype=torch.bool), diagonal=1)  # True: masked
+
+    def step(inputs, labels):
+        with mock.patch("torch.cuda.current_device", lambda: "cpu"):  # RoPE's frequencies stay on the CPU
+            loss = model(inputs, positions, mask, labels=labels)  # per-token losses [b, s]
+        loss.mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step.numel = sum(p.numel() for p in model.parameters())
     return step
 
 
@@ -114,6 +165,12 @@ def main(argv=None):
           f"{a.micro_batch_size} vocab {a.vocab_size} | median of {a.steps} steps")
     steps = {"eager": eager_step(a), "mpzero-local": mpzero_step(a, groups, "local"),
              "mpzero-flash": mpzero_step(a, groups, "flash")}
+    megatron = megatron_core_step(a)
+    if megatron is None:
+        print("megatron-core is not installed: no megatron-core row (pip install megatron-core)")
+    else:
+        steps["megatron-core"] = megatron
+    print("parameters: " + ", ".join(f"{name} {step.numel:,}" for name, step in steps.items()))  # the same spec
     # interleaved, one step of each variant per round: load from other processes hits every variant alike
     times = {name: [] for name in steps}
     for i in range(2 + a.steps):
@@ -121,10 +178,12 @@ def main(argv=None):
             seconds = timed(step, inputs, labels, 1, warmup=0)
             if i >= 2:
                 times[name].append(seconds)
-    eager = statistics.median(times["eager"])
+    # time ratios, the goal's terms (at or below 1.0x eager and Megatron-Core), each the median over rounds of the
+    # ratio within a round: the variants of one round ran back to back, so a load that drifts over the run cancels
     for name, samples in times.items():
-        seconds = statistics.median(samples)
-        print(f"{name:14s} {seconds * 1000:8.1f} ms/step  ratio to eager {eager / seconds:.3f}", flush=True)
+        versus = "".join(f"  {statistics.median(t / r for t, r in zip(samples, times[other])):.3f}x {other}"
+                         for other in ("eager", "megatron-core") if other in times)
+        print(f"{name:14s} {statistics.median(samples) * 1000:8.1f} ms/step  time:{versus}", flush=True)
 
 if __name__ == "__main__":
     main()

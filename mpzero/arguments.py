@@ -22,7 +22,7 @@ from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
 from mpzero.flag_ranges import check_ranges
 from mpzero.fused.impl import ATTENTION_BACKENDS
-from mpzero.models import GPTConfig
+from mpzero.models import GPTConfig, config_from_args
 from mpzero.models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
@@ -370,31 +370,8 @@ def tokenizer_record(args: argparse.Namespace) -> dict:
 
 
 def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
-    return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, vocab_size=vocab_size,
-                     max_position_embeddings=args.max_position_embeddings or args.seq_length,
-                     hidden_dropout=args.hidden_dropout,
-                     attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-                     layernorm_epsilon=args.layernorm_epsilon,
-                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     recompute_activations=args.recompute_activations,
-                     recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-                     recompute_num_layers=args.recompute_num_layers,
-                     distribute_saved_activations=args.distribute_saved_activations,
-                     sequence_parallel=args.sequence_parallel, offload_activations=args.offload_activations,
-                     layernorm_impl="auto" if args.layernorm_fusion else "torch",
-                     softmax_impl="auto" if args.masked_softmax_fusion else "torch",
-                     use_flash_attn=args.use_flash_attn, attention_backend=args.attention_backend,
-                     torch_compile=args.torch_compile,
-                     seq_length=args.seq_length,
-                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                     openai_gelu=args.openai_gelu, init_seed=args.seed,
-                     cross_entropy_chunk_size=args.cross_entropy_chunk_size,
-                     normalization=args.normalization, swiglu=args.swiglu, ffn_hidden_size=args.ffn_hidden_size,
-                     position_embedding_type=args.position_embedding_type,
-                     add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
-                     rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
-                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear)
+    """The model's config, by its family's record (`mpzero.models.config_from_args`)."""
+    return config_from_args(args, vocab_size)
 
 
 def lr_schedule(args: argparse.Namespace) -> LRSchedule:

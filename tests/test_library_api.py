@@ -22,7 +22,7 @@ from mpzero.arguments import build_parser, gpt_config, parse_args
 from mpzero.deferred_init import materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel
-from mpzero.models.gpt import TransformerLayer
+from mpzero.models.gpt import transformer_layer
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_from_tp, gather_full, mark_replicated, seed_everything
 from mpzero.training.loop import overlap_note
@@ -111,7 +111,7 @@ def test_openai_gelu_is_the_tanh_form():
         tp = init_parallel(1).tp
         outputs = {}
         for gelu in (False, True):
-            layer = TransformerLayer(dataclasses.replace(config, openai_gelu=gelu), tp, None)
+            layer = transformer_layer(dataclasses.replace(config, openai_gelu=gelu), tp, None)
             layer.mlp.fc1 = nn.Identity()  # the activation alone, between identities
             layer.mlp.fc2 = nn.Identity()
             outputs[gelu] = layer.mlp(x)
@@ -293,7 +293,7 @@ def test_one_layer_is_24h2_plus_4sh_per_token_and_pass():
     h, s, b = 32, 12, 3
 
     def count():
-        layer = TransformerLayer(NO_DROPOUT, init_parallel(1).tp, None)
+        layer = transformer_layer(NO_DROPOUT, init_parallel(1).tp, None)
         name_parameters(layer, seed=0)
         materialize_module(layer)  # a layer built alone holds meta parameters until it is made
         x = torch.randn(b, s, h, requires_grad=True)

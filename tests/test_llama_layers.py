@@ -11,9 +11,9 @@ import torch
 
 from mpzero.deferred_init import materialize_module, name_parameters
 from mpzero.models import GPTConfig, GPTModel
-from mpzero.models.gpt import SelfAttention
+from mpzero.models.attention import SelfAttention
+from mpzero.models.blocks import MLP
 from mpzero.models.rotary import RotaryEmbedding, rope_cos_sin
-from mpzero.models.swiglu import SwiGLUMLP
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_from_tp, gather_full
 from tests.distributed import run_ranks
@@ -78,7 +78,8 @@ def test_rope_scores_depend_only_on_the_distance():
 
 def _swiglu(tp_size):
     groups = init_parallel(tp_size)
-    mlp = _made(SwiGLUMLP(LLAMA, groups.tp, _draw(1), _draw(2)))
+    mlp = _made(MLP(LLAMA.hidden_size, LLAMA.ffn_size, groups.tp, _draw(1), _draw(2), activation=torch.nn.functional.silu,
+                    gated=True, bias=False))
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
     y = mlp(x)
     y.square().sum().backward()

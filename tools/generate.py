@@ -38,7 +38,7 @@ from mpzero.errors import ConfigError
 from mpzero.files import write_atomically
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
-from mpzero.models import GPTModel
+from mpzero.models import family_of
 from mpzero.parallel import init_parallel
 from checkpoint_util import read_consolidated
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if error:
             _fail(error)
         config, weights, tokenizer, prompts = prepared
-        model = GPTModel(config, groups.tp, device=groups.device)
+        model = family_of(config).build(config, groups.tp, device=groups.device)
         load_full_weights(model, weights)
         model.to(DTYPES[args.dtype]).eval()
         del weights

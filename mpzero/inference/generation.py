@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from mpzero.errors import ConfigError
-from mpzero.models import GPTModel, KVCache
+from mpzero.models import KVCache
 from mpzero.tensor_parallel import gather_from_tp
 
 
@@ -48,18 +49,18 @@ class SamplingConfig:
             raise ConfigError(f"--top-p must lie in (0, 1], got {self.top_p}")
 
 
-def _full_logits(model: GPTModel, local_logits: torch.Tensor) -> torch.Tensor:
+def _full_logits(model: nn.Module, local_logits: torch.Tensor) -> torch.Tensor:
     """[b, V/tp] of this rank (padding masked) -> [b, V] fp32 on every rank, the padding cropped."""
     return gather_from_tp(local_logits, model.tp)[:, :model.config.vocab_size].float()
 
 
-def forward_cached(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """tokens [b, s] at positions [cache.length, cache.length + s) -> the full logits of the last one [b, V]
     (the model's own forward, given the cache)."""
     return _full_logits(model, model(tokens, cache=cache)[:, -1])
 
 
-def forward_full(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
+def forward_full(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """The model's own forward over the whole prefix [b, s] -> the full logits of the last position [b, V]."""
     return _full_logits(model, model(tokens)[:, -1])
 
@@ -86,7 +87,7 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tenso
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompts: list[list[int]], sampling: SamplingConfig, eod: int,
+def generate(model: nn.Module, prompts: list[list[int]], sampling: SamplingConfig, eod: int,
              use_cache: bool = True) -> list[list[int]]:
     """The new tokens of every prompt (each 1 <= length < max positions), an end-of-document token included
     when it stopped there. A row stops at `max_new_tokens`, at end-of-document (`stop_at_eod`) or at the

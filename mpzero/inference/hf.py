@@ -1,6 +1,7 @@
 """The Hugging Face adapters of mpzero's model families, one record each: GPT-2 (`GPT2LMHeadModel`, hf_gpt2.py) and
-LLaMA (`LlamaForCausalLM`, hf_llama.py). tools/export_hf.py picks the adapter by the checkpoint's config, and
-tools/import_hf.py by config.json's model_type; neither names a family."""
+LLaMA (`LlamaForCausalLM`, hf_llama.py), keyed by config.json's model_type, which each family's record names
+(`ModelFamily.hf_model_type`). tools/export_hf.py picks the adapter by the checkpoint's config through its family,
+and tools/import_hf.py by config.json's model_type; neither names a family."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Callable
 
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_gpt2, hf_llama
-from mpzero.models import GPTConfig
+from mpzero.models import GPTConfig, family_of
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,11 @@ ADAPTERS = {adapter.model_type: adapter for adapter in (GPT2, LLAMA)}
 
 
 def adapter_for_config(config: GPTConfig) -> HFAdapter:
-    """The adapter exporting this model; a model neither HF class computes is one ConfigError line."""
-    adapter = LLAMA if hf_llama.is_llama(config) else GPT2
+    """The adapter of this model's family; a model neither HF class computes is one ConfigError line."""
+    family = family_of(config)
+    adapter = ADAPTERS.get(family.hf_model_type)
+    if adapter is None:
+        raise ConfigError(f"the {family.name} family has no Hugging Face class to export to")
     adapter.check_exportable(config)
     return adapter
 

@@ -35,11 +35,6 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
 _OLD_BUFFERS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # older releases saved it
 
 
-def is_llama(config: GPTConfig) -> bool:
-    """Whether the config is of the LLaMA family (exported as LlamaForCausalLM rather than GPT-2)."""
-    return config.normalization == "RMSNorm" or config.swiglu or config.position_embedding_type == "rope"
-
-
 def name_pairs(config: GPTConfig) -> list[tuple[str, str, str]]:
     """(mpzero name, HF name, conversion) for every HF tensor; one fused mpzero tensor gives several HF ones."""
     pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight", COPY)]

@@ -6,7 +6,7 @@ that the weights are that model's (names and global shapes), and hands each TP r
 
     config = gpt_config_from_meta(meta, directory)
     check_gpt_weights(weights, config, directory)
-    model = GPTModel(config, groups.tp, device=groups.device)
+    model = family_of(config).build(config, groups.tp, device=groups.device)
     load_full_weights(model, weights)
 """
 
@@ -16,9 +16,10 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mpzero.errors import ConfigError
-from mpzero.models import GPTConfig, GPTModel
+from mpzero.models import GPTConfig
 from mpzero.tensor_parallel import placements
 from mpzero.tensor_parallel.placement import tp_slice
 
@@ -87,7 +88,7 @@ def check_gpt_weights(weights: dict[str, torch.Tensor], config: GPTConfig, sourc
                               f"{wanted} in that model")
 
 
-def load_full_weights(model: GPTModel, weights: dict[str, torch.Tensor]) -> None:
+def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into this TP rank's parameters: sharded ones padded (the vocabulary) and sliced along
     their partition dimension, replicated ones whole."""
     tp_size, tp_rank = model.tp.size, model.tp.rank

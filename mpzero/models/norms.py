@@ -1,4 +1,4 @@
-"""RMSNorm, LLaMA's normalization, as a replicated module beside GPT's LayerNorm (`gpt.LayerNorm`): the same
+"""RMSNorm, LLaMA's normalization, as a replicated module beside GPT's LayerNorm (`blocks.LayerNorm`): the same
 contract (fp32 weight and statistics whatever the storage dtype, the output in the input's dtype; under sequence
 parallelism this rank's sequence slice, the weight gradient all-reduced over TP)."""
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpzero.models import family_of
+
 
 @dataclass(frozen=True)
 class ActivationPlan:
@@ -35,10 +37,13 @@ class ActivationPlan:
 
 
 def activation_setting(config, tp: int, tp_rank: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool):
-    """The config's own `activation_setting` for TP rank `tp_rank` of `tp` (with the one RNG tracker stream
+    """The config's family's `activation_setting` for TP rank `tp_rank` of `tp` (with the one RNG tracker stream
     `seed_everything` adds), on a GPU (`cuda`) or the CPU: what `auto` picks on that device, whether or not
-    it could run on this machine."""
-    return config.activation_setting(tp, micro_batch, seq, dtype, torch.device("cuda" if cuda else "cpu"),
+    it could run on this machine; None for a family that states none."""
+    family = family_of(config)
+    if family.activation_setting is None:
+        return None
+    return family.activation_setting(config, tp, micro_batch, seq, dtype, torch.device("cuda" if cuda else "cpu"),
                                      tp_rank=tp_rank, rng_streams=1)
 
 
@@ -48,7 +53,7 @@ def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dt
     (its recomputation, sequence-parallel and offload settings) at TP `tp`; None where not modeled."""
     setting = activation_setting(config, tp, tp_rank, micro_batch, seq, dtype, cuda)
     from mpzero.activations import formula as af
-    if af.modeled(setting) is not None:
+    if setting is None or af.modeled(setting) is not None:
         return None
     formula = af.activation_formula(setting)
     stored = af.layer_formula(setting, "stored").bytes

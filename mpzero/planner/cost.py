@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mpzero.models import family_of
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -55,7 +57,7 @@ class Cost:
 
 
 def flops_per_token(config, tp: int, recompute: str) -> float:
-    base = dataclasses.replace(config, recompute_activations=False).flops_per_token(tp)
+    base = family_of(config).flops_per_token(dataclasses.replace(config, recompute_activations=False), tp)
     l, h = config.num_layers, config.hidden_size
     s = config.seq_length or config.max_position_embeddings
     extra = {"none": 0, "selective": 4 * l * s * h, "full": 24 * l * h ** 2 + 4 * l * s * h}[recompute]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mpzero.comm import CommGroup
-from mpzero.models import GPTConfig, GPTModel
+from mpzero.models import family_of
 from mpzero.planner.fake import engine_device, no_data
 from mpzero.tensor_parallel import RNGStatesTracker
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
@@ -22,7 +22,7 @@ from mpzero.zero.stage3 import assign_params, default_units
 @dataclass(frozen=True, eq=False)
 class ModelShapes:
     """One TP rank's model (meta tensors) and its trainable parameters in registration order."""
-    config: GPTConfig
+    config: object  # the family's config (`mpzero.models.family_of`)
     tp: int
     model: nn.Module
     named: tuple[tuple[str, nn.Parameter], ...]
@@ -53,11 +53,12 @@ class ModelShapes:
 
 
 @functools.lru_cache(maxsize=16)
-def model_shapes(config: GPTConfig, tp: int) -> ModelShapes:
-    """The GPT of `config` as TP rank 0 of `tp` builds it (every TP rank's shapes are the same), on meta tensors."""
-    group = CommGroup(None, tuple(range(tp)), 0)
+def model_shapes(config, tp: int) -> ModelShapes:
+    """The model of `config` (built by its family) as TP rank 0 of `tp` builds it (every TP rank's shapes are the
+    same), on meta tensors."""
+    group, build = CommGroup(None, tuple(range(tp)), 0), family_of(config).build
     with no_data("meta"):
-        model = GPTModel(config, group, RNGStatesTracker(torch.device("cpu")), device=engine_device("meta"))
+        model = build(config, group, RNGStatesTracker(torch.device("cpu")), device=engine_device("meta"))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mark_weight_decay(named, None)  # ZeroOptimizer's default rule, recorded as it records it
     return ModelShapes(config, tp, model, tuple(named))

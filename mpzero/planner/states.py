@@ -37,6 +37,7 @@ from types import SimpleNamespace
 from mpzero.zero.offload.masters import buffer_bytes
 from mpzero.zero.offload.params import SLOTS
 from mpzero.zero.offload.swap import aligned_bytes, round_up
+from mpzero.models import family_of
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
@@ -229,41 +230,8 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
 
 
 def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int) -> float:
-    """Bytes per rank per iteration on the TP group (ring model: an all-reduce of B bytes moves 2B(t-1)/t, an
-    all-gather or reduce-scatter of a B-byte whole B(t-1)/t), for the GPT `config` (its recomputation and
-    sequence-parallel settings), B = b s h p the bytes of one [b, s, h] activation. Per micro-batch:
-      each layer     forward: the attention and MLP outputs all-reduced (4B); backward: the QKV and fc1 input
-                     gradients all-reduced (4B). Sequence parallel: forward 2 all-gathers + 2 reduce-scatters
-                     (4B), backward the inputs gathered again, their gradients reduce-scattered and the outputs'
-                     gradients gathered (6B), plus the LayerNorms' fp32 weight and bias gradients (2 x 2 x 8h)
-                     and the row-parallel biases' (2 x 2ph) all-reduced (RMSNorm: weights only; none
-                     of the biases with --disable-bias-linear)
-      recomputation  full: each recomputed layer's forward again (4B); distributed checkpoints: each one
-                     all-gathered before its replay (B); selective: none (the core attention has no TP traffic)
-      outside        the embedding's all-reduce (2B; sequence parallel + its slice's gradient gathered, B), the
-                     output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
-                     backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
-                     the cross entropy's three fp32 [b, s] all-reduces (24bs)
-    all times (t-1)/t."""
-    if tp == 1:
-        return 0.0
-    r = (tp - 1) / tp
-    h, L = config.hidden_size, config.num_layers
-    B = micro_batch * seq * h * p
-    sp = config.sequence_parallel
-    granularity = getattr(config, "granularity", "full" if getattr(config, "recompute_activations", False) else None)
-    recomputed = checkpoints = 0
-    if granularity == "full":
-        method = getattr(config, "resolved_recompute_method", "uniform")
-        n = getattr(config, "resolved_recompute_num_layers", 1)
-        recomputed = L if method == "uniform" else n
-        checkpoints = -(-L // n) if method == "uniform" else n
-    norm_params = 1 if getattr(config, "normalization", "LayerNorm") == "RMSNorm" else 2  # RMSNorm: no bias
-    biases = 4 * h * p if getattr(config, "add_bias_linear", True) else 0
-    layer = (10 * B + 16 * norm_params * h + biases) if sp else 8 * B
-    total = L * layer + recomputed * 4 * B
-    if getattr(config, "distribute_saved_activations", False):
-        total += checkpoints * B
-    total += (3 * B + 8 * norm_params * h + 3 * B) if sp else (2 * B + 2 * B)
-    total += 24 * micro_batch * seq
-    return total * r * micro_batches
+    """Bytes per rank per iteration on the TP group for `config`, parameters of `p` bytes: its family's formula
+    (`ModelFamily.tp_comm_bytes`; the transformer's is `models.family.transformer_tp_comm_bytes`), 0 for a family
+    that states none."""
+    family = family_of(config)
+    return family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches) if family.tp_comm_bytes else 0.0

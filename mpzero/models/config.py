@@ -1,0 +1,309 @@
+"""The transformer's configuration in two layers: `TransformerArchitecture`, what the weights are (shapes, parts,
+the settings that give them their meaning: what a checkpoint's architecture check, the HF adapters and the
+parameter shapes read), and `GPTConfig`, that architecture plus how a run computes it (dropout, recomputation,
+sequence parallelism, activation offload, fused-op and attention backends, compilation, the loss in chunks, the
+initialization seed). One flat constructor, Megatron's flag names as field names:
+
+    GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=128)
+
+GPT-2 is the default; the LLaMA family is the same transformer with other parts (RMSNorm, SwiGLU, RoPE,
+grouped-query attention, no biases, untied output weights), chosen by the fields named after Megatron's flags.
+Each check is one ConfigError line (Megatron's rules where it has them). FLOPs per token and the activation
+setting are the run's (they depend on recomputation), so they live on `GPTConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mpzero.activations import ActivationSetting
+from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
+from mpzero.errors import ConfigError
+from mpzero.fused.impl import ATTENTION_BACKENDS, planned_attention_backend, planned_impl, resolve_attention_backend
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+
+
+@dataclass(frozen=True)
+class TransformerArchitecture:
+    """What the weights are: their shapes and the choices that give them their meaning (Megatron's flags)."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = False  # --untie-embeddings-and-output-weights: own output weight
+    openai_gelu: bool = False  # --openai-gelu: GELU's tanh approximation (GPT-2's), instead of the exact erf form
+    # The LLaMA family's choices, Megatron's flags with Megatron's meanings (GPT-2's values by default):
+    normalization: str = "LayerNorm"  # --normalization: LayerNorm or RMSNorm (no bias; eps is --norm-epsilon)
+    swiglu: bool = False  # --swiglu: MLP down(silu(gate(x)) * up(x)) instead of fc2(gelu(fc1(x)))
+    ffn_hidden_size: int | None = None  # --ffn-hidden-size; None: 4h, or with --swiglu int(8h/3 / 64) * 64
+    position_embedding_type: str = "learned_absolute"  # --position-embedding-type: learned_absolute, rope or none
+    add_position_embedding: bool = True  # False: --no-position-embedding (no learned absolute positions)
+    rotary_base: float = 10000.0  # --rotary-base: RoPE's theta (Llama 2: 10000, Llama 3: 500000)
+    rotary_percent: float = 1.0  # --rotary-percent: the share of each head's features rotated
+    group_query_attention: bool = False  # --group-query-attention: K/V heads shared by groups of query heads
+    num_query_groups: int | None = None  # --num-query-groups: K/V heads with --group-query-attention (default 1)
+    add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in QKV, projection and MLP linears)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads: --num-query-groups under --group-query-attention (Megatron's default 1), else one per head."""
+        return (self.num_query_groups or 1) if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's hidden width: --ffn-hidden-size, else Megatron's default (4h; 8h/3 rounded down to a
+        multiple of 64 with --swiglu, the same parameter count as 4h with two matrices)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_embedding_type == "learned_absolute" and self.add_position_embedding
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates (0 without rope)."""
+        return int(self.head_dim * self.rotary_percent) if self.position_embedding_type == "rope" else 0
+
+    def _validate_shapes(self, tp_size: int) -> None:
+        """Heads of whole size, whole heads per TP rank, positive sizes."""
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                              f"{self.num_attention_heads}: choose sizes whose ratio is the head size")
+        if self.num_attention_heads % tp_size != 0:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--tensor-model-parallel-size {tp_size}: each TP rank must own whole heads")
+        for name in ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def _validate_family(self, tp_size: int) -> None:
+        """The LLaMA family's flags, each a one-line error (Megatron's rules where it has them)."""
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization {self.normalization} is not one of {', '.join(NORMALIZATIONS)}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type} is not one of "
+                              f"{', '.join(POSITION_EMBEDDINGS)}")
+        if self.ffn_size < 1 or self.ffn_size % tp_size:
+            raise ConfigError(f"--ffn-hidden-size {self.ffn_size} must be positive and divisible by "
+                              f"--tensor-model-parallel-size {tp_size}" + ("" if self.ffn_hidden_size else
+                              " (it defaults to 4h, or int(8h/3 / 64) * 64 with --swiglu): give it explicitly"))
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ConfigError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention")
+        groups, heads = self.query_groups, self.num_attention_heads
+        if groups < 1 or heads % groups:
+            raise ConfigError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}: each "
+                              f"key/value head serves a whole number of query heads")
+        if groups % tp_size:
+            raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size "
+                              f"{tp_size}: each TP rank must own whole key/value groups")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} must lie in (0, 1]")
+        if not self.rotary_base > 0:
+            raise ConfigError(f"--rotary-base {self.rotary_base} must be positive")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates "
+                              f"{self.rotary_dim} features: RoPE needs an even number, at least 2")
+
+    def architecture(self) -> dict:
+        """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
+        is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
+                 "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "normalization",
+                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear")
+        position = ("learned_absolute" if self.learned_positions
+                    else "rope" if self.position_embedding_type == "rope" else "none")
+        arch = {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
+                "num_query_groups": self.query_groups, "position_embedding_type": position}
+        if position != "rope":  # unused without RoPE: not part of what the weights mean
+            arch["rotary_base"] = arch["rotary_percent"] = None
+        return arch
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Megatron's --make-vocab-size-divisible-by, times TP so every rank gets an equal shard."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTConfig(TransformerArchitecture):
+    """The architecture and how a run computes it: what `GPTModel` takes."""
+    hidden_dropout: float = 0.1  # Megatron's defaults, as the flags' (--hidden-dropout, --attention-dropout)
+    attention_dropout: float = 0.1
+    recompute_activations: bool = False  # Megatron's flag: selective recomputation (= recompute_granularity "selective")
+    recompute_granularity: str | None = None  # "selective" (the core attention) or "full" (whole layers)
+    recompute_method: str | None = None  # full: "uniform" (chunks of N layers; the default) or "block" (first N)
+    recompute_num_layers: int | None = None  # full: N (default 1: every layer recomputed on its own)
+    distribute_saved_activations: bool = False  # full, TP > 1: each checkpoint kept as a 1/t slice (ZeRO-R Pa)
+    sequence_parallel: bool = False  # TP > 1: LayerNorms, dropouts, residuals on a 1/t slice of the sequence
+    offload_activations: str = "none"  # "cpu": checkpoints (full) or the layers' saved tensors in host memory
+    layernorm_impl: str = "auto"  # mpzero.fused implementations; --no-layernorm-fusion gives "torch"
+    softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
+    use_flash_attn: bool = False  # --use-flash-attn: Megatron's older spelling of attention_backend "flash"
+    attention_backend: str = "auto"  # --attention-backend: flash, fused, unfused, local (mpzero.fused.impl)
+    torch_compile: bool = False  # --torch-compile: each TransformerLayer's forward through torch.compile
+    seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
+    init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
+    cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
+
+    @property
+    def granularity(self) -> str | None:
+        """The recomputation in effect: --recompute-activations is Megatron's selective recomputation."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
+
+    @property
+    def resolved_recompute_method(self) -> str | None:
+        return (self.recompute_method or "uniform") if self.granularity == "full" else None
+
+    @property
+    def resolved_recompute_num_layers(self) -> int | None:
+        return (self.recompute_num_layers or 1) if self.granularity == "full" else None
+
+    def validate(self, tp_size: int) -> None:
+        self._validate_activation_memory(tp_size)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"--attention-backend {self.attention_backend} is not one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn means --attention-backend flash, but --attention-backend "
+                              f"{self.attention_backend} was given too: keep one of them")
+        self._validate_shapes(tp_size)
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
+        self._validate_family(tp_size)
+
+    def _validate_activation_memory(self, tp_size: int) -> None:
+        """Megatron's rules for the recomputation and sequence-parallel flags, each a one-line error."""
+        g = self.recompute_granularity
+        if g not in (None, "selective", "full"):
+            raise ConfigError(f"--recompute-granularity {g} is not one of full, selective")
+        if self.recompute_activations and g == "full":
+            raise ConfigError("--recompute-activations is selective recomputation, but --recompute-granularity full "
+                              "was given too: keep one of them")
+        granularity = self.granularity
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ConfigError(f"--recompute-method {self.recompute_method} is not one of uniform, block")
+        for flag, value in (("--recompute-method", self.recompute_method),
+                            ("--recompute-num-layers", self.recompute_num_layers)):
+            if value is not None and granularity != "full":
+                raise ConfigError(f"{flag} {value} needs --recompute-granularity full (selective recomputation "
+                                  f"recomputes the core attention of every layer)")
+        n = self.recompute_num_layers
+        if n is not None and not 1 <= n <= self.num_layers:
+            raise ConfigError(f"--recompute-num-layers {n} is out of range: it must be between 1 and --num-layers "
+                              f"{self.num_layers}")
+        if self.sequence_parallel:
+            if tp_size == 1:
+                raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1: it splits the "
+                                  "sequence across the TP group (Megatron turns it off at TP 1)")
+            seq = self.seq_length or self.max_position_embeddings
+            if seq % tp_size:
+                raise ConfigError(f"--sequence-parallel: --seq-length {seq} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp_size}")
+        if self.distribute_saved_activations:
+            if tp_size == 1:
+                raise ConfigError("--distribute-saved-activations needs --tensor-model-parallel-size > 1: it keeps "
+                                  "each checkpoint as 1/t slices across the TP group")
+            if granularity != "full":
+                raise ConfigError("--distribute-saved-activations needs --recompute-granularity full: only full "
+                                  "recomputation keeps checkpoints to distribute")
+            if self.sequence_parallel:
+                raise ConfigError("--distribute-saved-activations cannot be combined with --sequence-parallel (as in "
+                                  "Megatron): the checkpoints are already 1/t slices of the sequence")
+        if self.offload_activations not in ("none", "cpu"):
+            raise ConfigError(f"--offload-activations {self.offload_activations} is not one of none, cpu")
+
+    def attention(self, device: torch.device | str) -> str:
+        """The attention backend this config runs on a device of `device`'s type: flash, fused, unfused or
+        local (`mpzero.fused.impl.resolve_attention_backend`; --use-flash-attn is flash)."""
+        return resolve_attention_backend(self._attention_backend, device)
+
+    def planned_attention(self, device: torch.device | str) -> str:
+        """`attention(device)` without its check that the backend can run there (a CPU machine plans a CUDA
+        run)."""
+        return planned_attention_backend(self._attention_backend, device)
+
+    @property
+    def _attention_backend(self) -> str:
+        return "flash" if self.use_flash_attn else self.attention_backend
+
+    @property
+    def needs_rng(self) -> bool:
+        """Dropout or recomputation draw from (or replay) an RNG tracker; without them none is needed."""
+        return self.hidden_dropout > 0 or self.attention_dropout > 0 or self.granularity is not None
+
+    def flops_per_token(self, tp_size: int = 1) -> float:
+        """Matmul FLOPs per trained token, forward and backward, as Megatron counts them
+        (megatron/training/training.py, num_floating_point_operations, for GPT: 72 B s l h^2 (1 + s/(6h)
+        + V/(12 l h)) per batch of B sequences of s tokens, V the padded vocabulary at this TP size).
+        Per token and layer a forward is 24 h^2 (QKV 6h^2, projection 2h^2, MLP 16h^2) + 4 s h (scores and
+        the weighted sum of values, over all s positions: the causal half is not subtracted); the logits add
+        2 h V; backward is twice the forward. Full recomputation (`recompute_activations`) runs the layers'
+        forward once more, not the logits': 96 l h^2 (1 + s/(6h)) + 6 h V (Narayanan et al. 2021's
+        96 B s l h^2 (1 + s/(6h) + V/(16 l h)); Megatron's own printed figure leaves recomputation out); with
+        --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
+        core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
+        al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
+        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V.
+        The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
+        2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
+        l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
+        vocab = self.padded_vocab_size(tp_size)
+        # QKV 2h(h + 2 g d) (6h^2 without GQA), projection 2h^2, MLP 2 h f x 2 matrices (16h^2 at f = 4h) or 3
+        # with SwiGLU (gate, up, down), attention 4sh; RoPE, norms and the activations are not matmuls
+        qkv = 2 * h * (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        per_layer = qkv + 2 * h ** 2 + 2 * h * self.ffn_size * (3 if self.swiglu else 2) + 4 * s * h
+        recomputed = 0
+        if self.granularity == "full":
+            n = self.resolved_recompute_num_layers
+            recomputed = (l if self.resolved_recompute_method == "uniform" else n) * per_layer
+        elif self.granularity == "selective":
+            recomputed = l * 4 * s * h
+        logits = (4 if self.cross_entropy_chunk_size else 3) * 2 * h * vocab
+        return 3 * l * per_layer + recomputed + logits
+
+    def activation_setting(self, tp_size: int, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
+                           device: torch.device | str = "cpu", tp_rank: int = 0,
+                           rng_streams: int = 1) -> ActivationSetting:
+        """The shape and modes `mpzero.activations.formula` needs for the activation bytes of TP rank `tp_rank`
+        (only the vocabulary padding mask depends on it), with activations and parameters in `dtype`, on a
+        device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes)."""
+        device = torch.device(device)
+        attention = self.planned_attention(device)
+        return ActivationSetting(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
+            padded_vocab_size=self.padded_vocab_size(tp_size), tp=tp_size, tp_rank=tp_rank,
+            dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,
+            hidden_dropout=self.hidden_dropout > 0, attention_dropout=self.attention_dropout > 0,
+            sequence_parallel=self.sequence_parallel, recompute_granularity=self.granularity,
+            recompute_method=self.resolved_recompute_method,
+            recompute_num_layers=self.resolved_recompute_num_layers,
+            distribute_saved_activations=self.distribute_saved_activations,
+            offload_activations=self.offload_activations == "cpu",
+            layernorm_impl=planned_impl("rms_norm" if self.normalization == "RMSNorm" else "layer_norm", device,
+                                        self.layernorm_impl),
+            softmax_impl=("torch" if attention == "unfused"
+                          else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
+            flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
+            rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
+            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0,
+            ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
+            rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
+            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions)
+
