@@ -152,10 +152,12 @@ class ZeroOptimizer:
             masters = DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.config)
         else:
             from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
-            # gradients streamed to the host in backward (stages 2-3): the store reads host (or file) gradients
-            device = torch.device("cpu") if offload.streams_grads(self.zero.stage) else self.stage.grad_shards[0].device
+            # The run's device, also when the gradients are streamed to the host in backward (stages 2-3): on a GPU
+            # the updated parameters go up through pinned staging (it was taken from the gradients' device, the
+            # host then, which left that staging pageable and its copies synchronous).
             masters = OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
-                                       directory, device, staged_grads=not offload.streams_grads(self.zero.stage))
+                                       directory, self.stage.device,
+                                       staged_grads=not offload.streams_grads(self.zero.stage))
         initial.finish()
         unmade = [name for name, param in self.model.named_parameters() if is_deferred(param)]
         if unmade:

@@ -38,6 +38,7 @@ from mpzero.zero.meter import TransientMeter
 
 class ZeroStage(OffloadHolder, ABC):
     number: int  # the ZeRO stage, 0-3
+    device: torch.device  # where the model computes
     layouts: list[FlatLayout]
     param_shards: list[torch.Tensor]
 
