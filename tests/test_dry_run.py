@@ -17,8 +17,8 @@ import pytest
 import torch.distributed as dist
 
 import pretrain_gpt
-from mpzero.arguments import parse_args, run_config
-from mpzero.dry_run import dry_run
+from mpzero.cli.arguments import parse_args, run_config
+from mpzero.cli.dry_run import dry_run
 from tests.cli import ROOT, TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.test_planner import _plan

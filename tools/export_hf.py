@@ -26,7 +26,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
 from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_replaceable,
                                           foreign_files)
@@ -36,7 +35,7 @@ from mpzero.errors import ConfigError
 from mpzero.files import directory_beside, replace_output_directory
 from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
 from mpzero.inference.hf import ADAPTERS, adapter_for_config
-from checkpoint_util import read_consolidated
+from mpzero.checkpointing.consolidated import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 README_TITLES = {adapter.title for adapter in ADAPTERS.values()}

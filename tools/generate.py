@@ -29,7 +29,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.checkpointing.verify import resolve_iteration, single_process
@@ -40,7 +39,7 @@ from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_c
                               load_full_weights, run_tokenizer)
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
-from checkpoint_util import read_consolidated
+from mpzero.checkpointing.consolidated import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -23,7 +23,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import error_reason
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.checkpointing.verify import single_process
@@ -32,7 +31,7 @@ from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
 from mpzero.files import directory_beside, replace_output_directory
 from mpzero.inference.hf import adapter_for_hf
-from checkpoint_util import save_weights_only
+from mpzero.checkpointing.consolidated import save_weights_only
 
 
 def import_hf(input_dir: str, save: str) -> str:

@@ -23,9 +23,7 @@ import re
 import sys
 
 
-from mpzero.arguments import build_parser, parse_args, tokenizer_record
-from mpzero.cli import exit_code
-from mpzero.config_file import read_config_file
+from mpzero.cli import build_parser, exit_code, parse_args, read_config_file, tokenizer_record
 from mpzero.errors import ConfigError
 from mpzero.planner.cost import Hardware
 from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes

@@ -15,12 +15,12 @@ import fcntl
 import os
 
 from mpzero.checkpointing import check_save_directory
-from mpzero.config_file import drop_overridden, read_config_file
+from mpzero.cli.config_file import drop_overridden, read_config_file
 from mpzero.data import build_tokenizer, no_tokenizer, tokenizer_identity
 from mpzero.data.splits import parse_data_path, parse_split
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
-from mpzero.flag_ranges import check_ranges
+from mpzero.cli.flag_ranges import check_ranges
 from mpzero.fused.impl import ATTENTION_BACKENDS
 from mpzero.models import GPTConfig
 from mpzero.models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                      action="store_false", help="apply updates with a non-finite loss or gradient norm "
                      "(by default the run stops before such an update; fp16 skips it)")
 
-    dry = p.add_argument_group("dry run (mpzero/dry_run.py)")
+    dry = p.add_argument_group("dry run (mpzero/cli/dry_run.py)")
     dry.add_argument("--dry-run", action="store_true",
                      help="build the model and ZeRO optimizer of rank --rank of a --world-size job on fake tensors "
                           "and a fake process group, run one iteration, print its memory and communication lines "
