@@ -14,7 +14,6 @@ one `error:` line and exit code 2. Runs in one process, no torchrun needed.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -24,7 +23,7 @@ from mpzero.checkpointing.checkpoint import error_reason
 from mpzero.checkpointing.consolidated import read_consolidated, save_weights_only
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_replaceable
 from mpzero.checkpointing.verify import single_process, verify_checkpoint
-from mpzero.cli import run_or_exit
+from mpzero.cli import ITERATION, Parser, Path, run_or_exit
 from mpzero.errors import ConfigError
 from mpzero.files import write_atomically
 
@@ -78,20 +77,20 @@ def _check_new_save(save: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     out = sub.add_parser("to-consolidated")
-    out.add_argument("--load", required=True)
-    out.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    out.add_argument("--output", required=True)
+    out.add_argument("--load", type=Path("dir"), required=True)
+    out.add_argument("--iteration", type=ITERATION, default=None, help="default: the latest")
+    out.add_argument("--output", type=Path("file", exists=False, writable=True), required=True)
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing --output, if it is an earlier consolidated file (nothing else)")
     back = sub.add_parser("from-consolidated")
-    back.add_argument("--input", required=True)
-    back.add_argument("--save", required=True)
+    back.add_argument("--input", type=Path("file"), required=True)
+    back.add_argument("--save", type=Path("dir", exists=False, writable=True), required=True)
     check = sub.add_parser("verify", help="check every file and stored chunk of a checkpoint")
-    check.add_argument("--load", required=True)
-    check.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    check.add_argument("--load", type=Path("dir"), required=True)
+    check.add_argument("--iteration", type=ITERATION, default=None, help="default: the latest")
     args = p.parse_args(argv)
     with single_process():  # no process group here: DCP's warning about that says nothing
         if args.command == "to-consolidated":

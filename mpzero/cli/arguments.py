@@ -13,35 +13,59 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import sys
 
 from mpzero.checkpointing import check_save_directory
 from mpzero.cli.config_file import drop_overridden, read_config_file
 from mpzero.data import build_tokenizer, no_tokenizer, tokenizer_identity
+from mpzero.data.tokenizer import TOKENIZER_TYPES
 from mpzero.data.splits import parse_data_path, parse_split
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
-from mpzero.cli.flag_ranges import check_ranges
+from mpzero.cli.checks import CheckError, Parser, Path, Text
+from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.fused.impl import ATTENTION_BACKENDS
 from mpzero.models import GPTConfig
 from mpzero.models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from mpzero.training.batches import num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
                                     RunConfig, TrainingConfig)
-from mpzero.training.lr_schedule import LRSchedule
+from mpzero.training.lr_schedule import DECAY_STYLES, LRSchedule
 from mpzero.optim import RULES
 from mpzero.zero import OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.config import OFFLOAD_IO, OFFLOAD_TIERS, OffloadConfig
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's own errors (an unknown flag, a bad number) as a one-line ConfigError instead of usage + exit."""
+class _Parser(Parser):
+    """The layer's parser (one-line errors, every value checked by its type) raising a ConfigError, which
+    pretrain_gpt.py prints once (on rank 0) and tools/plan_memory.py through its own exit."""
 
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
+    def fail(self, message: str):
+        raise ConfigError(message)
+
+
+# The type of every flag that takes a value and is no number (numbers: their RANGES, mpzero/cli/flag_ranges.py).
+_OUTPUT_DIR = Path("dir", exists=False, writable=True)  # created at start (not by --dry-run), checked before
+# The tokenizer's files are text here: the tokenizer builder checks them with the type that needs them.
+PATHS = {"config": Path("file", text=True), "save": _OUTPUT_DIR, "load": Path("dir", exists=False),
+         "tensorboard_dir": _OUTPUT_DIR, "data_cache_path": _OUTPUT_DIR, "wandb_save_dir": _OUTPUT_DIR,
+         "offload_path": _OUTPUT_DIR, "tokenizer_model": Text(), "vocab_file": Text(), "merge_file": Text(),
+         "wandb_project": Text(), "wandb_exp_name": Text(), "wandb_entity": Text(), "data_path": Text(),
+         "split": Text()}
+
+
+def _typed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Each flag's checked type: a number within its range, a path or text from PATHS."""
+    for action in parser._actions:
+        if action.type in (int, float):
+            action.type = number(action.dest, action.type)
+        elif action.dest in PATHS:
+            action.type = PATHS[action.dest]
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x ZeRO-DP.", allow_abbrev=False)
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x ZeRO-DP.")
     p.add_argument("--config", default=None, help="YAML or JSON file of flag values; the command line wins")
     model = p.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=None)
@@ -214,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--clip-grad", type=float, default=OptimizerConfig.clip_grad)
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=100)
-    train.add_argument("--lr-decay-style", default="linear", help="constant, linear or cosine")
+    train.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear")
     train.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     train.add_argument("--lr-warmup-iters", type=int, default=0)
     train.add_argument("--lr-warmup-fraction", type=float, default=None)
@@ -251,15 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a .bin/.idx prefix, or weights and prefixes to blend: 0.3 A 0.7 B")
     data.add_argument("--split", default="969, 30, 1", help="train, validation, test proportions")
     data.add_argument("--data-cache-path", default=None, help="where index caches go (default: beside the data)")
-    data.add_argument("--tokenizer-type", default=None,
-                      help="GPTSentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer")
+    data.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     data.add_argument("--tokenizer-model", default=None,
                       help="SentencePiece model file, or a Hugging Face tokenizer.json or its directory")
     data.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     data.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     data.add_argument("--override-tokenizer-check", action="store_true",
                       help="train on although --load or --data-path was made with another tokenizer (said in a note)")
-    return p
+    return _typed(p)
 
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -279,6 +302,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     check_ranges(args)
     if args.mock_data and args.vocab_size is None:
         raise ConfigError("--mock-data needs --vocab-size")
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path both given: the run would train on mock data and ignore "
+                          "--data-path; keep one of them")
     if not args.mock_data and not args.data_path:
         raise ConfigError("no data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     if args.data_path and args.tokenizer_type is None:
@@ -306,16 +332,11 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         section.validate()
     offload = offload_config(args)
     offload.validate(args.zero_stage)
-    if offload.path:
-        check_offload_directory(offload)
     if args.data_path:  # the strings alone, before any file is opened
         parse_data_path(args.data_path)
         parse_split(args.split)
-    if args.save:
-        check_save_directory(args.save, args.load, args.finetune, args.overwrite_checkpoints)
-    for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
-        if path:
-            check_output_directory(path, flag)
+    if not args.dry_run:  # a dry run touches nothing on disk: its paths were checked as the flags' types
+        _prepare_output_directories(args, offload)
     logging = logging_config(args)
     resolved = {"global_batch_size": global_batch, "vocab_size": vocab_size,
                 "max_position_embeddings": model.max_position_embeddings}
@@ -334,6 +355,17 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         logging=logging,
         schedule=lr_schedule(args), zero=sections[0], optimizer=sections[1], precision=sections[2], offload=offload,
         flags={**vars(args), **resolved})
+
+
+def _prepare_output_directories(args: argparse.Namespace, offload: OffloadConfig) -> None:
+    """A real run's output directories, created and probed at start (a dry run skips this)."""
+    if offload.path:
+        check_offload_directory(offload)
+    if args.save:
+        check_save_directory(args.save, args.load, args.finetune, args.overwrite_checkpoints)
+    for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
+        if path:
+            check_output_directory(path, flag)
 
 
 WANDB_FLAGS = ("wandb_exp_name", "wandb_save_dir", "wandb_entity")
@@ -356,7 +388,8 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
         raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
                           "pip install -e '.[wandb]', or drop --wandb-project") from None
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
-    check_output_directory(save_dir, "--wandb-save-dir")
+    if not args.dry_run:
+        check_output_directory(save_dir, "--wandb-save-dir")
     return LoggingConfig(args.log_interval, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, save_dir,
                          args.wandb_entity)
 
@@ -465,6 +498,21 @@ def precision_config(args: argparse.Namespace) -> PrecisionConfig:
 
 
 def _config_file_from(argv: list[str] | None) -> str | None:
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=None)
-    return pre.parse_known_args(argv)[0].config
+    """--config's value, read first (the file sets the defaults the command line overrides); checked as its
+    flag's type."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for index, token in enumerate(argv):
+        if token.startswith("--config="):
+            return _config_path(token.split("=", 1)[1])
+        if token == "--config":
+            if index + 1 == len(argv):
+                raise ConfigError("argument --config: expected one argument (see --help)")
+            return _config_path(argv[index + 1])
+    return None
+
+
+def _config_path(value: str) -> str:
+    try:
+        return PATHS["config"](value)
+    except CheckError as error:
+        raise ConfigError(f"--config {error}") from None
