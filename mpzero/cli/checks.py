@@ -53,8 +53,8 @@ class Number:
                 if not value.isascii():
                     raise ValueError(value)
                 value = int(value.strip(), 10) if self.kind is int else float(value)
-            except ValueError:
-                raise CheckError(f"{value!r} is not {'an integer' if self.kind is int else 'a number'}") from None
+            except ValueError:  # argparse's own wording for a value of another type
+                raise CheckError(f"invalid {self.kind.__name__} value: {value!r}") from None
         if self.kind is int and not isinstance(value, int):
             raise CheckError(f"{value!r} is not an integer")
         return self.kind(value)

@@ -120,7 +120,7 @@ def _one_value(where: str, value, action: argparse.Action):
         typed = kind(value) if kind is not None else str(value)
     except CheckError as error:
         text = str(error)
-        if text.startswith(repr(value) + " is not a"):  # a value of another type
+        if text.startswith(("invalid ", repr(value) + " is not a")):  # a value of another type
             raise ConfigError(f"{where} is {value!r}, not {_type_name(action)}") from None
         raise ConfigError(f"{where} {text}") from None
     except (TypeError, ValueError):
