@@ -133,7 +133,7 @@ class Text:
         if not isinstance(value, str):
             raise CheckError(f"{value!r} is not a string")
         if not self.empty_ok and not value.strip():
-            raise CheckError(f"{value!r} is empty: give a value or drop the flag")
+            raise CheckError("is empty: give a value or drop the flag")
         return value
 
 
