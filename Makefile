@@ -32,4 +32,4 @@ test: $(VENV)/.test-installed
 # nothing installed; report.md and raw logs in OUT. Without CUDA: one line, a validated all-skipped report, exit 0.
 OUT ?= gpu-report
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m mpzero.gpu_check --out $(OUT)
+	PYTHONPATH=. $(PYTHON) -m tests.gpu.check --out $(OUT)

@@ -8,7 +8,7 @@
 Plain `python pretrain_gpt.py ...` runs as a world of one. `main(argv)` is the whole run, callable from
 tests; it returns the per-iteration losses, gradient norms and learning rates, and the validation losses.
 
-This file is the GPT-specific part: the flags are turned into a checked `RunConfig` (mpzero/arguments.py)
+This file is the GPT-specific part: the flags are turned into a checked `RunConfig` (mpzero/cli/arguments.py)
 before anything is printed, and `gpt_provider` builds the model; the loop (mpzero/training/loop.py) is
 model-agnostic. A second model family is another provider (and its flags), not another loop.
 """
@@ -19,8 +19,7 @@ import os
 
 import torch.distributed as dist
 
-from mpzero.arguments import parse_args, run_config
-from mpzero.cli import print_error, run_or_exit
+from mpzero.cli import parse_args, print_error, run_config, run_or_exit
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import ParallelGroups
@@ -40,8 +39,8 @@ def main(argv: list[str] | None = None) -> dict:
     owns_world = not dist.is_initialized()  # else the caller (a test, a notebook) owns the process group
     try:
         run = _validated_run(argv)
-        if run.flags.get("dry_run"):  # one rank of a --world-size job on fake tensors (mpzero/dry_run.py)
-            from mpzero.dry_run import dry_run
+        if run.flags.get("dry_run"):  # one rank of a --world-size job on fake tensors (mpzero/cli/dry_run.py)
+            from mpzero.cli.dry_run import dry_run
             flags = run.flags
             return run_or_exit(lambda: dry_run(run, gpt_provider, flags["world_size"] or 1, flags["rank"] or 0))
         return run_or_exit(lambda: _train_reporting_peer_failures(run))
@@ -58,7 +57,7 @@ def _validated_run(argv):
     try:
         args = parse_args(argv)
         if args.dry_run or args.world_size is not None or args.rank is not None:
-            from mpzero.dry_run import check_flags
+            from mpzero.cli.dry_run import check_flags
             check_flags(args)
             if args.dry_run:  # this process is the whole (simulated) job: it prints its own errors
                 rank, world_size = 0, args.world_size or 1

@@ -1,7 +1,7 @@
 """Activation bytes and step time of every recomputation / sequence-parallel mode, and the largest micro-batch
 and sequence each mode fits in an activation budget per rank.
 
-    python bench/bench_activations.py [--hidden-size 512 --seq-length 512 --num-layers 4 --heads 8
+    python -m bench.bench_activations [--hidden-size 512 --seq-length 512 --num-layers 4 --heads 8
                                        --micro-batch-size 2 --tp 2 --rounds 5 --dropout 0.1 --budget-mib 512]
 
 One GPT (mpzero.models.GPTModel, fp32, vocabulary 1024 so the logits stay small), TP ranks forked on the CPU
@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.activations import SavedBytesCounter, activation_formula  # noqa: E402
-from mpzero.models import GPTConfig, GPTModel  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.tensor_parallel import seed_everything  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from mpzero.activations import SavedBytesCounter, activation_formula
+from mpzero.models import GPTConfig, GPTModel
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import seed_everything
+from tests.distributed import run_ranks
 
 FULL = dict(recompute_granularity="full")
 

@@ -1,6 +1,6 @@
 """Save and load time of a checkpoint with and without checksums (issue 16, item 6).
 
-    python bench/bench_checkpoint.py [--models quickstart 100m] [--repeats 3] [--dir /tmp]
+    python -m bench.bench_checkpoint [--models quickstart 100m] [--repeats 3] [--dir /tmp]
 
 One process, a world of one (gloo), fp32, ZeRO stage 1: the training state pretrain_gpt builds (model,
 ZeroOptimizer, RNG), saved with `save_checkpoint(..., checksums=True/False)` and loaded with
@@ -19,7 +19,6 @@ import contextlib
 import io
 import os
 import shutil
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -27,14 +26,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.arguments import parse_args, run_config  # noqa: E402
-from mpzero.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from mpzero.checkpointing.checksums import ALGORITHM, checksum  # noqa: E402
-from mpzero.checkpointing.verify import verify_checkpoint  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.training.loop import build_training_state  # noqa: E402
-from pretrain_gpt import gpt_provider  # noqa: E402
+from mpzero.cli.arguments import parse_args, run_config
+from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.checkpointing.checksums import ALGORITHM, checksum
+from mpzero.checkpointing.verify import verify_checkpoint
+from mpzero.parallel import init_parallel
+from mpzero.training.loop import build_training_state
+from pretrain_gpt import gpt_provider
 
 MODELS = {
     "quickstart": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -31,8 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def build(args, groups):
     """(mpzero model, its full weights by name)."""
     if args.load:
-        sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-        from checkpoint_util import read_consolidated
+        from mpzero.checkpointing.consolidated import read_consolidated
         bundle = read_consolidated(args.load, None)
         config = gpt_config_from_meta(bundle["meta"], args.load)
         weights = bundle["model"]

@@ -22,20 +22,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for bench_step
-from bench_step import timed  # noqa: E402
-from mpzero.models import GPTConfig, family_of  # noqa: E402
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.tensor_parallel import seed_everything  # noqa: E402
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
+from bench_step import timed  # bench/bench_step.py, beside this script
+from mpzero.models import GPTConfig, family_of
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import seed_everything
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 
 
 class EagerLlama(nn.Module):

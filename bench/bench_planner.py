@@ -12,8 +12,8 @@ runs 2 steps with measured peak (VmHWM minus the RSS before the model is built, 
 at 64 KiB so freed tensors leave the RSS) <= predicted (device peak + the 32 MiB CPU reserve) <= budget; the fastest
 layout it rejects, run anyway, measures above the budget.
 
-    python bench/bench_planner.py                 # both parts, ~5-10 min on 2 cores
-    python bench/bench_planner.py --part 2 --budget 160
+    python -m bench.bench_planner                 # both parts, ~5-10 min on 2 cores
+    python -m bench.bench_planner --part 2 --budget 160
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)  # forked ranks below: no OpenMP pool in the parent
 
-from mpzero.arguments import parse_args  # noqa: E402
+from mpzero.cli.arguments import parse_args  # noqa: E402
 from mpzero.planner.cost import Hardware  # noqa: E402
 from mpzero.planner.plan import Machine, Planner  # noqa: E402
 
@@ -119,7 +118,7 @@ def limit(heads: int, machine: Machine, strategy, tps, found) -> str:
 
 
 def params_of(heads: int) -> int:
-    from mpzero.arguments import gpt_config
+    from mpzero.cli.arguments import gpt_config
     from mpzero.planner.shapes import model_shapes
     return model_shapes(gpt_config(parse_args(model_flags(heads)), 50257), 1).numel
 
@@ -201,7 +200,7 @@ def _measure_rank(argv: list[str]) -> int:
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: larger allocations are mmapped and unmapped when freed
     libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
     import pretrain_gpt
-    from mpzero.arguments import run_config
+    from mpzero.cli.arguments import run_config
     from mpzero.parallel import init_parallel
     from mpzero.training.loop import _forward_backward, build_training_state
     from mpzero.training.mock_data import MockGPTDataset

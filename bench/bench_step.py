@@ -21,9 +21,8 @@ import statistics
 import time
 
 import torch
+from baselines import eager_gpt2, step_profile  # bench/baselines.py, beside this script
 
-from mpzero.gpu_check.step_profile import step_profile
-from mpzero.gpu_check.workers import eager_gpt2
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything

@@ -1,6 +1,6 @@
 """Step time and per-rank model-state bytes of mpzero's ZeRO stages 0-3 against torch's peers.
 
-    python bench/bench_zero.py [--world-sizes 2 4] [--iters 8] [--hidden-size 128 --num-layers 4]
+    python -m bench.bench_zero [--world-sizes 2 4] [--iters 8] [--hidden-size 128 --num-layers 4]
 
 One tiny GPT-like model (torch.nn blocks, tied output projection), fp32, gloo on CPU, ranks forked,
 same data for every configuration. Peers at the same stage, measured in the same run:
@@ -15,8 +15,6 @@ Printed per world size: step ms, step time / peer, bytes, bytes / peer, bytes / 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
@@ -24,12 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.tensor_parallel import mark_replicated  # noqa: E402
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
-from mpzero.storages import unique_storage_bytes  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import mark_replicated
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+from mpzero.storages import unique_storage_bytes
+from tests.distributed import run_ranks
 
 PEERS = {"mpzero stage 0": "torch DDP", "mpzero stage 1": "torch ZeroRedundancyOptimizer",
          "mpzero stage 2": "FSDP2 no reshard", "mpzero stage 3": "FSDP2 reshard"}

@@ -18,19 +18,15 @@ same seed, ZeRO at any stage and DP size gives torch.optim.AdamW's single-proces
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from mpzero.parallel import init_parallel  # noqa: E402
-from mpzero.tensor_parallel import mark_replicated  # noqa: E402
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer  # noqa: E402
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import mark_replicated
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 
 FEATURES, WIDTH, CLASSES, DEPTH = 16, 64, 10, 3
 LR, WEIGHT_DECAY, CLIP_GRAD = 3e-3, 0.1, 1.0

@@ -12,7 +12,7 @@ import torch
 
 from mpzero.activations import SavedBytesCounter, activation_formula, layer_formula, paper_row
 from mpzero.activations.formula import CPU_RNG_STATE_BYTES, ActivationSetting, modeled
-from mpzero.arguments import parse_args, run_config
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.parallel import init_parallel

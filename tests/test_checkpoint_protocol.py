@@ -27,7 +27,7 @@ from collections import Counter
 
 import pytest
 
-from mpzero.arguments import parse_args, run_config
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.checkpointing import LATEST, latest_iteration, load_checkpoint, save_checkpoint
 from mpzero.checkpointing.verify import single_process, verify_checkpoint
 from mpzero.parallel import init_parallel

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from mpzero.arguments import parse_args, run_config
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.checkpointing import latest_iteration, save_checkpoint, write_unpublished
 from mpzero.parallel import init_parallel
 from mpzero.training.loop import build_training_state

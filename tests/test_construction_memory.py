@@ -91,7 +91,7 @@ def test_construction_peak_is_counted_and_equals_its_formula(extra):
 def _construction_reports(argv):
     """Every rank's own construction figures (a rank's shard overlaps other parameters than rank 0's)."""
     import torch.distributed as dist
-    from mpzero.arguments import parse_args, run_config
+    from mpzero.cli.arguments import parse_args, run_config
     from mpzero.parallel import init_parallel
     from mpzero.training.loop import build_training_state
     import pretrain_gpt

@@ -17,8 +17,8 @@ import pytest
 import torch.distributed as dist
 
 import pretrain_gpt
-from mpzero.arguments import parse_args, run_config
-from mpzero.dry_run import dry_run
+from mpzero.cli.arguments import parse_args, run_config
+from mpzero.cli.dry_run import dry_run
 from tests.cli import ROOT, TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.test_planner import _plan
@@ -127,3 +127,17 @@ def test_bad_flags_are_one_line():
     for flags, message in cases:
         code, stderr = exit_code_and_stderr(TINY + flags)
         assert code == 2 and message in stderr and stderr.count("\n") == 1, (flags, stderr)
+
+
+def test_a_dry_run_touches_nothing_on_disk(tmp_path):
+    """Its output paths are checked as the flags' types (a path under a file is refused), never created."""
+    outputs = ["--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path",
+               str(tmp_path / "cache")]
+    main_capturing_stdout(TINY + ["--dry-run", "--world-size", "2"] + outputs)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    code, stderr = exit_code_and_stderr(TINY + ["--dry-run", "--save", str(tmp_path / "file" / "ckpt")])
+    assert code == 2 and stderr.startswith("error: --save ") and "is not a writable directory" in stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+    code, stderr = exit_code_and_stderr(TINY + ["--dry-run", "--world-size", "0"])
+    assert code == 2 and stderr == "error: --world-size 0 is out of range: it must be >= 1\n"

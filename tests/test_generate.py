@@ -189,7 +189,7 @@ def test_generates_text_from_the_zero3_sentencepiece_run(tmp_path_factory):
 
 @pytest.mark.parametrize("extra,message", [
     (["--prompt", "word " * 200], "tokens, and the model sees at most 128 positions (--max-position-embeddings)"),
-    (["--prompt", "x", "--top-p", "0"], "--top-p must lie in (0, 1]"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p 0.0 is out of range: it must be > 0.0 and <= 1.0"),
     (["--prompt", "x", "--tokenizer-model", "/nonexistent/sp.model", "--tokenizer-type",
       "GPTSentencePieceTokenizer"], "the checkpoint's tokenizer: --tokenizer-model /nonexistent/sp.model does not"),
     (["--prompt", "x", "--tensor-model-parallel-size", "2"], "must equal the number of processes 1"),

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from mpzero.gpu_check import cli, report, workers
-from mpzero.gpu_check.report import PART_NAMES, PARTS
+from tests.gpu.check import cli, report, workers
+from tests.gpu.check.report import PART_NAMES, PARTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_dry_run_without_cuda_says_so_in_one_line_and_writes_a_valid_report(tmp_path):
     out = tmp_path / "gpu-report"
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a GPU machine
-    proc = subprocess.run([sys.executable, "-m", "mpzero.gpu_check", "--out", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.check", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()

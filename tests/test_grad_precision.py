@@ -11,7 +11,7 @@ at this size the losses and gradient norms move ~1e-4 (measured), far inside one
 import pytest
 import torch
 
-from mpzero.arguments import parse_args, precision_config
+from mpzero.cli.arguments import parse_args, precision_config
 from mpzero.errors import ConfigError
 from mpzero.zero.step_grads import Fp32Buckets
 from tests.cli import TINY, assert_close_lists, main_capturing_stdout

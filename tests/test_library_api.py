@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpzero.arguments import build_parser, gpt_config, parse_args
+from mpzero.cli.arguments import build_parser, gpt_config, parse_args
 from mpzero.deferred_init import materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel

@@ -6,7 +6,7 @@ the same next losses, and a checkpoint of the other family or another head group
 
 import pytest
 
-from mpzero.arguments import gpt_config, parse_args, run_config
+from mpzero.cli.arguments import gpt_config, parse_args, run_config
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
 from tests.cli import TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main

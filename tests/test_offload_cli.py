@@ -15,13 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mpzero.checkpointing.checkpoint import read_meta_file
+from mpzero.checkpointing.consolidated import _whole
 from mpzero.checkpointing.sharding import ChunksLoadPlanner
 from mpzero.checkpointing.verify import resolve_iteration
 from tests.cli import ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import run_ranks
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from checkpoint_util import _whole  # noqa: E402
 
 SUB_GROUP = ["--offload-sub-group-numel", "1237"]  # odd: splits parameters, buckets and decay runs
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1048576"]}

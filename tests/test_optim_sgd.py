@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mpzero.arguments import parse_args, run_config
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.errors import ConfigError
 from mpzero.optim import SGD, AdamW, sgd_reference
 from mpzero.parallel import init_parallel

@@ -23,7 +23,7 @@ import torch
 import pretrain_gpt
 from mpzero.activations import SavedBytesCounter
 from mpzero.activations.formula import layer_formula
-from mpzero.arguments import parse_args, run_config
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.models import GPTConfig
 from mpzero.parallel import init_parallel
 from mpzero.planner.activations import activation_plan, activation_setting, normalized

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt
-from mpzero.arguments import parse_args, run_config
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_full

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mpzero.arguments import parse_args
+from mpzero.cli.arguments import parse_args
 from mpzero.errors import ConfigError
 from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks

@@ -14,31 +14,18 @@ one `error:` line and exit code 2. Runs in one process, no torchrun needed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from mpzero.checkpointing import FORMAT, LATEST, checkpoint_dir, checkpoint_key, parse_checkpoint_key
-from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, previous_advice,
-                                             read_dcp_metadata, read_meta_file)
-from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums
-from mpzero.checkpointing.format import MASTER
+from mpzero.checkpointing import checkpoint_dir
+from mpzero.checkpointing.checkpoint import error_reason
+from mpzero.checkpointing.consolidated import read_consolidated, save_weights_only
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_replaceable
-from mpzero.checkpointing.reader import CheckpointReader
-from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare
-from mpzero.checkpointing.verify import resolve_iteration, single_process, verify_checkpoint
-from mpzero.cli import run_or_exit
+from mpzero.checkpointing.verify import single_process, verify_checkpoint
+from mpzero.cli import ITERATION, Parser, Path, run_or_exit
 from mpzero.errors import ConfigError
-from mpzero.files import replace_directory, write_atomically
-
-
-def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
-    """Whole tensors as mpzero's planners take them: one chunk each, at offset zero."""
-    return {key: LocalShare(tuple(t.shape), [Chunk((0,) * t.dim(), tuple(t.shape), t)]) for key, t in tensors.items()}
+from mpzero.files import write_atomically
 
 
 def to_consolidated(load: str, iteration: int | None, output: str, overwrite: bool = False) -> None:
@@ -59,36 +46,6 @@ def _not_consolidated(path: str) -> str | None:
     if not (isinstance(bundle, dict) and set(bundle) == {"model", "meta"} and isinstance(bundle["model"], dict)):
         return "not a consolidated checkpoint"
     return None
-
-
-def read_consolidated(load: str, iteration: int | None) -> dict:
-    """{"model": {parameter name: full fp32 tensor}, "meta": meta.json} of a checkpoint at any layout, every
-    chunk checked against its checksum (tools/export_hf.py and tools/generate.py read checkpoints through it)."""
-    directory, iteration = resolve_iteration(load, iteration)
-    advice = previous_advice(load, iteration)
-    meta = read_meta_file(directory, advice)
-    check_shard_files(directory, read_dcp_metadata(directory, advice), advice)
-    checksums = read_checksums(directory, meta["layout"]["world"], advice) if meta.get("checksums") else None
-    names = {}  # checkpoint key: parameter name, for the fp32 weights
-    for key in meta["shapes"]:
-        try:
-            state, name = parse_checkpoint_key(key)
-        except ValueError:
-            raise ConfigError(f"checkpoint {directory}: meta.json is damaged (key {key!r}): {advice}") from None
-        if state == MASTER:
-            names[key] = name
-    model = {key: torch.zeros(meta["shapes"][key]) for key in names}
-    try:  # every stored chunk is read whole into its place, so each is checked against its checksum
-        dcp.load(_whole(model), checkpoint_id=directory, storage_reader=CheckpointReader(directory),
-                 planner=ChunksLoadPlanner(checksums, directory, advice), no_dist=True)
-    except dcp.CheckpointException as failure:
-        error = next(iter(failure.failures.values()), (failure,))
-        error = error[0] if isinstance(error, tuple) else error
-        if isinstance(error, ConfigError):
-            raise error from None
-        raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): {advice}; "
-                          f"`verify` names the damaged file") from None
-    return {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
 
 
 def from_consolidated(input_path: str, save: str) -> None:
@@ -119,42 +76,21 @@ def _check_new_save(save: str) -> None:
                           f"directory")
 
 
-def save_weights_only(bundle: dict, save: str) -> None:
-    """A weights-only checkpoint (iteration 0) under `save` from {"model": {name: full tensor}, "meta": {"config":
-    flags}} (tools/import_hf.py writes through it)."""
-    tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
-    directory = checkpoint_dir(save, 0)
-    if os.path.exists(directory):
-        raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
-    tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
-    os.makedirs(tmp)
-    planner = ChunksSavePlanner(checksums=True)
-    dcp.save(_whole(tensors), checkpoint_id=tmp, planner=planner, no_dist=True)
-    write_rank_checksums(tmp, 0, planner.written_checksums())
-    meta = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
-            "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
-            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM}
-    write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
-    replace_directory(tmp, directory)
-    write_atomically(os.path.join(save, LATEST), "0")
-
-
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     out = sub.add_parser("to-consolidated")
-    out.add_argument("--load", required=True)
-    out.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    out.add_argument("--output", required=True)
+    out.add_argument("--load", type=Path("dir"), required=True)
+    out.add_argument("--iteration", type=ITERATION, default=None, help="default: the latest")
+    out.add_argument("--output", type=Path("file", exists=False, writable=True), required=True)
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing --output, if it is an earlier consolidated file (nothing else)")
     back = sub.add_parser("from-consolidated")
-    back.add_argument("--input", required=True)
-    back.add_argument("--save", required=True)
+    back.add_argument("--input", type=Path("file"), required=True)
+    back.add_argument("--save", type=Path("dir", exists=False, writable=True), required=True)
     check = sub.add_parser("verify", help="check every file and stored chunk of a checkpoint")
-    check.add_argument("--load", required=True)
-    check.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    check.add_argument("--load", type=Path("dir"), required=True)
+    check.add_argument("--iteration", type=ITERATION, default=None, help="default: the latest")
     args = p.parse_args(argv)
     with single_process():  # no process group here: DCP's warning about that says nothing
         if args.command == "to-consolidated":

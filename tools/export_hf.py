@@ -18,7 +18,6 @@ complete or not at all: it is written beside --output and renamed into place. Ne
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,17 +25,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
 from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_replaceable,
                                           foreign_files)
 from mpzero.checkpointing.verify import resolve_iteration, single_process
-from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.cli import INPUT_ERRORS, ITERATION, Parser, Path, add_tokenizer_flags, exit_code
 from mpzero.errors import ConfigError
 from mpzero.files import directory_beside, replace_output_directory
 from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
 from mpzero.inference.hf import ADAPTERS, adapter_for_config
-from checkpoint_util import read_consolidated
+from mpzero.checkpointing.consolidated import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 README_TITLES = {adapter.title for adapter in ADAPTERS.values()}
@@ -172,17 +170,15 @@ def _readme(directory: str, iteration: int, meta: dict, config, note: str, outpu
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="the --save directory of a run")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    p.add_argument("--output", required=True, help="the Hugging Face model directory to write")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", type=Path("dir"), required=True, help="the --save directory of a run")
+    p.add_argument("--iteration", type=ITERATION, default=None, help="default: the latest")
+    p.add_argument("--output", type=Path("dir", exists=False, writable=True), required=True,
+                   help="the Hugging Face model directory to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="of the stored weights (default fp32)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output, if it is an earlier export (nothing else is ever replaced)")
-    p.add_argument("--tokenizer-type", default=None, help="default: the run's (meta.json)")
-    p.add_argument("--tokenizer-model", default=None, help="default: the run's")
-    p.add_argument("--vocab-file", default=None, help="default: the run's")
-    p.add_argument("--merge-file", default=None, help="default: the run's")
+    add_tokenizer_flags(p, "default: the run's (meta.json)")
     args = p.parse_args(argv)
     overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
     with single_process():  # no process group here: DCP's warning about that says nothing

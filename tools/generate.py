@@ -29,44 +29,48 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.checkpointing.verify import resolve_iteration, single_process
-from mpzero.cli import print_error
+from mpzero.cli import ITERATION, SEED, Number, Parser, Path, Text, add_tokenizer_flags, print_error
 from mpzero.errors import ConfigError
 from mpzero.files import write_atomically
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
 from mpzero.models import family_of
 from mpzero.parallel import init_parallel
-from checkpoint_util import read_consolidated
+from mpzero.checkpointing.consolidated import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="the --save directory of a run (or of tools/import_hf.py)")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-file", default=None, help="one prompt per line (default: stdin)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", type=Path("dir"), required=True,
+                   help="the --save directory of a run (or of tools/import_hf.py)")
+    p.add_argument("--iteration", type=ITERATION, default=None, help="default: the latest")
+    p.add_argument("--prompt", type=Text(empty_ok=True), action="append", default=None,
+                   help="a prompt (repeat for a batch; empty: from end-of-document)")
+    p.add_argument("--prompt-file", type=Path("file", text=True), default=None,
+                   help="one prompt per line (default: stdin)")
+    p.add_argument("--max-new-tokens", type=Number(int, low=1), default=64)
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--temperature", type=Number(float, low=0.0, low_ok=False), default=1.0)
+    p.add_argument("--top-k", type=Number(int, low=0), default=0, help="0: off")
+    p.add_argument("--top-p", type=Number(float, low=0.0, low_ok=False, high=1.0, high_ok=True), default=1.0,
+                   help="1: off")
+    p.add_argument("--seed", type=SEED, default=1234)
     p.add_argument("--ignore-eod", action="store_true", help="go on past end-of-document")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default: the world size")
+    p.add_argument("--batch-size", type=Number(int, low=1), default=8, help="prompts generated together")
+    p.add_argument("--tensor-model-parallel-size", type=Number(int, low=1), default=None,
+                   help="default: the world size")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole prefix at every step")
     p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
-    p.add_argument("--output", default=None, help="write here instead of stdout")
-    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
-        p.add_argument(flag, default=None, help="default: the run's (meta.json)")
+    p.add_argument("--output", type=Path("file", exists=False, writable=True), default=None,
+                   help="write here instead of stdout")
+    add_tokenizer_flags(p, "default: the run's (meta.json)")
     return p
 
 

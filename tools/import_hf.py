@@ -15,7 +15,6 @@ is not a GPT-2 or Llama model is one `error:` line and exit code 2; --save appea
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,16 +22,15 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for checkpoint_util
 from mpzero.checkpointing.checkpoint import error_reason
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.checkpointing.verify import single_process
-from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.cli import INPUT_ERRORS, Parser, Path, exit_code
 from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
 from mpzero.files import directory_beside, replace_output_directory
 from mpzero.inference.hf import adapter_for_hf
-from checkpoint_util import save_weights_only
+from mpzero.checkpointing.consolidated import save_weights_only
 
 
 def import_hf(input_dir: str, save: str) -> str:
@@ -143,9 +141,11 @@ def _tokenizer(input_dir: str, vocab_size: int, save: str) -> tuple[list[str], d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="a local Hugging Face GPT-2 or Llama directory (save_pretrained)")
-    p.add_argument("--save", required=True, help="a new directory for the mpzero checkpoint")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", type=Path("dir"), required=True,
+                   help="a local Hugging Face GPT-2 or Llama directory (save_pretrained)")
+    p.add_argument("--save", type=Path("dir", exists=False, writable=True), required=True,
+                   help="a new directory for the mpzero checkpoint")
     args = p.parse_args(argv)
     with single_process():  # no process group here: DCP's warning about that says nothing
         return exit_code(lambda: print(import_hf(args.input, args.save), flush=True), INPUT_ERRORS)

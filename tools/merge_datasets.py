@@ -11,21 +11,20 @@ PREFIX.tokenizer.json when every input has the same one (inputs made with differ
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from mpzero.data.tokenizer_identity import (data_tokenizer, describe, remove_data_tokenizer,
                                             same_tokenizer, write_data_tokenizer)
-from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.cli import INPUT_ERRORS, OUTPUT_PREFIX, Parser, Text, exit_code
 from mpzero.errors import ConfigError
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, or directories of them")
-    p.add_argument("--output-prefix", required=True)
+    p = Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", type=Text(), nargs="+", required=True, help="dataset prefixes, or directories of them")
+    p.add_argument("--output-prefix", type=OUTPUT_PREFIX, required=True)
     return p.parse_args(argv)
 
 

@@ -19,73 +19,56 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 
-from mpzero.arguments import build_parser, parse_args, tokenizer_record
-from mpzero.cli import exit_code
-from mpzero.config_file import read_config_file
+from mpzero.cli import (Choice, Items, Number, Parser, Size, Text, build_parser, exit_code, parse_args,
+                        read_config_file, tokenizer_record)
 from mpzero.errors import ConfigError
 from mpzero.planner.cost import Hardware
 from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes
 from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
 
-UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30,
-         "tib": 2 ** 40, "": 2 ** 30}
 DEFAULTS = {"--micro-batch-size": "1", "--train-iters": "1", "--lr": "1e-4"}
 DEFAULT_RESERVE = {"cuda": 2 * 2 ** 30, "cpu": 32 * 2 ** 20}  # bytes per device for what the planner does not model
 
 
-def size(text: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 80GiB, 1.5TB, 32)")
-    return float(match.group(1)) * UNITS[match.group(2).lower()]
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def words(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
-
-
 def planner_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan_memory.py", description=__doc__.split("\n\n")[0], add_help=True,
-                                allow_abbrev=False)
+    p = Parser(prog="plan_memory.py", description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("machine")
-    m.add_argument("--world-size", type=int, required=True, help="ranks (devices) of the job")
-    m.add_argument("--device-memory", type=size, required=True, help="memory per device")
-    m.add_argument("--host-memory", type=size, default=None, help="host memory per node (default: not checked)")
-    m.add_argument("--disk-space", type=size, default=None,
+    m.add_argument("--world-size", type=Number(int, low=1), required=True, help="ranks (devices) of the job")
+    m.add_argument("--device-memory", type=Size(), required=True, help="memory per device")
+    m.add_argument("--host-memory", type=Size(), default=None, help="host memory per node (default: not checked)")
+    m.add_argument("--disk-space", type=Size(), default=None,
                    help="disk space per node for the disk tier (default: no disk tier)")
-    m.add_argument("--device-reserve", type=size, default=None,
+    m.add_argument("--device-reserve", type=Size(low=0.0, low_ok=True), default=None,
                    help="memory per device kept free for what is not modeled: the CUDA context, NCCL buffers, "
                         "allocator fragmentation (default 2GiB on cuda, 32MiB on cpu: allocator and runtime slack)")
-    m.add_argument("--gpus-per-node", type=int, default=8)
+    m.add_argument("--gpus-per-node", type=Number(int, low=1), default=8)
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the device is host memory (no device<->host copies; CPU activation terms)")
-    m.add_argument("--offload-path", default=None, help="where the disk tier goes in the printed command")
+    m.add_argument("--offload-path", type=Text(), default=None, help="where the disk tier goes in the printed command")
     c = p.add_argument_group("cost model (mpzero/planner/cost.py)")
-    c.add_argument("--device-tflops", type=float, default=Hardware.device_tflops)
-    c.add_argument("--efficiency", type=float, default=Hardware.efficiency)
-    c.add_argument("--dp-bandwidth", type=size, default=Hardware.dp_bandwidth, help="per rank, e.g. 25GB")
-    c.add_argument("--tp-bandwidth", type=size, default=Hardware.tp_bandwidth, help="per rank, e.g. 150GB")
-    c.add_argument("--pcie-bandwidth", type=size, default=Hardware.pcie_bandwidth, help="per rank")
-    c.add_argument("--disk-bandwidth", type=size, default=Hardware.disk_bandwidth, help="per node")
-    c.add_argument("--cpu-adam-rate", type=float, default=Hardware.cpu_adam_rate,
+    c.add_argument("--device-tflops", type=Number(float, low=0.0, low_ok=False), default=Hardware.device_tflops)
+    c.add_argument("--efficiency", type=Number(float, low=0.0, low_ok=False, high=1.0, high_ok=True),
+                   default=Hardware.efficiency)
+    c.add_argument("--dp-bandwidth", type=Size(), default=Hardware.dp_bandwidth, help="per rank, e.g. 25GB")
+    c.add_argument("--tp-bandwidth", type=Size(), default=Hardware.tp_bandwidth, help="per rank, e.g. 150GB")
+    c.add_argument("--pcie-bandwidth", type=Size(), default=Hardware.pcie_bandwidth, help="per rank")
+    c.add_argument("--disk-bandwidth", type=Size(), default=Hardware.disk_bandwidth, help="per node")
+    c.add_argument("--cpu-adam-rate", type=Number(float, low=0.0, low_ok=False), default=Hardware.cpu_adam_rate,
                    help="parameters per second per rank AdamW updates on the CPU")
     e = p.add_argument_group("layouts")
-    e.add_argument("--tp-sizes", type=ints, default=None)
-    e.add_argument("--zero-stages", type=ints, default=None)
-    e.add_argument("--offload-tiers", type=words, default=None, help="subset of none,cpu,disk")
-    e.add_argument("--recompute-modes", type=words, default=None, help="subset of none,selective,full")
-    e.add_argument("--micro-batch-sizes", type=ints, default=None)
-    e.add_argument("--max-micro-batch-size", type=int, default=64)
+    e.add_argument("--tp-sizes", type=Items(Number(int, low=1)), default=None)
+    e.add_argument("--zero-stages", type=Items(Number(int, low=0, high=3, high_ok=True)), default=None)
+    e.add_argument("--offload-tiers", type=Items(Choice(("none", "cpu", "disk"))), default=None,
+                   help="subset of none,cpu,disk")
+    e.add_argument("--recompute-modes", type=Items(Choice(("none", "selective", "full"))), default=None,
+                   help="subset of none,selective,full")
+    e.add_argument("--micro-batch-sizes", type=Items(Number(int, low=1)), default=None)
+    e.add_argument("--max-micro-batch-size", type=Number(int, low=1), default=64)
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10, help="layouts shown (fastest that fit first)")
+    o.add_argument("--top", type=Number(int, low=1), default=10, help="layouts shown (fastest that fit first)")
     o.add_argument("--all", action="store_true", help="show every layout, also those that do not fit")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p

@@ -17,31 +17,27 @@ run killed outright are removed by the next run of the same --output-prefix.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 from mpzero.data.preprocess import PreprocessConfig, output_prefix_for, preprocess
-from mpzero.data.tokenizer import TOKENIZER_TYPES
 from mpzero.data.interrupts import Interrupted, signals_as_interrupts
-from mpzero.cli import INPUT_ERRORS, exit_code, print_error
+from mpzero.cli import INPUT_ERRORS, OUTPUT_PREFIX, Number, Parser, Text, add_tokenizer_flags, exit_code, print_error
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), optionally .gz, and/or parquet files, directories of them or globs, read "
-                        "in order")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--tokenizer-type", required=True, help=" | ".join(TOKENIZER_TYPES))
-    p.add_argument("--tokenizer-model", help="SentencePiece model (GPTSentencePieceTokenizer), or a tokenizer.json "
-                                              "or its directory (HuggingFaceTokenizer)")
-    p.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
-    p.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer only")
+    p = Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", type=Text(), nargs="+", required=True,
+                   help="JSONL file(s), optionally .gz, and/or parquet files, directories of them or globs, read in "
+                        "order")
+    p.add_argument("--output-prefix", type=OUTPUT_PREFIX, required=True)
+    p.add_argument("--json-keys", type=Text(), nargs="+", default=["text"])
+    add_tokenizer_flags(p, None, required=True)
+    p.add_argument("--vocab-size", type=Number(int, low=1), help="NullTokenizer only")
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (1: in this process)")
-    p.add_argument("--log-interval", type=int, default=1000, help="refresh the rates every N documents")
+    p.add_argument("--workers", type=Number(int, low=1), default=1, help="tokenizing processes (1: in this process)")
+    p.add_argument("--log-interval", type=Number(int, low=1), default=1000,
+                   help="refresh the rates every N documents")
     p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary still prints)")
     return p.parse_args(argv)

@@ -20,14 +20,13 @@ flags give the same model bytes (for either type).
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import sys
 
 
 from mpzero.data.jsonl import check_inputs, iter_texts
-from mpzero.cli import INPUT_ERRORS, exit_code
+from mpzero.cli import INPUT_ERRORS, OUTPUT_PREFIX, Number, Parser, Text, exit_code
 from mpzero.errors import ConfigError
 from mpzero.files import write_atomically
 
@@ -35,18 +34,19 @@ _MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are left out of training (Sent
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True,
+    p = Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", type=Text(), nargs="+", required=True,
                    help="JSONL file(s), optionally .gz, and/or parquet files, directories of them or globs")
     p.add_argument("--tokenizer-type", choices=["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"],
                    default="GPTSentencePieceTokenizer",
                    help="what to train: a SentencePiece PREFIX.model, or a byte-level BPE PREFIX/tokenizer.json")
-    p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--output-prefix", required=True,
+    p.add_argument("--json-keys", type=Text(), nargs="+", default=["text"])
+    p.add_argument("--vocab-size", type=Number(int, low=1), required=True)
+    p.add_argument("--output-prefix", type=OUTPUT_PREFIX, required=True,
                    help="writes PREFIX.model and PREFIX.vocab (SentencePiece), or PREFIX/tokenizer.json")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="SentencePiece's model type")
-    p.add_argument("--character-coverage", type=float, default=1.0,
+    p.add_argument("--character-coverage", type=Number(float, low=0.0, low_ok=False, high=1.0, high_ok=True),
+                   default=1.0,
                    help="share of characters given their own piece; the rest fall back to bytes")
     p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines")
     return p.parse_args(argv)

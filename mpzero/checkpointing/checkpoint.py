@@ -191,7 +191,13 @@ def read_meta(root: str) -> tuple[str, dict] | None:
     if iteration is None:
         return None
     directory = published_dir(root, iteration)
-    return directory, read_meta_file(directory, previous_advice(root, iteration))
+    advice = previous_advice(root, iteration)
+    meta = read_meta_file(directory, advice)
+    missing = next((key for key in RESUME_KEYS if key not in meta), None)
+    if missing is not None:
+        raise ConfigError(f"checkpoint {directory}: meta.json is damaged (no {missing!r}, which resuming needs): "
+                          f"{advice}")
+    return directory, meta
 
 
 def previous_advice(root: str, iteration: int) -> str:
@@ -227,16 +233,56 @@ def read_meta_file(directory: str, advice: str) -> dict:
     except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         reason = error.strerror if isinstance(error, OSError) and error.strerror else "not valid JSON"
         raise ConfigError(f"checkpoint {directory}: meta.json is unreadable ({reason}): {advice}") from None
-    expected = {"iteration": int, "shapes": dict, "layout": dict}
-    wrong = next((k for k, kind in expected.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), kind)),
-                 None)
-    if wrong is not None:
-        raise ConfigError(f"checkpoint {directory}: meta.json is damaged (no {wrong!r}): {advice}")
-    if not isinstance(meta.get("format", 1), int) or meta.get("format", 1) > FORMAT:
+    if not isinstance(meta, dict):
+        raise ConfigError(f"checkpoint {directory}: meta.json is damaged (not a JSON object): {advice}")
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {directory}: meta.json is damaged ({problem}): {advice}")
+    if meta.get("format", 1) > FORMAT:
         # formats 1 (no field), 2 and 3 store the same keys; 3 adds checksums
         raise ConfigError(f"{directory} is in checkpoint format {meta['format']}, newer than this mpzero's "
                           f"({FORMAT}): load it with the mpzero that wrote it")
     return meta
+
+
+# meta.json's keys: (type, required), every value checked before any reader uses it. Optional keys are absent
+# from older formats (1 had no format, checksums, architecture, tokenizer); a key present has its type.
+META_KEYS = {"iteration": (int, True), "consumed_samples": (int, False), "skipped_iterations": (int, False),
+             "shapes": (dict, True), "layout": (dict, True), "format": (int, False), "config": (dict, False),
+             "architecture": (dict, False), "checksums": (str, False), "optimizer": (dict, False),
+             "lr_schedule": (dict, False), "tokenizer": (dict, False)}
+RESUME_KEYS = ("consumed_samples", "skipped_iterations")  # what a resumed run reads besides the required keys
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """What is wrong with meta.json's keys and values, or None."""
+    for key, (kind, required) in META_KEYS.items():
+        if key not in meta:
+            if required:
+                return f"no {key!r}"
+            continue
+        value = meta[key]
+        if value is None and key == "tokenizer":  # recorded as unknown (tokenizer_identity.py says so in a note)
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < (key == "format")):
+            return f"its \"{key}\" is {value!r}, not {_KIND_NAMES[kind]}"
+    if "checksums" in meta and meta["checksums"] not in ALGORITHMS:
+        return f"checksums is {meta['checksums']!r}, not one of {', '.join(ALGORITHMS)}"
+    layout = meta["layout"]
+    if "checksums" in meta and "world" not in layout:  # the checksum files are per rank of that world
+        return "no layout's 'world', which its checksums need"
+    for key in ("world", "tp", "dp"):
+        value = layout.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"layout's {key} is {value!r}, not a positive integer"
+    for name, shape in meta["shapes"].items():
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                for n in shape)):
+            return f"the shape of {name} is {shape!r}, not a list of sizes"
+    return None
+
+
+_KIND_NAMES = {int: "a non-negative integer", dict: "a JSON object", str: "a string"}
 
 
 def read_dcp_metadata(directory: str, advice: str) -> Metadata:

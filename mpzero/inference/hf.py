@@ -61,7 +61,8 @@ def adapter_for_config(config: GPTConfig) -> HFAdapter:
 
 
 def adapter_for_hf(hf: dict, source: str) -> HFAdapter:
-    adapter = ADAPTERS.get(hf.get("model_type"))
+    model_type = hf.get("model_type")
+    adapter = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
     if adapter is None:
         raise ConfigError(f"{source} has model_type {hf.get('model_type')!r}: only "
                           f"{' and '.join(repr(k) for k in ADAPTERS)} models import")

@@ -52,7 +52,7 @@ from mpzero.deferred_init import deferred_parameter, materialize_module, name_pa
 from mpzero.errors import ConfigError
 from mpzero.models.attention import SelfAttention
 from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, normal_init, vocab_rows_init
-from mpzero.models.config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig  # noqa: F401 - the names' old home
+from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,

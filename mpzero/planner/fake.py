@@ -7,7 +7,7 @@ Two engines, the same patches, the same figures:
 - "fake": torch's `FakeTensorMode` (the approach torchtitan's estimator took): tensors report the CPU device, so
   every code path is the CPU's, offload tiers included (a parameter shard copied `.to("cpu")` stays fake). Every
   op goes through Python (about 250 us per op here), so a 175B-parameter step takes 10x longer.
-The planner builds models on "meta"; the dry run (`mpzero/dry_run.py`) uses "meta" unless a tier is offloaded.
+The planner builds models on "meta"; the dry run (`mpzero/cli/dry_run.py`) uses "meta" unless a tier is offloaded.
 
 What the code does that data-less tensors do not support as-is is handled here, only while the context is active:
 - a scalar read from a tensor (`.item()`, `.tolist()`: the loss, the gradient norm with fp16's overflow check

@@ -2,7 +2,7 @@
 
 A `Layout` is one way to run the same model on `world` ranks: TP size, ZeRO stage, offload tiers, recomputation,
 micro-batch. `Planner.evaluate(layout)` resolves the run's sections exactly as `pretrain_gpt.py` does (the
-flags' own functions in `mpzero.arguments`), counts the model states with `states.plan_states` (the code's
+flags' own functions in `mpzero.cli.arguments`), counts the model states with `states.plan_states` (the code's
 layouts and formulas), the activations with `activations.activation_plan` (the activation-memory module), the
 TP traffic, and the cost (`cost.py`), and says whether it fits the machine.
 
@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from mpzero.arguments import gpt_config, offload_config, optimizer_config, precision_config, zero_config
+from mpzero.cli.arguments import gpt_config, offload_config, optimizer_config, precision_config, zero_config
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
@@ -160,7 +160,7 @@ def layout_flags(args: argparse.Namespace, layout: Layout) -> dict:
 
 
 class Planner:
-    """Evaluates layouts of the run the flags `args` describe (parsed by `mpzero.arguments.parse_args`),
+    """Evaluates layouts of the run the flags `args` describe (parsed by `mpzero.cli.arguments.parse_args`),
     `vocab_size` its tokenizer's vocabulary, on `machine`."""
 
     def __init__(self, args: argparse.Namespace, vocab_size: int, machine: Machine):

@@ -4,7 +4,7 @@ every sink, so both see the same tags (Megatron's: `lm loss`, `learning-rate`, `
 iterations (TensorBoard's step, wandb's `step`).
 
 wandb is an optional package (`pip install -e '.[wandb]'`): the flags check it is importable at start
-(mpzero/arguments.py); it is imported here only when used. `WANDB_MODE=offline` keeps everything on the machine
+(mpzero/cli/arguments.py); it is imported here only when used. `WANDB_MODE=offline` keeps everything on the machine
 (`wandb sync DIR` uploads it later). The run's resolved flags are its wandb config.
 """
 

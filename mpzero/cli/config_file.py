@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 
+from mpzero.cli.checks import CheckError, Number, error_reason
 from mpzero.errors import ConfigError
 
 
@@ -70,13 +71,18 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str] | No
 def _load_mapping(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
     is_yaml = path.endswith((".yaml", ".yml"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path} cannot be read as UTF-8 text ({error_reason(error)})") from None
+    if not text.strip():
+        raise ConfigError(f"--config {path} is empty: write flag: value lines, or drop --config")
     try:
         if is_yaml:
             import yaml
-            values = yaml.safe_load(text) or {}
+            values = yaml.safe_load(text)
         else:
             values = json.loads(text)
     except Exception as error:  # noqa: BLE001 - any parse failure is the same one-line answer
@@ -103,15 +109,20 @@ def _typed(path: str, key, value, action: argparse.Action, given_as_option: bool
 
 
 def _one_value(where: str, value, action: argparse.Action):
-    if isinstance(value, (dict, list)) or isinstance(value, bool):
+    """`value` through its flag's checked type (mpzero/cli/checks.py), strictly: 64.0 is not an integer, a
+    boolean is not a number, a list or mapping is not one value."""
+    if isinstance(value, (dict, list, bool)):
         raise ConfigError(f"{where} is {value!r}, not a single {_type_name(action)}")
-    kind = action.type
-    if kind is int and isinstance(value, float):
-        if not value.is_integer():
-            raise ConfigError(f"{where} is {value}, not an integer")
-        value = int(value)
+    kind = Number(action.type) if action.type in (int, float) else action.type
+    if isinstance(kind, Number) and kind.kind is int and isinstance(value, float):
+        raise ConfigError(f"{where} is {value}, not an integer")
     try:
         typed = kind(value) if kind is not None else str(value)
+    except CheckError as error:
+        text = str(error)
+        if text.startswith(("invalid ", repr(value) + " is not a")):  # a value of another type
+            raise ConfigError(f"{where} is {value!r}, not {_type_name(action)}") from None
+        raise ConfigError(f"{where} {text}") from None
     except (TypeError, ValueError):
         raise ConfigError(f"{where} is {value!r}, not {_type_name(action)}") from None
     if action.choices is not None and typed not in action.choices:
@@ -120,7 +131,8 @@ def _one_value(where: str, value, action: argparse.Action):
 
 
 def _type_name(action: argparse.Action) -> str:
-    return {int: "an integer", float: "a number"}.get(action.type, "a string")
+    kind = action.type.kind if isinstance(action.type, Number) else action.type
+    return {int: "an integer", float: "a number"}.get(kind, "a string")
 
 
 def _flag(dest: str) -> str:

@@ -1,7 +1,7 @@
 """The orchestrator: probe the machine, run each part in its own process group under a time limit, write the
 report after every part (a check killed midway still leaves one), exit 1 when a part failed.
 
-    PYTHONPATH=. python3 -m mpzero.gpu_check [--out gpu-report] [--budget 440] [--only PART ...] [--dry-run]
+    PYTHONPATH=. python3 -m tests.gpu.check [--out gpu-report] [--budget 440] [--only PART ...] [--dry-run]
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-from mpzero.gpu_check import report
-from mpzero.gpu_check.report import PART_NAMES, PARTS, Part
+from tests.gpu.check import report
+from tests.gpu.check.report import PART_NAMES, PARTS, Part
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 RESERVE_S = 10  # kept back from the budget for writing the report
 MIN_PART_S = 20  # a part is not started with less time than this left
 FUSED_TESTS = ["tests/fused/test_fused_gpu.py", "tests/fused/test_fused_layer_norm.py",
@@ -37,7 +37,7 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m mpzero.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python3 -m tests.gpu.check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu-report", help="directory for report.md, report.json and logs/")
     p.add_argument("--budget", type=float, default=440.0,
                    help="seconds for the whole check (default 440: under 8 minutes with a killed part's grace and the report)")
@@ -99,7 +99,7 @@ def _read_json(path: str) -> dict | None:
 def probe_environment(python: str, logs: str) -> dict:
     """What the machine has (torch, CUDA, GPUs...), from a child process so a broken driver cannot hang us."""
     path = os.path.join(logs, "environment.json")
-    rc, _ = run_logged([python, "-m", "mpzero.gpu_check.workers", "environment", "--json", path],
+    rc, _ = run_logged([python, "-m", "tests.gpu.check.workers", "environment", "--json", path],
                        os.path.join(logs, "environment.log"), 120, child_env())
     info = _read_json(path)
     if info is None:
@@ -185,7 +185,7 @@ def run_worker_part(part: Part, limit: float, python: str, logs: str) -> dict:
     if part.name == "bench_kernels":
         cmd = [python, "bench/bench_fused_gpu.py", "--gpt2", "--json", json_path]
     else:
-        cmd = [python, "-m", "mpzero.gpu_check.workers", part.name, "--json", json_path, "--limit", f"{limit:.0f}"]
+        cmd = [python, "-m", "tests.gpu.check.workers", part.name, "--json", json_path, "--limit", f"{limit:.0f}"]
     rc, seconds = run_logged(cmd, log_path, limit, child_env())
     data = _read_json(json_path) or {}
     result = {"seconds": seconds, "logs": [log_path] + ([json_path] if data else []),

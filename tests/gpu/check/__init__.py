@@ -4,5 +4,5 @@ a hang or a crash is one failed row, never the end of the check. Without CUDA it
 report with every part skipped, so the machinery is tested on CPU. Stdlib only here (no torch at import):
 the orchestrator must run, and say why, where torch itself is missing.
 
-    PYTHONPATH=. python3 -m mpzero.gpu_check --out gpu-report
+    PYTHONPATH=. python3 -m tests.gpu.check --out gpu-report
 """

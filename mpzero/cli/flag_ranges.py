@@ -6,8 +6,8 @@ train a whole run at learning rate 0, or fail with a ZeroDivisionError at the en
 from __future__ import annotations
 
 import argparse
-import math
 
+from mpzero.cli.checks import CheckError, Number
 from mpzero.errors import ConfigError
 from mpzero.optim import RULES
 
@@ -36,28 +36,28 @@ RANGES = {
     "recompute_num_layers": (1, True, None, False), "cross_entropy_chunk_size": (0, True, None, False),
     "ffn_hidden_size": (1, True, None, False), "num_query_groups": (1, True, None, False),
     "rotary_base": (1, True, None, False), "rotary_percent": (0.0, False, 1.0, True),
+    "world_size": (1, True, None, False), "rank": (0, True, None, False),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 
 
+def number(dest: str, kind: type) -> Number:
+    """The flag's checked type (mpzero/cli/checks.py): `kind` within RANGES[dest]; any finite value if unlisted."""
+    low, low_ok, high, high_ok = RANGES.get(dest, (None, True, None, False))
+    return Number(kind, low, low_ok, high, high_ok)
+
+
 def check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric value in range, however it was set (command line, --config, a default), then the ranges
+    that depend on each other."""
     for dest, bounds in RANGES.items():
         value = getattr(args, dest)
         if value is not None:
-            _check(dest, value, *bounds)
+            try:
+                Number(type(value), *bounds).check(value)
+            except CheckError as error:
+                raise ConfigError(f"--{dest.replace('_', '-')} {error}") from None
     _check_consistency(args)
-
-
-def _check(dest: str, value, low, low_ok: bool, high, high_ok: bool) -> None:
-    flag = "--" + dest.replace("_", "-")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{flag} {value} must be a finite number")
-    too_low = low is not None and (value < low or (value == low and not low_ok))
-    too_high = high is not None and (value > high or (value == high and not high_ok))
-    if too_low or too_high:
-        lower = "" if low is None else f"{'>=' if low_ok else '>'} {low}"
-        upper = "" if high is None else f"{'<=' if high_ok else '<'} {high}"
-        raise ConfigError(f"{flag} {value} is out of range: it must be {' and '.join(b for b in (lower, upper) if b)}")
 
 
 def _check_consistency(args: argparse.Namespace) -> None:

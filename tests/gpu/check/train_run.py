@@ -1,7 +1,7 @@
 """One pretrain_gpt run whose history (per-iteration losses, ...) global rank 0 writes as JSON:
 
-    python3 -m mpzero.gpu_check.train_run --json out.json -- <pretrain_gpt flags>
-    python3 -m torch.distributed.run --standalone --nproc_per_node 4 -m mpzero.gpu_check.train_run --json out.json -- ...
+    python3 -m tests.gpu.check.train_run --json out.json -- <pretrain_gpt flags>
+    python3 -m torch.distributed.run --standalone --nproc_per_node 4 -m tests.gpu.check.train_run --json out.json -- ...
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog="python3 -m mpzero.gpu_check.train_run")
+    p = argparse.ArgumentParser(prog="python3 -m tests.gpu.check.train_run")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv[:split])
     import pretrain_gpt  # the repository root is on PYTHONPATH

@@ -1,6 +1,6 @@
 """The parts of `make gpu-check` that are not pytest files, one per process:
 
-    python3 -m mpzero.gpu_check.workers {environment,multi_gpu,bench_gpt2,zero_memory} --json PATH [--limit S]
+    python3 -m tests.gpu.check.workers {environment,multi_gpu,bench_gpt2,zero_memory} --json PATH [--limit S]
 
 Each writes its JSON result ({"status", "columns", "rows", "notes"}) after every row, atomically, so a part
 killed at its time limit still leaves the rows it finished. Every row is tried on its own: an exception is
@@ -136,7 +136,7 @@ def multi_gpu(args, result: Result) -> str:
 
     def launch(name: str, processes: int, flags: list[str], limit: float):
         path = os.path.join(work, f"{name}.json")
-        module = ["-m", "mpzero.gpu_check.train_run", "--json", path, "--"] + MULTI_FLAGS + flags
+        module = ["-m", "tests.gpu.check.train_run", "--json", path, "--"] + MULTI_FLAGS + flags
         cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
                                   if processes > 1 else []) + module
         print("$ " + " ".join(cmd), flush=True)
@@ -223,47 +223,6 @@ def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e12
 
 
-def eager_gpt2(vocab: int, h: int, layers: int, heads: int, seq: int):
-    """nanoGPT's GPT-2: pre-LN blocks, F.scaled_dot_product_attention, GELU MLP, tied output projection."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-            self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-        def forward(self, x):
-            b, s, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-            q, k, v = (t.view(b, s, heads, h // heads).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-            x = x + self.proj(y)
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(h)
-            for module in self.modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(module.weight, std=0.02)
-
-        def forward(self, tokens, labels):
-            x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1), device=tokens.device))
-            for block in self.blocks:
-                x = block(x)
-            logits = F.linear(self.ln_f(x), self.wte.weight)
-            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
-
-    return GPT()
-
-
 def _free_cuda() -> None:
     import torch
     gc.collect()
@@ -275,6 +234,7 @@ def _free_cuda() -> None:
 def _eager_step(inputs, labels, compile_: bool):
     """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0; (step, its losses)."""
     import torch
+    from bench.baselines import eager_gpt2
     model = eager_gpt2(GPT2_PADDED_VOCAB, 768, 12, 12, GPT2["seq_length"]).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     run = torch.compile(model) if compile_ else model
@@ -319,7 +279,7 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
     """One variant's figures: tokens/s, ms/step, first step, peak memory, kernels per step (its per-op table goes to
     this part's log, logs/bench_gpt2.log) and the last loss."""
     import torch
-    from mpzero.gpu_check.step_profile import step_profile
+    from bench.baselines import step_profile
 
     step = losses = None
     try:
@@ -466,7 +426,7 @@ PARTS = {"multi_gpu": multi_gpu, "bench_gpt2": bench_gpt2, "zero_memory": zero_m
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m mpzero.gpu_check.workers")
+    p = argparse.ArgumentParser(prog="python3 -m tests.gpu.check.workers")
     p.add_argument("part", choices=["environment", *PARTS])
     p.add_argument("--json", required=True)
     p.add_argument("--limit", type=float, default=300.0, help="seconds this part may take")

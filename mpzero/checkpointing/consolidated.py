@@ -1,0 +1,80 @@
+"""A checkpoint as one bundle of full fp32 weights, and back: `read_consolidated` gives every parameter whole by
+name whatever layout saved it (every chunk checked against its checksum); `save_weights_only` writes such a
+bundle as a weights-only checkpoint (iteration 0) loadable at any layout. tools/checkpoint_util.py,
+tools/export_hf.py, tools/import_hf.py, tools/generate.py and bench/bench_generate.py go through these."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, previous_advice, read_dcp_metadata,
+                                             read_meta_file)
+from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums
+from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, checkpoint_dir, checkpoint_key,
+                                         parse_checkpoint_key)
+from mpzero.checkpointing.reader import CheckpointReader
+from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare
+from mpzero.checkpointing.verify import resolve_iteration
+from mpzero.errors import ConfigError
+from mpzero.files import replace_directory, write_atomically
+
+
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
+    """Whole tensors as mpzero's planners take them: one chunk each, at offset zero."""
+    return {key: LocalShare(tuple(t.shape), [Chunk((0,) * t.dim(), tuple(t.shape), t)]) for key, t in tensors.items()}
+
+
+def read_consolidated(load: str, iteration: int | None) -> dict:
+    """{"model": {parameter name: full fp32 tensor}, "meta": meta.json} of a checkpoint at any layout, every
+    chunk checked against its checksum (tools/export_hf.py and tools/generate.py read checkpoints through it)."""
+    directory, iteration = resolve_iteration(load, iteration)
+    advice = previous_advice(load, iteration)
+    meta = read_meta_file(directory, advice)
+    check_shard_files(directory, read_dcp_metadata(directory, advice), advice)
+    checksums = read_checksums(directory, meta["layout"]["world"], advice) if meta.get("checksums") else None
+    names = {}  # checkpoint key: parameter name, for the fp32 weights
+    for key in meta["shapes"]:
+        try:
+            state, name = parse_checkpoint_key(key)
+        except ValueError:
+            raise ConfigError(f"checkpoint {directory}: meta.json is damaged (key {key!r}): {advice}") from None
+        if state == MASTER:
+            names[key] = name
+    model = {key: torch.zeros(meta["shapes"][key]) for key in names}
+    try:  # every stored chunk is read whole into its place, so each is checked against its checksum
+        dcp.load(_whole(model), checkpoint_id=directory, storage_reader=CheckpointReader(directory),
+                 planner=ChunksLoadPlanner(checksums, directory, advice), no_dist=True)
+    except dcp.CheckpointException as failure:
+        error = next(iter(failure.failures.values()), (failure,))
+        error = error[0] if isinstance(error, tuple) else error
+        if isinstance(error, ConfigError):
+            raise error from None
+        raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): {advice}; "
+                          f"`verify` names the damaged file") from None
+    return {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
+
+
+def save_weights_only(bundle: dict, save: str) -> None:
+    """A weights-only checkpoint (iteration 0) under `save` from {"model": {name: full tensor}, "meta": {"config":
+    flags}} (tools/import_hf.py writes through it)."""
+    tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
+    directory = checkpoint_dir(save, 0)
+    if os.path.exists(directory):
+        raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
+    tmp = directory + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
+    os.makedirs(tmp)
+    planner = ChunksSavePlanner(checksums=True)
+    dcp.save(_whole(tensors), checkpoint_id=tmp, planner=planner, no_dist=True)
+    write_rank_checksums(tmp, 0, planner.written_checksums())
+    meta = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
+            "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
+            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM}
+    write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
+    replace_directory(tmp, directory)
+    write_atomically(os.path.join(save, LATEST), "0")

@@ -1,5 +1,0 @@
-import sys
-
-from mpzero.gpu_check.cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from tests.gpu.check.cli import main
+
+sys.exit(main())
