@@ -30,9 +30,9 @@ from mpzero.arguments import gpt_config, offload_config, optimizer_config, preci
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
-from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
+from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.planner.transients import compute_transients
-from mpzero.zero.accounting import step_fp32_bytes
+from mpzero.zero import step_fp32_bytes
 
 TIERS = ("none", "cpu", "disk")
 
@@ -190,8 +190,8 @@ class Planner:
         zero.validate()
         offload.validate(zero.stage)
         shapes = model_shapes(normalized(config), layout.tp)
-        states = plan_states(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
-                             cuda=self.machine.cuda, rule=rule)
+        states = plan_states(PlanInputs(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
+                                        cuda=self.machine.cuda, rule=rule))
         acts = self._activations(config, layout.tp, layout.micro_batch)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)

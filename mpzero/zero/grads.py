@@ -32,7 +32,7 @@ import torch
 from mpzero.comm import CommGroup
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
-from mpzero.zero.offload.sink import TierBytes, Transfers
+from mpzero.zero.tiers import TierBytes, Transfers
 
 
 class GradCollector:

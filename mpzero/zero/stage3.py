@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
-from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
@@ -98,7 +98,7 @@ class Stage3(ZeroStage):
         self.device, self.dtype, self.construction = device, precision.torch_dtype, ConstructionMeters()
         self.tier = None
         if offload is not None and offload.params != "none":
-            from mpzero.zero.offload.params import ParamTier  # only runs that offload parameters
+            from mpzero.zero.offload import ParamTier  # only runs that offload parameters
             self.tier = ParamTier(self.layouts, self.dtype, device, offload, directory, self.meter, self.partitioned)
             self.param_shards = self.tier.param_shards
         else:

@@ -26,7 +26,7 @@ from mpzero.zero.construction import ConstructionMeters, InitialSlices, bucket_v
 from mpzero.zero.flat import bind_params, bucket_layouts
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
 from mpzero.zero.meter import TransientMeter
-from mpzero.zero.offload.sink import TierBytes, Transfers
+from mpzero.zero.tiers import TierBytes, Transfers
 from mpzero.zero.stage_base import ZeroStage
 
 

@@ -30,7 +30,7 @@ import torch
 from mpzero.errors import ConfigError
 from mpzero.optim import BLOCK, UpdateRule, canonical_windows  # noqa: F401  (canonical_windows: re-exported)
 from mpzero.zero.offload.directory import OffloadDirectory
-from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
 from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
