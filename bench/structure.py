@@ -15,7 +15,8 @@
 3. Functions over 60 lines (`def` line to last line, nested functions counted on their own) in mpzero/, tools/,
    bench/, examples/ and pretrain_gpt.py.
 4. The flags walk from `pretrain_gpt.main`: follow the parsed flags (the namespace `parse_args` returns, and the
-   resolved flag dictionary `RunConfig.flags`) through the calls they are passed to. A stop is a function that
+   resolved flag dictionary `RunConfig.flags`, also inside a dict literal that carries it) through the calls they
+   are passed to. A stop is a function that
    receives them as an argument; a climb back is a stop on a higher floor than its caller (the flags handed up the
    import graph); a return is a stop that returns a value it read from them. The call graph is followed from
    `main` through every call it resolves (names imported or defined in mpzero and pretrain_gpt.py, methods of
@@ -297,6 +298,8 @@ def _is_flags(expr, tainted: set[str]) -> bool:
         return expr.id in tainted
     if isinstance(expr, ast.Attribute):
         return expr.attr == "flags" and not (isinstance(expr.value, ast.Name) and expr.value.id == "self")
+    if isinstance(expr, ast.Dict):  # a record that carries them (a checkpoint's meta: {"config": run.flags})
+        return any(_is_flags(v, tainted) for v in expr.values)
     if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("vars", "dict"):
         return any(_is_flags(a, tainted) for a in expr.args)
     return False
@@ -310,6 +313,9 @@ def flags_walk(root: str, start: str = "pretrain_gpt:main") -> dict:
     modules = _modules(root, ("mpzero", "pretrain_gpt.py"))
     functions = _functions(modules)
     floor, _, _ = floors(modules)
+    top = max(floor.values()) + 1
+    floor.update({room: top for room in floor if f"mpzero.{room}" not in modules and not any(
+        m.startswith(f"mpzero.{room}.") for m in modules)})  # the scripts sit above the whole library
     stops, climbs, returns, visited = {}, set(), set(), set()
     queue = [(start, frozenset())]
     while queue:
