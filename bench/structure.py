@@ -94,11 +94,25 @@ def _module_level_nodes(tree: ast.Module):
             stack.extend(node.body)
 
 
+def _bound_names(module: Module) -> set[str]:
+    """Names a package's __init__ binds at module level: `from P import m` gives these, not the submodule P.m."""
+    bound = set()
+    for node in module.tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Assign):
+            bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return bound
+
+
 def _targets(modules, name: str, names) -> list[str]:
     """The mpzero modules an import statement loads by name (a `from P import m` of a submodule m included)."""
     if name not in modules:
         return []
-    subs = [f"{name}.{n}" for n in names or () if f"{name}.{n}" in modules]
+    bound = _bound_names(modules[name]) if modules[name].is_package else set()
+    subs = [f"{name}.{n}" for n in names or () if f"{name}.{n}" in modules and n not in bound]
     return subs + ([name] if not subs or len(subs) < len(names or ()) else [])
 
 
