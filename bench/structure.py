@@ -4,7 +4,7 @@
     git worktree add /tmp/before 5c3a95e && python bench/structure.py /tmp/before
 
 1. Back arrows between mpzero's folders. A room is a top-level entry of mpzero/ (a package folder, with its
-   subpackages, or a ground-floor module); room A points at room B when a module of A imports one of B at module
+   subpackages, or a ground-floor module; a second figure counts zero/offload as a room of its own); room A points at room B when a module of A imports one of B at module
    level (imports inside a function are lazy and draw no arrow). Floors: a room with no arrows out is floor 0,
    any other one floor above the highest it points at; inside a cycle the fewest arrows are cut, and those are the
    back arrows.
@@ -118,9 +118,14 @@ def _targets(modules, name: str, names) -> list[str]:
 
 # -- 1. rooms, arrows, floors -------------------------------------------------------------------------------------
 
+SUBFOLDERS = False  # True: a subpackage (zero/offload) is a room of its own
+
+
 def _room(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] == "mpzero":
+        if SUBFOLDERS and len(parts) >= 3 and parts[:3] == ["mpzero", "zero", "offload"]:
+            return "zero/offload"
         return parts[1] if len(parts) > 1 else None
     return parts[0]  # pretrain_gpt, tools, bench, examples: above the library
 
@@ -394,6 +399,12 @@ def main(argv=None) -> dict:
     walk = flags_walk(root)
     print(f"rooms {len(floor)} | floors {max(floor.values()) + 1} | arrows {len(edges)} | back arrows {len(back)}"
           + (": " + ", ".join(f"{a} -> {b}" for a, b in back) if back else ""))
+    global SUBFOLDERS
+    SUBFOLDERS = True  # the same with zero/offload a room of its own: the cycle item 2 named, inside zero/
+    _, inner_back, _ = floors({k: m for k, m in modules.items() if k.startswith("mpzero")})
+    SUBFOLDERS = False
+    print(f"back arrows with zero/offload a room of its own: {len(inner_back)}"
+          + (": " + ", ".join(f"{a} -> {b}" for a, b in inner_back) if inner_back else ""))
     print(f"deep cross-package imports in mpzero/: {len(inside)} in {len({f for f, _, _ in inside})} files | "
           f"in tools, bench, examples, pretrain_gpt.py: {len(outside)} in {len({f for f, _, _ in outside})} files")
     for path, line, target in inside:
