@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,19 +19,16 @@ import torch
 from torch import nn
 
 from mpzero.activations import SavedBytesCounter, report_activation_memory
-from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
-from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
-from mpzero.errors import ConfigError, TrainingError
-from mpzero.fused import resolved_impls
-from mpzero.nodes import check_nodes
+from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
 from mpzero.training.batches import load_batch, micro_batch_indices
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
-from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.signals import TerminationSignal
+from mpzero.training.startup import start
 from mpzero.training.metrics import MetricsLogger
 from mpzero.zero import StepStats, ZeroOptimizer
 
@@ -88,11 +84,6 @@ def partition_note(optimizer: ZeroOptimizer) -> str | None:
             f"whole on this rank); run more data-parallel ranks to divide it")
 
 
-def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
-    """What `auto` runs on this device: each fused op's implementation and the model's attention backend."""
-    return {**resolved_impls(device), "attention": run.model.attention(device)}
-
-
 @dataclass
 class Progress:
     """Where the run stands: iterations done, samples consumed, iterations skipped (fp16 overflow); restored from
@@ -123,7 +114,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses.
     Each iteration is `train_step`, then the decisions: log, evaluate, save, stop."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
-    (train_data, valid_data, test_data), data_tokenizers = _start(run, groups)
+    (train_data, valid_data, test_data), data_tokenizers = start(run, groups)
     state = _build_and_report(run, provider, groups)
     activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward
     progress = _load_or_close(run, state)
@@ -218,23 +209,6 @@ def save(run: RunConfig, state: TrainingState, progress: Progress, data_tokenize
         print(f"saved checkpoint at iteration {progress.iteration} to {where}", flush=True)
 
 
-def _start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
-    """((train, valid, test) datasets, the data's tokenizers), checked before the model is built (bad data paths
-    fail first), and the lines a run prints at start."""
-    nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
-    resumed = _resume_point(run, groups)
-    data_tokenizers, data_notes = _data_tokenizers(run, groups)
-    datasets = _datasets(run, groups, resumed)
-    if groups.is_logging_rank:
-        print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
-        print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
-        if nodes_line:
-            print(nodes_line, flush=True)
-        for note in _resume_notes(run, resumed) + data_notes:
-            print(note, flush=True)
-    return datasets, data_tokenizers
-
-
 def _build_and_report(run: RunConfig, provider: ModelProvider, groups: ParallelGroups) -> TrainingState:
     """The training state, and the lines said once it exists: the model-state memory and the notes."""
     state = build_training_state(run, provider, groups)
@@ -310,84 +284,6 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
     if checkpoint.finetune:
         return 0, 0, 0
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a resumed run starts, read from the checkpoint's meta.json before anything is built."""
-    iteration: int = 0
-    consumed_samples: int = 0
-    saved_flags: dict = field(default_factory=dict)
-    notes: tuple[str, ...] = ()  # the tokenizer comparison's, if any
-
-
-def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
-    """Read by every rank; a meta.json that only some ranks cannot read fails on all of them (the exchange of
-    errors is the agreement), not on one while the others wait in the next collective. The checkpoint's
-    tokenizer is compared with this run's here, before anything is built or written (--finetune too: a note)."""
-    checkpoint, data = run.checkpoint, run.data
-
-    def read():
-        found = read_meta(checkpoint.load) if checkpoint.load else None
-        if found is None:
-            return None, ()
-        directory, meta = found
-        note = check_checkpoint_tokenizer(meta, data.tokenizer, directory, checkpoint.finetune,
-                                          data.override_tokenizer_check)
-        return meta, (note,) if note else ()
-
-    found, error = groups.world.run_agreed(read, (ConfigError,))
-    if error:
-        raise ConfigError(error)
-    meta, notes = found
-    if meta is None or checkpoint.finetune:
-        return ResumePoint(notes=notes)
-    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}), notes)
-
-
-def _data_tokenizers(run: RunConfig, groups: ParallelGroups) -> tuple[dict, list[str]]:
-    """({--data-path prefix: the tokenizer it was made with, None if unknown}, notes); data made with another
-    tokenizer than this run's is refused on every rank (tokenizer_identity.py). Rank 0 reads the records and
-    hashes each .idx, and passes what it found to the others."""
-    data, world = run.data, groups.world
-    prefixes = parse_data_path(list(data.data_path))[0] if data.data_path and not data.mock_data else []
-    found, error = world.run_agreed(
-        lambda: check_data_tokenizers(prefixes, data.tokenizer, data.override_tokenizer_check) if world.rank == 0
-        else None, (ConfigError,))
-    if error:
-        raise ConfigError(error)
-    return world.all_gather_objects(found)[0]
-
-
-def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
-    """What a resumed run does differently from the run that saved the checkpoint, said once at start."""
-    saved, notes = resumed.saved_flags, list(resumed.notes)
-    saved_batch = saved.get("global_batch_size")
-    if saved_batch is not None and saved_batch != run.training.global_batch_size:
-        notes.append(f"note: the global batch size changed from {saved_batch} (checkpoint) to "
-                     f"{run.training.global_batch_size}: continuing at consumed sample {resumed.consumed_samples}")
-    if saved:
-        saved_dtype = "bf16" if saved.get("bf16") else "fp16" if saved.get("fp16") else "fp32"
-        if saved_dtype != run.precision.dtype:
-            fresh = "; its fp16 loss scaler starts fresh" if run.precision.dtype == "fp16" else ""
-            notes.append(f"note: the checkpoint was trained in {saved_dtype}, this run trains in "
-                         f"{run.precision.dtype}{fresh}")
-    return notes
-
-
-def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
-    """(train, valid, test), sized for what the run reads: training from the resume point's consumed samples
-    on, at this run's batch size (it may differ from the checkpoint's), and every evaluation reads the first
-    --eval-iters global batches of its split. Mock data: three independent synthetic streams."""
-    training, data = run.training, run.data
-    eval_samples = run.evaluation.eval_iters * training.global_batch_size
-    remaining = max(training.train_iters - resumed.iteration, 0) * training.global_batch_size
-    sizes = (resumed.consumed_samples + remaining, eval_samples, eval_samples)
-    if data.mock_data:
-        return tuple(MockGPTDataset(data.vocab_size, training.seq_length, training.seed + k, n) if n else None
-                     for k, n in enumerate(sizes))
-    return tuple(build_gpt_datasets(list(data.data_path), data.split, training.seq_length, training.seed, sizes,
-                                    data.data_cache_path, groups, vocab_size=data.vocab_size))
 
 
 def forward_backward(state: TrainingState, dataset, consumed: int, training,
