@@ -86,10 +86,11 @@ def test_a_dead_runs_folder_is_cleaned_and_a_foreign_one_kept(tmp_path):
     offload = tmp_path / "swap"
     (offload / "rank00000").mkdir(parents=True)
     (offload / "rank00000" / "exp_avg.bin").write_bytes(b"\0" * 4096)  # a run killed with -9 leaves this
+    (offload / "rank00000" / "grads.bin").write_bytes(b"\0" * 4096)
     (offload / "rank00000.lock").write_text("12345\n")  # no process holds it: its run is dead
     history, stdout = run_ranks(1, _main_with_stdout, _argv(offload, "--train-iters", "2"))[0]
     assert len(history["losses"]) == 2 and os.listdir(offload) == []
-    assert f"note: removed {offload / 'rank00000'}" in stdout
+    assert f"note: removed {offload / 'rank00000'} (2 swap files)" in stdout
     (offload / "rank00000").mkdir()
     (offload / "rank00000" / "notes.txt").write_text("someone's")
     code, stderr = run_ranks(1, exit_code_and_stderr, _argv(offload, "--train-iters", "2"))[0]
@@ -161,7 +162,7 @@ def _tamper_and_train(argv, path, how, rank):
 
 
 @pytest.mark.parametrize("world,rank,name,how", [(1, 0, "exp_avg.bin", "delete"), (1, 0, "params.swap", "cut"),
-                                                 (2, 1, "master.bin", "delete")])
+                                                 (2, 1, "master.bin", "delete"), (1, 0, "grads.bin", "cut")])
 def test_a_swap_file_deleted_or_cut_mid_training_stops_the_next_save(tmp_path, world, rank, name, how):
     """Saves at 2 and 4; after step 4 someone removes (or truncates) rank `rank`'s file: the save at 4 is refused
     on every rank in one line, exit 1, the latest pointer still on 2 and nothing of iteration 4 written."""

@@ -56,23 +56,30 @@ def _train(dtype, params="none", optimizer="none", prefetch=True, recompute=Fals
 
 def _between_steps(opt, moved):
     """After a step the device holds nothing: no parameter shard, gathered unit or staging, and the gradient
-    shards are in host memory (streamed there in backward with the optimizer offloaded, issue 24);
-    the step fetched every unit's shard twice per micro-batch (forward, backward), from the disk tier by one
-    aligned read each, and wrote each unit's region once."""
+    shards are in host memory (streamed there in backward with the optimizer offloaded, issue 24), or in the
+    gradient file with the optimizer on disk; the step fetched every unit's shard twice per micro-batch (forward,
+    backward), from the disk tier by one aligned read each, and wrote each unit's region once; the gradient file
+    had each unit's region written every micro-batch and read by the next one and by the step."""
     stage = opt.stage
     held = unique_storage_bytes(stage.held_tensors())
-    assert held == 0 and {g.device.type for g in stage.grad_shards} == {"cpu"}, held
+    grad_file = stage.gradient_file
+    assert held == 0 and (grad_file is not None and not stage.grad_shards
+                          or {g.device.type for g in stage.grad_shards} == {"cpu"}), held
     assert stage.meter.current == 0 and not stage.tier.staging()
     step, p = stage.transfers() - moved[-1], stage.tier.dtype.itemsize
     moved.append(stage.transfers())
     shards = sum(p * layout.shard_numel for layout in stage.layouts)
     regions = sum(round_up(p * layout.shard_numel) for layout in stage.layouts)
+    grad_bytes = sum(stage.grads._dtype.itemsize * layout.shard_numel for layout in stage.layouts)
+    grad_regions = sum(grad_file.regions) if grad_file is not None else 0
     on_gpu = stage.tier.device.type == "cuda"
-    streamed = MICRO * sum(g.nbytes for g in stage.grad_shards)  # every micro-batch's reduced gradient slices
+    streamed = MICRO * grad_bytes  # every micro-batch's reduced gradient slices
     assert step.host_to_device == (2 * MICRO * shards if on_gpu else 0), step
     assert step.device_to_host == (streamed if on_gpu else 0), step
     disk = stage.tier.kind == "disk"
-    assert (step.disk_read, step.disk_written) == ((2 * MICRO * regions, regions) if disk else (0, 0)), step
+    params_io = (2 * MICRO * regions, regions) if disk else (0, 0)
+    assert (step.disk_read, step.disk_written) == (params_io[0] + MICRO * grad_regions,
+                                                   params_io[1] + MICRO * grad_regions), step
 
 
 def _all_variants(dtype, path):

@@ -69,8 +69,8 @@ def mpzero_from_counts(total: int, largest_layer: int, dp: int, stage: int, p: i
     by its counts: model states from `memory_formula`/`offload_formula`, and for stage 3 the working set
     (p + g)(R + 2L) with the root R and the layers L taken as the largest layer (an upper bound; the planner's
     exact figure needs the model)."""
-    tiers = {"optimizer": offload_optimizer, "params": offload_params,  # gradients streamed to the host (issue 24)
-             "grads": "cpu" if offload_optimizer != "none" and stage >= 2 else "none"}
+    tiers = {"optimizer": offload_optimizer, "params": offload_params,  # gradients streamed to the host (issue 24),
+             "grads": offload_optimizer if stage >= 2 else "none"}      # and on to disk beside a disk optimizer
     offloaded = tuple(c for c, t in tiers.items() if t != "none")
     replicated, partitioned = memory_formula(stage, p, g, 4, ADAM, offloaded)
     device = total * (replicated + partitioned / dp)

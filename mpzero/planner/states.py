@@ -12,7 +12,8 @@ p / g bytes per parameter / gradient element:
   parameters   stages 0-2: p sum E_b (full flat buffers);  stage 3: p sum S_b (shards; DP 1: the whole copy);
                none on the device when stage 3 offloads them
   gradients    stages 0-1: g sum E_b (full buffers);  stages 2-3: g sum S_b (shards), in host memory with an
-               offloaded optimizer (streamed there in backward, issue 24; + the CUDA landing buffer, g max S_b)
+               offloaded optimizer (streamed there in backward, issue 24; + the CUDA landing buffer, g max S_b),
+               on disk beside a disk optimizer (each S_b in a 4 KiB-aligned region; + 2 host region buffers)
   optimizer    fp32 masters 4 sum S_b in mixed precision (in fp32 the master is the parameter slice), the update
                rule's states (`rule.state_bytes_per_param`: AdamW 8, SGD 4) x the owned elements that are not
                padding; none on the device when offloaded
@@ -174,7 +175,11 @@ def _off_device_bytes(inputs: PlanInputs, offload: OffloadConfig, layouts, shard
     precision, rule, cuda = inputs.precision, inputs.rule, inputs.cuda
     p, g = element_sizes(precision)
     host = disk = host_buffers = 0
-    if streamed:
+    if streamed and offload.grads_tier(inputs.zero.stage) == "disk":  # GradFile: a 4 KiB-aligned region per bucket,
+        regions = [round_up(g * layout.shard_numel) for layout in layouts]  # 2 buffers
+        disk += sum(regions)
+        host_buffers += 2 * aligned_bytes(max(regions, default=0) // g, precision.grad_dtype)
+    elif streamed:
         host += g * shard
         if cuda:  # ShardedGrads' pinned landing buffer for later micro-batches: one largest shard
             host_buffers += g * max((layout.shard_numel for layout in layouts), default=0)
@@ -238,6 +243,8 @@ def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRu
     if cuda and not offload.streams_grads(stage):
         parts.append("2 grad staging x 4 B")
     parts.append(f"param staging x {p} B")
+    if offload.grads_tier(stage) == "disk":
+        parts.append("2 gradient regions")
     return "buffers: " + " + ".join(parts) + (f" + {SLOTS}U" if offload.params == "disk" else "")
 
 

@@ -174,10 +174,10 @@ def offload_formula(stage: int, p: int, g: int, tiers: dict[str, str], states: i
 
 def offload_tiers(stage: int, offload) -> dict[str, str]:
     """Where each offloadable component lives ("none": the device), from an `OffloadConfig`: the optimizer's
-    masters and states, stage 3's parameters, and the gradient partition, streamed to host memory in backward
-    with an offloaded optimizer at stages 2-3 (`OffloadConfig.streams_grads`)."""
-    return {"optimizer": offload.optimizer, "params": offload.params,
-            "grads": "cpu" if offload.streams_grads(stage) else "none"}
+    masters and states, stage 3's parameters, and the gradient partition, streamed to host memory (and on to
+    disk with the optimizer there) in backward with an offloaded optimizer at stages 2-3
+    (`OffloadConfig.grads_tier`)."""
+    return {"optimizer": offload.optimizer, "params": offload.params, "grads": offload.grads_tier(stage)}
 
 
 def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers: dict[str, str],
@@ -185,7 +185,8 @@ def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers:
     """Bytes per rank per iteration between tiers (see the module docstring), with formulas; `states`: the
     rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states). Gradients go
     down as fp32 in the step, 4P/N, or, streamed in backward (tiers["grads"]), every micro-batch's reduced
-    slice in the gradients' dtype, m g P/N."""
+    slice in the gradients' dtype, m g P/N; on disk every micro-batch's slice is written (m g P/N) and read back
+    once by each later micro-batch and once by the step (m g P/N)."""
     partition = numel / dp_size
     d2h, h2d, read, written = [], [], [], []
     if tiers.get("grads", "none") != "none":
@@ -198,6 +199,9 @@ def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers:
         k = 4 + states
         read.append((k, f"{k}P/N"))
         written.append((k, f"{k}P/N"))
+    if tiers.get("grads") == "disk":
+        read.append((micro_batches * g, f"{micro_batches * g}P/N"))
+        written.append((micro_batches * g, f"{micro_batches * g}P/N"))
     if tiers.get("params", "none") != "none":
         fetched = 2 * micro_batches * p
         h2d.append((fetched, f"{fetched}P/N"))

@@ -72,6 +72,12 @@ class OffloadConfig:
         device to accumulate micro-batches; the step copies its slice down, sub-group by sub-group)."""
         return self.optimizer != "none" and stage >= 2
 
+    def grads_tier(self, stage: int) -> str:
+        """Where the gradient partition lives between backward and the step: "none" (the device), "cpu" (streamed
+        to host memory) or "disk" (streamed on to a file: ZeRO-Infinity keeps gradients with the optimizer's states
+        on NVMe), the offloaded optimizer's tier at stages 2-3."""
+        return self.optimizer if self.streams_grads(stage) else "none"
+
     def validate(self, stage: int) -> None:
         """Checks that need no file system (the path itself is checked where the run starts)."""
         for flag, tier in (("--offload-optimizer", self.optimizer), ("--offload-params", self.params)):

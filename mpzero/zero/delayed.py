@@ -24,7 +24,7 @@ import threading
 import torch
 
 from mpzero.zero.tiers import ParamSink
-from mpzero.zero.step_grads import Fp32Buckets
+from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 
 
 class DeferredSink(ParamSink):
@@ -55,6 +55,8 @@ class DeferredSink(ParamSink):
 def snapshot(grads):
     """The step's fp32 gradients (or `Fp32Buckets` over low-precision ones) copied to host memory, unscaled and
     clipped as they are, so that the next backward may refill the buffers."""
+    if isinstance(grads, FileGrads):  # on disk: read into host memory (the next backward rewrites the file)
+        return grads.host_copies()
     if isinstance(grads, Fp32Buckets):
         copy = Fp32Buckets([shard.to("cpu", copy=True) for shard in grads.shards], grads.inverse_scale)
         if grads._coef is not None:

@@ -18,14 +18,16 @@ Two ways to reduce, one per family of stages:
   per micro-batch (the ZeRO paper's stage 2 trade-off). At most MAX_INFLIGHT_REDUCTIONS full buffers
   wait for their reduce-scatter at a time, so the transient gradient memory is bounded by a few buckets.
   With an offloaded optimizer (`host=True`) the slices live in host memory and each reduced bucket is streamed
-  there as soon as it is complete (issue 24): the device then holds only buckets in flight.
+  there as soon as it is complete (issue 24): the device then holds only buckets in flight. With the optimizer on
+  disk (`file`, a `GradFile`) they go on to the disk, each bucket's slice written as it arrives: the host then
+  holds two region buffers, not the partition.
 Gradients are divided by the DP size before the sum (Megatron's order: less fp16 overflow), which
 leaves them averaged over the DP ranks.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -33,6 +35,9 @@ from mpzero.comm import CommGroup
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.tiers import TierBytes, Transfers
+
+if TYPE_CHECKING:
+    from mpzero.zero.offload import GradFile
 
 
 class GradCollector:
@@ -130,19 +135,30 @@ class ShardedGrads:
     the host on a side stream (CUDA; on a CPU run the copy is a plain one) and freed once the next one starts, so
     the device holds the full buckets in flight plus at most MAX_INFLIGHT_REDUCTIONS + IN_TRANSIT reduced shards
     (`accounting.streamed_grad_bytes`), never the gradient partition. Micro-batches after the first land in a
-    pinned host buffer (CUDA) and are added to the host slice, the same additions in the same order: bitwise."""
+    pinned host buffer (CUDA) and are added to the host slice, the same additions in the same order: bitwise.
+
+    `file` (the optimizer on disk; needs `host`): the slices live in that `GradFile` instead of host memory: each
+    streamed slice lands in its first region buffer (on CUDA the pinned landing buffer) and is written to the file
+    (a later micro-batch: read back into the second buffer, the new slice added, written again); `shards` is then
+    empty. The step's global norm cannot read the file's values cheaply, so the last micro-batch hands each
+    bucket's final slice to `on_final(bucket, values)` (set by the optimizer front) right after writing it."""
 
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
                  meter: TransientMeter, after_ready: Callable[[int], None] = lambda bucket: None,
-                 host: bool = False, pin: bool = False):
+                 host: bool = False, pin: bool = False, file: GradFile | None = None):
+        if file is not None and not host:
+            raise ValueError("gradients on disk are streamed through host memory: pass host=True with file")
         self.dp, self._layouts, self._dtype, self._device = dp, layouts, dtype, torch.device(device)
         self.overlap, self._after_ready, self._meter = overlap, after_ready, meter
-        self.streamed = host
+        self.streamed, self.file = host, file
+        self.on_final: Callable[[int, torch.Tensor], None] | None = None
+        self._last = False  # this micro-batch's slices are final (the last micro-batch of the step)
         self.device_meter = TransientMeter()  # gradient bytes on the device: shards (unstreamed), buckets, transit
         cuda = self._device.type == "cuda"
         pin = pin and host and cuda
         where = torch.device("cpu") if host else self._device
-        self.shards = [torch.zeros(l.shard_numel, dtype=dtype, device=where, pin_memory=pin) for l in layouts]
+        self.shards = [] if file is not None else [torch.zeros(l.shard_numel, dtype=dtype, device=where,
+                                                               pin_memory=pin) for l in layouts]
         if not host:
             self.device_meter.add(sum(shard.nbytes for shard in self.shards))
         self._zeroed = set(range(len(layouts)))  # buckets whose shard holds zeros (nothing reduced since zero_())
@@ -153,7 +169,8 @@ class ShardedGrads:
         self.device_to_host = 0  # bytes copied to the host by streaming (0 on a CPU run: the device is the host)
         self._stream = torch.cuda.Stream(self._device) if host and cuda else None
         largest = max((l.shard_numel for l in layouts), default=0)
-        self._landing = (torch.empty(largest, dtype=dtype, pin_memory=pin) if host and cuda else None)
+        self._landing = (torch.empty(largest, dtype=dtype, pin_memory=pin) if host and cuda and file is None
+                         else None)
         self.collector = GradCollector(layouts, self._full_buffer, self._ready)
 
     def _add(self, nbytes: int) -> None:
@@ -173,6 +190,7 @@ class ShardedGrads:
 
     def begin_backward(self, last_micro_batch: bool) -> None:
         self._launched = set()
+        self._last = last_micro_batch
         self.collector.reset()
 
     def _ready(self, bucket: int) -> None:
@@ -220,7 +238,11 @@ class ShardedGrads:
         while len(self._transit) >= IN_TRANSIT:
             self._finish_oldest_send()
         host = reduced.device.type == "cpu"
-        target = self.shards[bucket] if first else (reduced if host else self._landing[:reduced.numel()])
+        if self.file is not None:  # the first region buffer, on its way to the file (once the last write is done)
+            self.file.wait()
+            target = self.file.buffers[0][:reduced.numel()]
+        else:
+            target = self.shards[bucket] if first else (reduced if host else self._landing[:reduced.numel()])
         event = None
         if self._stream is not None:  # CUDA: a side stream, after the reduction on the current one
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -239,9 +261,25 @@ class ShardedGrads:
         bucket, reduced, target, event, first = self._transit.pop(0)
         if event is not None:
             event.synchronize()
-        if not first:
+        if self.file is not None:
+            self._to_file(bucket, target, first)
+        elif not first:
             self.shards[bucket].add_(target)
         self._sub(reduced.nbytes)
+
+    def _to_file(self, bucket: int, arrived: torch.Tensor, first: bool) -> None:
+        """The slice that arrived (in the first region buffer) into bucket's region: as it is after zero_(), else
+        added to what the region holds (read into the second buffer); the last micro-batch's to `on_final`."""
+        buffer = self.file.buffers[0]  # holds `arrived`
+        values = arrived
+        if not first:
+            self.file.wait()  # buffer 1 may still be on its way out
+            buffer = self.file.buffers[1]
+            values = self.file.read(bucket, buffer)
+            values.add_(arrived)
+        self.file.write_behind(bucket, buffer)  # overlaps the rest of backward; the norm only reads the buffer
+        if self._last and self.on_final is not None:
+            self.on_final(bucket, values)
 
     def end_backward(self) -> None:
         for bucket in range(len(self.shards)):
@@ -251,11 +289,13 @@ class ShardedGrads:
             self._complete_oldest()
         while self._transit:
             self._finish_oldest_send()
+        if self.file is not None:
+            self.file.wait()
 
     def zero_(self) -> None:
         for shard in self.shards:
             shard.zero_()
-        self._zeroed = set(range(len(self.shards)))
+        self._zeroed = set(range(len(self._layouts)))
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Device storage between steps: the shards (streamed: none; they are host state, `host_tensors`)."""
@@ -265,19 +305,37 @@ class ShardedGrads:
         return list(self.shards) if self.streamed else []
 
     def tier_bytes(self) -> TierBytes:
-        """Streamed: the host slices (state) and the landing buffer (CUDA)."""
+        """Streamed: the host slices (state) and the landing buffer (CUDA); on disk: the file and its two region
+        buffers."""
         return TierBytes(host=sum(t.untyped_storage().nbytes() for t in self.host_tensors()),
-                         host_buffers=sum(t.untyped_storage().nbytes() for t in self.host_buffers()))
+                         host_buffers=sum(t.untyped_storage().nbytes() for t in self.host_buffers()),
+                         disk=self.file.nbytes if self.file is not None else 0)
 
     def transfers(self) -> Transfers:
-        return Transfers(device_to_host=self.device_to_host)
+        if self.file is None:
+            return Transfers(device_to_host=self.device_to_host)
+        return Transfers(device_to_host=self.device_to_host, disk_read=self.file.file.bytes_read,
+                         disk_written=self.file.file.bytes_written)
 
     def host_buffer_formula(self) -> tuple[int, str]:
-        """(bytes, text): the landing buffer of one largest shard in the gradients' dtype (CUDA, streamed)."""
+        """(bytes, text): the landing buffer of one largest shard in the gradients' dtype (CUDA, streamed), or the
+        gradient file's two region buffers."""
+        if self.file is not None:
+            return self.file.host_buffer_formula()
         if self._landing is None:
             return 0, "0"
         largest = max((layout.shard_numel for layout in self._layouts), default=0)
         return self._dtype.itemsize * largest, f"{self._dtype.itemsize}S"
 
     def host_buffers(self) -> list[torch.Tensor]:
+        if self.file is not None:
+            return list(self.file.buffers)
         return [self._landing] if self._landing is not None else []
+
+    def check_files(self) -> None:
+        if self.file is not None:
+            self.file.check()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

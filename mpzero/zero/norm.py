@@ -49,8 +49,8 @@ def sum_of_squares(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, x.numel(), CHUNK):
         chunk = x[start:start + CHUNK]
-        if scale != 1.0:
-            chunk = chunk.float().mul_(scale)
+        if scale != 1.0:  # on a copy: fp32 gradients keep their values
+            chunk = chunk.to(torch.float32, copy=True).mul_(scale)
         chunk = chunk.to(torch.float64)  # exact from fp32, bf16 and fp16
         total += torch.dot(chunk, chunk)
     return total
@@ -64,14 +64,61 @@ def grad_norm_squared(grads: list[torch.Tensor], runs: list[tuple[int, int, int]
     on every rank: the one all-reduce of the norm is also the overflow check. `scale`: the norm is that of the
     gradients times `scale` (low-precision shards, unscaled chunk by chunk in fp32; see `sum_of_squares`)."""
     device = grads[0].device if grads else groups.device
+    sums = [sum_of_squares(grads[bucket][start:end], scale) for bucket, start, end in runs]
+    return _reduce(sums, _any_not_finite(grads, device) if check_overflow else None, groups, device)
+
+
+def _reduce(sums: list[torch.Tensor], not_finite: torch.Tensor | None, groups: ParallelGroups,
+            device: torch.device) -> torch.Tensor:
+    """The runs' sums added in run order (the same fp64 additions whoever computed them), inf where `not_finite`,
+    all-reduced over the world."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for bucket, start, end in runs:
-        total += sum_of_squares(grads[bucket][start:end], scale)
-    if check_overflow:
-        total = torch.where(_any_not_finite(grads, device), torch.inf, total)
+    for part in sums:
+        total += part
+    if not_finite is not None:
+        total = torch.where(not_finite, torch.inf, total)
     total = total.to(groups.device)  # gradients streamed to host memory: the all-reduce and the read are the device's
     groups.world.all_reduce(total)  # an fp64 scalar: gloo and NCCL both reduce float64
     return total
+
+
+class ArrivingNorm:
+    """The same squared norm for gradients that are not kept where the step could read them (on disk,
+    offload/grad_file.py): each bucket's final slice is handed to `add` as it arrives in backward, its runs' sums
+    (and the overflow check) taken then; `squared` adds them in run order, the same arithmetic as
+    `grad_norm_squared`, once every bucket has arrived."""
+
+    def __init__(self, runs: list[tuple[int, int, int]], buckets: int, check_overflow: bool):
+        self.runs, self.buckets, self.check_overflow = runs, buckets, check_overflow
+        self._of_bucket: dict[int, list[int]] = {}
+        for i, (bucket, _, _) in enumerate(runs):
+            self._of_bucket.setdefault(bucket, []).append(i)
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums: list[torch.Tensor | None] = [None] * len(self.runs)
+        self._not_finite: torch.Tensor | None = None
+        self._arrived: set[int] = set()
+
+    def add(self, bucket: int, values: torch.Tensor, scale: float) -> None:
+        for i in self._of_bucket.get(bucket, ()):
+            _, start, end = self.runs[i]
+            self._sums[i] = sum_of_squares(values[start:end], scale)
+        if self.check_overflow:
+            flag = _any_not_finite([values], values.device)
+            self._not_finite = flag if self._not_finite is None else self._not_finite | flag
+        self._arrived.add(bucket)
+
+    def squared(self, groups: ParallelGroups) -> torch.Tensor:
+        missing = sorted(set(range(self.buckets)) - self._arrived)
+        if missing:
+            raise RuntimeError(f"the gradient norm needs every bucket's final gradients; buckets {missing} did not "
+                               "arrive (backward(loss, last_micro_batch=True) reduces them)")
+        device = next((part.device for part in self._sums if part is not None), torch.device("cpu"))
+        not_finite = self._not_finite if self.check_overflow else None
+        if not_finite is None and self.check_overflow:
+            not_finite = torch.zeros((), dtype=torch.bool, device=device)
+        return _reduce(self._sums, not_finite, groups, device)
 
 
 def _any_not_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -47,8 +47,8 @@ from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
-from mpzero.zero.norm import clip_grads_, grad_norm_squared, norm_runs, read_to_host
-from mpzero.zero.step_grads import Fp32Buckets
+from mpzero.zero.norm import ArrivingNorm, clip_grads_, grad_norm_squared, norm_runs, read_to_host
+from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
 from mpzero.zero.stage_base import ZeroStage
@@ -82,7 +82,8 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
                       directory=directory)
     if units is not None:
         raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
-    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device, offload)
+    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device, offload,
+                                                         directory)
 
 
 class ZeroOptimizer:
@@ -115,7 +116,8 @@ class ZeroOptimizer:
         self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
         self.decays = mark_weight_decay(named, decay)  # {name: decays}, recorded for the stage's layouts
         self.numel = sum(p.numel() for _, p in named)
-        self.offload_directory = _open_offload_directory(offload, groups, self.numel, precision.torch_dtype.itemsize,
+        self.offload_directory = _open_offload_directory(offload, zero.stage, groups, self.numel,
+                                                         precision.torch_dtype.itemsize, precision.grad_dtype.itemsize,
                                                          self.rule.state_bytes_per_param)
         self.stage = self.masters = self._delayed = None
         self._closed = False
@@ -131,6 +133,10 @@ class ZeroOptimizer:
         self.scaler = make_loss_scaler(precision)
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
+        self._arriving = None  # gradients on disk: the norm is taken as their final slices arrive in backward
+        if self.stage.gradient_file is not None:
+            self._arriving = ArrivingNorm(self._norm_runs, len(self.stage.layouts), precision.dtype == "fp16")
+            self.stage.watch_final_gradients(self._final_gradients)
         self.lr, self.iteration = optimizer.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
@@ -146,7 +152,8 @@ class ZeroOptimizer:
             masters = DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.config)
         else:
             from mpzero.zero.offload import OffloadedMasters  # host/disk tiers: only runs that ask for them
-            device = self.stage.grad_shards[0].device
+            # gradients streamed to the host in backward (stages 2-3): the store reads host (or file) gradients
+            device = torch.device("cpu") if offload.streams_grads(self.zero.stage) else self.stage.grad_shards[0].device
             masters = OffloadedMasters(self.stage.layouts, self.stage.param_sink(), initial, self.config, offload,
                                        directory, device, staged_grads=not offload.streams_grads(self.zero.stage))
         initial.finish()
@@ -179,6 +186,8 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self.stage.zero_grad()
+        if self._arriving is not None:
+            self._arriving.reset()
         self._micro_batches, self._reduced, self._checked = 0, False, None
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
@@ -203,9 +212,12 @@ class ZeroOptimizer:
             raise RuntimeError("check_gradients() runs once per step: its gradients are already unscaled")
         grads = self._fp32_grads()
         cast = isinstance(grads, Fp32Buckets)  # the norm then reads the low-precision shards themselves
-        squared = grad_norm_squared(grads.shards if cast else grads, self._norm_runs, self.groups,
-                                    check_overflow=self.precision.dtype == "fp16",
-                                    scale=grads.inverse_scale if cast else 1.0)
+        if isinstance(grads, FileGrads):  # on disk: summed as they arrived
+            squared = self._arriving.squared(self.groups)
+        else:
+            squared = grad_norm_squared(grads.shards if cast else grads, self._norm_runs, self.groups,
+                                        check_overflow=self.precision.dtype == "fp16",
+                                        scale=grads.inverse_scale if cast else 1.0)
         host = read_to_host([squared, *read_with])
         self._checked = grads, GradientCheck(math.sqrt(host[0]), tuple(host[1:]))
         return self._checked[1]
@@ -246,6 +258,11 @@ class ZeroOptimizer:
         self.zero_grad()
         return StepStats(None if skipped else norm, skipped, scale)
 
+    def _final_gradients(self, bucket: int, values: torch.Tensor) -> None:
+        """A bucket's final gradient slice on its way to disk: its share of the norm, unscaled as the step will
+        (the loss scale changes only after the step)."""
+        self._arriving.add(bucket, values, 1.0 / self.scaler.scale)
+
     def finish_update(self) -> None:
         """With --offload-delayed-update-after: apply the pending update now (before a checkpoint, an evaluation,
         the end of training); a no-op otherwise. Every rank calls it (the stage spreads the parameters over DP).
@@ -259,6 +276,8 @@ class ZeroOptimizer:
         after the step anyway); low-precision ones as `Fp32Buckets`, cast as the step reads them: a bucket at a
         time in memory, a sub-group at a time by an offloaded optimizer (see step_grads.py)."""
         inverse = 1.0 / self.scaler.scale
+        if self.stage.gradient_file is not None:
+            return FileGrads(self.stage.gradient_file, inverse)
         shards = self.stage.grad_shards
         if any(grad.dtype != torch.float32 for grad in shards):
             return Fp32Buckets(shards, inverse)
@@ -381,7 +400,7 @@ class ZeroOptimizer:
         return result
 
 
-def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, numel: int, p: int,
+def _open_offload_directory(offload: OffloadConfig, stage: int, groups: ParallelGroups, numel: int, p: int, g: int,
                             states: int) -> OffloadDirectory | None:
     """The disk tier's folder of this rank, PATH/rank00000, locked and created fresh (offload/directory.py), once
     every rank has its own and room for its files; a failure on any rank is a ConfigError on all, with nothing
@@ -393,7 +412,7 @@ def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, nume
     def open_checked() -> OffloadDirectory:
         directory = OffloadDirectory(os.path.join(offload.path, f"rank{groups.world.rank:05d}"))
         try:
-            _check_offload_space(offload, directory, numel, groups.dp_size, p, states)
+            _check_offload_space(offload, stage, directory, numel, groups.dp_size, p, g, states)
         except BaseException:
             directory.close()
             raise
@@ -407,12 +426,13 @@ def _open_offload_directory(offload: OffloadConfig, groups: ParallelGroups, nume
     return directory
 
 
-def _check_offload_space(offload: OffloadConfig, directory: OffloadDirectory, numel: int, dp_size: int,
-                         p: int, states: int) -> None:
+def _check_offload_space(offload: OffloadConfig, stage: int, directory: OffloadDirectory, numel: int, dp_size: int,
+                         p: int, g: int, states: int) -> None:
     """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
     every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
     from mpzero.zero.offload import readable
     per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
+    per_param += g if offload.grads_tier(stage) == "disk" else 0
     need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     st = os.fstatvfs(directory.fd)
     free = st.f_bavail * st.f_frsize

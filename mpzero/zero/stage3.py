@@ -108,9 +108,20 @@ class Stage3(ZeroStage):
         self._handles = [None] * len(self.layouts)
         self._gathered = [not self.gathers] * len(self.layouts)
         streamed = offload is not None and offload.streams_grads(3)
-        self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
-                                  after_ready=self._grads_ready, host=streamed,
-                                  pin=streamed and offload.pin_memory)
+        file = None
+        if streamed:  # gradients in host memory, or in a file beside a disk optimizer
+            from mpzero.zero.offload import gradient_file  # only runs that offload
+            file = gradient_file(offload, 3, directory, self.layouts, precision.grad_dtype, device)
+        try:
+            self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
+                                      after_ready=self._grads_ready, host=streamed,
+                                      pin=streamed and offload.pin_memory, file=file)
+        except BaseException:
+            if file is not None:
+                file.close()
+            if self.tier is not None:
+                self.tier.close()
+            raise
         self.in_backward, self._order, self._order_frozen = False, [], False
         self._hooks = []
         for u, module in enumerate(self.modules):
@@ -341,10 +352,21 @@ class Stage3(ZeroStage):
         grads = self.grads.host_buffer_formula()
         return tier[0] + grads[0], "+".join(t for t in (tier[1], grads[1]) if t != "0") or "0"
 
+    @property
+    def gradient_file(self):
+        return self.grads.file
+
+    def watch_final_gradients(self, fn) -> None:
+        if self.gradient_file is None:
+            super().watch_final_gradients(fn)
+        self.grads.on_final = fn
+
     def check_files(self) -> None:
         if self.tier is not None:
             self.tier.check_files()
+        self.grads.check_files()
 
     def close(self) -> None:
         if self.tier is not None:
             self.tier.close()
+        self.grads.close()

@@ -10,7 +10,9 @@ A stage owns the model's parameter storage and the gradient buffers of this rank
   bucket at a time as the master store reads them, in order, at construction (construction.py: the stage makes
   each bucket's parameters then); the stage keeps no reference to them.
 - `grad_shards[b]`: this rank's reduced (DP-averaged) gradient slice, aligned with `param_shards[b]`, valid
-  after `end_backward()` of the last micro-batch; `zero_grad()` clears them.
+  after `end_backward()` of the last micro-batch; `zero_grad()` clears them. With the optimizer on disk
+  (stages 2-3) there are none: `gradient_file` holds them (offload/grad_file.py), and each bucket's final slice
+  is handed to the function given to `watch_final_gradients` as it is written there.
 - `begin_backward(last_micro_batch)` / `end_backward()` bracket one micro-batch's backward: gradients are
   collected (and reduced when the stage reduces every micro-batch, or at the last one) in between.
 - `held_tensors()`: the parameter and gradient storage this stage holds between steps, and `meter`, the
@@ -64,6 +66,12 @@ class ZeroStage(OffloadHolder, ABC):
 
     @abstractmethod
     def held_tensors(self) -> list[torch.Tensor]: ...
+
+    gradient_file = None  # a GradFile: this rank's gradient slices on disk (stages 2-3, optimizer on disk)
+
+    def watch_final_gradients(self, fn) -> None:
+        """fn(bucket, values) for each bucket's final gradient slice as it goes to `gradient_file`."""
+        raise NotImplementedError(f"stage {self.number} keeps its gradients where the step reads them")
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond `held_tensors` at its in-step peak, for stages whose

@@ -36,9 +36,11 @@ class _FullParams(ZeroStage):
     parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
 
     def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device,
-                 offload: OffloadConfig | None = None):
+                 offload: OffloadConfig | None = None, directory=None):
+        """`directory`: the disk tier's `OffloadDirectory` (stage 2 with the optimizer on disk keeps its gradient
+        slices there)."""
         self.dp, self.meter, self.construction = dp, TransientMeter(), ConstructionMeters()
-        self.offload = offload or OffloadConfig()
+        self.offload, self.directory = offload or OffloadConfig(), directory
         parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
         self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
         self.device, self.dtype = device, precision.torch_dtype
@@ -93,6 +95,23 @@ class _FullParams(ZeroStage):
     def host_buffer_formula(self) -> tuple[int, str]:
         return self.grads.host_buffer_formula() if isinstance(self.grads, ShardedGrads) else (0, "0")
 
+    @property
+    def gradient_file(self):
+        return self.grads.file if isinstance(self.grads, ShardedGrads) else None
+
+    def watch_final_gradients(self, fn) -> None:
+        if self.gradient_file is None:
+            super().watch_final_gradients(fn)
+        self.grads.on_final = fn
+
+    def check_files(self) -> None:
+        if isinstance(self.grads, ShardedGrads):
+            self.grads.check_files()
+
+    def close(self) -> None:
+        if isinstance(self.grads, ShardedGrads):
+            self.grads.close()
+
     def after_update(self) -> None:
         if self.parts_of_dp and self.dp.size > 1:  # each rank updated its own slice: gather everyone's (at DP 1
             # the slice is the whole buffer: nothing to copy)
@@ -118,8 +137,10 @@ class Stage2(_FullParams):
     number, parts_of_dp = 2, True
 
     def _make_grads(self, dtype, device, overlap):
+        from mpzero.zero.offload import gradient_file  # the tiers load with the runs that use them (None: no file)
+        file = gradient_file(self.offload, self.number, self.directory, self.layouts, dtype, device)
         return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter,
-                            host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory)
+                            host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory, file=file)
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """Gradients streamed to the host (an offloaded optimizer): the device's gradient bytes in backward,

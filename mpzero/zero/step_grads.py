@@ -14,6 +14,10 @@ Two readers, each with a bounded fp32 working set (issue 24, item 2), counted by
 - an offloaded optimizer reads sub-groups, `buckets.piece(b, lo, hi)`: the pieces of the sub-group it updates
   and of the one whose gradients are on their way to the host, at most `PIECES_KEPT` pieces, each inside one
   sub-group of G elements: 4 x 2G, whatever the model size.
+
+`FileGrads` is the same reader over gradients on disk (offload/grad_file.py): the pieces come from the bucket's
+region, read back in bucket order (the next one read ahead); fp32 gradients are unscaled and clipped in place in
+the region buffer, low-precision ones cast as above.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ class Fp32Buckets(Sequence):
     def __len__(self) -> int:
         return len(self.shards)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the gradients are (the fp32 pieces are made there)."""
+        return self.shards[0].device if self.shards else torch.device("cpu")
+
+    def _shard(self, bucket: int) -> torch.Tensor:
+        return self.shards[bucket]
+
     def __getitem__(self, bucket: int) -> torch.Tensor:
         """Bucket's whole shard in fp32; the previous bucket's copy is dropped first (one at a time)."""
         key = (bucket, 0, self.shards[bucket].numel())
@@ -64,20 +76,71 @@ class Fp32Buckets(Sequence):
     def _get(self, key: tuple[int, int, int]) -> torch.Tensor:
         if key not in self._cast:
             bucket, lo, hi = key
-            grad = self.shards[bucket][lo:hi].float()
+            source = self._shard(bucket)[lo:hi]
+            grad = source.float()  # fp32 gradients (on disk): the region buffer's own elements, changed in place
             if self.inverse_scale != 1.0:
                 grad.mul_(self.inverse_scale)
             if self._coef is not None:
                 grad.mul_(self._coef)
             self._cast[key] = grad
             self._read = True
-            self.meter.add(grad.nbytes)
+            self.meter.add(self._copied_bytes(source, grad))
         return self._cast[key]
 
+    @staticmethod
+    def _copied_bytes(source: torch.Tensor, grad: torch.Tensor) -> int:
+        return 0 if grad.data_ptr() == source.data_ptr() else grad.nbytes
+
     def _drop(self, key: tuple[int, int, int]) -> None:
-        self.meter.sub(self._cast.pop(key).nbytes)
+        grad = self._cast.pop(key)
+        self.meter.sub(0 if grad.dtype == self._source_dtype(key[0]) else grad.nbytes)
+
+    def _source_dtype(self, bucket: int) -> torch.dtype:
+        return self.shards[bucket].dtype
 
     def release(self) -> None:
         """Drop every fp32 copy (the step is over, or moves to another bucket)."""
         for key in list(self._cast):
             self._drop(key)
+
+
+class FileGrads(Fp32Buckets):
+    """This rank's gradient slices on disk (`GradFile`), read by an offloaded optimizer's step piece by piece, in
+    bucket order (see the module docstring). `release()` ends the step's reads."""
+
+    def __init__(self, file, inverse_scale: float):
+        super().__init__([], inverse_scale)
+        self.file = file
+        self._reader = file.reader()
+        self._bucket: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.file.numels)
+
+    def __getitem__(self, bucket: int) -> torch.Tensor:
+        raise TypeError("gradients on disk are read by pieces (piece(bucket, lo, hi)), by an offloaded optimizer")
+
+    def _shard(self, bucket: int) -> torch.Tensor:
+        if bucket != self._bucket:  # the reader reuses the buffer of the bucket before: its pieces go first
+            for key in [key for key in self._cast if key[0] != bucket]:
+                self._drop(key)
+            self._bucket = bucket
+        return self._reader.slice(bucket)
+
+    def _source_dtype(self, bucket: int) -> torch.dtype:
+        return self.file.dtype
+
+    def release(self) -> None:
+        super().release()
+        self._bucket = None
+        self._reader.wait()
+
+    def host_copies(self) -> Fp32Buckets:
+        """The gradients read into host memory (g P/N bytes), as an `Fp32Buckets` unscaled and clipped like these:
+        the delayed update's snapshot, which the next backward must not overwrite."""
+        self._reader.wait()
+        copies = [self.file.read(b, self.file.buffers[0]).clone() for b in range(len(self))]
+        copy = Fp32Buckets(copies, self.inverse_scale)
+        if self._coef is not None:
+            copy.clip_(self._coef)
+        return copy

@@ -6,14 +6,16 @@ contract the tiers share with the stages (`ParamSink`, `TierBytes`, `Transfers`,
 - `directory`: each rank's private, locked folder of swap files under --offload-path.
 - `masters`: the offloaded `MasterStore`s (fp32 masters and the rule's states in host memory or on disk).
 - `params`: stage 3's parameter shards in host memory or on disk.
+- `grad_file`: the gradient partition on disk beside a disk optimizer (stages 2-3).
 """
 
 from mpzero.zero.offload.directory import SWAP_NAMES, OffloadDirectory
+from mpzero.zero.offload.grad_file import GradFile, RegionReader, gradient_file
 from mpzero.zero.offload.masters import OffloadedMasters, buffer_bytes, round_to_block
 from mpzero.zero.offload.params import SLOTS, ParamTier
 from mpzero.zero.offload.swap import (ALIGN, SwapFile, SwapPipeline, aligned_bytes, aligned_empty, disk_error_message,
                                       readable, round_up)
 
-__all__ = ["ALIGN", "OffloadDirectory", "OffloadedMasters", "ParamTier", "SLOTS", "SWAP_NAMES", "SwapFile",
-           "SwapPipeline", "aligned_bytes", "aligned_empty", "buffer_bytes", "disk_error_message", "readable",
-           "round_to_block", "round_up"]
+__all__ = ["ALIGN", "GradFile", "OffloadDirectory", "OffloadedMasters", "ParamTier", "RegionReader", "SLOTS",
+           "SWAP_NAMES", "SwapFile", "SwapPipeline", "aligned_bytes", "aligned_empty", "buffer_bytes",
+           "disk_error_message", "gradient_file", "readable", "round_to_block", "round_up"]

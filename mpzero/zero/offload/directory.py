@@ -23,9 +23,11 @@ import stat
 import threading
 
 from mpzero.errors import ConfigError
+from mpzero.optim import STATE_NAMES
 from mpzero.zero.offload.swap import SwapFile
 
-SWAP_NAMES = ("master.bin", "exp_avg.bin", "exp_avg_sq.bin", "params.swap")  # every file a store creates
+# every file a store creates: the masters and each update rule's states, stage 3's parameters, the gradients
+SWAP_NAMES = ("master.bin", *(f"{name}.bin" for name in STATE_NAMES), "params.swap", "grads.bin")
 
 
 class OffloadDirectory:

@@ -7,7 +7,8 @@ The partition is the concatenation of the buckets' shards (padding included), pr
 
     gradients device -> host (pinned staging, side stream; k+1's copy overlaps k's update)     on the device only
     (gradients already in host memory, a CPU run or streamed there in backward, are read in place; low-precision
-    ones are cast, unscaled and clipped a piece at a time, `Fp32Buckets.piece`: 4 x 2G bytes of fp32 at most)
+    ones are cast, unscaled and clipped a piece at a time, `Fp32Buckets.piece`: 4 x 2G bytes of fp32 at most;
+    gradients on disk are read back bucket by bucket, the next one ahead, `FileGrads`)
     disk: masters and states read from one file each (k+1 read and k-1 written while k updates)
     the rule's step on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
 
@@ -326,8 +327,8 @@ class OffloadedMasters(MasterStore):
         down here, sub-group by sub-group) or in host memory (read in place)."""
         self._drop_maps()
         self.step_count += 1
-        shards = grads.shards if isinstance(grads, Fp32Buckets) else grads
-        self._staged = shards[0].device.type == "cuda"
+        device = grads.device if isinstance(grads, Fp32Buckets) else grads[0].device  # Fp32Buckets: also FileGrads
+        self._staged = device.type == "cuda"
         if self._staged and not self._slots:
             raise RuntimeError("gradients on the device, but this store was built for host gradients (staged_grads)")
         if self._staged:
