@@ -202,7 +202,7 @@ def _measure_rank(argv: list[str]) -> int:
     import pretrain_gpt
     from mpzero.cli.arguments import run_config
     from mpzero.parallel import init_parallel
-    from mpzero.training.loop import _forward_backward, build_training_state
+    from mpzero.training import build_training_state, forward_backward
     from mpzero.training.mock_data import MockGPTDataset
     args = parse_args(argv)
     groups = init_parallel(args.tensor_model_parallel_size)
@@ -213,7 +213,7 @@ def _measure_rank(argv: list[str]) -> int:
         f.write("5")  # reset VmHWM to the current RSS
     state = build_training_state(run, pretrain_gpt.gpt_provider, groups)
     for step in range(2):
-        _forward_backward(state, data, step * run.training.global_batch_size, run.training)
+        forward_backward(state, data, step * run.training.global_batch_size, run.training)
         state.optimizer.step(1e-4)
     state.optimizer.close()
     return _status("VmHWM") - before

@@ -88,13 +88,13 @@ def _syncs_per_iteration(argv) -> dict[int, list]:
     forward-backward to the start of the next one's (so its step, checks and logging are all in it)."""
     import mpzero.training.loop as loop
     syncs, starts = HostSyncs(), []
-    forward_backward = loop._forward_backward
+    forward_backward = loop.forward_backward
 
     def marked(*args, **kwargs):
         starts.append(len(syncs.events))
         return forward_backward(*args, **kwargs)
 
-    loop._forward_backward = marked  # this forked rank's own copy of the module
+    loop.forward_backward = marked  # this forked rank's own copy of the module
     with _CountReads(syncs), _CountReadingOps(syncs):
         quiet_main(argv)
     bounds = starts + [len(syncs.events)]

@@ -11,7 +11,7 @@ from torch import nn
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.fused import adamw_step
 from mpzero.zero.offload.masters import BLOCK, OffloadedMasters, buffer_bytes, canonical_windows
-from mpzero.zero.offload.sink import TensorParamSink
+from mpzero.zero.tiers import TensorParamSink
 from mpzero.zero.offload.swap import SwapFile, aligned_empty, disk_error_message
 from mpzero.zero.config import AdamConfig, OffloadConfig
 from mpzero.zero.flat import bucket_layouts, initial_values, mark_weight_decay

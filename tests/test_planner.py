@@ -29,9 +29,9 @@ from mpzero.parallel import init_parallel
 from mpzero.planner.activations import activation_plan, activation_setting, normalized
 from mpzero.planner.published import (deepspeed_zero2, deepspeed_zero3, mpzero_from_counts, zero_table1_bytes)
 from mpzero.planner.shapes import model_shapes
-from mpzero.planner.states import plan_states
+from mpzero.planner.states import PlanInputs, plan_states
 from mpzero.training.batches import num_micro_batches
-from mpzero.training.loop import _forward_backward, build_training_state
+from mpzero.training import build_training_state, forward_backward
 from mpzero.training.mock_data import MockGPTDataset
 from tests.cli import ROOT
 from tests.distributed import run_ranks
@@ -73,7 +73,7 @@ def _measure(tp: int, tmp: str) -> list[dict]:
         optimizer.comm_report()
         counter = SavedBytesCounter(state.model.module)
         data = MockGPTDataset(run.data.vocab_size, run.training.seq_length, 1, run.training.global_batch_size)
-        _forward_backward(state, data, 0, run.training, counter)
+        forward_backward(state, data, 0, run.training, counter)
         optimizer.step(1e-3)
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         optimizer.close()
@@ -91,8 +91,8 @@ def _check(world: int, results: dict) -> int:
             tp = run.parallel.tensor_model_parallel_size
             dp = world // tp
             m = num_micro_batches(run.training.global_batch_size, run.training.micro_batch_size, dp)
-            plan = plan_states(model_shapes(normalized(run.model), tp), run.zero, run.precision, dp, r["dp_rank"],
-                               run.offload, m, cuda=False, rule=run.optimizer.rule)
+            plan = plan_states(PlanInputs(model_shapes(normalized(run.model), tp), run.zero, run.precision, dp,
+                                          r["dp_rank"], run.offload, m, cuda=False, rule=run.optimizer.rule))
             memory, predicted, where = r["memory"], plan.report, r["argv"][len(SMALL):]
             assert memory.measured == predicted.measured == plan.device, where
             assert memory.formula == predicted.formula and memory.padding == predicted.padding, where

@@ -3,9 +3,13 @@ the training line and for planners) and counted (`count.py`, saved-tensor hooks)
 two side by side (`report.py`)."""
 
 from mpzero.activations.count import SavedBytesCounter, activation_region, host_offload
-from mpzero.activations.formula import (ActivationFormula, ActivationSetting, LayerFormula, Term,
-                                        activation_formula, layer_formula, outside_terms, paper_row)
+from mpzero.activations.formula import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
+                                        ActivationFormula, ActivationSetting, LayerFormula, Term, activation_formula,
+                                        check_setting, layer_formula, layer_kinds, mode_name, modeled, outside_terms,
+                                        paper_row)
+from mpzero.activations.report import activation_line, rank_report, report_activation_memory
 
-__all__ = ["ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term",
-           "activation_formula", "activation_region", "host_offload", "layer_formula", "outside_terms",
-           "paper_row"]
+__all__ = ["CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS", "ActivationFormula",
+           "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula", "activation_line",
+           "activation_region", "check_setting", "host_offload", "layer_formula", "layer_kinds", "mode_name",
+           "modeled", "outside_terms", "paper_row", "rank_report", "report_activation_memory"]

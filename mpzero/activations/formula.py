@@ -231,30 +231,35 @@ def _sbh_text(rep: Fraction, shard: Fraction, attn: Fraction, t: int, sp: bool) 
 
 def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
     st = setting
-    s, b, h, a, t = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp
+    s, b, h, t = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp
     e = st.dtype_bytes
-    m = st.mask_bytes if st.mask_bytes is not None else e
-    sp = st.sequence_parallel
-    rep_div = t if sp else 1  # replicated-region tensors: whole per rank, or a 1/t slice of the sequence
     host = st.offload_activations and (kind in ("checkpoint", "in chunk") or st.recompute_granularity != "full")
     rng = (1 + st.rng_streams) * st.rng_state_bytes
     rng_term = Term("RNG states", f"{1 + st.rng_streams}x{st.rng_state_bytes}", rng)
-    sbh, as2b = s * b * h, a * s * s * b
     if kind == "in chunk":
         return LayerFormula(kind, (), "0", host)
     if kind == "checkpoint":
-        div = t if (sp or st.distribute_saved_activations) else 1
+        div = t if (st.sequence_parallel or st.distribute_saved_activations) else 1
         text = f"{e}sbh" + ("/t" if div > 1 else "")  # Table 2's 2sbh (/t) at e = 2
-        return LayerFormula(kind, (Term("checkpointed input", text, e * sbh // div, paper=True), rng_term),
+        return LayerFormula(kind, (Term("checkpointed input", text, e * s * b * h // div, paper=True), rng_term),
                             text, host)
-
-    hidden, attn_drop, flash = st.hidden_dropout, st.attention_dropout, st.flash_attention
     core = kind == "stored"  # the core attention's tensors are kept (selective recomputes them)
-    # Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t), evaluated
-    # for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each)
+    paper_term = _table2_term(st, core)
+    terms = [paper_term] + _named_terms(st, core)
+    if kind == "selective":
+        terms.append(rng_term)
+    return LayerFormula(kind, tuple(terms), paper_term.text, host)
+
+
+def _table2_term(st: ActivationSetting, core: bool) -> Term:
+    """Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t), evaluated
+    for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each)."""
+    s, b, h, a, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp, st.dtype_bytes
+    sp, attn_drop, flash = st.sequence_parallel, st.attention_dropout, st.flash_attention
+    rep_div = t if sp else 1  # replicated-region tensors: whole per rank, or a 1/t slice of the sequence
     f = Fraction(st.ffn_hidden_size or 4 * h, h)
     rep_items = [("norm inputs", 2 * e), ("QKV input", e), ("MLP input", e)] + (
-        [("hidden dropout masks", 2)] if hidden else [])
+        [("hidden dropout masks", 2)] if st.hidden_dropout else [])
     mlp_items = ([("gate and up outputs", 2 * f * e), ("SiLU output", f * e), ("down-projection input", f * e)]
                  if st.swiglu else [("GELU input", f * e), ("fc2 input", f * e)])
     shard_items = [("Q, K, V", _attention_inputs(st, core, flash) * e), ("projection input", e)] + mlp_items
@@ -265,11 +270,22 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
     attn = Fraction(sum(c for _, c in attn_items))
     if core and not flash and not attn_drop:  # Table 2 without dropout: the softmax output serves the value matmul too
         attn -= e
+    sbh, as2b = s * b * h, a * s * s * b
     paper_bytes = Fraction(sbh) * rep / rep_div + Fraction(sbh) * shard / t + Fraction(as2b) * attn / t
     paper_text = _sbh_text(rep, shard, attn, t, sp)  # Table 2's row when e = 2 and dropout is on
-    terms = [Term("Table 2 items", paper_text, _exact(paper_bytes), paper=True)]
+    return Term("Table 2 items", paper_text, _exact(paper_bytes), paper=True)
 
-    div = "/t" if sp else ""
+
+def _named_terms(st: ActivationSetting, core: bool) -> list[Term]:
+    """mpzero's own terms beyond Table 2: fp32 copies and statistics of the norms, the softmax's and the dropout
+    masks' real dtypes, flash attention's logsumexp."""
+    s, b, h, a, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp, st.dtype_bytes
+    m = st.mask_bytes if st.mask_bytes is not None else e
+    rep_div = t if st.sequence_parallel else 1
+    sbh, as2b = s * b * h, a * s * s * b
+    attn_drop = st.attention_dropout
+    terms = []
+    div = "/t" if st.sequence_parallel else ""
     ln_torch = st.layernorm_impl == "torch"
     norm = "RMSNorm" if st.rms_norm else "LayerNorm"
     if ln_torch and e < 4:
@@ -283,7 +299,7 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
     if e < 4:
         copies = 4 if ln_torch and not st.rms_norm else 2  # weight and bias (LayerNorm reference) or weight only
         terms.append(Term(f"{norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
-    if core and flash:
+    if core and st.flash_attention:
         terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
     elif core:
         if st.softmax_impl == "torch":
@@ -294,12 +310,10 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
                 terms.append(Term("probabilities copied for the value matmul", f"{e}as^2b/t", e * as2b // t))
         if attn_drop and m != 1:
             terms.append(Term("attention dropout mask in the input dtype", f"{m - 1}as^2b/t", (m - 1) * as2b // t))
-    if hidden and m != 1:
+    if st.hidden_dropout and m != 1:
         terms.append(Term("hidden dropout masks in the input dtype", f"{2 * (m - 1)}sbh{div}",
                           2 * (m - 1) * sbh // rep_div))
-    if kind == "selective":
-        terms.append(rng_term)
-    return LayerFormula(kind, tuple(terms), paper_text, host)
+    return terms
 
 
 def _attention_inputs(st: ActivationSetting, core: bool, flash: bool) -> Fraction:

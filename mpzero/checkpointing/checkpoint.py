@@ -82,7 +82,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
     if error:
         raise TrainingError(error)
     where = placements(model.named_parameters())
-    step = optimizer.adam_step()
+    optimizer_meta = optimizer.meta_state()
     states = (MASTER,) + optimizer.rule.state_names
 
     def make_directory():
@@ -103,8 +103,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
             shapes = {checkpoint_key(k, name): list(p.global_shape(groups.tp_size))
                       for k in states for name, p in where.items()}
             full = {**meta, "format": FORMAT, "iteration": iteration,
-                    "optimizer": {"rule": optimizer.rule.name, "step": step, "loss_scaler": optimizer.scaler.state_dict(),
-                                  "iteration": optimizer.iteration},
+                    "optimizer": optimizer_meta,
                     "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
                     "shapes": shapes, "checksums": ALGORITHM if checksums else None}
             write_atomically(os.path.join(tmp, "meta.json"), json.dumps(full, indent=1, sort_keys=True))

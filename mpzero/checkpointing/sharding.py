@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from mpzero.checkpointing.checksums import ALGORITHMS, checksum, offsets_text
 from mpzero.errors import ConfigError
-from mpzero.tensor_parallel.placement import TensorPlacement
+from mpzero.tensor_parallel import TensorPlacement
 
 if TYPE_CHECKING:
     from mpzero.zero import OwnedPiece

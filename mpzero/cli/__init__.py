@@ -20,7 +20,10 @@ _LAZY = {"build_parser": "arguments", "parse_args": "arguments", "run_config": "
 
 __all__ = ["ITERATION", "OUTPUT_PREFIX", "SEED", "CheckError", "Choice", "Items", "Size", "Number", "Parser",
            "Path", "Text", "add_tokenizer_flags", "EXIT_CODES", "INPUT_ERRORS", "exit_code", "print_error",
-           "run_or_exit", *_LAZY]
+           "run_or_exit",  # and, loaded on first use (_LAZY):
+           "build_parser", "parse_args", "run_config", "gpt_config", "zero_config", "offload_config",
+           "optimizer_config", "precision_config", "tokenizer_record", "read_config_file", "check_ranges", "RANGES"]
+assert set(__all__) >= set(_LAZY)
 
 
 def __getattr__(name: str):

@@ -18,21 +18,17 @@ import sys
 
 from mpzero.checkpointing import check_save_directory
 from mpzero.cli.config_file import drop_overridden, read_config_file
-from mpzero.data import build_tokenizer, no_tokenizer, tokenizer_identity
-from mpzero.data.splits import parse_data_path, parse_split
+from mpzero.data import build_tokenizer, no_tokenizer, parse_data_path, parse_split, tokenizer_identity
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
 from mpzero.cli.checks import CheckError, Parser, Path, Text
 from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.models import GPTConfig, config_from_args
-from mpzero.training.batches import num_micro_batches
-from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
-                                    RunConfig, TrainingConfig)
-from mpzero.training.lr_schedule import LRSchedule
 from mpzero.optim import RULES
-from mpzero.zero import OptimizerConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.config import OffloadConfig
+from mpzero.training import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, LRSchedule, ParallelConfig,
+                             RunConfig, TrainingConfig, num_micro_batches)
+from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
 class _Parser(Parser):

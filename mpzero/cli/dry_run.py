@@ -29,22 +29,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from mpzero.activations import SavedBytesCounter, activation_line, rank_report
 from mpzero.errors import ConfigError
 from mpzero.parallel import init_parallel
-from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
-from mpzero.planner.fake import engine_device, no_data
-from mpzero.planner.shapes import model_shapes
-from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
-from mpzero.training.batches import num_micro_batches
-from mpzero.training.config import RunConfig
+from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
+                            model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
 from mpzero.tensor_parallel import seed_everything
-from mpzero.training.loop import (TrainingState, _forward_backward, build_training_state, overlap_note,
-                                  partition_note)
+from mpzero.training import (MockGPTDataset, RunConfig, TrainingState, build_training_state, forward_backward,
+                             num_micro_batches, overlap_note, partition_note)
 from mpzero.zero import ZeroOptimizer
-from mpzero.training.mock_data import MockGPTDataset
-
-from mpzero.activations import SavedBytesCounter
-from mpzero.activations.report import activation_line, rank_report
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -93,7 +86,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
         tp_mark = groups.tp.stats.total()
         data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
         counter = SavedBytesCounter(state.model.module)
-        _forward_backward(state, data, 0, training, activations=counter)
+        forward_backward(state, data, 0, training, activations=counter)
         optimizer.step(run.schedule.lr(0))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
@@ -106,8 +99,9 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     activations = rank_report(counter, setting)
     print(activation_line(rank, activations, dtype), flush=True)
 
-    plan = plan_states(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision, groups.dp_size,
-                       groups.dp_rank, run.offload, micro_batches, cuda=False, rule=run.optimizer.rule)
+    plan = plan_states(PlanInputs(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision,
+                                  groups.dp_size, groups.dp_rank, run.offload, micro_batches, cuda=False,
+                                  rule=run.optimizer.rule))
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                             element_sizes(run.precision)[0], micro_batches)
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,

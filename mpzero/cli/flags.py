@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from mpzero.data.tokenizer import TOKENIZER_TYPES
-from mpzero.fused.impl import ATTENTION_BACKENDS
+from mpzero.data import TOKENIZER_TYPES
+from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
-from mpzero.training.config import EvalConfig, LoggingConfig, ParallelConfig, TrainingConfig
-from mpzero.training.lr_schedule import DECAY_STYLES
-from mpzero.zero import OptimizerConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.config import OFFLOAD_IO, OFFLOAD_TIERS, OffloadConfig
+from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, TrainingConfig
+from mpzero.zero import OFFLOAD_IO, OFFLOAD_TIERS, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
 def gpt_flags(p: argparse.ArgumentParser) -> None:

@@ -17,12 +17,12 @@ from mpzero.data.builder import build_gpt_datasets
 from mpzero.data.gpt_dataset import GPTDataset, build_gpt_indices, build_sample_index
 from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
 from mpzero.data.splits import parse_data_path, parse_split
-from mpzero.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from mpzero.data.tokenizer import TOKENIZER_TYPES, NullTokenizer, build_tokenizer
 from mpzero.data.tokenizer_identity import (check_checkpoint_tokenizer, check_data_tokenizers, no_tokenizer,
                                             tokenizer_identity)
 
 __all__ = [
-    "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder", "TOKENIZER_TYPES",
+    "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder", "NullTokenizer", "TOKENIZER_TYPES",
     "build_blending_indices", "build_gpt_datasets", "build_gpt_indices", "build_sample_index",
     "build_tokenizer", "check_checkpoint_tokenizer", "check_data_tokenizers", "no_tokenizer", "optimal_dtype",
     "parse_data_path", "parse_split", "tokenizer_identity",

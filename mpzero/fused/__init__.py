@@ -2,13 +2,15 @@
 its PyTorch reference; `impl` picks the implementation explicitly (see `mpzero.fused.impl`)."""
 
 from mpzero.fused.adam import adamw_reference, adamw_step
-from mpzero.fused.impl import IMPLS, resolve_impl, resolved_impls, triton_available
+from mpzero.fused.impl import (ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl,
+                               resolve_attention_backend, resolve_impl, resolved_impls, triton_available)
 from mpzero.fused.layer_norm import layer_norm, layer_norm_reference
 from mpzero.fused.rms_norm import rms_norm, rms_norm_reference
 from mpzero.fused.softmax import fused_softmax_supported, scaled_masked_softmax, scaled_masked_softmax_reference
 
 __all__ = [
-    "IMPLS", "adamw_reference", "adamw_step", "fused_softmax_supported", "layer_norm", "layer_norm_reference",
-    "resolve_impl", "resolved_impls", "rms_norm", "rms_norm_reference", "scaled_masked_softmax",
-    "scaled_masked_softmax_reference", "triton_available",
+    "ATTENTION_BACKENDS", "IMPLS", "adamw_reference", "adamw_step", "fused_softmax_supported", "layer_norm",
+    "layer_norm_reference", "planned_attention_backend", "planned_impl", "resolve_attention_backend", "resolve_impl",
+    "resolved_impls", "rms_norm", "rms_norm_reference", "scaled_masked_softmax", "scaled_masked_softmax_reference",
+    "triton_available",
 ]

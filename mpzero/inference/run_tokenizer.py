@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mpzero.data import build_tokenizer
-from mpzero.data.tokenizer import NullTokenizer
+from mpzero.data import NullTokenizer, build_tokenizer
 from mpzero.errors import ConfigError
 
 FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")

@@ -20,8 +20,7 @@ from torch import nn
 
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
-from mpzero.tensor_parallel import placements
-from mpzero.tensor_parallel.placement import tp_slice
+from mpzero.tensor_parallel import placements, tp_slice
 
 # The GPTConfig fields a checkpoint must state (meta["architecture"], else the run's flags in meta["config"]).
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")

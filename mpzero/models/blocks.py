@@ -16,9 +16,8 @@ from mpzero.comm import CommGroup
 from mpzero.deferred_init import deferred_parameter
 from mpzero.fused import layer_norm
 from mpzero.models.norms import RMSNorm
-from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, copy_to_tp,
-                                    mark_tensor_parallel)
-from mpzero.tensor_parallel.layers import InitMethod, ones_, zeros_
+from mpzero.tensor_parallel import (ColumnParallelLinear, InitMethod, RNGStatesTracker, RowParallelLinear, copy_to_tp,
+                                    mark_tensor_parallel, ones_, zeros_)
 
 
 def normal_init(std: float) -> InitMethod:

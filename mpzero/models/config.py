@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mpzero.activations import ActivationSetting
-from mpzero.activations.formula import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES
+from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting
 from mpzero.errors import ConfigError
-from mpzero.fused.impl import ATTENTION_BACKENDS, planned_attention_backend, planned_impl, resolve_attention_backend
+from mpzero.fused import ATTENTION_BACKENDS, planned_attention_backend, planned_impl, resolve_attention_backend
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")

@@ -56,10 +56,9 @@ from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
-                                    mark_tensor_parallel, recompute, vocab_parallel_cross_entropy,
+                                    linear_with_sequence_gather, mark_tensor_parallel, recompute,
+                                    scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
-from mpzero.tensor_parallel.layers import linear_with_sequence_gather
-from mpzero.tensor_parallel.mappings import scatter_to_sequence_parallel
 
 
 class TransformerLayer(nn.Module):

@@ -10,8 +10,7 @@ from torch import nn
 from mpzero.comm import CommGroup
 from mpzero.deferred_init import deferred_parameter
 from mpzero.fused import rms_norm
-from mpzero.tensor_parallel import copy_to_tp, mark_tensor_parallel
-from mpzero.tensor_parallel.layers import ones_
+from mpzero.tensor_parallel import copy_to_tp, mark_tensor_parallel, ones_
 
 
 class RMSNorm(nn.Module):

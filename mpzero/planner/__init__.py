@@ -1,2 +1,28 @@
-"""Memory planning from the code's own layouts and formulas: `plan_memory.py` (layouts, bytes per rank, cost) and
-`pretrain_gpt.py --dry-run` (the real code on fake tensors) share it."""
+"""Memory planning from the code's own layouts and formulas: `tools/plan_memory.py` (layouts, bytes per rank, cost)
+and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
+
+- `plan`: `Planner` evaluates every layout (`Layout`) of a run on a `Machine` into `LayoutPlan`s; `rank_plans`.
+- `states`: `plan_states`, one rank's model-state bytes, its in-step peak and DP traffic, from `PlanInputs`.
+- `shapes`: `model_shapes`, the model's parameter layouts without building a parameter.
+- `activations`, `transients`, `cost`: activation bytes, the step's working tensors, the time model (`Hardware`).
+- `fake`: tensors without data (`no_data`), what the dry run builds on.
+- `report`: the table's rows and the torchrun command of a layout.
+- `published`: the ZeRO paper's and DeepSpeed's own estimates, to compare with.
+"""
+
+from mpzero.planner.activations import ActivationPlan, activation_plan, activation_setting, normalized
+from mpzero.planner.cost import Cost, Hardware, layout_cost
+from mpzero.planner.fake import ENGINES, engine_device, fake_tensors, no_data
+from mpzero.planner.plan import (RECOMPUTE_MODES, TIERS, Layout, LayoutPlan, Machine, Planner, layout_flags,
+                                 rank_plans, recompute_modes)
+from mpzero.planner.report import (GIB, HEADER, LAYOUT_FLAGS, components_text, gib, layout_argv, row,
+                                   torchrun_command, without_layout_flags)
+from mpzero.planner.shapes import ModelShapes, model_shapes
+from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
+
+__all__ = ["ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
+           "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "StatePlan", "TIERS",
+           "activation_plan", "activation_setting", "components_text", "element_sizes", "engine_device",
+           "fake_tensors", "gib", "layout_argv", "layout_flags", "layout_cost", "model_shapes", "no_data", "normalized",
+           "plan_states", "rank_plans", "recompute_modes", "row", "torchrun_command", "tp_comm_bytes",
+           "without_layout_flags"]

@@ -52,11 +52,11 @@ def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dt
     """Activation bytes of TP rank `tp_rank` for a micro-batch of `micro_batch` x `seq` tokens of the GPT `config`
     (its recomputation, sequence-parallel and offload settings) at TP `tp`; None where not modeled."""
     setting = activation_setting(config, tp, tp_rank, micro_batch, seq, dtype, cuda)
-    from mpzero.activations import formula as af
-    if setting is None or af.modeled(setting) is not None:
+    from mpzero.activations import activation_formula, layer_formula, modeled
+    if setting is None or modeled(setting) is not None:
         return None
-    formula = af.activation_formula(setting)
-    stored = af.layer_formula(setting, "stored").bytes
+    formula = activation_formula(setting)
+    stored = layer_formula(setting, "stored").bytes
     kinds = {layer.kind for layer in formula.layers}
     # in backward a recomputed layer holds what the stored layer holds until its own backward is done
     transient = 0

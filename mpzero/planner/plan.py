@@ -26,13 +26,12 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from mpzero.cli.arguments import gpt_config, offload_config, optimizer_config, precision_config, zero_config
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import model_shapes
-from mpzero.planner.states import StatePlan, element_sizes, plan_states, tp_comm_bytes
+from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.planner.transients import compute_transients
-from mpzero.zero.accounting import step_fp32_bytes
+from mpzero.zero import step_fp32_bytes
 
 TIERS = ("none", "cpu", "disk")
 
@@ -164,6 +163,9 @@ class Planner:
     `vocab_size` its tokenizer's vocabulary, on `machine`."""
 
     def __init__(self, args: argparse.Namespace, vocab_size: int, machine: Machine):
+        # The flags' own functions resolve them, imported here, not with the module: the command-line layer (the
+        # dry run) imports the planner, and the planner must not import that layer back while it loads.
+        from mpzero.cli import precision_config
         self.args, self.vocab_size, self.machine = args, vocab_size, machine
         self.precision = precision_config(args)
         self.p, self.g = element_sizes(self.precision)
@@ -180,6 +182,7 @@ class Planner:
         return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda)
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
+        from mpzero.cli import gpt_config, offload_config, optimizer_config, zero_config  # see __init__
         machine, hw = self.machine, self.machine.hardware
         ns = self.flags_for(layout)
         config = gpt_config(ns, self.vocab_size)
@@ -190,8 +193,8 @@ class Planner:
         zero.validate()
         offload.validate(zero.stage)
         shapes = model_shapes(normalized(config), layout.tp)
-        states = plan_states(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
-                             cuda=self.machine.cuda, rule=rule)
+        states = plan_states(PlanInputs(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
+                                        cuda=self.machine.cuda, rule=rule))
         acts = self._activations(config, layout.tp, layout.micro_batch)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)

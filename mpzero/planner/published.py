@@ -21,7 +21,7 @@ its in-step working set is (p + g)(R + 2L) (the root and two layers with prefetc
 from __future__ import annotations
 
 from mpzero.optim import AdamW
-from mpzero.zero.accounting import memory_formula, offload_formula, state_terms
+from mpzero.zero import memory_formula, offload_formula, state_terms
 
 ADAM = AdamW().state_bytes_per_param  # the ZeRO paper and DeepSpeed count mixed-precision Adam: 8 of moments
 

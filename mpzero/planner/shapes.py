@@ -15,8 +15,7 @@ from mpzero.comm import CommGroup
 from mpzero.models import family_of
 from mpzero.planner.fake import engine_device, no_data
 from mpzero.tensor_parallel import RNGStatesTracker
-from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
-from mpzero.zero.stage3 import assign_params, default_units
+from mpzero.zero import FlatLayout, assign_params, bucket_layouts, build_layout, default_units, mark_weight_decay
 
 
 @dataclass(frozen=True, eq=False)

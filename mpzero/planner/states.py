@@ -34,19 +34,13 @@ import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from mpzero.zero.offload.masters import buffer_bytes
-from mpzero.zero.offload.params import SLOTS
-from mpzero.zero.offload.swap import aligned_bytes, round_up
 from mpzero.models import family_of
-from mpzero.planner.shapes import ModelShapes
-from mpzero.zero.construction import construction_working_set
-from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, offload_tiers, streamed_grad_bytes,
-                                   transfer_theory)
 from mpzero.optim import AdamW, UpdateRule
-from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.flat import FlatLayout
-from mpzero.zero.stage3 import Stage3
+from mpzero.planner.shapes import ModelShapes
+from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Stage3,
+                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
+                         offload_formula, offload_tiers, streamed_grad_bytes, transfer_theory)
+from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, round_up
 
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
 
@@ -109,15 +103,30 @@ def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -
                                [layout.shard_numel for layout in layouts], g, overlap, streamed)
 
 
-def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfig, dp: int, dp_rank: int = 0,
-                offload: OffloadConfig | None = None, micro_batches: int = 1, cuda: bool = True,
-                after_step: bool = True, rule: UpdateRule = AdamW()) -> StatePlan:
-    """The model states of DP rank `dp_rank` of `dp` for this layout. `cuda`: the device is a GPU (offload
-    staging buffers and device<->host traffic exist); `after_step`: the report carries stage 3's peak, as
-    the line printed after the first step does; `rule`: the update rule (`OptimizerConfig.rule`)."""
-    offload = offload or OffloadConfig()
+@dataclass(frozen=True)
+class PlanInputs:
+    """One rank's layout as `plan_states` reads it: the model's layouts (`shapes`), the ZeRO, precision and offload
+    sections, DP rank `dp_rank` of `dp`, micro-batches per iteration. `cuda`: the device is a GPU (offload staging
+    buffers and device<->host traffic exist); `after_step`: the report carries stage 3's peak, as the line printed
+    after the first step does; `rule`: the update rule (`OptimizerConfig.rule`)."""
+    shapes: ModelShapes
+    zero: ZeroConfig
+    precision: PrecisionConfig
+    dp: int
+    dp_rank: int = 0
+    offload: OffloadConfig | None = None  # None: nothing offloaded
+    micro_batches: int = 1
+    cuda: bool = True
+    after_step: bool = True
+    rule: UpdateRule = AdamW()
+
+
+def plan_states(inputs: PlanInputs) -> StatePlan:
+    """The model states of one rank for one layout, counted as the code allocates them (the module docstring)."""
+    zero, precision, dp, rule = inputs.zero, inputs.precision, inputs.dp, inputs.rule
+    offload = inputs.offload or OffloadConfig()
     stage, p, g = zero.stage, *element_sizes(precision)
-    layouts = shapes.layouts(stage, dp, dp_rank, zero.bucket_numel)
+    layouts = inputs.shapes.layouts(stage, dp, inputs.dp_rank, zero.bucket_numel)
     padded = sum(layout.padded_numel for layout in layouts)
     shard = sum(layout.shard_numel for layout in layouts)
     owned = sum(_owned_unpadded(layout) for layout in layouts)
@@ -135,30 +144,7 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
     master = 4 if opt_off or p != 4 else 0  # DeviceMasters shares fp32 parameters; offloaded masters never do
     states = rule.state_bytes_per_param
     optimizer = 0 if opt_off else master * shard + states * owned
-
-    host = disk = host_buffers = 0
-    if streamed and offload.grads_tier(stage) == "disk":  # GradFile: a 4 KiB-aligned region per bucket, 2 buffers
-        regions = [round_up(g * layout.shard_numel) for layout in layouts]
-        disk += sum(regions)
-        host_buffers += 2 * aligned_bytes(max(regions, default=0) // g, precision.grad_dtype)
-    elif streamed:
-        host += g * shard
-        if cuda:  # ShardedGrads' pinned landing buffer for later micro-batches: one largest shard
-            host_buffers += g * max((layout.shard_numel for layout in layouts), default=0)
-    if opt_off:
-        files = 1 + len(rule.state_names)  # the master and each state: one host tensor or file each
-        if offload.optimizer == "cpu":
-            host += files * 4 * shard
-        else:
-            disk += files * round_up(4 * shard)
-        host_buffers += buffer_bytes(offload, shard, cuda, p, rule, staged_grads=not streamed)
-    if par_off:
-        if offload.params == "cpu":
-            host += p * shard
-        else:
-            regions = [round_up(layout.shard_numel * p) // p for layout in layouts]
-            disk += round_up(sum(regions) * p)
-            host_buffers += SLOTS * aligned_bytes(max(regions, default=0), precision.torch_dtype)
+    host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
     if stage == 3:
         working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off, streamed)
@@ -168,37 +154,84 @@ def plan_states(shapes: ModelShapes, zero: ZeroConfig, precision: PrecisionConfi
         working, working_text = 0, "0"
 
     tiers = offload_tiers(stage, offload)
-    offloaded = tuple(c for c, tier in tiers.items() if tier != "none")
     report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, states,
-                           offloaded)
-    if offloaded:
-        per_param = offload_formula(stage, p, g, tiers, states)
-        measured = {"host": host, "disk": disk}
-        tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
-                        for name, coef in per_param.items()]
-        tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
-                                       _host_buffer_text(offload, cuda, p, rule, stage)))
-        report = dataclasses.replace(report, tiers=tuple(tier_reports))
-    built = construction_working_set(list(layouts), stage, p, precision.dtype != "fp32", offload.params != "none",
-                                     stage == 3 and (dp > 1 or offload.params != "none"))
-    report = dataclasses.replace(report, construction=(
-        TierReport("construction peak", report.measured + built.device, report.formula + built.device,
-                   f"{report.formula_text}+{built.device_text}"),
-        TierReport("construction host working set", built.host, built.host, built.host_text)))
-    if (stage == 3 or stage == 2 and streamed) and after_step:
+                           tuple(c for c, tier in tiers.items() if tier != "none"))
+    report = _with_tiers_and_construction(report, inputs, offload, layouts, {"host": host, "disk": disk},
+                                          host_buffers)
+    if (stage == 3 or stage == 2 and streamed) and inputs.after_step:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
-
-    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, micro_batches, par_off)
-    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
-    transfers = ()
-    if offloaded:
-        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not cuda, states=states, g=g)
-        transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
-    comm = CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
+    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off)
+    comm = _comm_report(inputs, tiers, numel, comm_bytes)
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
                      working, working_text, comm_bytes, report, comm, states)
+
+
+def _off_device_bytes(inputs: PlanInputs, offload: OffloadConfig, layouts, shard: int,
+                      streamed: bool) -> tuple[int, int, int]:
+    """(host, disk, host buffers): the model states the offload tiers hold, and the buffers that move them."""
+    precision, rule, cuda = inputs.precision, inputs.rule, inputs.cuda
+    p, g = element_sizes(precision)
+    host = disk = host_buffers = 0
+    if streamed and offload.grads_tier(inputs.zero.stage) == "disk":  # GradFile: a 4 KiB-aligned region per bucket,
+        regions = [round_up(g * layout.shard_numel) for layout in layouts]  # 2 buffers
+        disk += sum(regions)
+        host_buffers += 2 * aligned_bytes(max(regions, default=0) // g, precision.grad_dtype)
+    elif streamed:
+        host += g * shard
+        if cuda:  # ShardedGrads' pinned landing buffer for later micro-batches: one largest shard
+            host_buffers += g * max((layout.shard_numel for layout in layouts), default=0)
+    if offload.optimizer != "none":
+        files = 1 + len(rule.state_names)  # the master and each state: one host tensor or file each
+        if offload.optimizer == "cpu":
+            host += files * 4 * shard
+        else:
+            disk += files * round_up(4 * shard)
+        host_buffers += buffer_bytes(offload, shard, cuda, p, rule, staged_grads=not streamed)
+    if offload.params != "none":
+        if offload.params == "cpu":
+            host += p * shard
+        else:
+            regions = [round_up(layout.shard_numel * p) // p for layout in layouts]
+            disk += round_up(sum(regions) * p)
+            host_buffers += SLOTS * aligned_bytes(max(regions, default=0), precision.torch_dtype)
+    return host, disk, host_buffers
+
+
+def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offload: OffloadConfig, layouts,
+                                 measured: dict[str, int], host_buffers: int) -> MemoryReport:
+    """`report` with the offload tiers' lines (measured against their formula) and the construction figures."""
+    stage, dp, precision = inputs.zero.stage, inputs.dp, inputs.precision
+    p, g = element_sizes(precision)
+    tiers = offload_tiers(stage, offload)
+    if any(tier != "none" for tier in tiers.values()):
+        numel = sum(layout.numel for layout in layouts)
+        per_param = offload_formula(stage, p, g, tiers, inputs.rule.state_bytes_per_param)
+        tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
+                        for name, coef in per_param.items()]
+        tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
+                                       _host_buffer_text(offload, inputs.cuda, p, inputs.rule, stage)))
+        report = dataclasses.replace(report, tiers=tuple(tier_reports))
+    built = construction_working_set(list(layouts), stage, p, precision.dtype != "fp32", offload.params != "none",
+                                     stage == 3 and (dp > 1 or offload.params != "none"))
+    return dataclasses.replace(report, construction=(
+        TierReport("construction peak", report.measured + built.device, report.formula + built.device,
+                   f"{report.formula_text}+{built.device_text}"),
+        TierReport("construction host working set", built.host, built.host, built.host_text)))
+
+
+def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float) -> CommReport:
+    """What `ZeroOptimizer.comm_report()` returns after one iteration: DP bytes and the offload tiers' traffic."""
+    stage, dp, micro_batches = inputs.zero.stage, inputs.dp, inputs.micro_batches
+    p, g = element_sizes(inputs.precision)
+    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
+    transfers = ()
+    if any(tier != "none" for tier in tiers.values()):
+        expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not inputs.cuda,
+                                   states=inputs.rule.state_bytes_per_param, g=g)
+        transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
+    return CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
 
 
 def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRule, stage: int) -> str:

@@ -22,7 +22,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 
 from __future__ import annotations
 
-from mpzero.zero.norm import CHUNK
+from mpzero.zero import NORM_CHUNK as CHUNK
 
 
 def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, fp32_grad_numel: int,

@@ -1,4 +1,23 @@
 """The training loop and its pieces. `loop.py` is the model-agnostic loop: it takes a frozen `RunConfig`
 (`config.py`: typed sections, never the parsed flags) and a model provider (`provider(model_config, groups,
-rng) -> BuiltModel(module, flops_per_token)`). Around it: batch order, mock data, the LR schedule, console
-lines, TensorBoard, peak memory, and SIGTERM handling."""
+rng) -> BuiltModel(module, flops_per_token)`); each iteration is `train_step` (`forward_backward` over one global
+batch, the gradient check, the optimizer step) and then the decisions to log, evaluate, save and stop;
+`startup.py` is what a run checks and prints before the model is built. Around it: batch order, mock data, the LR
+schedule, console lines, TensorBoard, peak memory, and SIGTERM handling."""
+
+from mpzero.training.batches import load_batch, micro_batch_indices, num_micro_batches
+from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
+                                    RunConfig, TrainingConfig)
+from mpzero.training.loop import (BuiltModel, ModelProvider, Progress, StepResult, TrainingState,
+                                  build_training_state, evaluate, forward_backward, overlap_note, partition_note, save,
+                                  train, train_step)
+from mpzero.training.lr_schedule import DECAY_STYLES, LRSchedule
+from mpzero.training.metrics import MetricsLogger
+from mpzero.training.mock_data import MockGPTDataset
+from mpzero.training.startup import fused_ops
+
+__all__ = ["BuiltModel", "CheckpointConfig", "DECAY_STYLES", "DataConfig", "EvalConfig", "LRSchedule",
+           "LoggingConfig", "MetricsLogger", "MockGPTDataset", "ModelProvider", "ParallelConfig", "Progress",
+           "RunConfig", "StepResult", "TrainingConfig", "TrainingState", "build_training_state", "evaluate",
+           "forward_backward", "fused_ops", "load_batch", "micro_batch_indices", "num_micro_batches", "overlap_note",
+           "partition_note", "save", "train", "train_step"]

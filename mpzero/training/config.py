@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpzero.training.lr_schedule import LRSchedule
-from mpzero.zero import OptimizerConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.config import OffloadConfig
+from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
 @dataclass(frozen=True)

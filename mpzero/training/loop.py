@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,23 +18,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mpzero.activations import SavedBytesCounter
-from mpzero.activations.report import report_activation_memory
-from mpzero.checkpointing import load_checkpoint, read_meta, save_checkpoint
-from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
-from mpzero.errors import ConfigError, TrainingError
-from mpzero.fused import resolved_impls
-from mpzero.nodes import check_nodes
+from mpzero.activations import SavedBytesCounter, report_activation_memory
+from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups, init_parallel
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
 from mpzero.training.batches import load_batch, micro_batch_indices
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
-from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.signals import TerminationSignal
+from mpzero.training.startup import start
 from mpzero.training.metrics import MetricsLogger
-from mpzero.zero import ZeroOptimizer
+from mpzero.zero import StepStats, ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -89,26 +84,133 @@ def partition_note(optimizer: ZeroOptimizer) -> str | None:
             f"whole on this rank); run more data-parallel ranks to divide it")
 
 
-def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
-    """What `auto` runs on this device: each fused op's implementation and the model's attention backend."""
-    return {**resolved_impls(device), "attention": run.model.attention(device)}
+@dataclass
+class Progress:
+    """Where the run stands: iterations done, samples consumed, iterations skipped (fp16 overflow); restored from
+    a checkpoint, advanced by `train_step`, saved with every checkpoint."""
+    iteration: int = 0
+    consumed: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class Interval:
+    """What the console line of one --log-interval sums: iterations, skipped ones, applied losses, since `start`."""
+    iterations: int = 0
+    skipped: int = 0
+    losses: list[float] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # the global batch's mean lm loss
+    lr: float
+    stats: StepStats
+    terminated: bool  # SIGTERM reached some rank
 
 
 def train(run: RunConfig, provider: ModelProvider) -> dict:
-    """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses."""
+    """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses.
+    Each iteration is `train_step`, then the decisions: log, evaluate, save, stop."""
     groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
-    nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
-    resumed = _resume_point(run, groups)
-    data_tokenizers, data_notes = _data_tokenizers(run, groups)
-    # bad data paths fail before the model is built
-    train_data, valid_data, test_data = _datasets(run, groups, resumed)
-    if groups.is_logging_rank:
-        print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
-        print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
-        if nodes_line:
-            print(nodes_line, flush=True)
-        for note in _resume_notes(run, resumed) + data_notes:
-            print(note, flush=True)
+    (train_data, valid_data, test_data), data_tokenizers = start(run, groups)
+    state = _build_and_report(run, provider, groups)
+    activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward
+    progress = _load_or_close(run, state)
+    state.optimizer.comm_report()  # measure communication from the first iteration on
+    tensorboard = MetricsLogger(run.logging, groups.is_logging_rank, run.flags)  # TensorBoard and wandb
+    termination = TerminationSignal(groups.world, groups.device)
+    history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
+    interval, terminated = Interval(), False
+    try:
+        while progress.iteration < run.training.train_iters:
+            first = not history["losses"]
+            step = train_step(run, state, train_data, progress, termination, activations if first else None)
+            terminated, iteration = step.terminated, progress.iteration
+            _record(history, interval, step)
+            if first:
+                _report_first_iteration(run, state, activations, tensorboard, iteration)
+            if iteration % run.logging.log_interval == 0:
+                _log_interval(interval, progress, step, run, state, tensorboard)
+                interval = Interval()
+            if _should_evaluate(run, iteration) and valid_data is not None:
+                history["valid_losses"].append(_evaluate_and_log(
+                    state, valid_data, f"iteration {iteration}", iteration, run, tensorboard))
+            stop = _should_stop(run, iteration, terminated)
+            if _should_save(run, iteration, stop):
+                save(run, state, progress, data_tokenizers)
+            if stop:
+                break
+        state.optimizer.finish_update()  # --offload-delayed-update-after: the last update reaches the model
+        if terminated:  # a scheduler's "save and leave now": no end-of-training evaluation in its grace period
+            if groups.is_logging_rank:
+                print(f"stopped by SIGTERM at iteration {progress.iteration}: skipping the end-of-training "
+                      f"evaluation", flush=True)
+            return history
+        _final_evaluations(run, state, valid_data, test_data, progress.iteration, tensorboard, history)
+    finally:
+        termination.restore()
+        tensorboard.close()
+        state.optimizer.close()
+    return history
+
+
+def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress, termination: TerminationSignal,
+               activations: SavedBytesCounter | None = None) -> StepResult:
+    """One iteration: forward and backward of one global batch, the gradient check, the optimizer step; advances
+    `progress`. Stops before the update, with the last checkpoint intact, on a non-finite loss (--check-for-nan)."""
+    training, groups = run.training, state.groups
+    # as in Megatron, skipped (fp16 overflow) steps do not count
+    lr = run.schedule.lr(progress.iteration - progress.skipped)
+    loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
+    # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
+    check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
+    loss, terminated = check.read_with[0] / groups.dp_size, bool(check.read_with[1])
+    if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
+        raise TrainingError(f"lm loss is {loss} at iteration {progress.iteration + 1} (rank {groups.world.rank}): "
+                            f"stopped before the update, so the last checkpoint is intact; lower --lr or "
+                            f"enable --clip-grad")
+    stats = state.optimizer.step(lr)
+    progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
+    progress.skipped += stats.skipped
+    return StepResult(loss, lr, stats, terminated)
+
+
+def _should_evaluate(run: RunConfig, iteration: int) -> bool:
+    eval_interval = run.evaluation.eval_interval
+    return bool(eval_interval and iteration % eval_interval == 0)
+
+
+def _should_stop(run: RunConfig, iteration: int, terminated: bool) -> bool:
+    """SIGTERM, or --exit-interval's iteration."""
+    exit_interval = run.training.exit_interval
+    return terminated or bool(exit_interval and iteration % exit_interval == 0)
+
+
+def _should_save(run: RunConfig, iteration: int, stop: bool) -> bool:
+    """Before stopping, at every --save-interval and at the last iteration (`save` does nothing without --save)."""
+    save_interval = run.checkpoint.save_interval
+    return stop or bool(save_interval and iteration % save_interval == 0) or iteration == run.training.train_iters
+
+
+def save(run: RunConfig, state: TrainingState, progress: Progress, data_tokenizers: dict) -> None:
+    """A checkpoint of this iteration under --save, with the meta a resumed run reads; nothing without --save."""
+    if not run.checkpoint.save:
+        return
+    state.optimizer.finish_update()  # --offload-delayed-update-after: the state is saved whole
+    meta = {"consumed_samples": progress.consumed, "skipped_iterations": progress.skipped, "config": run.flags,
+            "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
+    if run.data.tokenizer is not None:
+        meta["tokenizer"] = {**run.data.tokenizer, "data": data_tokenizers}
+    where = save_checkpoint(run.checkpoint.save, progress.iteration, state.model.module, state.optimizer, state.rng,
+                            state.groups, meta)
+    if state.groups.is_logging_rank:
+        print(f"saved checkpoint at iteration {progress.iteration} to {where}", flush=True)
+
+
+def _build_and_report(run: RunConfig, provider: ModelProvider, groups: ParallelGroups) -> TrainingState:
+    """The training state, and the lines said once it exists: the model-state memory and the notes."""
     state = build_training_state(run, provider, groups)
     directory = state.optimizer.offload_directory
     if directory is not None and directory.note:  # this rank removed a dead run's swap files
@@ -118,91 +220,46 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
         for note in (overlap_note(state.optimizer), partition_note(state.optimizer)):
             if note:
                 print(note, flush=True)
-    peak_reported = False  # a stage that reports its in-step peak prints its line again after the first step
-    activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward
+    return state
+
+
+def _load_or_close(run: RunConfig, state: TrainingState) -> Progress:
     try:
-        iteration, consumed, skipped = _load(run, state)
+        return Progress(*_load(run, state))
     except BaseException:  # a checkpoint refused: the offload files and their folder go all the same
         state.optimizer.close()
         raise
-    state.optimizer.comm_report()  # measure communication from the first iteration on
-    tensorboard = MetricsLogger(run.logging, groups.is_logging_rank, run.flags)  # TensorBoard and wandb
-    termination = TerminationSignal(groups.world, groups.device)
-    training, checkpoint = run.training, run.checkpoint
 
-    def save():
-        if checkpoint.save:
-            state.optimizer.finish_update()  # --offload-delayed-update-after: the state is saved whole
-            meta = {"consumed_samples": consumed, "skipped_iterations": skipped, "config": run.flags,
-                    "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
-            if run.data.tokenizer is not None:
-                meta["tokenizer"] = {**run.data.tokenizer, "data": data_tokenizers}
-            where = save_checkpoint(checkpoint.save, iteration, state.model.module, state.optimizer, state.rng,
-                                    groups, meta)
-            if groups.is_logging_rank:
-                print(f"saved checkpoint at iteration {iteration} to {where}", flush=True)
 
-    history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
-    interval, terminated = _new_interval(), False
-    try:
-        while iteration < training.train_iters:
-            lr = run.schedule.lr(iteration - skipped)  # as in Megatron, skipped (fp16 overflow) steps do not count
-            loss_sum = _forward_backward(state, train_data, consumed, training, activations)
-            # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
-            check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
-            loss, terminated = check.read_with[0] / groups.dp_size, bool(check.read_with[1])
-            if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
-                raise TrainingError(f"lm loss is {loss} at iteration {iteration + 1} (rank {groups.world.rank}): "
-                                    f"stopped before the update, so the last checkpoint is intact; lower --lr or "
-                                    f"enable --clip-grad")
-            stats = state.optimizer.step(lr)
-            iteration, consumed = iteration + 1, consumed + training.global_batch_size
-            skipped += stats.skipped
-            for key, value in (("losses", loss), ("grad_norms", stats.grad_norm), ("lrs", lr)):
-                history[key].append(value)
-            interval["iterations"] += 1
-            interval["skipped"] += stats.skipped
-            if not stats.skipped:
-                interval["losses"].append(loss)
-            if not peak_reported:
-                peak_reported = True
-                memory = state.optimizer.memory_report()
-                if memory.peak is not None and groups.is_logging_rank:
-                    print(memory.line(), flush=True)
-            if activations is not None:  # the `activation memory` lines, counted against the formula
-                report_activation_memory(activations, state.model.module, groups, training.micro_batch_size,
-                                         training.seq_length, run.precision.torch_dtype, tensorboard, iteration)
-                activations = None
-            if iteration % run.logging.log_interval == 0:
-                _log_interval(interval, iteration, consumed, lr, stats, run, state, tensorboard)
-                interval = _new_interval()
-            eval_interval = run.evaluation.eval_interval
-            if eval_interval and iteration % eval_interval == 0 and valid_data is not None:
-                history["valid_losses"].append(_evaluate_and_log(
-                    state, valid_data, f"iteration {iteration}", iteration, run, tensorboard))
-            stop = terminated or bool(training.exit_interval and iteration % training.exit_interval == 0)
-            if stop or (checkpoint.save_interval and iteration % checkpoint.save_interval == 0) \
-                    or iteration == training.train_iters:
-                save()
-            if stop:
-                break
-        state.optimizer.finish_update()  # --offload-delayed-update-after: the last update reaches the model
-        if terminated:  # a scheduler's "save and leave now": no end-of-training evaluation in its grace period
-            if groups.is_logging_rank:
-                print(f"stopped by SIGTERM at iteration {iteration}: skipping the end-of-training evaluation",
-                      flush=True)
-            return history
-        if valid_data is not None:
-            history["valid_losses"].append(_evaluate_and_log(
-                state, valid_data, "the end of training for val data", iteration, run, tensorboard))
-        if test_data is not None:
-            history["test_loss"] = _evaluate_and_log(state, test_data, "the end of training for test data",
-                                                     iteration, run, None)
-    finally:
-        termination.restore()
-        tensorboard.close()
-        state.optimizer.close()
-    return history
+def _record(history: dict, interval: Interval, step: StepResult) -> None:
+    for key, value in (("losses", step.loss), ("grad_norms", step.stats.grad_norm), ("lrs", step.lr)):
+        history[key].append(value)
+    interval.iterations += 1
+    interval.skipped += step.stats.skipped
+    if not step.stats.skipped:
+        interval.losses.append(step.loss)
+
+
+def _report_first_iteration(run: RunConfig, state: TrainingState, activations: SavedBytesCounter, tensorboard,
+                            iteration: int) -> None:
+    """After the first step: the in-step peak of a stage that reports one, and the `activation memory` lines,
+    counted against the formula."""
+    groups, training = state.groups, run.training
+    memory = state.optimizer.memory_report()
+    if memory.peak is not None and groups.is_logging_rank:
+        print(memory.line(), flush=True)
+    report_activation_memory(activations, state.model.module, groups, training.micro_batch_size,
+                             training.seq_length, run.precision.torch_dtype, tensorboard, iteration)
+
+
+def _final_evaluations(run: RunConfig, state: TrainingState, valid_data, test_data, iteration: int, tensorboard,
+                       history: dict) -> None:
+    if valid_data is not None:
+        history["valid_losses"].append(_evaluate_and_log(
+            state, valid_data, "the end of training for val data", iteration, run, tensorboard))
+    if test_data is not None:
+        history["test_loss"] = _evaluate_and_log(state, test_data, "the end of training for test data",
+                                                 iteration, run, None)
 
 
 def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
@@ -229,85 +286,7 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a resumed run starts, read from the checkpoint's meta.json before anything is built."""
-    iteration: int = 0
-    consumed_samples: int = 0
-    saved_flags: dict = field(default_factory=dict)
-    notes: tuple[str, ...] = ()  # the tokenizer comparison's, if any
-
-
-def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
-    """Read by every rank; a meta.json that only some ranks cannot read fails on all of them (the exchange of
-    errors is the agreement), not on one while the others wait in the next collective. The checkpoint's
-    tokenizer is compared with this run's here, before anything is built or written (--finetune too: a note)."""
-    checkpoint, data = run.checkpoint, run.data
-
-    def read():
-        found = read_meta(checkpoint.load) if checkpoint.load else None
-        if found is None:
-            return None, ()
-        directory, meta = found
-        note = check_checkpoint_tokenizer(meta, data.tokenizer, directory, checkpoint.finetune,
-                                          data.override_tokenizer_check)
-        return meta, (note,) if note else ()
-
-    found, error = groups.world.run_agreed(read, (ConfigError,))
-    if error:
-        raise ConfigError(error)
-    meta, notes = found
-    if meta is None or checkpoint.finetune:
-        return ResumePoint(notes=notes)
-    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}), notes)
-
-
-def _data_tokenizers(run: RunConfig, groups: ParallelGroups) -> tuple[dict, list[str]]:
-    """({--data-path prefix: the tokenizer it was made with, None if unknown}, notes); data made with another
-    tokenizer than this run's is refused on every rank (tokenizer_identity.py). Rank 0 reads the records and
-    hashes each .idx, and passes what it found to the others."""
-    data, world = run.data, groups.world
-    prefixes = parse_data_path(list(data.data_path))[0] if data.data_path and not data.mock_data else []
-    found, error = world.run_agreed(
-        lambda: check_data_tokenizers(prefixes, data.tokenizer, data.override_tokenizer_check) if world.rank == 0
-        else None, (ConfigError,))
-    if error:
-        raise ConfigError(error)
-    return world.all_gather_objects(found)[0]
-
-
-def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
-    """What a resumed run does differently from the run that saved the checkpoint, said once at start."""
-    saved, notes = resumed.saved_flags, list(resumed.notes)
-    saved_batch = saved.get("global_batch_size")
-    if saved_batch is not None and saved_batch != run.training.global_batch_size:
-        notes.append(f"note: the global batch size changed from {saved_batch} (checkpoint) to "
-                     f"{run.training.global_batch_size}: continuing at consumed sample {resumed.consumed_samples}")
-    if saved:
-        saved_dtype = "bf16" if saved.get("bf16") else "fp16" if saved.get("fp16") else "fp32"
-        if saved_dtype != run.precision.dtype:
-            fresh = "; its fp16 loss scaler starts fresh" if run.precision.dtype == "fp16" else ""
-            notes.append(f"note: the checkpoint was trained in {saved_dtype}, this run trains in "
-                         f"{run.precision.dtype}{fresh}")
-    return notes
-
-
-def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
-    """(train, valid, test), sized for what the run reads: training from the resume point's consumed samples
-    on, at this run's batch size (it may differ from the checkpoint's), and every evaluation reads the first
-    --eval-iters global batches of its split. Mock data: three independent synthetic streams."""
-    training, data = run.training, run.data
-    eval_samples = run.evaluation.eval_iters * training.global_batch_size
-    remaining = max(training.train_iters - resumed.iteration, 0) * training.global_batch_size
-    sizes = (resumed.consumed_samples + remaining, eval_samples, eval_samples)
-    if data.mock_data:
-        return tuple(MockGPTDataset(data.vocab_size, training.seq_length, training.seed + k, n) if n else None
-                     for k, n in enumerate(sizes))
-    return tuple(build_gpt_datasets(list(data.data_path), data.split, training.seq_length, training.seed, sizes,
-                                    data.data_cache_path, groups, vocab_size=data.vocab_size))
-
-
-def _forward_backward(state: TrainingState, dataset, consumed: int, training,
+def forward_backward(state: TrainingState, dataset, consumed: int, training,
                       activations: SavedBytesCounter | None = None) -> torch.Tensor:
     """Forward and backward of every micro-batch of one global batch; returns the global batch's loss times the
     DP size (the DP ranks' mean losses summed; the same on every rank) as a device scalar, not read here: the
@@ -327,6 +306,8 @@ def _forward_backward(state: TrainingState, dataset, consumed: int, training,
         total += loss.detach()
     groups.dp.all_reduce(total)
     return total
+
+
 
 
 @torch.no_grad()
@@ -358,16 +339,14 @@ def _evaluate_and_log(state: TrainingState, dataset, where: str, iteration: int,
     return loss
 
 
-def _new_interval() -> dict:
-    return {"iterations": 0, "skipped": 0, "losses": [], "start": time.perf_counter()}
-
-
-def _log_interval(interval, iteration, consumed, lr, stats, run: RunConfig, state: TrainingState, tensorboard):
+def _log_interval(interval: Interval, progress: Progress, step: StepResult, run: RunConfig, state: TrainingState,
+                  tensorboard):
     """Megatron's per-interval figures: time over all iterations, loss over the applied ones (0 when
     every step was skipped), skipped iterations counted since the previous line."""
     groups, training = state.groups, run.training
-    seconds = (time.perf_counter() - interval["start"]) / interval["iterations"]
-    loss = sum(interval["losses"]) / max(len(interval["losses"]), 1)
+    iteration, consumed, lr, stats = progress.iteration, progress.consumed, step.lr, step.stats
+    seconds = (time.perf_counter() - interval.start) / interval.iterations
+    loss = sum(interval.losses) / max(len(interval.losses), 1)
     tokens = training.global_batch_size * training.seq_length
     tokens_per_s = tokens / seconds
     tflops = state.model.flops_per_token * tokens / (seconds * groups.world.size * 1e12)
@@ -376,11 +355,11 @@ def _log_interval(interval, iteration, consumed, lr, stats, run: RunConfig, stat
     grad_norm = stats.grad_norm if stats.grad_norm is not None else float("nan")
     if groups.is_logging_rank:
         print(iteration_line(iteration, training.train_iters, consumed, seconds * 1000, lr,
-                             training.global_batch_size, loss, stats.loss_scale, grad_norm, interval["skipped"],
+                             training.global_batch_size, loss, stats.loss_scale, grad_norm, interval.skipped,
                              nan=0, extra={"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}"}),
               flush=True)
         print(comm.line(), flush=True)
-    applied = {"lm loss": loss} if interval["losses"] else {}  # no point plotted for an all-skipped interval
+    applied = {"lm loss": loss} if interval.losses else {}  # no point plotted for an all-skipped interval
     model_states = state.optimizer.memory_report()
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
                          "loss-scale": stats.loss_scale,

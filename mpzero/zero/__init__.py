@@ -1,15 +1,32 @@
 """ZeRO data parallelism (stages 0-3) over the DP group, with mixed precision and counted memory/communication.
 
 Seams: `ZeroStage` (stage_base.py) is what a stage provides to the front; `MasterStore` (masters.py) owns the
-fp32 masters and the update rule's states (`mpzero.optim`) and writes the parameters; `ZeroOptimizer` (optimizer.py) composes them."""
+fp32 masters and the update rule's states (`mpzero.optim`) and writes the parameters; `ZeroOptimizer`
+(optimizer.py) composes them; `tiers.py` is what a store writes parameters through and the bytes every holder of
+model state reports per tier (the offload tiers, `mpzero.zero.offload`, are one more store and sink).
 
-from mpzero.zero.accounting import CommReport, MemoryReport, PeakReport
-from mpzero.zero.config import AdamConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+The rest of the face is what the memory planner (`mpzero.planner`) reads to predict a layout without building it:
+the flat layouts and stage 3's units, and the accounting's formulas."""
+
+from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
+                                    memory_formula, memory_report, offload_formula, offload_tiers, state_terms,
+                                    step_fp32_bytes, streamed_grad_bytes, transfer_theory)
+from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, AdamConfig, OffloadConfig, OptimizerConfig,
+                                PrecisionConfig, ZeroConfig)
+from mpzero.zero.construction import construction_working_set
+from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
+from mpzero.zero.norm import CHUNK as NORM_CHUNK
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
-from mpzero.zero.stage3 import default_units
+from mpzero.zero.stage3 import Stage3, assign_params, default_units
 from mpzero.zero.stage_base import ZeroStage
+from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
-__all__ = ["AdamConfig", "CommReport", "DeviceMasters", "GradientCheck", "MasterStore", "MemoryReport", "OffloadConfig",
-           "OptimizerConfig", "OwnedPiece", "PeakReport", "PrecisionConfig", "StepStats", "ZeroConfig", "ZeroOptimizer",
-           "ZeroStage", "default_units"]
+__all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "FlatLayout", "GradientCheck",
+           "MasterStore", "MemoryReport", "NORM_CHUNK", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig",
+           "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig",
+           "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
+           "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts", "build_layout",
+           "comm_theory", "construction_working_set", "default_units", "mark_weight_decay", "memory_formula",
+           "memory_report", "offload_formula", "offload_tiers", "state_terms", "step_fp32_bytes",
+           "streamed_grad_bytes", "transfer_theory"]

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from mpzero.zero.offload.sink import ParamSink
+from mpzero.zero.tiers import ParamSink
 from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 
 

@@ -27,15 +27,17 @@ leaves them averaged over the DP ranks.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from mpzero.comm import CommGroup
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
-from mpzero.zero.offload.grad_file import GradFile
-from mpzero.zero.offload.sink import TierBytes, Transfers
+from mpzero.zero.tiers import TierBytes, Transfers
+
+if TYPE_CHECKING:
+    from mpzero.zero.offload import GradFile
 
 
 class GradCollector:

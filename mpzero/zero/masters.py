@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpzero.zero.offload.sink import OffloadHolder
+from mpzero.zero.tiers import OffloadHolder
 from mpzero.zero.config import OptimizerConfig
 from mpzero.zero.flat import FlatLayout
 

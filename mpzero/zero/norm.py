@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel.placement import TensorPlacement
+from mpzero.tensor_parallel import TensorPlacement
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.step_grads import Fp32Buckets
 

@@ -38,8 +38,8 @@ from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.storages import unique_storage_bytes
-from mpzero.tensor_parallel.placement import placements
-from mpzero.zero.offload.sink import Transfers
+from mpzero.tensor_parallel import placements
+from mpzero.zero.tiers import Transfers
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, offload_tiers, transfer_theory)
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
@@ -56,7 +56,7 @@ from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.state import consolidated_weights
 
 if TYPE_CHECKING:
-    from mpzero.zero.offload.directory import OffloadDirectory
+    from mpzero.zero.offload import OffloadDirectory
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class ZeroOptimizer:
         if offload.optimizer == "none":
             masters = DeviceMasters(self.stage.layouts, self.stage.param_shards, initial, self.config)
         else:
-            from mpzero.zero.offload.masters import OffloadedMasters  # host/disk tiers: only runs that ask for them
+            from mpzero.zero.offload import OffloadedMasters  # host/disk tiers: only runs that ask for them
             # The run's device, also when the gradients are streamed to the host in backward (stages 2-3): on a GPU
             # the updated parameters go up through pinned staging (it was taken from the gradients' device, the
             # host then, which left that staging pageable and its copies synchronous).
@@ -382,6 +382,12 @@ class ZeroOptimizer:
         self.masters.publish()
         self._uncounted(self.stage.after_update)
 
+    def meta_state(self) -> dict:
+        """What a checkpoint's meta keeps of this optimizer beside the owned pieces: the rule's name, its step count,
+        the loss scaler and the iteration; `load_owned_pieces(**meta_state minus "rule")` restores them."""
+        return {"rule": self.rule.name, "step": self.adam_step(), "loss_scaler": self.scaler.state_dict(),
+                "iteration": self.iteration}
+
     def adam_step(self) -> int:
         """The update rule's step count (the same on every rank: every rank steps, a rank whose slice is padding
         too); the name is the checkpoint's older one. With a delayed update pending, call `finish_update()` first
@@ -403,7 +409,7 @@ def _open_offload_directory(offload: OffloadConfig, stage: int, groups: Parallel
     left behind."""
     if not offload.uses_disk:
         return None
-    from mpzero.zero.offload.directory import OffloadDirectory
+    from mpzero.zero.offload import OffloadDirectory
 
     def open_checked() -> OffloadDirectory:
         directory = OffloadDirectory(os.path.join(offload.path, f"rank{groups.world.rank:05d}"))
@@ -426,7 +432,7 @@ def _check_offload_space(offload: OffloadConfig, stage: int, directory: OffloadD
                          p: int, g: int, states: int) -> None:
     """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
     every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
-    from mpzero.zero.offload.swap import readable
+    from mpzero.zero.offload import readable
     per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
     per_param += g if offload.grads_tier(stage) == "disk" else 0
     need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -43,13 +43,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
-from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
 from mpzero.zero.flat import build_layout, bind_params
 from mpzero.zero.grads import ShardedGrads
-from mpzero.zero.offload.grad_file import gradient_file
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
 
@@ -99,7 +98,7 @@ class Stage3(ZeroStage):
         self.device, self.dtype, self.construction = device, precision.torch_dtype, ConstructionMeters()
         self.tier = None
         if offload is not None and offload.params != "none":
-            from mpzero.zero.offload.params import ParamTier  # only runs that offload parameters
+            from mpzero.zero.offload import ParamTier  # only runs that offload parameters
             self.tier = ParamTier(self.layouts, self.dtype, device, offload, directory, self.meter, self.partitioned)
             self.param_shards = self.tier.param_shards
         else:
@@ -109,7 +108,10 @@ class Stage3(ZeroStage):
         self._handles = [None] * len(self.layouts)
         self._gathered = [not self.gathers] * len(self.layouts)
         streamed = offload is not None and offload.streams_grads(3)
-        file = gradient_file(offload, 3, directory, self.layouts, precision.grad_dtype, device) if streamed else None
+        file = None
+        if streamed:  # gradients in host memory, or in a file beside a disk optimizer
+            from mpzero.zero.offload import gradient_file  # only runs that offload
+            file = gradient_file(offload, 3, directory, self.layouts, precision.grad_dtype, device)
         try:
             self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
                                       after_ready=self._grads_ready, host=streamed,

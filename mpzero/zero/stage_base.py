@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpzero.zero.offload.sink import OffloadHolder, ParamSink, TensorParamSink
+from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink
 from mpzero.zero.construction import ConstructionMeters
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter

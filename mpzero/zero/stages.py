@@ -26,8 +26,7 @@ from mpzero.zero.construction import ConstructionMeters, InitialSlices, bucket_v
 from mpzero.zero.flat import bind_params, bucket_layouts
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
 from mpzero.zero.meter import TransientMeter
-from mpzero.zero.offload.grad_file import gradient_file
-from mpzero.zero.offload.sink import TierBytes, Transfers
+from mpzero.zero.tiers import TierBytes, Transfers
 from mpzero.zero.stage_base import ZeroStage
 
 
@@ -138,6 +137,7 @@ class Stage2(_FullParams):
     number, parts_of_dp = 2, True
 
     def _make_grads(self, dtype, device, overlap):
+        from mpzero.zero.offload import gradient_file  # the tiers load with the runs that use them (None: no file)
         file = gradient_file(self.offload, self.number, self.directory, self.layouts, dtype, device)
         return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter,
                             host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory, file=file)

@@ -31,7 +31,7 @@ import torch
 from mpzero.errors import ConfigError
 from mpzero.optim import BLOCK, UpdateRule, canonical_windows  # noqa: F401  (canonical_windows: re-exported)
 from mpzero.zero.offload.directory import OffloadDirectory
-from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
 from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
@@ -107,39 +107,13 @@ class OffloadedMasters(MasterStore):
         self._slots = self.cuda and staged_grads  # pinned gradient staging for device gradients
         self.impl = self.rule.resolve_impl(torch.device("cpu"), config.impl)
         self.step_count = 0
-        self._offsets, total = [], 0  # where each bucket's shard starts in the partition
-        for layout in layouts:
-            self._offsets.append(total)
-            total += layout.shard_numel
-        self.numel = total
-        self._runs = [(off + s, off + e, decay) for off, layout in zip(self._offsets, layouts)
-                      for s, e, decay in layout.decay_runs()]
-        # per bucket, the elements a step changes (its runs are adjacent: decayed, then not) and its whole shard
-        self._active = [(b, off + runs[0][0], off + runs[-1][1]) for b, (off, layout) in
-                        enumerate(zip(self._offsets, layouts)) if (runs := layout.decay_runs())]
-        self._spans = [(b, off, off + layout.shard_numel)
-                       for b, (off, layout) in enumerate(zip(self._offsets, layouts))]
+        self._lay_out(layouts)
+        total = self.numel
         self.group = min(offload.sub_group_numel, max(total, 1))  # elements per sub-group
         self._count = -(-total // self.group)
-        capacity = _group_numel(offload, total)
-        pin = self.cuda and offload.pin_memory
+        self._capacity = _group_numel(offload, total)
         self._buffers: list[torch.Tensor] = []  # every host buffer, for tier_bytes
-
-        def buffer(dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
-            tensor = aligned_empty(capacity, dtype, pinned)
-            self._buffers.append(tensor)
-            return tensor
-
-        self._param_staging = buffer(sink.dtype, pin)
-        self._scratch = torch.zeros(2 + len(self.rule.state_names), self.rule.block, dtype=torch.float32)
-        self._buffers.append(self._scratch)
-        self._unflushed = False  # the sink may still read _param_staging
-        self._staged = False  # this step's gradients come through the staging slots (they are on the device)
-        self._device_to_host = 0
-        if self._slots:
-            self._grad_staging = [buffer(torch.float32, pin) for _ in range(2)]
-            self._grad_ready = [torch.cuda.Event() for _ in range(2)]
-            self._copy_stream = torch.cuda.Stream(self.device)
+        self._make_staging(sink.dtype, self.cuda and offload.pin_memory)
         self._maps: dict[str, torch.Tensor] | None = None
         self._files: dict[str, SwapFile] = {}
         self._own_directory = False
@@ -153,12 +127,46 @@ class OffloadedMasters(MasterStore):
         else:
             self._open_files(directory, total)
             try:
-                self._pipe = SwapPipeline([{name: buffer(torch.float32) for name in self.states}
+                self._pipe = SwapPipeline([{name: self._buffer(torch.float32) for name in self.states}
                                            for _ in range(offload.buffer_count)])
                 self._write_initial(initial)
             except BaseException:  # e.g. the disk filled up: no file of ours stays behind
                 self.close()
                 raise
+
+    def _lay_out(self, layouts: list[FlatLayout]) -> None:
+        """Where each bucket's shard starts in the partition (`_offsets`), its decayed and undecayed runs, the
+        elements a step changes per bucket (`_active`: its runs are adjacent, decayed then not), whole shards."""
+        self._offsets, total = [], 0
+        for layout in layouts:
+            self._offsets.append(total)
+            total += layout.shard_numel
+        self.numel = total
+        self._runs = [(off + s, off + e, decay) for off, layout in zip(self._offsets, layouts)
+                      for s, e, decay in layout.decay_runs()]
+        self._active = [(b, off + runs[0][0], off + runs[-1][1]) for b, (off, layout) in
+                        enumerate(zip(self._offsets, layouts)) if (runs := layout.decay_runs())]
+        self._spans = [(b, off, off + layout.shard_numel)
+                       for b, (off, layout) in enumerate(zip(self._offsets, layouts))]
+
+    def _buffer(self, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+        """A host buffer of one sub-group, 4 KiB-aligned, counted in tier_bytes."""
+        tensor = aligned_empty(self._capacity, dtype, pinned)
+        self._buffers.append(tensor)
+        return tensor
+
+    def _make_staging(self, param_dtype: torch.dtype, pin: bool) -> None:
+        """The parameter staging buffer, the step's scratch and, for device gradients, two gradient slots."""
+        self._param_staging = self._buffer(param_dtype, pin)
+        self._scratch = torch.zeros(2 + len(self.rule.state_names), self.rule.block, dtype=torch.float32)
+        self._buffers.append(self._scratch)
+        self._unflushed = False  # the sink may still read _param_staging
+        self._staged = False  # this step's gradients come through the staging slots (they are on the device)
+        self._device_to_host = 0
+        if self._slots:
+            self._grad_staging = [self._buffer(torch.float32, pin) for _ in range(2)]
+            self._grad_ready = [torch.cuda.Event() for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(self.device)
 
     # ---------------------------------------------------------------- disk tier
     def _open_files(self, directory: OffloadDirectory | str | None, total: int) -> None:

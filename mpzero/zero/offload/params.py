@@ -28,7 +28,7 @@ import torch
 
 from mpzero.errors import ConfigError
 from mpzero.zero.offload.directory import OffloadDirectory
-from mpzero.zero.offload.sink import ParamSink, TierBytes, Transfers
+from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.offload.swap import aligned_bytes, aligned_empty, round_up
 from mpzero.zero.config import OffloadConfig
 from mpzero.zero.flat import FlatLayout

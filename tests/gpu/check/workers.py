@@ -361,7 +361,7 @@ def zero_memory(args, result: Result) -> str:
     from mpzero.parallel import init_parallel
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import ZeroOptimizer
-    from mpzero.zero.config import AdamConfig, PrecisionConfig, ZeroConfig
+    from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig
 
     groups = init_parallel(1)
     seq, batch = GPT2["seq_length"], 4

@@ -1,0 +1,119 @@
+"""What a run does before its first iteration, before the model is built: the checks that fail first and on every
+rank (the nodes' shared --save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
+paths), and the lines a run prints at start. `start` is the one call the loop makes here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from mpzero.checkpointing import read_meta
+from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
+from mpzero.errors import ConfigError
+from mpzero.fused import resolved_impls
+from mpzero.nodes import check_nodes
+from mpzero.parallel import ParallelGroups
+from mpzero.training.config import RunConfig
+from mpzero.training.mock_data import MockGPTDataset
+
+
+def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
+    """What `auto` runs on this device: each fused op's implementation and the model's attention backend."""
+    return {**resolved_impls(device), "attention": run.model.attention(device)}
+
+
+def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
+    """((train, valid, test) datasets, the data's tokenizers), checked before the model is built (bad data paths
+    fail first), and the lines a run prints at start."""
+    nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
+    resumed = _resume_point(run, groups)
+    data_tokenizers, data_notes = _data_tokenizers(run, groups)
+    datasets = _datasets(run, groups, resumed)
+    if groups.is_logging_rank:
+        print("configuration: " + json.dumps(run.flags, sort_keys=True), flush=True)
+        print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
+        if nodes_line:
+            print(nodes_line, flush=True)
+        for note in _resume_notes(run, resumed) + data_notes:
+            print(note, flush=True)
+    return datasets, data_tokenizers
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts, read from the checkpoint's meta.json before anything is built."""
+    iteration: int = 0
+    consumed_samples: int = 0
+    saved_flags: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # the tokenizer comparison's, if any
+
+
+def _resume_point(run: RunConfig, groups: ParallelGroups) -> ResumePoint:
+    """Read by every rank; a meta.json that only some ranks cannot read fails on all of them (the exchange of
+    errors is the agreement), not on one while the others wait in the next collective. The checkpoint's
+    tokenizer is compared with this run's here, before anything is built or written (--finetune too: a note)."""
+    checkpoint, data = run.checkpoint, run.data
+
+    def read():
+        found = read_meta(checkpoint.load) if checkpoint.load else None
+        if found is None:
+            return None, ()
+        directory, meta = found
+        note = check_checkpoint_tokenizer(meta, data.tokenizer, directory, checkpoint.finetune,
+                                          data.override_tokenizer_check)
+        return meta, (note,) if note else ()
+
+    found, error = groups.world.run_agreed(read, (ConfigError,))
+    if error:
+        raise ConfigError(error)
+    meta, notes = found
+    if meta is None or checkpoint.finetune:
+        return ResumePoint(notes=notes)
+    return ResumePoint(meta["iteration"], meta["consumed_samples"], meta.get("config", {}), notes)
+
+
+def _data_tokenizers(run: RunConfig, groups: ParallelGroups) -> tuple[dict, list[str]]:
+    """({--data-path prefix: the tokenizer it was made with, None if unknown}, notes); data made with another
+    tokenizer than this run's is refused on every rank (tokenizer_identity.py). Rank 0 reads the records and
+    hashes each .idx, and passes what it found to the others."""
+    data, world = run.data, groups.world
+    prefixes = parse_data_path(list(data.data_path))[0] if data.data_path and not data.mock_data else []
+    found, error = world.run_agreed(
+        lambda: check_data_tokenizers(prefixes, data.tokenizer, data.override_tokenizer_check) if world.rank == 0
+        else None, (ConfigError,))
+    if error:
+        raise ConfigError(error)
+    return world.all_gather_objects(found)[0]
+
+
+def _resume_notes(run: RunConfig, resumed: ResumePoint) -> list[str]:
+    """What a resumed run does differently from the run that saved the checkpoint, said once at start."""
+    saved, notes = resumed.saved_flags, list(resumed.notes)
+    saved_batch = saved.get("global_batch_size")
+    if saved_batch is not None and saved_batch != run.training.global_batch_size:
+        notes.append(f"note: the global batch size changed from {saved_batch} (checkpoint) to "
+                     f"{run.training.global_batch_size}: continuing at consumed sample {resumed.consumed_samples}")
+    if saved:
+        saved_dtype = "bf16" if saved.get("bf16") else "fp16" if saved.get("fp16") else "fp32"
+        if saved_dtype != run.precision.dtype:
+            fresh = "; its fp16 loss scaler starts fresh" if run.precision.dtype == "fp16" else ""
+            notes.append(f"note: the checkpoint was trained in {saved_dtype}, this run trains in "
+                         f"{run.precision.dtype}{fresh}")
+    return notes
+
+
+def _datasets(run: RunConfig, groups: ParallelGroups, resumed: ResumePoint):
+    """(train, valid, test), sized for what the run reads: training from the resume point's consumed samples
+    on, at this run's batch size (it may differ from the checkpoint's), and every evaluation reads the first
+    --eval-iters global batches of its split. Mock data: three independent synthetic streams."""
+    training, data = run.training, run.data
+    eval_samples = run.evaluation.eval_iters * training.global_batch_size
+    remaining = max(training.train_iters - resumed.iteration, 0) * training.global_batch_size
+    sizes = (resumed.consumed_samples + remaining, eval_samples, eval_samples)
+    if data.mock_data:
+        return tuple(MockGPTDataset(data.vocab_size, training.seq_length, training.seed + k, n) if n else None
+                     for k, n in enumerate(sizes))
+    return tuple(build_gpt_datasets(list(data.data_path), data.split, training.seq_length, training.seed, sizes,
+                                    data.data_cache_path, groups, vocab_size=data.vocab_size))
