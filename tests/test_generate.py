@@ -24,6 +24,7 @@ from mpzero.inference import (KVCache, SamplingConfig, filter_logits, forward_ca
                               gpt_config_from_meta, load_full_weights)
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
+from tests.cli import TINY, quiet_main
 from tests.distributed import run_ranks
 from tests.trained_gpt import TOOLS, corpus_texts, gpt2_bpe_files, runs
 from tools.checkpoint_util import read_consolidated
@@ -203,3 +204,12 @@ def test_bad_input_is_one_line_and_writes_nothing(gpt2, tmp_path, extra, message
 def test_a_directory_that_is_not_a_checkpoint_is_one_line(tmp_path):
     code, _, _, err = run_ranks(1, _cli, ["--load", str(tmp_path), "--prompt", "x"])[0]
     assert code == 2 and err.count("\n") == 1 and "no mpzero checkpoint under" in err
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_one_line(tmp_path):
+    """A run on token ids (NullTokenizer: the text is the ids) and a prompt of blanks: no tokens, one line."""
+    save = str(tmp_path / "ckpt")
+    run_ranks(1, quiet_main, TINY + ["--train-iters", "1", "--eval-iters", "0", "--save", save,
+                                     "--tokenizer-type", "NullTokenizer"])
+    code, _, out, err = run_ranks(1, _cli, ["--load", save, "--prompt", "   "])[0]
+    assert code == 2 and out == "" and err.count("\n") == 1 and "prompt 1 ('   ') encodes to no tokens" in err, err

@@ -267,3 +267,22 @@ def test_text_plan_and_a_budget_nothing_fits():
     assert code == 0 and "nothing fits; the smallest device peak is" in stdout
     code, _, stderr = _plan("--world-size", "2", "--device-memory", "lots", *MODEL)
     assert code == 2 and "is not a size" in stderr
+
+
+def test_pretrain_gpt_layout_flags_restrict_the_search_and_a_contradiction_is_one_line(tmp_path):
+    """Layout flags of pretrain_gpt.py given to the planner are not dropped: each keeps the layouts with its value
+    (a note says so); one that contradicts the planner's own restriction leaves nothing, in one line."""
+    base = ["--world-size", "4", "--device-memory", "1GiB", "--device", "cpu", *MODEL]
+    code, stdout, _ = _plan(*base, "--json")
+    every = json.loads(stdout)["layouts"]
+    code, stdout, _ = _plan(*base, "--json", "--tensor-model-parallel-size", "2", "--zero-stage", "3",
+                            "--recompute-granularity", "full", "--offload-optimizer", "cpu")
+    kept = json.loads(stdout)["layouts"]
+    assert code == 0 and 0 < len(kept) < len(every)
+    assert all((x["layout"]["tp"], x["layout"]["stage"], x["layout"]["recompute"], x["layout"]["offload_optimizer"])
+               == (2, 3, "full", "cpu") for x in kept)
+    code, stdout, _ = _plan(*base, "--micro-batch-size", "2")
+    assert code == 0 and "note: layouts restricted to the layout flags given: --micro-batch-size 2" in stdout
+    code, _, stderr = _plan(*base, "--tensor-model-parallel-size", "4", "--tp-sizes", "2")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and lines[0].startswith("error: no layout to evaluate"), stderr

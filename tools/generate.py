@@ -136,6 +136,9 @@ def _prepare(args):
             ids = tokenizer.tokenize(text) if text else [tokenizer.eod]
         except ValueError as error:  # NullTokenizer: not a list of ids
             raise ConfigError(f"prompt {number} is not token ids for this run's tokenizer ({error})") from None
+        if not ids:
+            raise ConfigError(f"prompt {number} ({text!r}) encodes to no tokens with this run's tokenizer: give it "
+                              f"some text, or an empty prompt for an unconditional sample")
         if len(ids) >= config.max_position_embeddings:
             raise ConfigError(f"prompt {number} is {len(ids)} tokens, and the model sees at most "
                               f"{config.max_position_embeddings} positions (--max-position-embeddings): no room to "

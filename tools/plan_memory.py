@@ -8,8 +8,10 @@ layout that fits, with its torchrun command.
 Takes pretrain_gpt.py's model and training flags (or --config FILE); --train-iters, --lr and --micro-batch-size
 may be left out, data flags too (--vocab-size, default 50257, stands for the tokenizer). The layout flags
 (TP size, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses: each is enumerated unless
-restricted (--tp-sizes, --zero-stages, --offload-tiers, --recompute-modes, --micro-batch-sizes); the global
-batch is kept when given. Sizes take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB; a bare number
+restricted (--tp-sizes, --zero-stages, --offload-tiers, --recompute-modes, --micro-batch-sizes), and one given
+as pretrain_gpt.py's own flag (--tensor-model-parallel-size 8, --zero-stage 3, --offload-optimizer cpu,
+--recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only the layouts with that value
+(said in a note); the global batch is kept when given. Sizes take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB; a bare number
 is GiB. Every figure comes from the code's own functions (mpzero.planner): the `zero memory` and `zero comm`
 lines it predicts are the lines the run prints, and `pretrain_gpt.py --dry-run` runs the real code for any rank
 to confirm them (`--device cpu` gives the dry run's figures exactly).
@@ -74,16 +76,52 @@ def planner_parser() -> argparse.ArgumentParser:
     return p
 
 
-def training_argv(rest: list[str]) -> list[str]:
-    """pretrain_gpt.py's flags with what a plan does not need filled in (unless the command line or --config set
-    it)."""
-    def dest(flag: str) -> str:
-        return flag.split("=", 1)[0].lstrip("-").replace("-", "_")
+def dest(flag: str) -> str:
+    """--flag-name or --flag-name=value -> flag_name (argparse's destination)."""
+    return flag.split("=", 1)[0].lstrip("-").replace("-", "_")
+
+
+def given_flags(rest: list[str]) -> set[str]:
+    """The destinations of the pretrain_gpt.py flags the command line or its --config file sets."""
     present = {dest(token) for token in rest if token.startswith("--")}
     if "config" in present:
         config = rest[rest.index("--config") + 1] if "--config" in rest else next(
             t.split("=", 1)[1] for t in rest if t.startswith("--config="))
         present |= set(read_config_file(config, build_parser()))
+    return present
+
+
+# pretrain_gpt.py's flags that choose a layout: a given one keeps the layouts that have its value
+LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "zero_stage": "--zero-stage",
+                "micro_batch_size": "--micro-batch-size", "offload_optimizer": "--offload-optimizer",
+                "optimizer_cpu_offload": "--optimizer-cpu-offload", "offload_params": "--offload-params",
+                "sequence_parallel": "--sequence-parallel", "recompute_activations": "--recompute-activations",
+                "recompute_granularity": "--recompute-granularity"}
+
+
+def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[dict, str | None]:
+    """({layout attribute: the value the given layout flags fix}, the note saying so, or None)."""
+    fixed, said = {}, []
+    for dest, attribute in (("tensor_model_parallel_size", "tp"), ("zero_stage", "stage"),
+                            ("micro_batch_size", "micro_batch"), ("offload_params", "offload_params"),
+                            ("sequence_parallel", "sequence_parallel")):
+        if dest in present:
+            fixed[attribute] = getattr(args, dest)
+            said.append(f"{LAYOUT_FLAGS[dest]} {getattr(args, dest)}")
+    if present & {"offload_optimizer", "optimizer_cpu_offload"}:
+        fixed["offload_optimizer"] = "cpu" if args.optimizer_cpu_offload else args.offload_optimizer
+        said.append(f"--offload-optimizer {fixed['offload_optimizer']}")
+    if present & {"recompute_activations", "recompute_granularity"}:
+        fixed["recompute"] = "selective" if args.recompute_activations else (args.recompute_granularity or "none")
+        said.append(f"recompute {fixed['recompute']}")
+    note = f"note: layouts restricted to the layout flags given: {', '.join(said)}" if said else None
+    return fixed, note
+
+
+def training_argv(rest: list[str]) -> list[str]:
+    """pretrain_gpt.py's flags with what a plan does not need filled in (unless the command line or --config set
+    it)."""
+    present = given_flags(rest)
     extra = [token for flag, value in DEFAULTS.items() if dest(flag) not in present for token in (flag, value)]
     if "data_path" not in present and "mock_data" not in present:
         extra.append("--mock-data")
@@ -106,9 +144,14 @@ def plan(argv: list[str]) -> dict:
     planner = Planner(args, tokenizer_record(args)["vocab_size"], machine)
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
                               opts.micro_batch_sizes, opts.max_micro_batch_size)
+    fixed, note = layout_restrictions(args, given_flags(rest))
+    layouts = [layout for layout in layouts if all(getattr(layout, k) == v for k, v in fixed.items())]
     if not layouts:
         raise ConfigError("no layout to evaluate: the head count, the world size, the global batch and the "
-                          "restrictions given leave none")
+                          "restrictions given (the --*-sizes/--*-stages/--*-tiers/--*-modes flags and "
+                          "pretrain_gpt.py's own layout flags) leave none")
+    if note and not opts.json:
+        print(note)
     plans = rank_plans([planner.evaluate(layout) for layout in layouts])
     best = plans[0] if plans[0].fits else None
     selective_flags = "selective" in recompute_modes(args)

@@ -4,7 +4,7 @@ From the layouts (`shapes.ModelShapes.layouts`, the code's own bucketing, unit a
 module counts what each ZeRO stage and master store allocates per rank, so the prediction equals the
 `zero memory` line's measured bytes, padding included. The formulas beside them are the code's own
 (`mpzero.zero.accounting`: memory_formula, offload_formula, comm_theory, transfer_theory), stage 3's in-step
-working set is `Stage3.peak_working_set` itself, the offload buffers `mpzero.zero.offload.masters.buffer_bytes` and the
+working set is `Stage3.peak_working_set`'s own formula (`accounting.stage3_working_set`), the offload buffers `mpzero.zero.offload.masters.buffer_bytes` and the
 parameter tier's own sizes: `memory_line()` / `comm_line()` render the very lines a run prints.
 
 Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b / N owned (shard) elements,
@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from mpzero.models import family_of
 from mpzero.optim import AdamW, UpdateRule
 from mpzero.planner.shapes import ModelShapes
-from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Stage3,
-                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
-                         offload_formula, offload_tiers, streamed_grad_bytes, transfer_theory)
+from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, TierReport,
+                         TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
+                         offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, round_up
 
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
@@ -85,15 +84,13 @@ def _owned_unpadded(layout: FlatLayout) -> int:
     return sum(end - start for start, end, _ in layout.decay_runs())
 
 
-def stage3_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
-                       streamed: bool = False) -> tuple[int, str]:
-    """`Stage3.peak_working_set` itself, called on the attributes it reads, for layouts built without tensors."""
+def stage3_plan_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
+                            streamed: bool = False) -> tuple[int, str]:
+    """`Stage3.peak_working_set`'s formula (`accounting.stage3_working_set`) for layouts built without tensors."""
     partitioned = dp > 1
-    stand_in = SimpleNamespace(layouts=list(layouts), partitioned=partitioned,
-                               gathers=partitioned or params_offloaded,
-                               tier=object() if params_offloaded else None, prefetch=zero.prefetch,
-                               grads=SimpleNamespace(overlap=zero.overlap_comm, streamed=streamed))
-    return Stage3.peak_working_set(stand_in, p, g)
+    return stage3_working_set(list(layouts), p, g, gathers=partitioned or params_offloaded,
+                              staged=params_offloaded and partitioned, prefetch=zero.prefetch,
+                              overlap=zero.overlap_comm, streamed=streamed)
 
 
 def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -> tuple[int, str]:
@@ -147,7 +144,7 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
     if stage == 3:
-        working, working_text = stage3_working_set(layouts, p, g, dp, zero, par_off, streamed)
+        working, working_text = stage3_plan_working_set(layouts, p, g, dp, zero, par_off, streamed)
     elif stage == 2:
         working, working_text = stage2_working_set(layouts, g, zero.overlap_comm, streamed)
     else:

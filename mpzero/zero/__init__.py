@@ -10,7 +10,7 @@ the flat layouts and stage 3's units, and the accounting's formulas."""
 
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                     memory_formula, memory_report, offload_formula, offload_tiers, state_terms,
-                                    step_fp32_bytes, streamed_grad_bytes, transfer_theory)
+                                    stage3_working_set, step_fp32_bytes, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, AdamConfig, OffloadConfig, OptimizerConfig,
                                 PrecisionConfig, ZeroConfig)
 from mpzero.zero.construction import construction_working_set
@@ -28,5 +28,5 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Flat
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts", "build_layout",
            "comm_theory", "construction_working_set", "default_units", "mark_weight_decay", "memory_formula",
-           "memory_report", "offload_formula", "offload_tiers", "state_terms", "step_fp32_bytes",
-           "streamed_grad_bytes", "transfer_theory"]
+           "memory_report", "offload_formula", "offload_tiers", "stage3_working_set", "state_terms",
+           "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]

@@ -48,6 +48,7 @@ from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
 from mpzero.zero.flat import build_layout, bind_params
+from mpzero.zero.accounting import stage3_working_set
 from mpzero.zero.grads import ShardedGrads
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
@@ -176,48 +177,11 @@ class Stage3(ZeroStage):
             self.tier.mark()
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
-        """(bytes, formula) the schedule holds beyond the shards at its peak, in backward (forward holds less):
-        the root's parameters and full gradient bucket (R elements each: gathered again for the loss, its
-        gradients complete only with the tied embedding's, at the very end), and at the j-th layer unit of
-        backward (each at most L elements) that unit and the prefetched next one (parameters), that unit's
-        gradient bucket and the previous one's still being reduced (MAX_INFLIGHT_REDUCTIONS = 1). At DP 1
-        parameters are never gathered (with offloaded parameters they are, from the tier); without overlap
-        every gradient bucket waits for the end of backward.
-        Offloaded parameters at DP > 1 add device staging of S = the largest layer unit's shard: with prefetch,
-        at layer j the next unit's shard (its gather in flight) and the one after it (read ahead) are staged
-        through that unit's backward: + p(S if a next unit exists + S if a second one does); without
-        prefetch a unit's shard is staged only until its own gather completes, before its gradients come.
-        Gradients streamed to the host (an offloaded optimizer) add the reduced slices on their way: at layer j
-        the previous unit's (being reduced) and the one before it (copied to the host), + g min(j, 2) S; when the
-        root's reduction starts, the last layer's slice and the root's own, + g(S + Sr) (Sr: the root's shard);
-        without overlap, the root's slice beside every full bucket, + g Sr (the root is at least a layer's shard)."""
-        root = self.layouts[0].padded_numel
-        root_shard = self.layouts[0].shard_numel
-        largest = max((layout.padded_numel for layout in self.layouts[1:]), default=0)
-        shard = max((layout.shard_numel for layout in self.layouts[1:]), default=0)
-        units, gathered = len(self.layouts) - 1, p if self.gathers else 0
-        staged = p if self.tier is not None and self.partitioned else 0
-        streamed = getattr(self.grads, "streamed", False)
-        overlap = self.grads.overlap
-        moments = []  # (R, L, S, Sr coefficients): bytes per element of each at one moment
-        for j in range(units):
-            grads = (1 + (j > 0)) if overlap else j + 1
-            slices = g * min(j, 2) if streamed and overlap else 0
-            if self.prefetch:
-                ahead = (j < units - 1) + (j < units - 2)
-                moments.append((gathered + g, gathered * (1 + (j < units - 1)) + g * grads, staged * ahead + slices, 0))
-            else:
-                moments += [(gathered + g, gathered + g * grads, slices, 0),
-                            (gathered + g, gathered + g * (grads - 1), staged + slices, 0)]
-        if streamed and overlap:  # the root's reduction: its slice and the last layer's on its way
-            moments.append((gathered + g, 0, g * (units > 0), g))
-        elif streamed:  # end of backward: the root's slice beside every bucket, then the first layer's beside it
-            moments += [(gathered + g, g * units, 0, g), (gathered, g * units, g * (units > 0), g)]
-        sizes = (root, largest, shard, root_shard)
-        working, coefs = max((sum(c * n for c, n in zip(m, sizes)), m) for m in moments) if moments else \
-            ((gathered + g) * root, (gathered + g, 0, 0, 0))
-        text = "+".join(f"{c}{name}" for c, name in zip(coefs, ("R", "L", "S", "Sr")) if c or name in "RL")
-        return working, text
+        """(bytes, formula) the schedule holds beyond the shards at its peak: `stage3_working_set` of this stage's
+        units and settings."""
+        return stage3_working_set(self.layouts, p, g, gathers=self.gathers,
+                                  staged=self.tier is not None and self.partitioned, prefetch=self.prefetch,
+                                  overlap=self.grads.overlap, streamed=self.grads.streamed)
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
