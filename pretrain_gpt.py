@@ -39,10 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
     owns_world = not dist.is_initialized()  # else the caller (a test, a notebook) owns the process group
     try:
         run = _validated_run(argv)
-        if run.flags.get("dry_run"):  # one rank of a --world-size job on fake tensors (mpzero/cli/dry_run.py)
+        if run.dry_run is not None:  # one rank of a --world-size job on fake tensors (mpzero/cli/dry_run.py)
             from mpzero.cli.dry_run import dry_run
-            flags = run.flags
-            return run_or_exit(lambda: dry_run(run, gpt_provider, flags["world_size"] or 1, flags["rank"] or 0))
+            return run_or_exit(lambda: dry_run(run, gpt_provider, run.dry_run.world_size, run.dry_run.rank))
         return run_or_exit(lambda: _train_reporting_peer_failures(run))
     finally:
         if owns_world and dist.is_initialized():

@@ -26,8 +26,8 @@ from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.models import GPTConfig, config_from_args
 from mpzero.optim import RULES
-from mpzero.training import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, LRSchedule, ParallelConfig,
-                             RunConfig, TrainingConfig, num_micro_batches)
+from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
+                             ParallelConfig, RunConfig, TrainingConfig, num_micro_batches)
 from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
@@ -137,6 +137,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                     overwrite=args.overwrite_checkpoints),
         logging=logging,
         schedule=lr_schedule(args), zero=sections[0], optimizer=sections[1], precision=sections[2], offload=offload,
+        dry_run=DryRunConfig(args.world_size or 1, args.rank or 0) if args.dry_run else None,
         flags={**vars(args), **resolved})
 
 

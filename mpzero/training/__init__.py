@@ -6,8 +6,8 @@ batch, the gradient check, the optimizer step) and then the decisions to log, ev
 schedule, console lines, TensorBoard, peak memory, and SIGTERM handling."""
 
 from mpzero.training.batches import load_batch, micro_batch_indices, num_micro_batches
-from mpzero.training.config import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ParallelConfig,
-                                    RunConfig, TrainingConfig)
+from mpzero.training.config import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig,
+                                    ParallelConfig, RunConfig, TrainingConfig)
 from mpzero.training.loop import (BuiltModel, ModelProvider, Progress, StepResult, TrainingState,
                                   build_training_state, evaluate, forward_backward, overlap_note, partition_note, save,
                                   train, train_step)
@@ -16,8 +16,8 @@ from mpzero.training.metrics import MetricsLogger
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.startup import fused_ops
 
-__all__ = ["BuiltModel", "CheckpointConfig", "DECAY_STYLES", "DataConfig", "EvalConfig", "LRSchedule",
-           "LoggingConfig", "MetricsLogger", "MockGPTDataset", "ModelProvider", "ParallelConfig", "Progress",
+__all__ = ["BuiltModel", "CheckpointConfig", "DECAY_STYLES", "DataConfig", "DryRunConfig", "EvalConfig",
+           "LRSchedule", "LoggingConfig", "MetricsLogger", "MockGPTDataset", "ModelProvider", "ParallelConfig", "Progress",
            "RunConfig", "StepResult", "TrainingConfig", "TrainingState", "build_training_state", "evaluate",
            "forward_backward", "fused_ops", "load_batch", "micro_batch_indices", "num_micro_batches", "overlap_note",
            "partition_note", "save", "train", "train_step"]

@@ -22,6 +22,14 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class DryRunConfig:
+    """--dry-run: this process is rank `rank` of a `world_size`-rank job, run on tensors without data
+    (mpzero/cli/dry_run.py); the training loop never sees it."""
+    world_size: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """check_for_nan: Megatron's --check-for-nan-in-loss-and-grad (a non-finite loss stops the run before
     the update; the gradient norm's check is the optimizer's, ZeroConfig.check_for_nan_in_grad)."""
@@ -87,4 +95,5 @@ class RunConfig:
     optimizer: OptimizerConfig
     precision: PrecisionConfig
     offload: OffloadConfig = OffloadConfig()
+    dry_run: DryRunConfig | None = None  # None: a real run
     flags: dict = field(default_factory=dict, compare=False)
