@@ -55,3 +55,24 @@ def assert_close_lists(a, b, rel=1e-5):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+def fuzz_outcome(main, argv) -> tuple[object, str]:
+    """(exit code, stderr) of main(argv) in this process for the fuzz tests: a SystemExit's code as it is, a
+    returned non-int (pretrain_gpt's and generate's results) 0, and an exception escaping main reported as a
+    traceback line in stderr (so the test names it instead of stopping)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+            code = code if isinstance(code, int) else 0
+        except SystemExit as stop:
+            code = stop.code
+        except Exception as error:  # noqa: BLE001 - what escapes main is a traceback: reported as such
+            return 1, f"{err.getvalue()}Traceback: {type(error).__name__}: {error}\n"
+    return code, err.getvalue()
+
+
+def tree_snapshot(root) -> set[str]:
+    """Every file and folder below `root` (what a refused command must leave as it was)."""
+    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files}

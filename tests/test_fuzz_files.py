@@ -7,8 +7,6 @@ Files x readers: --config (YAML and JSON) through pretrain_gpt.py; a checkpoint'
 through checkpoint_util.py verify and to-consolidated, export_hf.py, generate.py and pretrain_gpt.py --load;
 a Hugging Face config.json through import_hf.py; a dataset's .idx through merge_datasets.py."""
 
-import contextlib
-import io
 import json
 import os
 import runpy
@@ -18,7 +16,7 @@ import pytest
 
 from mpzero.checkpointing import LATEST
 from mpzero.checkpointing.checkpoint import META_KEYS, RESUME_KEYS
-from tests.cli import ROOT, TINY, quiet_main
+from tests.cli import ROOT, TINY, fuzz_outcome, quiet_main, tree_snapshot
 from tests.distributed import run_ranks
 from tests.test_data_indexed_dataset import write_dataset
 
@@ -28,21 +26,6 @@ MAINS = {name: runpy.run_path(os.path.join(TOOLS, f"{name}.py"))["main"]
 NOT_UTF8 = b"{\"caf\xe9\": \xff}"
 
 
-def _result(main, argv) -> tuple[object, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-            code = code if isinstance(code, int) else 0  # pretrain_gpt and generate return their results
-        except SystemExit as stop:
-            code = stop.code
-        except Exception as error:  # noqa: BLE001 - what escapes main is a traceback: reported as such
-            return 1, f"{err.getvalue()}Traceback: {type(error).__name__}: {error}\n"
-    return code, err.getvalue()
-
-
-def _snapshot(root) -> set[str]:
-    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files}
 
 
 def _json_damages(valid: dict, keys=None) -> dict[str, bytes | None]:
@@ -96,9 +79,9 @@ def test_config_files(tmp_path, monkeypatch, damage):
         names = ["--" + damage[3:]]
     else:
         names = [path]
-    before = _snapshot(tmp_path)
-    code, stderr = _result(quiet_main, argv)
-    _check(f"--config {damage}", code, stderr, names, before, _snapshot(tmp_path))
+    before = tree_snapshot(tmp_path)
+    code, stderr = fuzz_outcome(quiet_main, argv)
+    _check(f"--config {damage}", code, stderr, names, before, tree_snapshot(tmp_path))
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
@@ -173,12 +156,12 @@ def test_checkpoint_files(saved, tmp_path, monkeypatch, reader):
         out = tmp_path / "out"  # fresh: a damage read through may have written its output
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
-        before = _snapshot(tmp_path)
+        before = tree_snapshot(tmp_path)
         main, argv = READERS[reader](str(load), str(out))
-        code, stderr = _result(main, argv)
+        code, stderr = fuzz_outcome(main, argv)
         names = [file, str(load)]
         try:
-            _check(f"{reader}: {file} {damage}", code, stderr, names, before, _snapshot(tmp_path),
+            _check(f"{reader}: {file} {damage}", code, stderr, names, before, tree_snapshot(tmp_path),
                    may_pass=_may_pass(reader, file, damage))
         except AssertionError as failure:
             failures.append(str(failure))
@@ -200,12 +183,12 @@ def test_hf_config_files(tmp_path, monkeypatch):
         shutil.rmtree(source, ignore_errors=True)
         source.mkdir()
         _write(str(source / "config.json"), data)
-        before = _snapshot(tmp_path)
-        code, stderr = _result(MAINS["import_hf"], ["--input", str(source), "--save", str(tmp_path / "ckpt")])
+        before = tree_snapshot(tmp_path)
+        code, stderr = fuzz_outcome(MAINS["import_hf"], ["--input", str(source), "--save", str(tmp_path / "ckpt")])
         key = damage.split(" ")[1] if damage.startswith("no ") else damage.split(" = ")[0]
         try:  # every damage ends in one line; the unknown key and a complete config then miss the weights
             _check(f"config.json {damage}", code, stderr, ["config.json", key, str(source)],
-                   before, _snapshot(tmp_path))
+                   before, tree_snapshot(tmp_path))
         except AssertionError as failure:
             failures.append(str(failure))
     assert not failures, f"{len(failures)} of {len(damages)}:\n" + "\n".join(failures)
@@ -224,11 +207,11 @@ def test_index_files(tmp_path, monkeypatch):
     for damage, data in damages.items():
         shutil.copy(tmp_path / "good.bin", tmp_path / "bad.bin")
         _write(str(tmp_path / "bad.idx"), data)
-        before = _snapshot(tmp_path)
-        code, stderr = _result(MAINS["merge_datasets"], ["--input", str(tmp_path / "bad"), "--output-prefix",
+        before = tree_snapshot(tmp_path)
+        code, stderr = fuzz_outcome(MAINS["merge_datasets"], ["--input", str(tmp_path / "bad"), "--output-prefix",
                                                          str(tmp_path / "merged")])
         try:
-            _check(f".idx {damage}", code, stderr, ["bad.idx", str(tmp_path / "bad")], before, _snapshot(tmp_path))
+            _check(f".idx {damage}", code, stderr, ["bad.idx", str(tmp_path / "bad")], before, tree_snapshot(tmp_path))
         except AssertionError as failure:
             failures.append(str(failure))
     assert not failures, "\n".join(failures)

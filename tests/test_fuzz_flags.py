@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 
 from mpzero.cli.checks import Choice, Items, Number, Path, Size, Text
-from tests.cli import ROOT
+from tests.cli import ROOT, fuzz_outcome, tree_snapshot
 
 SCRIPTS = [os.path.join(ROOT, "pretrain_gpt.py")] + sorted(glob.glob(os.path.join(ROOT, "tools", "*.py")))
 NUMBERS = ["0", "-1", "nan", "inf", "1e400", "", "abc", "64.0", "٢"]  # the last: a digit int() reads, not ASCII
@@ -139,18 +139,6 @@ def _cases(tmp):
     return cases
 
 
-def _snapshot(root) -> set[str]:
-    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files}
-
-
-def _result(main, argv) -> tuple[object, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as stop:
-            code = stop.code
-    return code, err.getvalue()
 
 
 def _check(name, argv, action, code, stderr):
@@ -165,13 +153,13 @@ def _check(name, argv, action, code, stderr):
 def test_every_flag_refuses_every_bad_value_in_one_line_creating_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative outputs would land here
     cases = _cases(str(tmp_path))
-    before = _snapshot(tmp_path)
+    before = tree_snapshot(tmp_path)
     failures = []
     for name, main, argv, action in cases:
-        code, stderr = _result(main, argv)
+        code, stderr = fuzz_outcome(main, argv)
         try:
             _check(name, argv, action, code, stderr)
-            assert _snapshot(tmp_path) == before, f"{name} {argv}: created {_snapshot(tmp_path) - before}"
+            assert tree_snapshot(tmp_path) == before, f"{name} {argv}: created {tree_snapshot(tmp_path) - before}"
         except AssertionError as failure:
             failures.append(str(failure))
     entry_points = {name for name, *_ in cases}
