@@ -4,8 +4,9 @@ From the layouts (`shapes.ModelShapes.layouts`, the code's own bucketing, unit a
 module counts what each ZeRO stage and master store allocates per rank, so the prediction equals the
 `zero memory` line's measured bytes, padding included. The formulas beside them are the code's own
 (`mpzero.zero.accounting`: memory_formula, offload_formula, comm_theory, transfer_theory), stage 3's in-step
-working set is `Stage3.peak_working_set`'s own formula (`accounting.stage3_working_set`), the offload buffers `mpzero.zero.offload.masters.buffer_bytes` and the
-parameter tier's own sizes: `memory_line()` / `comm_line()` render the very lines a run prints.
+working set is `Stage3.peak_working_set`'s own formula (`accounting.stage3_working_set`), the offload buffers
+`mpzero.zero.offload.masters.buffer_bytes`, the gradient file's `gradient_file_bytes` and the parameter tier's
+own sizes: `memory_line()` / `comm_line()` render the very lines a run prints.
 
 Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b / N owned (shard) elements,
 p / g bytes per parameter / gradient element:
@@ -39,7 +40,7 @@ from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, TierReport,
                          TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
-from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, round_up
+from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
 
@@ -171,10 +172,10 @@ def _off_device_bytes(inputs: PlanInputs, offload: OffloadConfig, layouts, shard
     precision, rule, cuda = inputs.precision, inputs.rule, inputs.cuda
     p, g = element_sizes(precision)
     host = disk = host_buffers = 0
-    if streamed and offload.grads_tier(inputs.zero.stage) == "disk":  # GradFile: a 4 KiB-aligned region per bucket,
-        regions = [round_up(g * layout.shard_numel) for layout in layouts]  # 2 buffers
+    if streamed and offload.grads_tier(inputs.zero.stage) == "disk":  # GradFile: aligned regions, 2 buffers
+        regions, buffers = gradient_file_bytes([layout.shard_numel for layout in layouts], precision.grad_dtype)
         disk += sum(regions)
-        host_buffers += 2 * aligned_bytes(max(regions, default=0) // g, precision.grad_dtype)
+        host_buffers += buffers
     elif streamed:
         host += g * shard
         if cuda:  # ShardedGrads' pinned landing buffer for later micro-batches: one largest shard

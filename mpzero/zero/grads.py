@@ -34,7 +34,7 @@ import torch
 from mpzero.comm import CommGroup
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
-from mpzero.zero.tiers import TierBytes, Transfers
+from mpzero.zero.tiers import OffloadHolder, TierBytes, Transfers
 
 if TYPE_CHECKING:
     from mpzero.zero.offload import GradFile
@@ -69,7 +69,10 @@ class GradCollector:
             self._on_ready(bucket)
 
 
-class ReplicatedGrads:
+class ReplicatedGrads(OffloadHolder):
+    file = None  # full gradient buffers on the device: nothing off it (the tier methods are OffloadHolder's none)
+    on_final = None
+
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
                  reduction: str):
         """reduction: "all_reduce" (stage 0: every rank keeps the whole averaged gradient) or "reduce_scatter"
@@ -128,7 +131,7 @@ MAX_INFLIGHT_REDUCTIONS = 1  # full gradient buffers whose reduce-scatter may st
 IN_TRANSIT = 1  # streamed: reduced shards whose device-to-host copy may still run
 
 
-class ShardedGrads:
+class ShardedGrads(OffloadHolder):
     """Only this rank's gradient slice persists (see the module docstring). `host=True` (an offloaded optimizer,
     issue 24 item 3): the slices live in host memory (pinned on CUDA) and each reduced bucket is streamed there
     as soon as its reduce-scatter completes: the reduction lands in a device shard-sized buffer, which is copied to

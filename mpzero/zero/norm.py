@@ -115,10 +115,7 @@ class ArrivingNorm:
             raise RuntimeError(f"the gradient norm needs every bucket's final gradients; buckets {missing} did not "
                                "arrive (backward(loss, last_micro_batch=True) reduces them)")
         device = next((part.device for part in self._sums if part is not None), torch.device("cpu"))
-        not_finite = self._not_finite if self.check_overflow else None
-        if not_finite is None and self.check_overflow:
-            not_finite = torch.zeros((), dtype=torch.bool, device=device)
-        return _reduce(self._sums, not_finite, groups, device)
+        return _reduce(self._sums, self._not_finite, groups, device)  # _not_finite: None without the check
 
 
 def _any_not_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

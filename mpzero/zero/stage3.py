@@ -316,15 +316,6 @@ class Stage3(ZeroStage):
         grads = self.grads.host_buffer_formula()
         return tier[0] + grads[0], "+".join(t for t in (tier[1], grads[1]) if t != "0") or "0"
 
-    @property
-    def gradient_file(self):
-        return self.grads.file
-
-    def watch_final_gradients(self, fn) -> None:
-        if self.gradient_file is None:
-            super().watch_final_gradients(fn)
-        self.grads.on_final = fn
-
     def check_files(self) -> None:
         if self.tier is not None:
             self.tier.check_files()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,12 +36,16 @@ from mpzero.zero.construction import ConstructionMeters
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 
+if TYPE_CHECKING:
+    from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
+
 
 class ZeroStage(OffloadHolder, ABC):
     number: int  # the ZeRO stage, 0-3
     device: torch.device  # where the model computes
     layouts: list[FlatLayout]
     param_shards: list[torch.Tensor]
+    grads: ReplicatedGrads | ShardedGrads  # this rank's gradient buffers (grads.py), an OffloadHolder of their own
 
     meter: TransientMeter
     construction: ConstructionMeters  # working bytes while the stage makes its buckets (construction.py)
@@ -68,11 +73,16 @@ class ZeroStage(OffloadHolder, ABC):
     @abstractmethod
     def held_tensors(self) -> list[torch.Tensor]: ...
 
-    gradient_file = None  # a GradFile: this rank's gradient slices on disk (stages 2-3, optimizer on disk)
+    @property
+    def gradient_file(self):
+        """A GradFile: this rank's gradient slices on disk (stages 2-3, optimizer on disk); None elsewhere."""
+        return self.grads.file
 
     def watch_final_gradients(self, fn) -> None:
         """fn(bucket, values) for each bucket's final gradient slice as it goes to `gradient_file`."""
-        raise NotImplementedError(f"stage {self.number} keeps its gradients where the step reads them")
+        if self.grads.file is None:
+            raise NotImplementedError(f"stage {self.number} keeps its gradients where the step reads them")
+        self.grads.on_final = fn
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond `held_tensors` at its in-step peak, for stages whose

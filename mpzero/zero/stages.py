@@ -87,30 +87,19 @@ class _FullParams(ZeroStage):
         return self.param_flats + self.grads.held_tensors()
 
     def tier_bytes(self) -> TierBytes:
-        return self.grads.tier_bytes() if isinstance(self.grads, ShardedGrads) else TierBytes()
+        return self.grads.tier_bytes()
 
     def transfers(self) -> Transfers:
-        return self.grads.transfers() if isinstance(self.grads, ShardedGrads) else Transfers()
+        return self.grads.transfers()
 
     def host_buffer_formula(self) -> tuple[int, str]:
-        return self.grads.host_buffer_formula() if isinstance(self.grads, ShardedGrads) else (0, "0")
-
-    @property
-    def gradient_file(self):
-        return self.grads.file if isinstance(self.grads, ShardedGrads) else None
-
-    def watch_final_gradients(self, fn) -> None:
-        if self.gradient_file is None:
-            super().watch_final_gradients(fn)
-        self.grads.on_final = fn
+        return self.grads.host_buffer_formula()
 
     def check_files(self) -> None:
-        if isinstance(self.grads, ShardedGrads):
-            self.grads.check_files()
+        self.grads.check_files()
 
     def close(self) -> None:
-        if isinstance(self.grads, ShardedGrads):
-            self.grads.close()
+        self.grads.close()
 
     def after_update(self) -> None:
         if self.parts_of_dp and self.dp.size > 1:  # each rank updated its own slice: gather everyone's (at DP 1

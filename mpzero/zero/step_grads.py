@@ -76,24 +76,23 @@ class Fp32Buckets(Sequence):
     def _get(self, key: tuple[int, int, int]) -> torch.Tensor:
         if key not in self._cast:
             bucket, lo, hi = key
-            source = self._shard(bucket)[lo:hi]
-            grad = source.float()  # fp32 gradients (on disk): the region buffer's own elements, changed in place
+            grad = self._shard(bucket)[lo:hi].float()  # fp32 (on disk): the region buffer's elements, in place
             if self.inverse_scale != 1.0:
                 grad.mul_(self.inverse_scale)
             if self._coef is not None:
                 grad.mul_(self._coef)
             self._cast[key] = grad
             self._read = True
-            self.meter.add(self._copied_bytes(source, grad))
+            self.meter.add(self._copy_bytes(key))
         return self._cast[key]
 
-    @staticmethod
-    def _copied_bytes(source: torch.Tensor, grad: torch.Tensor) -> int:
-        return 0 if grad.data_ptr() == source.data_ptr() else grad.nbytes
+    def _copy_bytes(self, key: tuple[int, int, int]) -> int:
+        """fp32 bytes the piece holds beyond its source: none for fp32 gradients (a view, changed in place)."""
+        return 0 if self._source_dtype(key[0]) == torch.float32 else self._cast[key].nbytes
 
     def _drop(self, key: tuple[int, int, int]) -> None:
-        grad = self._cast.pop(key)
-        self.meter.sub(0 if grad.dtype == self._source_dtype(key[0]) else grad.nbytes)
+        self.meter.sub(self._copy_bytes(key))
+        del self._cast[key]
 
     def _source_dtype(self, bucket: int) -> torch.dtype:
         return self.shards[bucket].dtype

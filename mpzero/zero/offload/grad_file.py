@@ -39,19 +39,25 @@ def gradient_file(offload, stage: int, directory, layouts, dtype: torch.dtype, d
     return GradFile(directory, [layout.shard_numel for layout in layouts], dtype, offload.io, pin)
 
 
+def gradient_file_bytes(numels: list[int], dtype: torch.dtype) -> tuple[list[int], int]:
+    """(bytes of each bucket's 4 KiB-aligned region, host bytes of the two region buffers): what a `GradFile` of
+    these slices allocates (the planner's figures are these)."""
+    regions = [round_up(dtype.itemsize * n) for n in numels]
+    return regions, 2 * aligned_bytes(max(regions, default=0) // dtype.itemsize, dtype)
+
+
 class GradFile:
     """This rank's gradient slices (`numels[b]` elements of `dtype` for bucket b) in one file of `directory`."""
 
     def __init__(self, directory: OffloadDirectory, numels: list[int], dtype: torch.dtype, io: str,
                  pin: bool = False):
         self.numels, self.dtype = list(numels), dtype
-        size = dtype.itemsize
-        self.regions = [round_up(size * n) for n in self.numels]  # bytes of each bucket's region
+        self.regions, self._buffer_bytes = gradient_file_bytes(self.numels, dtype)  # each bucket's region
         self.offsets, total = [], 0
         for region in self.regions:
             self.offsets.append(total)
             total += region
-        capacity = max(self.regions, default=0) // size
+        capacity = max(self.regions, default=0) // dtype.itemsize
         self.file = directory.swap_file(FILE_NAME, total, io)
         try:
             self.buffers = [aligned_empty(capacity, dtype, pin) for _ in range(2)]
@@ -94,8 +100,7 @@ class GradFile:
 
     def host_buffer_formula(self) -> tuple[int, str]:
         """(bytes, text) of the two region buffers: each the largest region R + 4 KiB of alignment slack."""
-        largest = max(self.regions, default=0)
-        return 2 * aligned_bytes(largest // self.dtype.itemsize, self.dtype), f"2x(R+{ALIGN // 1024}KiB)"
+        return self._buffer_bytes, f"2x(R+{ALIGN // 1024}KiB)"
 
     def check(self) -> None:
         self.wait()
