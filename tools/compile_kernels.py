@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from mpzero.cli import Number, Parser, exit_code
+from mpzero.cli import Number, Parser, run_or_exit
 from mpzero.errors import ConfigError
 from mpzero.fused.compile import all_kernel_specs, compile_spec
 from mpzero.fused.impl import INTERPRETED, triton
@@ -41,9 +41,7 @@ def compile_all(capabilities: list[int]) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    failed = []
-    code = exit_code(lambda: failed.append(compile_all(args.capabilities)))
-    return code or (1 if failed and failed[0] else 0)
+    return run_or_exit(lambda: 1 if compile_all(args.capabilities) else 0)
 
 
 if __name__ == "__main__":
