@@ -164,6 +164,8 @@ def confirm(heads: int, layout, world: int, timeout: int) -> dict:
         flags += ["--recompute-granularity", "selective"]
     if layout.sequence_parallel:
         flags += ["--sequence-parallel"]
+    if layout.units != "layer":
+        flags += ["--zero-units", layout.units]
     if layout.offload_optimizer != "none":  # the dry run keeps the disk tier in memory: cpu, the same device bytes
         flags += ["--offload-optimizer", layout.offload_optimizer.replace("disk", "cpu"),
                   "--offload-params", layout.offload_params.replace("disk", "cpu")]

@@ -105,7 +105,8 @@ def test_175b_and_1t_dry_runs_equal_the_plan_and_allocate_nothing():
                                  "--recompute-modes", "selective", "--micro-batch-sizes", "1",
                                  *model, "--global-batch-size", "64")
         assert code == 0
-        (sp,) = [x for x in json.loads(planned)["layouts"] if x["layout"]["sequence_parallel"]]
+        (sp,) = [x for x in json.loads(planned)["layouts"]
+                 if x["layout"]["sequence_parallel"] and x["layout"]["units"] == "layer"]
         # the planner's line is DP rank 0's; at stage 3 the host's construction draws are the parameters this rank's
         # shard overlaps, its own (the dry run's `planner |` line above compares them for its rank): all else equal
         assert _rank_free(sp["zero_memory_line"]) == _rank_free(_lines(stdout, "zero memory")[-1])

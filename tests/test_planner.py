@@ -28,7 +28,7 @@ from mpzero.models import GPTConfig
 from mpzero.parallel import init_parallel
 from mpzero.planner.activations import activation_plan, activation_setting, normalized
 from mpzero.planner.published import (deepspeed_zero2, deepspeed_zero3, mpzero_from_counts, zero_table1_bytes)
-from mpzero.planner.shapes import model_shapes
+from mpzero.planner.shapes import full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, plan_states
 from mpzero.training.batches import num_micro_batches
 from mpzero.training import build_training_state, forward_backward
@@ -92,7 +92,8 @@ def _check(world: int, results: dict) -> int:
             dp = world // tp
             m = num_micro_batches(run.training.global_batch_size, run.training.micro_batch_size, dp)
             plan = plan_states(PlanInputs(model_shapes(normalized(run.model), tp), run.zero, run.precision, dp,
-                                          r["dp_rank"], run.offload, m, cuda=False, rule=run.optimizer.rule))
+                                          r["dp_rank"], run.offload, m, cuda=False, rule=run.optimizer.rule,
+                                          recomputed=full_recompute_chunks(run.model)))
             memory, predicted, where = r["memory"], plan.report, r["argv"][len(SMALL):]
             assert memory.measured == predicted.measured == plan.device, where
             assert memory.formula == predicted.formula and memory.padding == predicted.padding, where

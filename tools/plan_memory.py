@@ -96,7 +96,7 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "z
                 "micro_batch_size": "--micro-batch-size", "offload_optimizer": "--offload-optimizer",
                 "optimizer_cpu_offload": "--optimizer-cpu-offload", "offload_params": "--offload-params",
                 "sequence_parallel": "--sequence-parallel", "recompute_activations": "--recompute-activations",
-                "recompute_granularity": "--recompute-granularity"}
+                "recompute_granularity": "--recompute-granularity", "zero_units": "--zero-units"}
 
 
 def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[dict, str | None]:
@@ -104,7 +104,7 @@ def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[di
     fixed, said = {}, []
     for dest, attribute in (("tensor_model_parallel_size", "tp"), ("zero_stage", "stage"),
                             ("micro_batch_size", "micro_batch"), ("offload_params", "offload_params"),
-                            ("sequence_parallel", "sequence_parallel")):
+                            ("sequence_parallel", "sequence_parallel"), ("zero_units", "units")):
         if dest in present:
             fixed[attribute] = getattr(args, dest)
             said.append(f"{LAYOUT_FLAGS[dest]} {getattr(args, dest)}")

@@ -204,8 +204,15 @@ def lr_schedule(args: argparse.Namespace) -> LRSchedule:
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
+    if args.zero_units != "layer" and args.zero_stage != 3:
+        raise ConfigError(f"--zero-units {args.zero_units} chooses what stage 3 gathers at once, but --zero-stage is "
+                          f"{args.zero_stage}: drop it or use --zero-stage 3")
+    if args.zero_units != "layer" and args.torch_compile:
+        raise ConfigError(f"--zero-units {args.zero_units} gathers units inside a transformer layer, which "
+                          "--torch-compile compiles whole: drop one of them")
     return ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
-                      prefetch=args.zero_prefetch, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+                      prefetch=args.zero_prefetch, units=args.zero_units,
+                      check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
 
 
 def offload_config(args: argparse.Namespace) -> OffloadConfig:

@@ -2,10 +2,10 @@
 tensors and a fake process group. Nothing is allocated and no GPU is needed.
 
 The run builds the real model and the real ZeRO optimizer for that rank (the same `build_training_state` as
-training), runs one iteration of the real forward/backward/step code (every micro-batch of one global batch,
-on mock tokens) and prints the lines a real run prints at start and after its first iteration: `zero memory`
-(model states against their formula; stage 3 with its in-step peak), `zero comm` (DP bytes per iteration
-against theory). Then it prints what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the
+training), runs two iterations of the real forward/backward/step code (every micro-batch of one global batch,
+on mock tokens; stage 3 prefetches from the second on, from the trace the first records) and prints the lines a
+real run prints at start and after an iteration, of the second: `zero memory` (model states against their
+formula; stage 3 with its in-step peak), `zero comm` (DP bytes per iteration against theory). Then it prints what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the
 same layout and whether every figure is equal: model states, the peak, DP and TP communication, and the
 activation bytes (the `activation memory` line's count, from the activation-memory module).
 
@@ -33,7 +33,7 @@ from mpzero.activations import SavedBytesCounter, activation_line, rank_report
 from mpzero.errors import ConfigError
 from mpzero.parallel import init_parallel
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
-                            model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
+                            full_recompute_chunks, model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
 from mpzero.tensor_parallel import seed_everything
 from mpzero.training import (MockGPTDataset, RunConfig, TrainingState, build_training_state, forward_backward,
                              num_micro_batches, overlap_note, partition_note)
@@ -82,12 +82,16 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
         for note in (overlap_note(optimizer), partition_note(optimizer)):
             if note:
                 print(note, flush=True)
-        optimizer.comm_report()  # count from the first iteration on, as training does
-        tp_mark = groups.tp.stats.total()
-        data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed, training.global_batch_size)
-        counter = SavedBytesCounter(state.model.module)
-        forward_backward(state, data, 0, training, activations=counter)
+        data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed,
+                              2 * training.global_batch_size)
+        # two iterations, the second measured: stage 3 prefetches from the trace its first micro-batch records
+        forward_backward(state, data, 0, training)
         optimizer.step(run.schedule.lr(0))
+        optimizer.comm_report()  # count from the second iteration on
+        tp_mark = groups.tp.stats.total()
+        counter = SavedBytesCounter(state.model.module)
+        forward_backward(state, data, 1, training, activations=counter)
+        optimizer.step(run.schedule.lr(1))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
         optimizer.close()
@@ -101,7 +105,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
 
     plan = plan_states(PlanInputs(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision,
                                   groups.dp_size, groups.dp_rank, run.offload, micro_batches, cuda=False,
-                                  rule=run.optimizer.rule))
+                                  rule=run.optimizer.rule, recomputed=full_recompute_chunks(run.model)))
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                             element_sizes(run.precision)[0], micro_batches)
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,

@@ -14,7 +14,7 @@ from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
 from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, TrainingConfig
-from mpzero.zero import OFFLOAD_IO, OFFLOAD_TIERS, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero import OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
 def gpt_flags(p: argparse.ArgumentParser) -> None:
@@ -123,7 +123,11 @@ def parallel_flags(p: argparse.ArgumentParser) -> None:
     par.add_argument("--no-overlap-comm", dest="overlap_comm", action="store_false",
                      help="reduce gradients after backward instead of from its hooks")
     par.add_argument("--no-zero-prefetch", dest="zero_prefetch", action="store_false",
-                     help="stage 3: do not gather the next layer's parameters ahead of time")
+                     help="stage 3: do not gather the next unit's parameters ahead of time")
+    par.add_argument("--zero-units", choices=ZERO_UNITS, default=ZeroConfig.units,
+                     help="stage 3: what is gathered at once: each transformer layer, or each linear layer in it "
+                     "(ZeRO-Infinity's memory-centric tiling: the working set is the largest linear, not a layer; "
+                     "a layer under full recomputation is gathered a third time)")
     par.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                      action="store_false", help="apply updates with a non-finite loss or gradient norm "
                      "(by default the run stops before such an update; fp16 skips it)")

@@ -17,12 +17,12 @@ from mpzero.planner.plan import (RECOMPUTE_MODES, TIERS, Layout, LayoutPlan, Mac
                                  rank_plans, recompute_modes)
 from mpzero.planner.report import (GIB, HEADER, LAYOUT_FLAGS, components_text, gib, layout_argv, row,
                                    torchrun_command, without_layout_flags)
-from mpzero.planner.shapes import ModelShapes, model_shapes
+from mpzero.planner.shapes import ModelShapes, full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 
 __all__ = ["ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
            "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "StatePlan", "TIERS",
            "activation_plan", "activation_setting", "components_text", "element_sizes", "engine_device",
-           "fake_tensors", "gib", "layout_argv", "layout_flags", "layout_cost", "model_shapes", "no_data", "normalized",
+           "fake_tensors", "full_recompute_chunks", "gib", "layout_argv", "layout_flags", "layout_cost", "model_shapes", "no_data", "normalized",
            "plan_states", "rank_plans", "recompute_modes", "row", "torchrun_command", "tp_comm_bytes",
            "without_layout_flags"]

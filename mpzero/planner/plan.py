@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
-from mpzero.planner.shapes import model_shapes
+from mpzero.planner.shapes import full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.planner.transients import compute_transients
-from mpzero.zero import step_fp32_bytes
+from mpzero.zero import ZERO_UNITS, step_fp32_bytes
 
 TIERS = ("none", "cpu", "disk")
 
@@ -47,6 +47,7 @@ class Layout:
     offload_params: str = "none"
     recompute: str = "none"  # none, selective, full
     sequence_parallel: bool = False
+    units: str = "layer"  # stage 3's units (--zero-units): layer, or linear (each linear layer gathered alone)
 
     @property
     def micro_batches(self) -> int:
@@ -57,7 +58,8 @@ class Layout:
             f", optimizer on {self.offload_optimizer}" + (f", params on {self.offload_params}"
                                                           if self.offload_params != "none" else ""))
         sp = " + SP" if self.sequence_parallel else ""
-        return (f"TP {self.tp} x DP {self.dp}, ZeRO-{self.stage}{offload}, recompute {self.recompute}{sp}, "
+        units = ", linear units" if self.units == "linear" else ""
+        return (f"TP {self.tp} x DP {self.dp}, ZeRO-{self.stage}{units}{offload}, recompute {self.recompute}{sp}, "
                 f"micro-batch {self.micro_batch} x {self.micro_batches}")
 
 
@@ -149,7 +151,7 @@ def layout_flags(args: argparse.Namespace, layout: Layout) -> dict:
     flags = {"tensor_model_parallel_size": layout.tp, "zero_stage": layout.stage,
              "micro_batch_size": layout.micro_batch, "global_batch_size": layout.global_batch,
              "offload_optimizer": layout.offload_optimizer, "optimizer_cpu_offload": False,
-             "offload_params": layout.offload_params}
+             "offload_params": layout.offload_params, "zero_units": layout.units}
     full = layout.recompute == "full"  # --recompute-activations is selective: the layout says granularity
     flags.update(recompute_activations=False,
                  recompute_granularity=None if layout.recompute == "none" else layout.recompute,
@@ -194,11 +196,12 @@ class Planner:
         offload.validate(zero.stage)
         shapes = model_shapes(normalized(config), layout.tp)
         states = plan_states(PlanInputs(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
-                                        cuda=self.machine.cuda, rule=rule))
+                                        cuda=self.machine.cuda, rule=rule,
+                                        recomputed=full_recompute_chunks(config)))
         acts = self._activations(config, layout.tp, layout.micro_batch)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
         cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
-        layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel)
+        layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel, zero.units)
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         largest_shard = max((lay.shard_numel for lay in layouts), default=0)  # Fp32Buckets: a bucket, or sub-groups
@@ -223,30 +226,32 @@ class Planner:
                           host_per_node, disk_per_node, not why, ",".join(why))
 
     def layouts(self, tps=None, stages=None, tiers=None, recompute=None, micro_batches=None,
-                max_micro_batch: int = 64) -> list[Layout]:
+                max_micro_batch: int = 64, units=None) -> list[Layout]:
         """Every layout of the world: TP in the divisors of the head count that divide the world, ZeRO stages,
-        offload tiers allowed at each stage (disk only with disk space), recomputation modes, micro-batch sizes
-        (powers of two, or the given ones) that divide the global batch's share of a DP rank (without
-        --global-batch-size: the global batch is micro-batch x DP, as in pretrain_gpt.py)."""
+        offload tiers allowed at each stage (disk only with disk space), stage 3's units (`units`, default
+        both), recomputation modes, micro-batch sizes (powers of two, or the given ones) that divide the global
+        batch's share of a DP rank (without --global-batch-size: the global batch is micro-batch x DP, as in
+        pretrain_gpt.py). Linear units are not tried with --torch-compile (the two exclude each other)."""
         world, heads = self.machine.world_size, self.args.num_attention_heads
         tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
         stages = stages if stages is not None else (0, 1, 2, 3)
         tiers = [t for t in (tiers or TIERS) if t != "disk" or self.machine.disk_space is not None]
         modes = [m for m in (recompute or recompute_modes(self.args)) if m in recompute_modes(self.args)]
         sizes = micro_batches or [1 << k for k in range(max_micro_batch.bit_length()) if 1 << k <= max_micro_batch]
+        unit_kinds = units or (("layer",) if getattr(self.args, "torch_compile", False) else ZERO_UNITS)
         out = []
         for tp in tps:
             dp = world // tp
             for stage in stages:
                 for optimizer, params in _offloads(stage, tiers):
-                    for mode in modes:
-                        for sp in ((False, True) if tp > 1
-                                   and self.seq % tp == 0 else (False,)):
-                            for mbs in sizes:
-                                gbs = self.args.global_batch_size or mbs * dp
-                                if gbs % (mbs * dp):
-                                    continue
-                                out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp))
+                    for kind in (unit_kinds if stage == 3 else ("layer",)):
+                        for mode in modes:
+                            for sp in ((False, True) if tp > 1 and self.seq % tp == 0 else (False,)):
+                                for mbs in sizes:
+                                    gbs = self.args.global_batch_size or mbs * dp
+                                    if gbs % (mbs * dp):
+                                        continue
+                                    out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind))
         return out
 
 

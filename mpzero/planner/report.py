@@ -13,7 +13,7 @@ GIB = 2 ** 30
 LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--zero-stage": 1, "--micro-batch-size": 1,
                 "--global-batch-size": 1, "--offload-optimizer": 1, "--optimizer-cpu-offload": 0,
                 "--offload-params": 1, "--recompute-activations": 0, "--recompute-granularity": 1,
-                "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0}
+                "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0, "--zero-units": 1}
 
 
 def gib(nbytes: float | None) -> str:
@@ -30,6 +30,8 @@ def layout_argv(layout: Layout, selective_flags: bool, offload_path: str | None)
         argv += ["--recompute-granularity", "selective"]
     if layout.sequence_parallel:
         argv += ["--sequence-parallel"]
+    if layout.units != "layer":
+        argv += ["--zero-units", layout.units]
     if layout.offload_optimizer != "none":
         argv += ["--offload-optimizer", layout.offload_optimizer]
     if layout.offload_params != "none":

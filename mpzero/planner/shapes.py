@@ -15,7 +15,8 @@ from mpzero.comm import CommGroup
 from mpzero.models import family_of
 from mpzero.planner.fake import engine_device, no_data
 from mpzero.tensor_parallel import RNGStatesTracker
-from mpzero.zero import FlatLayout, assign_params, bucket_layouts, build_layout, default_units, mark_weight_decay
+from mpzero.zero import (FlatLayout, assign_params, bucket_layouts, build_layout, default_units, layer_units,
+                         mark_weight_decay, predicted_trace, recompute_chunks)
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,16 +40,40 @@ class ModelShapes:
         return sum(p.numel() for p in self.model.layers[0].parameters() if p.requires_grad)
 
     @functools.lru_cache(maxsize=None)
-    def layouts(self, stage: int, dp: int, dp_rank: int, bucket_numel: int) -> tuple[FlatLayout, ...]:
+    def layouts(self, stage: int, dp: int, dp_rank: int, bucket_numel: int,
+                units: str = "layer") -> tuple[FlatLayout, ...]:
         """The flat layouts `ZeroOptimizer` builds for this model: buckets (stages 0-2; replicated at stage 0)
-        or the root and one unit per layer with trainable parameters (stage 3)."""
+        or the root and one unit per layer (or, `units` "linear", per linear layer) with trainable parameters
+        (stage 3)."""
         named = list(self.named)
         if stage == 3:
-            assigned = assign_params(self.model, default_units(self.model), named)
-            keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]
-            return tuple(build_layout(assigned[u], dp, dp_rank) for u in keep)
+            assigned = assign_params(self.model, default_units(self.model, units), named)
+            return tuple(build_layout(assigned[u], dp, dp_rank) for u in self._kept(units))
         parts, rank = (dp, dp_rank) if stage > 0 else (1, 0)
         return tuple(bucket_layouts(named, bucket_numel, parts, rank))
+
+    @functools.lru_cache(maxsize=None)
+    def _kept(self, units: str) -> tuple[int, ...]:
+        """Stage3's rule: the root, then the units that hold trainable parameters."""
+        assigned = assign_params(self.model, default_units(self.model, units), list(self.named))
+        return (0,) + tuple(u for u in range(1, len(assigned)) if assigned[u])
+
+    @functools.lru_cache(maxsize=None)
+    def stage3_trace(self, units: str = "layer", recomputed: tuple[tuple[int, ...], ...] = ()
+                     ) -> tuple[tuple[int, str], ...]:
+        """The demand trace `Stage3` records for this model (`schedule3.predicted_trace`): its layers' units, with
+        the layers full recomputation replays together (`full_recompute_chunks`; the shapes' own config is
+        normalized, without recomputation)."""
+        modules = default_units(self.model, units)
+        layers = layer_units(self.model, modules, list(self._kept(units))[1:])
+        return tuple(predicted_trace(layers, [list(chunk) for chunk in recomputed]))
+
+
+def full_recompute_chunks(config) -> tuple[tuple[int, ...], ...]:
+    """The layers of `config` that full recomputation replays together (`schedule3.recompute_chunks`)."""
+    chunks = recompute_chunks(config.num_layers, config.resolved_recompute_method,
+                              config.resolved_recompute_num_layers)
+    return tuple(tuple(chunk) for chunk in chunks)
 
 
 @functools.lru_cache(maxsize=16)

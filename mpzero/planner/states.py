@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from mpzero.models import family_of
 from mpzero.optim import AdamW, UpdateRule
 from mpzero.planner.shapes import ModelShapes
-from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, TierReport,
-                         TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
+from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
+                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
@@ -85,13 +85,14 @@ def _owned_unpadded(layout: FlatLayout) -> int:
     return sum(end - start for start, end, _ in layout.decay_runs())
 
 
-def stage3_plan_working_set(layouts, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
-                            streamed: bool = False) -> tuple[int, str]:
-    """`Stage3.peak_working_set`'s formula (`accounting.stage3_working_set`) for layouts built without tensors."""
+def stage3_plan_replay(layouts, trace, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
+                       streamed: bool = False) -> Replay:
+    """`Stage3.replay` (`schedule3.stage3_working_set` over the trace it records) for layouts built without
+    tensors and the predicted trace (`ModelShapes.stage3_trace`)."""
     partitioned = dp > 1
-    return stage3_working_set(list(layouts), p, g, gathers=partitioned or params_offloaded,
+    return stage3_working_set(list(layouts), list(trace), p, g, gathers=partitioned or params_offloaded,
                               staged=params_offloaded and partitioned, prefetch=zero.prefetch,
-                              overlap=zero.overlap_comm, streamed=streamed)
+                              overlap=zero.overlap_comm, streamed=streamed, release_recomputed=zero.units == "linear")
 
 
 def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -> tuple[int, str]:
@@ -106,7 +107,8 @@ class PlanInputs:
     """One rank's layout as `plan_states` reads it: the model's layouts (`shapes`), the ZeRO, precision and offload
     sections, DP rank `dp_rank` of `dp`, micro-batches per iteration. `cuda`: the device is a GPU (offload staging
     buffers and device<->host traffic exist); `after_step`: the report carries stage 3's peak, as the line printed
-    after the first step does; `rule`: the update rule (`OptimizerConfig.rule`)."""
+    after the first step does; `rule`: the update rule (`OptimizerConfig.rule`); `recomputed`: the model's
+    `shapes.full_recompute_chunks`."""
     shapes: ModelShapes
     zero: ZeroConfig
     precision: PrecisionConfig
@@ -117,6 +119,7 @@ class PlanInputs:
     cuda: bool = True
     after_step: bool = True
     rule: UpdateRule = AdamW()
+    recomputed: tuple[tuple[int, ...], ...] = ()  # layers replayed together by full recomputation (stage 3's trace)
 
 
 def plan_states(inputs: PlanInputs) -> StatePlan:
@@ -124,7 +127,7 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     zero, precision, dp, rule = inputs.zero, inputs.precision, inputs.dp, inputs.rule
     offload = inputs.offload or OffloadConfig()
     stage, p, g = zero.stage, *element_sizes(precision)
-    layouts = inputs.shapes.layouts(stage, dp, inputs.dp_rank, zero.bucket_numel)
+    layouts = inputs.shapes.layouts(stage, dp, inputs.dp_rank, zero.bucket_numel, zero.units)
     padded = sum(layout.padded_numel for layout in layouts)
     shard = sum(layout.shard_numel for layout in layouts)
     owned = sum(_owned_unpadded(layout) for layout in layouts)
@@ -144,8 +147,13 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     optimizer = 0 if opt_off else master * shard + states * owned
     host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
+    regathered = 0
     if stage == 3:
-        working, working_text = stage3_plan_working_set(layouts, p, g, dp, zero, par_off, streamed)
+        replay = stage3_plan_replay(layouts, inputs.shapes.stage3_trace(zero.units, inputs.recomputed), p, g, dp,
+                                    zero, par_off, streamed)
+        working, working_text = replay.peak, replay.text
+        if dp > 1:
+            regathered = sum(max(n - 2, 0) * layout.padded_numel for n, layout in zip(replay.gathers, layouts))
     elif stage == 2:
         working, working_text = stage2_working_set(layouts, g, zero.overlap_comm, streamed)
     else:
@@ -160,8 +168,8 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
-    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off)
-    comm = _comm_report(inputs, tiers, numel, comm_bytes)
+    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off, regathered)
+    comm = _comm_report(inputs, tiers, numel, comm_bytes, regathered)
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
                      working, working_text, comm_bytes, report, comm, states)
 
@@ -219,11 +227,11 @@ def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offlo
         TierReport("construction host working set", built.host, built.host, built.host_text)))
 
 
-def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float) -> CommReport:
+def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float, regathered: int) -> CommReport:
     """What `ZeroOptimizer.comm_report()` returns after one iteration: DP bytes and the offload tiers' traffic."""
     stage, dp, micro_batches = inputs.zero.stage, inputs.dp, inputs.micro_batches
     p, g = element_sizes(inputs.precision)
-    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches)
+    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered)
     transfers = ()
     if any(tier != "none" for tier in tiers.values()):
         expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not inputs.cuda,
@@ -246,7 +254,7 @@ def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRu
 
 
 def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: int,
-                  params_offloaded: bool = False) -> float:
+                  params_offloaded: bool = False, regathered: int = 0) -> float:
     """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
     stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
     stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
@@ -257,7 +265,7 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     states = sum(coef * layout.padded_numel * (dp - 1) / dp for layout in layouts)
-    return states + LOSS_ALL_REDUCE * (dp - 1) / dp
+    return states + (m * p * regathered + LOSS_ALL_REDUCE) * (dp - 1) / dp
 
 
 def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int) -> float:

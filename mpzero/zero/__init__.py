@@ -10,23 +10,25 @@ the flat layouts and stage 3's units, and the accounting's formulas."""
 
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                     memory_formula, memory_report, offload_formula, offload_tiers, state_terms,
-                                    stage3_working_set, step_fp32_bytes, streamed_grad_bytes, transfer_theory)
-from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, AdamConfig, OffloadConfig, OptimizerConfig,
-                                PrecisionConfig, ZeroConfig)
+                                    step_fp32_bytes, streamed_grad_bytes, transfer_theory)
+from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
+                                OptimizerConfig, PrecisionConfig, ZeroConfig)
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import CHUNK as NORM_CHUNK
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
-from mpzero.zero.stage3 import Stage3, assign_params, default_units
+from mpzero.zero.schedule3 import Replay, predicted_trace, recompute_chunks, stage3_working_set
+from mpzero.zero.stage3 import Stage3, assign_params, default_units, layer_units
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
 __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "FlatLayout", "GradientCheck",
            "MasterStore", "MemoryReport", "NORM_CHUNK", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig",
-           "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig",
+           "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
-           "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts", "build_layout",
-           "comm_theory", "construction_working_set", "default_units", "mark_weight_decay", "memory_formula",
-           "memory_report", "offload_formula", "offload_tiers", "stage3_working_set", "state_terms",
-           "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]
+           "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
+           "build_layout", "comm_theory", "construction_working_set", "default_units", "layer_units",
+           "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
+           "predicted_trace", "recompute_chunks", "stage3_working_set", "state_terms", "step_fp32_bytes",
+           "streamed_grad_bytes", "transfer_theory"]

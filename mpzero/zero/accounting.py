@@ -24,7 +24,9 @@ read and written, KP/N each, and offloaded stage-3 parameters fetched for every 
 writes pP/N to their tier, not the device).
 
 Stage 3's in-step peak: the shards (the formula above) plus the working set its schedule keeps gathered or
-in flight (Stage3.peak_working_set), counted by a meter as the buffers are created and freed.
+in flight (`schedule3.stage3_working_set`, the schedule replayed over its trace), counted by a meter as the
+buffers are created and freed. With units smaller than a layer under full recomputation, the recomputed units
+are gathered a third time: + m p X(N-1)/N for X elements so gathered (`comm_theory`'s `regathered`).
 
 Construction (mpzero.zero.construction): the `construction peak` on the device is the model states (the formula
 above) plus the largest working set of one bucket or unit, and the host's `construction working set` is one
@@ -229,11 +231,14 @@ def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: 
     return MemoryReport(stage, dp_size, numel, measured, formula, text, padding)
 
 
-def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batches: int) -> tuple[float, str]:
-    """(bytes per rank per iteration, formula) for P = numel, m = micro_batches."""
+def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batches: int,
+                regathered: int = 0) -> tuple[float, str]:
+    """(bytes per rank per iteration, formula) for P = numel, m = micro_batches; `regathered`: X, the elements
+    stage 3 gathers a third time per micro-batch (units smaller than a layer, recomputed)."""
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
-    return coef * numel * (dp_size - 1) / dp_size, f"({formula_text([(coef, 'P')])})(N-1)/N"
+    terms = [(coef, "P")] + ([(m * p, "X")] if regathered else [])
+    return (coef * numel + m * p * regathered) * (dp_size - 1) / dp_size, f"({formula_text(terms)})(N-1)/N"
 
 
 # -- bounded working sets of issue 24 (items 2 and 3): the formulas the planner calls --------------------------------
@@ -298,51 +303,3 @@ def streamed_grad_bytes(full: list[int], shard: list[int], g: int, overlap: bool
     # the text has no spaces (a memory-line field): B buckets and S reduced slices at the fullest moment
     text = (f"{g}x(2B" + ("+2S)" if streamed else ")")) if overlap else f"{g}x(allB" + ("+S)" if streamed else ")")
     return g * state["peak"], text
-
-
-def stage3_working_set(layouts, p: int, g: int, gathers: bool, staged: bool, prefetch: bool, overlap: bool,
-                       streamed: bool) -> tuple[int, str]:
-    """(bytes, formula) `Stage3`'s schedule holds beyond the shards at its peak, in backward (forward holds less):
-    the root's parameters and full gradient bucket (R elements each: gathered again for the loss, its
-    gradients complete only with the tied embedding's, at the very end), and at the j-th layer unit of
-    backward (each at most L elements) that unit and the prefetched next one (parameters), that unit's
-    gradient bucket and the previous one's still being reduced (MAX_INFLIGHT_REDUCTIONS = 1). At DP 1
-    parameters are never gathered (with offloaded parameters they are, from the tier); without overlap
-    every gradient bucket waits for the end of backward.
-    Offloaded parameters at DP > 1 add device staging of S = the largest layer unit's shard: with prefetch,
-    at layer j the next unit's shard (its gather in flight) and the one after it (read ahead) are staged
-    through that unit's backward: + p(S if a next unit exists + S if a second one does); without
-    prefetch a unit's shard is staged only until its own gather completes, before its gradients come.
-    Gradients streamed to the host (an offloaded optimizer) add the reduced slices on their way: at layer j
-    the previous unit's (being reduced) and the one before it (copied to the host), + g min(j, 2) S; when the
-    root's reduction starts, the last layer's slice and the root's own, + g(S + Sr) (Sr: the root's shard);
-    without overlap, the root's slice beside every full bucket, + g Sr (the root is at least a layer's shard).
-    `gathers`: units are gathered (DP > 1, or parameters offloaded); `staged`: offloaded parameters at DP > 1 (device
-    staging); `prefetch`, `overlap`: ZeroConfig's; `streamed`: gradients streamed to the host.
-    """
-
-    root = layouts[0].padded_numel
-    root_shard = layouts[0].shard_numel
-    largest = max((layout.padded_numel for layout in layouts[1:]), default=0)
-    shard = max((layout.shard_numel for layout in layouts[1:]), default=0)
-    units, gathered = len(layouts) - 1, p if gathers else 0
-    staged = p if staged else 0
-    moments = []  # (R, L, S, Sr coefficients): bytes per element of each at one moment
-    for j in range(units):
-        grads = (1 + (j > 0)) if overlap else j + 1
-        slices = g * min(j, 2) if streamed and overlap else 0
-        if prefetch:
-            ahead = (j < units - 1) + (j < units - 2)
-            moments.append((gathered + g, gathered * (1 + (j < units - 1)) + g * grads, staged * ahead + slices, 0))
-        else:
-            moments += [(gathered + g, gathered + g * grads, slices, 0),
-                        (gathered + g, gathered + g * (grads - 1), staged + slices, 0)]
-    if streamed and overlap:  # the root's reduction: its slice and the last layer's on its way
-        moments.append((gathered + g, 0, g * (units > 0), g))
-    elif streamed:  # end of backward: the root's slice beside every bucket, then the first layer's beside it
-        moments += [(gathered + g, g * units, 0, g), (gathered, g * units, g * (units > 0), g)]
-    sizes = (root, largest, shard, root_shard)
-    working, coefs = max((sum(c * n for c, n in zip(m, sizes)), m) for m in moments) if moments else \
-        ((gathered + g) * root, (gathered + g, 0, 0, 0))
-    text = "+".join(f"{c}{name}" for c, name in zip(coefs, ("R", "L", "S", "Sr")) if c or name in "RL")
-    return working, text

@@ -16,6 +16,7 @@ import torch
 from mpzero.errors import ConfigError
 from mpzero.optim import AdamW, UpdateRule
 
+ZERO_UNITS = ("layer", "linear")  # stage 3's units: transformer layers, or the linear layers inside them
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -25,12 +26,15 @@ class ZeroConfig:
     bucket_numel: int = 40_000_000  # --zero-bucket-numel: elements per gradient bucket (stages 0-2)
     overlap_comm: bool = True  # reduce a bucket from its gradient hooks while backward still runs
     prefetch: bool = True  # stage 3: start gathering the next unit while the current one computes
+    units: str = "layer"  # --zero-units (stage 3): gather each transformer layer, or each linear layer in it
     check_for_nan_in_grad: bool = True  # Megatron's --check-for-nan-in-loss-and-grad: a non-finite gradient
     # norm (bf16/fp32) stops the run before the update; fp16 skips the step instead (loss scaling)
 
     def validate(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"--zero-stage {self.stage} is not one of 0, 1, 2, 3")
+        if self.units not in ZERO_UNITS:
+            raise ConfigError(f"--zero-units {self.units} is not one of {', '.join(ZERO_UNITS)}")
         if self.bucket_numel < 1:
             raise ConfigError(f"--zero-bucket-numel {self.bucket_numel} must be a positive number of elements")
 

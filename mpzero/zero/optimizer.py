@@ -317,7 +317,8 @@ class ZeroOptimizer:
         iterations = max(self.iteration - mark_iteration, 1)
         self._comm_mark = (total, self.iteration)
         p, g = self._element_sizes()
-        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, p, g, self._last_micro_batches)
+        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, p, g, self._last_micro_batches,
+                                   self.stage.regathered_numel())
         transfers = ()
         tiers = self._tiers()
         if any(tier != "none" for tier in tiers.values()):

@@ -1,28 +1,30 @@
 """ZeRO stage 3: parameters partitioned too, gathered one unit at a time (FSDP2 style).
 
 A unit is a module whose parameters are gathered and released together: by default every block of
-any `nn.ModuleList` (the transformer layers), or an explicit list; everything else (embeddings,
-final LayerNorm, and any parameter registered under two names) belongs to the root unit, the model
-itself. Each unit keeps this rank's 1/N slice of its flat parameter buffer; the full buffer exists
-only while gathered. Its storage is resized to zero on release and back on gather, in place, so the
-parameters stay views of it all along (shapes intact) and tensors autograd saved in forward (e.g. a
-transposed weight) see the gathered values again in backward.
+any `nn.ModuleList` (the transformer layers); with `--zero-units linear` every linear layer inside them
+(ZeRO-Infinity's memory-centric tiling at the granularity of a linear: the working set is the largest linear,
+not a layer); or an explicit list. Everything else (embeddings, final LayerNorm, with linear units the layers'
+norms, and any parameter registered under two names) belongs to the root unit, the model itself. Each unit
+keeps this rank's 1/N slice of its flat parameter buffer; the full buffer exists only while gathered. Its
+storage is resized to zero on release and back on gather, in place, so the parameters stay views of it all
+along (shapes intact) and tensors autograd saved in forward (e.g. a transposed weight) see the gathered
+values again in backward.
 
-Schedule: a unit is gathered before its forward (its successor prefetched asynchronously) and
-released after it; gathered again when the gradient reaches its outputs (or when a reentrant
-checkpoint re-runs its forward inside backward), its predecessor prefetched; and released once all
-its gradients have arrived, as they are reduce-scattered. The root is gathered through forward (its
-parameters open and close it: embeddings, final LayerNorm, the tied output projection), released between
-forward and backward like every unit, so that a rank then holds only its shards, gathered again when the
-gradient reaches the model's output (the output projection's backward needs the tied weight) and kept to
-the end of backward. Every unit is thus gathered twice per micro-batch: 2P parameter bytes, the ZeRO
-paper's 3P with the reduce-scatter. The unit order is the order of the first forward. A unit's parameters
-must be used only inside that unit's forward.
+Schedule: a unit is gathered before its forward and released after it; gathered again when the gradient reaches
+its outputs, or when a reentrant checkpoint re-runs its forward inside backward (a layer unit is then kept for
+the backward that follows at once; a unit smaller than a layer is released, and gathered a third time for its
+backward); and released once all its gradients have arrived, as they are reduce-scattered. The root is gathered
+through forward (its parameters open and close it: embeddings, final LayerNorm, the tied output projection),
+released between forward and backward like every unit, so that a rank then holds only its shards, gathered again
+when the gradient reaches the model's output (the output projection's backward needs the tied weight) and kept
+to the end of backward. Every unit is thus gathered twice per micro-batch: 2P parameter bytes, the ZeRO paper's
+3P with the reduce-scatter. A unit's parameters must be used only inside that unit's forward.
 
-At the peak of a step a rank holds, beyond its shards: the root, the unit computing and the prefetched one
-(parameters), and the root's, the unit's and one in-flight unit's full gradient buffers: (p + g)(R + 2L)
-bytes for a root of R and three or more layer units of at most L elements (`peak_working_set` derives it
-for any number of units, with or without prefetch and overlap). At DP 1 nothing is
+Prefetch: the first micro-batch records the order of demands (`schedule3`: the trace); from then on each demand
+starts gathering the next unit the trace names, as DeepSpeed's parameter coordinator does. At the peak of a step
+a rank holds, beyond its shards, what `schedule3.stage3_working_set` replays from that trace: for layer units
+of at most L elements and a root of R, (p + g)(R + 2L): the root, the unit computing and the prefetched one
+(parameters), and the root's, the unit's and one in-flight unit's full gradient buffers. At DP 1 nothing is
 partitioned: parameters are bound to the one whole copy, never gathered or released.
 
 Parameter offload (`offload.params` cpu or disk, ZeRO-Infinity): the shards live in an `offload.params.ParamTier`
@@ -48,24 +50,40 @@ from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
 from mpzero.zero.flat import build_layout, bind_params
-from mpzero.zero.accounting import stage3_working_set
+from mpzero.zero.schedule3 import (BACKWARD, FORWARD, RECOMPUTE, Replay, add_demand, next_units,
+                                   stage3_working_set)
 from mpzero.zero.grads import ShardedGrads
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage_base import ZeroStage
 
 
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """Every child of every outermost `nn.ModuleList`: the transformer layers of a GPT."""
-    units = []
+def default_units(model: nn.Module, granularity: str = "layer") -> list[nn.Module]:
+    """The units stage 3 gathers one at a time (`--zero-units`): "layer", every child of every outermost
+    `nn.ModuleList` (the transformer layers of a GPT); "linear", every module inside those layers whose own
+    `weight` is a matrix (each linear layer; the layers' norms then belong to the root)."""
+    layers = []
 
     def visit(module):
         for child in module.children():
             if isinstance(module, nn.ModuleList):
-                units.append(child)
+                layers.append(child)
             else:
                 visit(child)
     visit(model)
-    return units
+    if granularity == "layer":
+        return layers
+    if granularity != "linear":
+        raise ValueError(f"unit granularity {granularity!r} is not one of layer, linear")
+    return [m for layer in layers for m in layer.modules()
+            if isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2]
+
+
+def layer_units(model: nn.Module, units: list[nn.Module], kept: list[int]) -> list[list[int]]:
+    """For each transformer layer (`default_units(model)`), in order, the positions in [root] + kept units of
+    the units inside it: the structure `schedule3.predicted_trace` takes. `kept`: indices into `units` + 1 of
+    the units that hold trainable parameters (the stage's layouts after the root)."""
+    position = {id(units[k - 1]): i for i, k in enumerate(kept, start=1)}
+    return [[position[id(m)] for m in layer.modules() if id(m) in position] for layer in default_units(model)]
 
 
 def assign_params(model: nn.Module, units: list[nn.Module], named_params) -> list[list]:
@@ -89,7 +107,7 @@ class Stage3(ZeroStage):
                  offload: OffloadConfig | None = None, directory=None):
         """offload: where the parameter shards live (`offload.params`: none, cpu or disk); directory: this rank's
         own folder for the disk tier's file (an `OffloadDirectory`, or a path the tier locks and creates)."""
-        units = default_units(model) if units is None else list(units)
+        units = default_units(model, zero.units) if units is None else list(units)
         assigned = assign_params(model, units, named_params)
         keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]  # skip units with nothing to train
         self.modules = [([model] + units)[u] for u in keep]
@@ -123,7 +141,9 @@ class Stage3(ZeroStage):
             if self.tier is not None:
                 self.tier.close()
             raise
-        self.in_backward, self._order, self._order_frozen = False, [], False
+        # smaller than a layer: released after a recomputed forward too, gathered again for the backward
+        self.release_recomputed = zero.units == "linear"
+        self.in_backward, self.trace, self._recording, self._cursor = False, [], True, None
         self._hooks = []
         for u, module in enumerate(self.modules):
             self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
@@ -176,12 +196,28 @@ class Stage3(ZeroStage):
             self.tier.finish()
             self.tier.mark()
 
-    def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
-        """(bytes, formula) the schedule holds beyond the shards at its peak: `stage3_working_set` of this stage's
-        units and settings."""
-        return stage3_working_set(self.layouts, p, g, gathers=self.gathers,
+    def replay(self, p: int, g: int) -> Replay | None:
+        """`schedule3.stage3_working_set` of the recorded trace with this stage's units and settings (None before
+        the first backward has recorded it)."""
+        if self._recording:
+            return None
+        return stage3_working_set(self.layouts, self.trace, p, g, gathers=self.gathers,
                                   staged=self.tier is not None and self.partitioned, prefetch=self.prefetch,
-                                  overlap=self.grads.overlap, streamed=self.grads.streamed)
+                                  overlap=self.grads.overlap, streamed=self.grads.streamed,
+                                  release_recomputed=self.release_recomputed)
+
+    def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
+        """(bytes, formula) the schedule holds beyond the shards at its peak (the replay of its trace)."""
+        replay = self.replay(p, g)
+        return None if replay is None else (replay.peak, replay.text)
+
+    def regathered_numel(self) -> int:
+        """Elements all-gathered per micro-batch beyond the two gathers of every unit (forward and backward): the
+        third gather of units smaller than a layer under full recomputation."""
+        replay = self.replay(1, 1)
+        if replay is None or not self.partitioned:
+            return 0
+        return sum(max(count - 2, 0) * layout.padded_numel for count, layout in zip(replay.gathers, self.layouts))
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -228,46 +264,51 @@ class Stage3(ZeroStage):
         self.meter.sub(self._full[u].nbytes)
         self._gathered[u] = False
 
-    def _next(self, u: int, backward: bool) -> int | None:
-        if u == 0:  # the root opens forward and, gathered again for the loss, backward
-            return self._order[-1] if backward else self._order[0]
-        if u in self._order:
-            i = self._order.index(u) + (-1 if backward else 1)
-            return self._order[i] if 0 <= i < len(self._order) else None
-        return None
-
-    def _prefetch_after(self, u: int, backward: bool) -> None:
-        """Gather the unit that comes next; offloaded, also start reading the one after it."""
-        if not self.prefetch or not self._order:
+    def _demand(self, u: int, phase: str) -> None:
+        """Unit u is needed now: gathered (waited for), recorded in the first micro-batch's trace, and, once the
+        trace is known, the unit that comes next gathered (prefetch; offloaded, the one after it read ahead)."""
+        self._wait(u)
+        if self._recording:
+            if (u, phase) == (0, FORWARD):  # a new micro-batch (or a forward without backward) starts the trace anew
+                self.trace = []
+            add_demand(self.trace, u, phase)
             return
-        nxt = self._next(u, backward)
-        if nxt is not None:
-            self._start_gather(nxt)
-            after = self._next(nxt, backward) if self.tier is not None else None
-            if after is not None and not self._gathered[after]:
-                self.tier.read_ahead(after)
+        self._cursor = self._find(u, phase)
+        if not self.prefetch or self._cursor is None:
+            return
+        ahead = next_units(self.trace, self._cursor, 2 if self.tier is not None else 1)
+        if ahead:
+            self._start_gather(ahead[0])
+        if len(ahead) > 1 and not self._gathered[ahead[1]]:
+            self.tier.read_ahead(ahead[1])
+
+    def _find(self, u: int, phase: str) -> int | None:
+        """The trace entry of this demand: the current one, the next, or the next (else first) one that matches
+        (None: a demand the trace never saw: no prefetch)."""
+        start = 0 if self._cursor is None else self._cursor
+        for i in [*range(start, len(self.trace)), *range(start)]:
+            if self.trace[i] == (u, phase):
+                return i
+        return None
 
     # -- module and tensor hooks --------------------------------------------------------------
     def _pre_forward(self, u: int, module, args) -> None:
-        self._wait(u)
-        if u and not self.in_backward and not self._order_frozen and u not in self._order:
-            self._order.append(u)
-        self._prefetch_after(u, backward=self.in_backward)
+        self._demand(u, RECOMPUTE if self.in_backward else FORWARD)
 
     def _post_forward(self, u: int, module, args, output) -> None:
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, u))
-        # Inside backward (a checkpoint's recomputation) the unit's own backward follows at once. The root is
-        # released too: between forward and backward the rank holds only its shards; the gradient reaching the
-        # model's output gathers it again (the tied output projection's backward needs the weight).
-        if not self.in_backward:
+        # Inside backward (a checkpoint's recomputation) a layer unit's own backward follows at once: kept; a unit
+        # smaller than a layer is released (the rest of the layer's forward comes first). The root is released
+        # after forward too: between forward and backward the rank holds only its shards; the gradient reaching
+        # the model's output gathers it again (the tied output projection's backward needs the weight).
+        if not self.in_backward or (u and self.release_recomputed):
             self._release(u)
 
     def _pre_backward(self, u: int, grad) -> None:
-        self._wait(u)
-        self._prefetch_after(u, backward=True)
+        self._demand(u, BACKWARD)
 
     def _grads_ready(self, u: int) -> None:
         if u:
@@ -284,7 +325,7 @@ class Stage3(ZeroStage):
             self._release(u)
         if self.tier is not None:
             self.tier.discard()
-        self.in_backward, self._order_frozen = False, True
+        self.in_backward, self._recording = False, False
 
     def zero_grad(self) -> None:
         self.grads.zero_()

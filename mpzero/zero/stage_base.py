@@ -89,5 +89,9 @@ class ZeroStage(OffloadHolder, ABC):
         transient buffers follow a stated formula (stage 3); None: no peak is reported."""
         return None
 
+    def regathered_numel(self) -> int:
+        """Elements gathered per micro-batch beyond the stage's usual gathers (`comm_theory`'s `regathered`)."""
+        return 0
+
     def param_sink(self) -> ParamSink:
         return TensorParamSink(self.param_shards)
