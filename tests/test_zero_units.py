@@ -146,3 +146,21 @@ def test_the_dry_run_of_linear_units_equals_the_plan():
     _, stdout = main_capturing_stdout(argv)
     (line,) = [line for line in stdout.splitlines() if line.startswith("planner |")]
     assert line.endswith("| equal"), line
+
+
+@pytest.mark.parametrize("micro_batch", ["1", "2"])
+def test_offloaded_linear_units_print_their_peak_at_its_formula(micro_batch):
+    """Parameters and optimizer offloaded (device staging of the shards, gradients streamed to the host), linear
+    units, full recomputation, DP 2: every memory line after a step has counted = formula for the peak, the first
+    one too (one micro-batch per step: the first ran without prefetch, the formula says so)."""
+    argv = TINY + ["--bf16", "--zero-stage", "3", "--zero-units", "linear", "--offload-optimizer", "cpu",
+                   "--offload-params", "cpu", "--recompute-granularity", "full", "--micro-batch-size", micro_batch,
+                   "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "0"]
+    _, stdout = run_ranks(2, main_capturing_stdout, argv)[0]
+    lines = [dict(f.strip().rsplit(" ", 1) for f in line.split("|")[1:])
+             for line in stdout.splitlines() if line.startswith("zero memory")]
+    lines = [memory for memory in lines if "peak bytes" in memory]  # after a step
+    assert lines, stdout
+    for memory in lines:
+        assert int(memory["peak bytes"]) - int(memory["measured bytes"]) == \
+            int(memory["peak formula bytes"]) - int(memory["formula bytes"]), memory

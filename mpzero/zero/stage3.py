@@ -144,6 +144,7 @@ class Stage3(ZeroStage):
         # smaller than a layer: released after a recomputed forward too, gathered again for the backward
         self.release_recomputed = zero.units == "linear"
         self.in_backward, self.trace, self._recording, self._cursor = False, [], True, None
+        self._prefetched = False  # a micro-batch has run with prefetch (the peak so far includes its schedule)
         self._hooks = []
         for u, module in enumerate(self.modules):
             self._hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, u)))
@@ -197,12 +198,14 @@ class Stage3(ZeroStage):
             self.tier.mark()
 
     def replay(self, p: int, g: int) -> Replay | None:
-        """`schedule3.stage3_working_set` of the recorded trace with this stage's units and settings (None before
-        the first backward has recorded it)."""
+        """`schedule3.stage3_working_set` of the recorded trace with this stage's units and settings, as far as
+        they have run: the first micro-batch's schedule without prefetch, then with it (None before the first
+        backward has recorded the trace)."""
         if self._recording:
             return None
         return stage3_working_set(self.layouts, self.trace, p, g, gathers=self.gathers,
-                                  staged=self.tier is not None and self.partitioned, prefetch=self.prefetch,
+                                  staged=self.tier is not None and self.partitioned,
+                                  prefetch=self.prefetch and self._prefetched,
                                   overlap=self.grads.overlap, streamed=self.grads.streamed,
                                   release_recomputed=self.release_recomputed)
 
@@ -325,6 +328,7 @@ class Stage3(ZeroStage):
             self._release(u)
         if self.tier is not None:
             self.tier.discard()
+        self._prefetched = not self._recording
         self.in_backward, self._recording = False, False
 
     def zero_grad(self) -> None:
