@@ -21,7 +21,7 @@ from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
 
 BASE = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=300, max_position_embeddings=16,
-                 seq_length=16)
+                 seq_length=16, attention_backend="local")  # Megatron's core attention unless a mode says otherwise
 FULL = dict(recompute_granularity="full")
 LLAMA = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=48, position_embedding_type="rope",
              group_query_attention=True, num_query_groups=2, add_bias_linear=False,
@@ -42,6 +42,7 @@ MODES = {
     "flash selective": dict(attention_backend="flash", recompute_activations=True),
     "sp flash": dict(attention_backend="flash", attention_dropout=0.0, sequence_parallel=True),
     "unfused": dict(attention_backend="unfused"),
+    "auto": dict(attention_backend="auto"),  # the CPU's choice: flash without attention dropout, local with it
     # the LLaMA family: RMSNorm, SwiGLU, RoPE, 4 heads in 2 query groups, no biases, untied output
     "llama": LLAMA, "llama selective": dict(LLAMA, recompute_activations=True),
     "llama flash": dict(LLAMA, attention_backend="flash", attention_dropout=0.0),
@@ -81,7 +82,7 @@ def _count_every_mode(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_counted_bytes_equal_the_formula_in_every_mode(tp):
     for rank, results in enumerate(run_ranks(tp, _count_every_mode, tp)):
-        assert len(results) == (56 if tp == 1 else 92)
+        assert len(results) == (60 if tp == 1 else 96)
         for key, (layers, total, formula_layers, formula_total) in results.items():
             assert layers == formula_layers, (rank, key)
             assert total == formula_total, (rank, key)

@@ -1,8 +1,8 @@
 """--attention-backend through the CLI: flash (torch's scaled_dot_product_attention) and unfused (the reference
-softmax) train to local's losses (Megatron's core attention, the CPU default) within 1e-5 relative in fp32 (the
-same maths in another summation order), at TP 2 with attention dropout drawn from the tracker's stream, and with
-selective recomputation replaying it; the resolved backend is printed on the `fused ops` line; what cannot run
-is one line."""
+softmax) train to local's losses (Megatron's core attention, the CPU's default with attention dropout) within 1e-5
+relative in fp32 (the same maths in another summation order), at TP 2 with attention dropout drawn from the
+tracker's stream, and with selective recomputation replaying it; the resolved backend is printed on the `fused ops`
+line (auto on a CPU: flash without attention dropout, local with it); what cannot run is one line."""
 
 import re
 
@@ -28,6 +28,14 @@ def test_flash_and_unfused_match_local_at_tp2_with_dropout(extra):
         assert re.search(rf'^fused ops \(auto\): .*"attention": "{backend}"', stdout, re.M)
         assert_close_lists(history["losses"], local["losses"], rel=1e-5)
         assert_close_lists(history["grad_norms"], local["grad_norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("dropout, backend", [("0", "flash"), ("0.1", "local")])
+def test_auto_on_a_cpu_is_flash_without_attention_dropout_and_local_with_it(dropout, backend):
+    stdout = run_ranks(1, main_capturing_stdout, TINY + ["--train-iters", "1", "--eval-iters", "0",
+                                                         "--attention-dropout", dropout])[0][1]
+    assert re.search(rf'^fused ops \(auto\): .*"attention": "{backend}"', stdout, re.M)
+    assert re.search(r"^activation memory rank 0 .* ratio 1\.0000", stdout, re.M)  # the formula follows the choice
 
 
 def test_use_flash_attn_is_the_flash_backend():

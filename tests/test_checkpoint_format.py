@@ -29,7 +29,7 @@ FORMAT1 = os.path.join(DATA, "format1_tp2_dp2_zero2")
 FIXTURE_ARGS = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                 "--vocab-size", "60", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
                 "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
-                "--log-interval", "1", "--eval-iters", "0"]
+                "--log-interval", "1", "--eval-iters", "0", "--attention-backend", "local"]  # the writing code's auto
 # Iteration 3's loss after loading the fixture with the code that wrote it, the same at (TP 2, DP 2, ZeRO 2),
 # (TP 1, DP 1) and (TP 1, DP 2, ZeRO 3), and equal to an uninterrupted run's third loss.
 NEXT_LOSS = 4.088613510131836

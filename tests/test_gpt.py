@@ -12,7 +12,7 @@ from tests.distributed import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CONFIG = GPTConfig(num_layers=2, hidden_size=24, num_attention_heads=4, vocab_size=203,
-                   max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+                   max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, attention_backend="local")
 
 
 def _tokens(seed=1, batch=2, seq=9):
@@ -105,14 +105,14 @@ def test_bad_shapes_are_one_line_errors():
 
 def test_flash_attention_matches_core_attention():
     """SDPA and the explicit path differ only in summation order (fp32: 1e-5)."""
-    flash = GPTConfig(**{**CONFIG.__dict__, "use_flash_attn": True})
+    flash = GPTConfig(**{**CONFIG.__dict__, "attention_backend": "auto", "use_flash_attn": True})
     _assert_same_model_outputs(run_ranks(2, _run_model, 2, flash)[1], run_ranks(1, _run_model, 1)[0])
 
 
 def test_recomputation_replays_flash_attention_dropout():
     def grads(recompute):
         groups = init_parallel(1)
-        config = GPTConfig(**{**CONFIG.__dict__, "attention_dropout": 0.3, "use_flash_attn": True,
+        config = GPTConfig(**{**CONFIG.__dict__, "attention_dropout": 0.3, "attention_backend": "flash",
                               "recompute_activations": recompute})
         model = GPTModel(config, groups.tp, seed_everything(7, 0, groups.device))
         tokens = _tokens()

@@ -11,7 +11,7 @@ import torch
 
 from mpzero.deferred_init import materialize_module, name_parameters
 from mpzero.models import GPTConfig, GPTModel
-from mpzero.models.attention import SelfAttention
+from mpzero.models.attention import AttentionConfig, SelfAttention
 from mpzero.models.blocks import MLP
 from mpzero.models.rotary import RotaryEmbedding, rope_cos_sin
 from mpzero.parallel import init_parallel
@@ -138,9 +138,10 @@ def _attention_formula(x, w_qkv, w_dense, heads, groups, rot_dim, base):
 
 def _attention(tp_size, backend):
     groups = init_parallel(tp_size)
-    config = GPTConfig(**{**LLAMA.__dict__, "attention_backend": backend})
-    rotary = RotaryEmbedding(16, config.rotary_dim, config.rotary_base)
-    attention = _made(SelfAttention(config, groups.tp, None, rotary=rotary))
+    config = AttentionConfig(LLAMA.hidden_size, LLAMA.num_attention_heads, LLAMA.query_groups, bias=False,
+                             backend=backend)
+    rotary = RotaryEmbedding(16, LLAMA.rotary_dim, LLAMA.rotary_base)
+    attention = _made(SelfAttention(config, groups.tp, _draw(1), _draw(2), rotary=rotary))
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(8))
     return (attention(x).detach(), gather_full(attention.qkv.weight.detach(), 0, groups.tp),
             gather_full(attention.dense.weight.detach(), 1, groups.tp), x)
@@ -191,7 +192,8 @@ def _counted_flops(config, batch, seq):
 def test_flops_per_token_equals_the_counted_matmuls(change):
     """QKV 2h(h + 2gd), SwiGLU's three matrices: the formula against every matmul FlopCounterMode counts (the
     explicit attention paths: torch 2.13's counter has no entry for the CPU flash kernel, it counts 0 there)."""
-    config = GPTConfig(**{**LLAMA.__dict__, "seq_length": 12, "max_position_embeddings": 12, **change})
+    config = GPTConfig(**{**LLAMA.__dict__, "seq_length": 12, "max_position_embeddings": 12,
+                          "attention_backend": "local", **change})
     assert run_ranks(1, _counted_flops, config, 3, 12)[0] == config.flops_per_token() * 3 * 12
 
 

@@ -128,5 +128,5 @@ def _counted_flops(config):
                                     dict(recompute_activations=True)])
 def test_flops_formula_counts_what_is_recomputed(change):
     config = dataclasses.replace(CONFIG, hidden_dropout=0.0, attention_dropout=0.0, seq_length=12,
-                                 max_position_embeddings=12, **change)
+                                 max_position_embeddings=12, attention_backend="local", **change)  # explicit matmuls
     assert run_ranks(1, _counted_flops, config)[0] == config.flops_per_token() * 3 * 12

@@ -67,7 +67,8 @@ def gpt_flags(p: argparse.ArgumentParser) -> None:
                             "kernels on GPUs, never an [s, s] tensor); fused: the same restricted to cuDNN's fused "
                             "attention (CUDA only); local: Megatron's core attention (explicit scores, the fused "
                             "scale + mask + softmax op); unfused: the same with the PyTorch reference softmax; auto "
-                            "(default): flash on GPUs, local on CPUs (the choice is printed on the 'fused ops' line)")
+                            "(default): flash on GPUs, and on CPUs without attention dropout; local on CPUs with it (the "
+                            "choice is printed on the 'fused ops' line)")
     model.add_argument("--torch-compile", action="store_true",
                        help="compile each transformer layer's forward with torch.compile (torchtitan's regional "
                             "compilation; inductor: Triton kernels on GPUs, C++ on CPUs); the first iteration "

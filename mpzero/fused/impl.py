@@ -8,8 +8,8 @@ an H100 (`make gpu-check`; figures in bench/README.md, "On one H100"). Resolutio
 (op, device, installed triton), so callers resolve once at start and log `resolved_impls(device)`. Asking for
 something that cannot run raises `ConfigError`.
 
-The attention backend (`--attention-backend`, Megatron-core's names) is chosen the same way:
-`resolve_attention_backend(backend, device)`.
+The attention backend (`--attention-backend`, Megatron-core's names) is chosen the same way, from the device and
+whether the attention has dropout: `resolve_attention_backend(backend, device, dropout=p)`.
 
 Triton is an optional extra (`pip install mpzero[triton]`); without it the kernel modules still import
 (the kernels stay plain functions that nothing launches) and `impl="triton"` raises.
@@ -64,10 +64,15 @@ CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softma
 # - local: Megatron's own core attention: explicit [s, s] scores, the fused scale + causal mask + softmax op
 #   (`scaled_masked_softmax`, Triton on CUDA), dropout, the matmul with the values;
 # - unfused: the same explicit path with the PyTorch reference softmax (Transformer Engine's unfused attention);
-# - auto: flash on CUDA (GPT-2 124M bf16 on an H100: 53.3 ms per step against 61.2 for local, bench/README.md),
-#   local on CPU, where the activation formula counts every byte it keeps and the suite's figures were taken.
+# - auto: flash on CUDA (GPT-2 124M bf16 on an H100: 53.3 ms per step against 61.2 for local, bench/README.md).
+#   On a CPU, flash without attention dropout (the LLaMA family's setting, examples/llama_tiny.yaml): SDPA's CPU
+#   flash kernel, whose logsumexp the activation formula counts, at 611 ms per LLaMA step against local's 809
+#   (bench/bench_llama.py, h 256, 4 layers, seq 256, batch 8: 1.04x and 1.40x eager PyTorch) and 5,204 GPT-2
+#   tokens/s against 4,146 (bench/bench_step.py); local with attention dropout (Megatron's and GPT-2's default
+#   0.1), which sends CPU SDPA to its math fallback: explicit [s, s] scores and masks the formula does not model.
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-ATTENTION_CHOICE = {"cuda": "flash", "cpu": "local"}
+ATTENTION_CHOICE = {"cuda": "flash", "cpu": "flash"}  # auto without attention dropout
+ATTENTION_CHOICE_WITH_DROPOUT = {"cuda": "flash", "cpu": "local"}
 
 
 def jit(fn):
@@ -100,17 +105,21 @@ def planned_impl(op: str, device: torch.device | str, impl: str = "auto") -> str
     return (CUDA_CHOICE if torch.device(device).type == "cuda" else CPU_CHOICE)[op]
 
 
-def planned_attention_backend(backend: str, device: torch.device | str) -> str:
-    """What `backend` means on a device of `device`'s type (one of flash, fused, unfused, local), without
-    requiring it runnable there (a CPU machine plans a CUDA run)."""
+def planned_attention_backend(backend: str, device: torch.device | str, *, dropout: float) -> str:
+    """What `backend` means on a device of `device`'s type for attention with `dropout` (one of flash, fused,
+    unfused, local), without requiring it runnable there (a CPU machine plans a CUDA run)."""
     if backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend {backend} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    return ATTENTION_CHOICE.get(torch.device(device).type, "local") if backend == "auto" else backend
+    if backend != "auto":
+        return backend
+    return (ATTENTION_CHOICE_WITH_DROPOUT if dropout > 0 else ATTENTION_CHOICE).get(torch.device(device).type, "local")
 
 
-def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
-    """The attention backend `backend` runs on `device`: one of flash, fused, unfused, local."""
-    resolved, device_type = planned_attention_backend(backend, device), torch.device(device).type
+def resolve_attention_backend(backend: str, device: torch.device | str, *, dropout: float) -> str:
+    """The attention backend `backend` runs on `device` for attention with `dropout`: one of flash, fused,
+    unfused, local."""
+    resolved = planned_attention_backend(backend, device, dropout=dropout)
+    device_type = torch.device(device).type
     if resolved == "fused" and device_type != "cuda":
         raise ConfigError(f"--attention-backend fused is cuDNN's fused attention and needs CUDA (this run is on "
                           f"{device_type}): use flash (torch's scaled_dot_product_attention) or local")

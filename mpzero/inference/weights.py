@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
-from mpzero.models import GPTConfig
-from mpzero.tensor_parallel import placements, tp_slice
+from mpzero.models import GPTConfig, family_of
+from mpzero.tensor_parallel import RNGStatesTracker, placements, tp_slice
 
 # The GPTConfig fields a checkpoint must state (meta["architecture"], else the run's flags in meta["config"]).
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
@@ -50,27 +51,13 @@ def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
     return dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0, recompute_activations=False)
 
 
-def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """{parameter name: global shape} of a GPTModel with this config (vocabulary unpadded, as checkpoints store)."""
-    h, v, f = config.hidden_size, config.vocab_size, config.ffn_size
-    qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
-    fc1 = 2 * f if config.swiglu else f
-    norm = {"weight": (h,)} if config.normalization == "RMSNorm" else {"weight": (h,), "bias": (h,)}
-    shapes = {"embedding.word_embeddings.weight": (v, h), **{f"final_layernorm.{k}": s for k, s in norm.items()}}
-    if config.learned_positions:
-        shapes["embedding.position_embeddings.weight"] = (config.max_position_embeddings, h)
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        linears = {"attention.qkv": (qkv, h), "attention.dense": (h, h), "mlp.fc1": (fc1, h), "mlp.fc2": (h, f)}
-        for name, shape in linears.items():
-            shapes[p + name + ".weight"] = shape
-            if config.add_bias_linear:
-                shapes[p + name + ".bias"] = shape[:1]
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            shapes.update({f"{p}{name}.{k}": s for k, s in norm.items()})
-    if config.untie_embeddings_and_output_weights:
-        shapes["output_layer.weight"] = (v, h)
-    return shapes
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """{parameter name: global shape} of the model of `config`, as its family builds it (on the meta device: no
+    storage, nothing drawn) at TP 1; the vocabulary unpadded, as checkpoints store it."""
+    with torch.device("meta"):  # buffers too (RoPE's tables)
+        model = family_of(config).build(config, CommGroup(None, (0,), 0), RNGStatesTracker(torch.device("cpu")),
+                                        device="meta")
+    return {name: placement.global_shape(1) for name, placement in placements(model.named_parameters()).items()}
 
 
 def check_gpt_weights(weights: dict[str, torch.Tensor], config: GPTConfig, source: str) -> None:

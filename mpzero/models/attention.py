@@ -1,13 +1,15 @@
 """Causal self-attention under tensor parallelism: multi-head or grouped-query (K/V groups split across TP with
 their query heads), a position-encoding hook (`rotary`: any object with `rotate(q, k, start)`; RoPE,
 `models/rotary.py`, or None for learned or no positions), the core attention on the configured backend, selective
-recomputation, and the KV cache of inference (`models/kv_cache.py`) through the same forward.
+recomputation, and the KV cache of inference (`models/kv_cache.py`) through the same forward. It takes its own
+section of the model config (`AttentionConfig`), not the model's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -16,11 +18,27 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpzero.comm import CommGroup
-from mpzero.fused import scaled_masked_softmax
-from mpzero.models.blocks import normal_init
-from mpzero.models.config import GPTConfig
+from mpzero.fused import resolve_attention_backend, scaled_masked_softmax
 from mpzero.models.rotary import RotaryEmbedding
-from mpzero.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, recompute
+from mpzero.tensor_parallel import ColumnParallelLinear, InitMethod, RNGStatesTracker, RowParallelLinear, recompute
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """What `SelfAttention` needs to know: its shape and how its core attention runs."""
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # key/value heads (num_attention_heads without grouped-query attention)
+    bias: bool = True  # biases on the QKV and output projections (False: --disable-bias-linear)
+    sequence_parallel: bool = False
+    dropout: float = 0.0  # --attention-dropout, on the attention probabilities
+    backend: str = "auto"  # --attention-backend, resolved per device with the dropout (mpzero.fused.impl)
+    softmax_impl: str = "auto"  # the local backend's scale + mask + softmax (mpzero.fused)
+    selective: bool = False  # selective recomputation: the core attention recomputed in backward
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
 
 class SelfAttention(nn.Module):
@@ -28,33 +46,31 @@ class SelfAttention(nn.Module):
     (g key/value heads, each shared by n/g query heads): this rank holds groups [r*g/tp, (r+1)*g/tp) with their
     query heads. The fused QKV weight is laid out group by group ([g, (n/g q heads, k, v), head_dim] rows; head by
     head, [heads, (q,k,v), head_dim], without GQA), so a contiguous column-parallel split hands each rank whole
-    groups. RoPE (`rotary`, shared by the model's layers) rotates q and k per rank. The core attention runs on the
-    configured backend (`GPTConfig.attention`: torch's scaled_dot_product_attention for flash and fused,
+    groups. RoPE (`rotary`, shared by the model's layers) rotates q and k per rank. `init` draws the full QKV
+    weight, `output_init` the projection's. The core attention runs on the configured backend
+    (`resolve_attention_backend`: torch's scaled_dot_product_attention for flash and fused,
     explicit [s, s] scores for local and unfused), resolved for the device of its input. Selective recomputation
     keeps the QKV output (q, k and v are its views) and recomputes the core attention in backward, its dropout
     masks replayed from the saved RNG states. With flash attention it still does so when asked, although flash
     keeps no [s, s] tensor (Megatron calls selective recomputation unnecessary there): it then saves only the
     kernel's fp32 logsumexp, at the cost of one more attention forward."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
-                 rotary: RotaryEmbedding | None = None):
+    def __init__(self, config: AttentionConfig, tp: CommGroup, init: InitMethod, output_init: InitMethod,
+                 rng: RNGStatesTracker | None = None, rotary: RotaryEmbedding | None = None):
         super().__init__()
-        h, std = config.hidden_size, config.init_method_std
-        self.head_dim = config.head_dim
+        h, self.head_dim = config.hidden_size, config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
-        self.local_groups = config.query_groups // tp.size
-        self.rng, self.dropout, self.softmax_impl = rng, config.attention_dropout, config.softmax_impl
-        self.config, self.rotary = config, rotary
-        self.selective = config.granularity == "selective"
-        sp, bias = config.sequence_parallel, config.add_bias_linear
-        width = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim  # 3h without GQA
-        self.qkv = ColumnParallelLinear(h, width, tp, normal_init(std), bias=bias, sequence_parallel=sp)
-        self.dense = RowParallelLinear(h, h, tp, normal_init(std / math.sqrt(2 * config.num_layers)), bias=bias,
-                                       sequence_parallel=sp)
+        self.local_groups = config.num_query_groups // tp.size
+        self.rng, self.dropout, self.softmax_impl = rng, config.dropout, config.softmax_impl
+        self.config, self.rotary, self.selective = config, rotary, config.selective
+        sp, bias = config.sequence_parallel, config.bias
+        width = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim  # 3h without GQA
+        self.qkv = ColumnParallelLinear(h, width, tp, init, bias=bias, sequence_parallel=sp)
+        self.dense = RowParallelLinear(h, h, tp, output_init, bias=bias, sequence_parallel=sp)
 
     def backend(self, device: torch.device) -> str:
         """flash, fused, unfused or local: the core attention this module runs on `device`."""
-        return self.config.attention(device)
+        return resolve_attention_backend(self.config.backend, device, dropout=self.config.dropout)
 
     def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
                 start: int = 0) -> torch.Tensor:

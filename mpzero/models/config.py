@@ -229,16 +229,18 @@ class GPTConfig(TransformerArchitecture):
 
     def attention(self, device: torch.device | str) -> str:
         """The attention backend this config runs on a device of `device`'s type: flash, fused, unfused or
-        local (`mpzero.fused.impl.resolve_attention_backend`; --use-flash-attn is flash)."""
-        return resolve_attention_backend(self._attention_backend, device)
+        local (`mpzero.fused.impl.resolve_attention_backend`: auto depends on the device and the attention
+        dropout; --use-flash-attn is flash)."""
+        return resolve_attention_backend(self.attention_backend_name, device, dropout=self.attention_dropout)
 
     def planned_attention(self, device: torch.device | str) -> str:
         """`attention(device)` without its check that the backend can run there (a CPU machine plans a CUDA
         run)."""
-        return planned_attention_backend(self._attention_backend, device)
+        return planned_attention_backend(self.attention_backend_name, device, dropout=self.attention_dropout)
 
     @property
-    def _attention_backend(self) -> str:
+    def attention_backend_name(self) -> str:
+        """--attention-backend as asked (--use-flash-attn is flash), before `auto` is resolved for a device."""
         return "flash" if self.use_flash_attn else self.attention_backend
 
     @property

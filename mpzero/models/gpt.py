@@ -50,7 +50,7 @@ from mpzero.activations import ActivationSetting, activation_region, host_offloa
 from mpzero.comm import CommGroup
 from mpzero.deferred_init import deferred_parameter, materialize_module, name_parameters
 from mpzero.errors import ConfigError
-from mpzero.models.attention import SelfAttention
+from mpzero.models.attention import AttentionConfig, SelfAttention
 from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, normal_init, vocab_rows_init
 from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
@@ -85,13 +85,17 @@ def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | 
     std / sqrt(2 L), GPT-2's scaled residual init."""
     sp_group = tp if config.sequence_parallel else None
     std, h = config.init_method_std, config.hidden_size
+    init, output_init = normal_init(std), normal_init(std / math.sqrt(2 * config.num_layers))
     norm_args = (config.normalization, h, config.layernorm_epsilon, config.layernorm_impl, sp_group)
+    attention = AttentionConfig(h, config.num_attention_heads, config.query_groups, bias=config.add_bias_linear,
+                                sequence_parallel=config.sequence_parallel, dropout=config.attention_dropout,
+                                backend=config.attention_backend_name, softmax_impl=config.softmax_impl,
+                                selective=config.granularity == "selective")
     activation = F.silu if config.swiglu else gelu_tanh if config.openai_gelu else gelu
-    mlp = MLP(h, config.ffn_size, tp, normal_init(std), normal_init(std / math.sqrt(2 * config.num_layers)),
-              activation=activation, gated=config.swiglu, bias=config.add_bias_linear,
-              sequence_parallel=config.sequence_parallel)
-    return TransformerLayer(norm(*norm_args), SelfAttention(config, tp, rng, rotary), norm(*norm_args), mlp,
-                            HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel))
+    mlp = MLP(h, config.ffn_size, tp, init, output_init, activation=activation, gated=config.swiglu,
+              bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
+    return TransformerLayer(norm(*norm_args), SelfAttention(attention, tp, init, output_init, rng, rotary),
+                            norm(*norm_args), mlp, HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel))
 
 
 class GPTEmbedding(nn.Module):

@@ -32,16 +32,21 @@ def test_auto_on_cuda_resolves_to_the_measured_h100_choice_or_says_to_install_tr
             resolve_impl("scaled_masked_softmax", "cuda")
 
 
-def test_attention_backend_auto_is_flash_on_cuda_and_local_on_cpu():
-    assert resolve_attention_backend("auto", "cuda") == "flash"
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "local"
+def test_attention_backend_auto_is_flash_except_on_a_cpu_with_attention_dropout():
+    # mpzero/fused/impl.py: CPU SDPA with dropout takes its math fallback, which the activation formula does not model
+    for dropout in (0.0, 0.1):
+        assert resolve_attention_backend("auto", "cuda", dropout=dropout) == "flash"
+    assert resolve_attention_backend("auto", torch.device("cpu"), dropout=0.0) == "flash"
+    assert resolve_attention_backend("auto", torch.device("cpu"), dropout=0.1) == "local"
     for backend in ("flash", "unfused", "local"):
-        assert resolve_attention_backend(backend, "cpu") == resolve_attention_backend(backend, "cuda") == backend
-    assert resolve_attention_backend("fused", "cuda") == "fused"
+        for dropout in (0.0, 0.1):
+            assert (resolve_attention_backend(backend, "cpu", dropout=dropout) == backend
+                    == resolve_attention_backend(backend, "cuda", dropout=dropout))
+    assert resolve_attention_backend("fused", "cuda", dropout=0.0) == "fused"
     with pytest.raises(ConfigError, match="fused is cuDNN's fused attention and needs CUDA"):
-        resolve_attention_backend("fused", "cpu")
+        resolve_attention_backend("fused", "cpu", dropout=0.0)
     with pytest.raises(ConfigError, match="--attention-backend sdpa is not one of auto, flash, fused"):
-        resolve_attention_backend("sdpa", "cpu")
+        resolve_attention_backend("sdpa", "cpu", dropout=0.0)
 
 
 def test_triton_without_triton_installed_is_an_error(monkeypatch):
