@@ -99,7 +99,7 @@ class _Ledger:
 
     def __init__(self, full, shard, p, g, gathers, staged, overlap, streamed, release_recomputed):
         from mpzero.zero.grads import IN_TRANSIT, MAX_INFLIGHT_REDUCTIONS
-        from mpzero.zero.offload.params import SLOTS
+        from mpzero.zero.offload import SLOTS
         self.full, self.shard, self.p, self.g = full, shard, p, g
         self.gathers_params, self.staged, self.overlap, self.streamed = gathers, staged, overlap, streamed
         self.release_recomputed = release_recomputed
