@@ -2,9 +2,12 @@
 Llama of the same shape written here (nanoGPT style: RMSNorm, SwiGLU, rotate-half RoPE, grouped-query attention
 through `F.scaled_dot_product_attention(enable_gqa=True)`, no biases, untied output, torch.optim.AdamW fused) and
 against Megatron-Core's `GPTModel` with the same spec (when `megatron-core` is installed), measured in the same run.
-mpzero runs as a world of one through its ZeRO-1 optimizer (the step a training run takes), with the local and the
-flash attention backends. The variants take turns step by step (median of --steps after 2 warm-up rounds), so a
-shared machine's load falls on all of them; each ratio is the median over rounds of the ratio within a round.
+mpzero runs as a world of one through its ZeRO-1 optimizer (the step a training run takes) with its default settings
+(`mpzero`: attention backend auto, flash on a CPU without attention dropout) and with the local attention backend.
+Every variant clips the global gradient norm at 1.0 before AdamW (mpzero's and Megatron's --clip-grad default,
+nanoGPT's grad_clip; the baselines through torch.nn.utils.clip_grad_norm_), so each step is the same algorithm.
+The variants take turns step by step (median of --steps after 2 warm-up rounds), so a shared machine's load falls
+on all of them; each ratio is the median over rounds of the ratio within a round.
 
     pip install megatron-core     # optional: adds the megatron-core row (0.16.1 measured; no apex, no TE)
     python bench/bench_llama.py [--hidden-size 256 --num-layers 4 --seq-length 256 --micro-batch-size 8]
@@ -33,6 +36,8 @@ from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+
+CLIP_GRAD = AdamConfig().clip_grad  # mpzero's default, 1.0 (Megatron's): every variant clips by it
 
 
 class EagerLlama(nn.Module):
@@ -78,6 +83,7 @@ def eager_step(a):
 
     def step(inputs, labels):
         model(inputs, labels).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         opt.step()
         opt.zero_grad(set_to_none=True)
     step.numel = sum(p.numel() for p in model.parameters())
@@ -98,6 +104,7 @@ def mpzero_step(a, groups, backend):
         opt.backward(model(inputs, labels).mean(), last_micro_batch=True)
         opt.step()
     step.numel = sum(p.numel() for p in model.parameters())
+    step.attention = config.attention(groups.device)  # what `auto` resolved to
     return step
 
 
@@ -136,6 +143,7 @@ def megatron_core_step(a):
         with mock.patch("torch.cuda.current_device", lambda: "cpu"):  # RoPE's frequencies stay on the CPU
             loss = model(inputs, positions, mask, labels=labels)  # per-token losses [b, s]
         loss.mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         opt.step()
         opt.zero_grad(set_to_none=True)
     step.numel = sum(p.numel() for p in model.parameters())
@@ -160,14 +168,15 @@ def main(argv=None):
     print(f"cpu, threads {torch.get_num_threads()}, fp32 | h {a.hidden_size} layers {a.num_layers} heads "
           f"{a.num_attention_heads} groups {a.num_query_groups} ffn {a.ffn_hidden_size} seq {a.seq_length} batch "
           f"{a.micro_batch_size} vocab {a.vocab_size} | median of {a.steps} steps")
-    steps = {"eager": eager_step(a), "mpzero-local": mpzero_step(a, groups, "local"),
-             "mpzero-flash": mpzero_step(a, groups, "flash")}
+    steps = {"eager": eager_step(a), "mpzero": mpzero_step(a, groups, GPTConfig.attention_backend),
+             "mpzero-local": mpzero_step(a, groups, "local")}
     megatron = megatron_core_step(a)
     if megatron is None:
         print("megatron-core is not installed: no megatron-core row (pip install megatron-core)")
     else:
         steps["megatron-core"] = megatron
     print("parameters: " + ", ".join(f"{name} {step.numel:,}" for name, step in steps.items()))  # the same spec
+    print(f"mpzero's default attention backend (auto) on this device: {steps['mpzero'].attention}")
     # interleaved, one step of each variant per round: load from other processes hits every variant alike
     times = {name: [] for name in steps}
     for i in range(2 + a.steps):

@@ -65,11 +65,12 @@ CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softma
 #   (`scaled_masked_softmax`, Triton on CUDA), dropout, the matmul with the values;
 # - unfused: the same explicit path with the PyTorch reference softmax (Transformer Engine's unfused attention);
 # - auto: flash on CUDA (GPT-2 124M bf16 on an H100: 53.3 ms per step against 61.2 for local, bench/README.md).
-#   On a CPU, flash without attention dropout (the LLaMA family's setting, examples/llama_tiny.yaml): SDPA's CPU
-#   flash kernel, whose logsumexp the activation formula counts, at 611 ms per LLaMA step against local's 809
-#   (bench/bench_llama.py, h 256, 4 layers, seq 256, batch 8: 1.04x and 1.40x eager PyTorch) and 5,204 GPT-2
-#   tokens/s against 4,146 (bench/bench_step.py); local with attention dropout (Megatron's and GPT-2's default
-#   0.1), which sends CPU SDPA to its math fallback: explicit [s, s] scores and masks the formula does not model.
+#   On a CPU, flash without attention dropout (LLaMA's setting, examples/llama_tiny.yaml): SDPA's CPU flash kernel,
+#   whose logsumexp the activation formula counts, at 464-470 ms per LLaMA step against local's 591 (bench/
+#   bench_llama.py, h 256, 4 layers, seq 256, batch 8, 2 threads, 2026-11-25: 1.05x and 1.34x eager PyTorch) and
+#   5,204 GPT-2 tokens/s against 4,146 (bench/bench_step.py); local with attention dropout (Megatron's and GPT-2's
+#   default 0.1), which sends CPU SDPA to its math fallback: explicit [s, s] scores and masks the formula does not
+#   model.
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 ATTENTION_CHOICE = {"cuda": "flash", "cpu": "flash"}  # auto without attention dropout
 ATTENTION_CHOICE_WITH_DROPOUT = {"cuda": "flash", "cpu": "local"}
