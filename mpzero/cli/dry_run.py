@@ -5,9 +5,10 @@ The run builds the real model and the real ZeRO optimizer for that rank (the sam
 training), runs two iterations of the real forward/backward/step code (every micro-batch of one global batch,
 on mock tokens; stage 3 prefetches from the second on, from the trace the first records) and prints the lines a
 real run prints at start and after an iteration, of the second: `zero memory` (model states against their
-formula; stage 3 with its in-step peak), `zero comm` (DP bytes per iteration against theory). Then it prints what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the
-same layout and whether every figure is equal: model states, the peak, DP and TP communication, and the
-activation bytes (the `activation memory` line's count, from the activation-memory module).
+formula; stage 3 with its in-step peak), `zero comm` (DP bytes per iteration against theory). Then it prints
+what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the same layout and whether every
+figure is equal: model states, the peak, DP and TP communication, and the activation bytes (the `activation
+memory` line's count, from the activation-memory module).
 
 How: `torch.distributed.init_process_group("fake", rank=R, world_size=N)` (torch's fake backend: collectives
 return at once and move nothing; the bytes `CommGroup` counts are the real ones) and tensors without data

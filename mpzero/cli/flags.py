@@ -14,7 +14,8 @@ from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
 from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, TrainingConfig
-from mpzero.zero import OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero import (OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig,
+                         ZeroConfig)
 
 
 def gpt_flags(p: argparse.ArgumentParser) -> None:
@@ -67,8 +68,8 @@ def gpt_flags(p: argparse.ArgumentParser) -> None:
                             "kernels on GPUs, never an [s, s] tensor); fused: the same restricted to cuDNN's fused "
                             "attention (CUDA only); local: Megatron's core attention (explicit scores, the fused "
                             "scale + mask + softmax op); unfused: the same with the PyTorch reference softmax; auto "
-                            "(default): flash on GPUs, and on CPUs without attention dropout; local on CPUs with it (the "
-                            "choice is printed on the 'fused ops' line)")
+                            "(default): flash on GPUs, and on CPUs without attention dropout; local on CPUs with "
+                            "it (the choice is printed on the 'fused ops' line)")
     model.add_argument("--torch-compile", action="store_true",
                        help="compile each transformer layer's forward with torch.compile (torchtitan's regional "
                             "compilation; inductor: Triton kernels on GPUs, C++ on CPUs); the first iteration "

@@ -23,6 +23,7 @@ from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_sta
 __all__ = ["ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
            "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "StatePlan", "TIERS",
            "activation_plan", "activation_setting", "components_text", "element_sizes", "engine_device",
-           "fake_tensors", "full_recompute_chunks", "gib", "layout_argv", "layout_flags", "layout_cost", "model_shapes", "no_data", "normalized",
+           "fake_tensors", "full_recompute_chunks", "gib", "layout_argv", "layout_flags", "layout_cost",
+           "model_shapes", "no_data", "normalized",
            "plan_states", "rank_plans", "recompute_modes", "row", "torchrun_command", "tp_comm_bytes",
            "without_layout_flags"]

@@ -45,18 +45,18 @@ class ModelShapes:
         """The flat layouts `ZeroOptimizer` builds for this model: buckets (stages 0-2; replicated at stage 0)
         or the root and one unit per layer (or, `units` "linear", per linear layer) with trainable parameters
         (stage 3)."""
-        named = list(self.named)
         if stage == 3:
-            assigned = assign_params(self.model, default_units(self.model, units), named)
-            return tuple(build_layout(assigned[u], dp, dp_rank) for u in self._kept(units))
+            assigned, kept = self._units(units)
+            return tuple(build_layout(assigned[u], dp, dp_rank) for u in kept)
         parts, rank = (dp, dp_rank) if stage > 0 else (1, 0)
-        return tuple(bucket_layouts(named, bucket_numel, parts, rank))
+        return tuple(bucket_layouts(list(self.named), bucket_numel, parts, rank))
 
     @functools.lru_cache(maxsize=None)
-    def _kept(self, units: str) -> tuple[int, ...]:
-        """Stage3's rule: the root, then the units that hold trainable parameters."""
+    def _units(self, units: str) -> tuple[list, tuple[int, ...]]:
+        """Stage3's rule: the parameters of [root, unit 1, ...] and the units kept (the root, then those that hold
+        trainable parameters)."""
         assigned = assign_params(self.model, default_units(self.model, units), list(self.named))
-        return (0,) + tuple(u for u in range(1, len(assigned)) if assigned[u])
+        return assigned, (0,) + tuple(u for u in range(1, len(assigned)) if assigned[u])
 
     @functools.lru_cache(maxsize=None)
     def stage3_trace(self, units: str = "layer", recomputed: tuple[tuple[int, ...], ...] = ()
@@ -65,7 +65,7 @@ class ModelShapes:
         the layers full recomputation replays together (`full_recompute_chunks`; the shapes' own config is
         normalized, without recomputation)."""
         modules = default_units(self.model, units)
-        layers = layer_units(self.model, modules, list(self._kept(units))[1:])
+        layers = layer_units(self.model, modules, list(self._units(units)[1][1:]))
         return tuple(predicted_trace(layers, [list(chunk) for chunk in recomputed]))
 
 

@@ -153,7 +153,7 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
                                     zero, par_off, streamed)
         working, working_text = replay.peak, replay.text
         if dp > 1:
-            regathered = sum(max(n - 2, 0) * layout.padded_numel for n, layout in zip(replay.gathers, layouts))
+            regathered = replay.regathered(layouts)
     elif stage == 2:
         working, working_text = stage2_working_set(layouts, g, zero.overlap_comm, streamed)
     else:

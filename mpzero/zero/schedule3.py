@@ -91,7 +91,12 @@ def recompute_chunks(num_layers: int, method: str | None, n: int | None) -> list
 class Replay:
     peak: int  # bytes beyond the shards at the fullest moment
     text: str  # what is held then, a memory-line field without spaces
-    gathers: tuple[int, ...]  # per unit: gathers in one micro-batch (of the steady state, prefetching)
+    gathers: tuple[int, ...]  # per unit: gathers in one micro-batch (prefetch gathers earlier, not more)
+
+    def regathered(self, layouts) -> int:
+        """Elements gathered per micro-batch beyond every unit's two gathers (forward and backward): the third
+        gather of units smaller than a layer under full recomputation (`comm_theory`'s X)."""
+        return sum(max(count - 2, 0) * layout.padded_numel for count, layout in zip(self.gathers, layouts))
 
 
 class _Ledger:

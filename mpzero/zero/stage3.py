@@ -218,9 +218,7 @@ class Stage3(ZeroStage):
         """Elements all-gathered per micro-batch beyond the two gathers of every unit (forward and backward): the
         third gather of units smaller than a layer under full recomputation."""
         replay = self.replay(1, 1)
-        if replay is None or not self.partitioned:
-            return 0
-        return sum(max(count - 2, 0) * layout.padded_numel for count, layout in zip(replay.gathers, self.layouts))
+        return 0 if replay is None or not self.partitioned else replay.regathered(self.layouts)
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
