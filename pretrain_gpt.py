@@ -15,6 +15,7 @@ model-agnostic. A second model family is another provider (and its flags), not a
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch.distributed as dist
@@ -27,12 +28,16 @@ from mpzero.tensor_parallel import RNGStatesTracker
 from mpzero.training.loop import BuiltModel, train
 
 
-def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker) -> BuiltModel:
+def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker,
+                 micro_batch_size: int = 1) -> BuiltModel:
     """The model without storage: ZeroOptimizer makes it one unit or bucket at a time, straight into this rank's
-    shard (streamed construction: no rank holds the fp32 model; the same weights as a whole build)."""
+    shard (streamed construction: no rank holds the fp32 model; the same weights as a whole build). Its FLOPs per
+    token are those of a micro-batch of `micro_batch_size` sequences (the chunked loss recomputes all but the last
+    chunk of one)."""
     family = family_of(config)
     model = family.build(config, groups.tp, rng, device="meta")
-    return BuiltModel(model, family.flops_per_token(config, groups.tp_size), family.architecture(config))
+    return BuiltModel(model, family.flops_per_token(config, groups.tp_size, micro_batch_size),
+                      family.architecture(config))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -41,11 +46,15 @@ def main(argv: list[str] | None = None) -> dict:
         run = _validated_run(argv)
         if run.dry_run is not None:  # one rank of a --world-size job on fake tensors (mpzero/cli/dry_run.py)
             from mpzero.cli.dry_run import dry_run
-            return run_or_exit(lambda: dry_run(run, gpt_provider, run.dry_run.world_size, run.dry_run.rank))
+            return run_or_exit(lambda: dry_run(run, _provider(run), run.dry_run.world_size, run.dry_run.rank))
         return run_or_exit(lambda: _train_reporting_peer_failures(run))
     finally:
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()  # NCCL warns of leaked communicators otherwise
+
+
+def _provider(run):
+    return functools.partial(gpt_provider, micro_batch_size=run.training.micro_batch_size)
 
 
 def _validated_run(argv):
@@ -69,7 +78,7 @@ def _validated_run(argv):
 
 def _train_reporting_peer_failures(run) -> dict:
     try:
-        return train(run, gpt_provider)
+        return train(run, _provider(run))
     except RuntimeError as error:
         if isinstance(error, TrainingError) or not _is_peer_failure(error):
             raise

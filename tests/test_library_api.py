@@ -279,15 +279,18 @@ def _counted_flops(config, batch, seq):
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("untie", [False, True])
-def test_flops_per_token_equals_the_counted_matmuls(recompute, untie):
+@pytest.mark.parametrize("chunk", [2048, 7, 0])
+def test_flops_per_token_equals_the_counted_matmuls(recompute, untie, chunk):
     """FlopCounterMode counts 2mnk per matmul (mm, addmm, bmm) of forward and backward; LayerNorm, softmax, GELU,
     the loss and the embedding lookup are not matmuls and are in neither count. They agree exactly: every matmul
-    is in the formula (the padded vocabulary's logits included) and the formula has nothing else. The attention is
-    the explicit one (local): torch 2.13's counter has no entry for the CPU flash kernel, it counts 0 there."""
+    is in the formula (the padded vocabulary's logits included; with the loss in chunks of 7, the 35 of 36 tokens
+    outside the last chunk recomputed; in one chunk of 2048, none) and the formula has nothing else. The attention
+    is the explicit one (local): torch 2.13's counter has no entry for the CPU flash kernel, it counts 0 there."""
     config = dataclasses.replace(NO_DROPOUT, seq_length=12, max_position_embeddings=12, recompute_activations=recompute,
-                                 untie_embeddings_and_output_weights=untie, attention_backend="local")
+                                 untie_embeddings_and_output_weights=untie, attention_backend="local",
+                                 cross_entropy_chunk_size=chunk)
     counted = run_ranks(1, _counted_flops, config, 3, 12)[0]
-    assert counted == config.flops_per_token() * 3 * 12
+    assert counted == pytest.approx(config.flops_per_token(micro_batch_size=3) * 3 * 12, rel=1e-12)
 
 
 def test_one_layer_is_24h2_plus_4sh_per_token_and_pass():
@@ -317,9 +320,11 @@ def test_flops_formula_is_megatrons():
     # 4sh per token and layer (as FlopCounterMode counts them in test_flops_per_token_equals_the_counted_matmuls)
     assert dataclasses.replace(gpt2, recompute_activations=True).flops_per_token() == pytest.approx(
         72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) + 4 * l * s * h, rel=1e-12)
-    # the chunked cross entropy computes the logits once more in backward: 2hV per token
-    assert dataclasses.replace(gpt2, cross_entropy_chunk_size=2048).flops_per_token() == pytest.approx(
-        megatron + 2 * h * v, rel=1e-12)
+    # the chunked cross entropy computes the logits once more in backward for the tokens outside the last chunk:
+    # none in one chunk (a sequence of 1024 in chunks of 2048), half of them for 4 sequences (2hV x 1/2 per token)
+    chunked = dataclasses.replace(gpt2, cross_entropy_chunk_size=2048)
+    assert chunked.flops_per_token() == pytest.approx(megatron, rel=1e-12)
+    assert chunked.flops_per_token(micro_batch_size=4) == pytest.approx(megatron + h * v, rel=1e-12)
 
 
 # -- the example: a plain torch.nn model under torchrun -------------------------------------------------

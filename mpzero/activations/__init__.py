@@ -5,11 +5,11 @@ two side by side (`report.py`)."""
 from mpzero.activations.count import SavedBytesCounter, activation_region, host_offload
 from mpzero.activations.formula import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
                                         ActivationFormula, ActivationSetting, LayerFormula, Term, activation_formula,
-                                        check_setting, layer_formula, layer_kinds, mode_name, modeled, outside_terms,
-                                        paper_row)
+                                        check_setting, kept_chunk_tokens, layer_formula, layer_kinds, mode_name,
+                                        modeled, outside_terms, paper_row)
 from mpzero.activations.report import activation_line, rank_report, report_activation_memory
 
 __all__ = ["CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS", "ActivationFormula",
            "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula", "activation_line",
-           "activation_region", "check_setting", "host_offload", "layer_formula", "layer_kinds", "mode_name",
-           "modeled", "outside_terms", "paper_row", "rank_report", "report_activation_memory"]
+           "activation_region", "check_setting", "host_offload", "kept_chunk_tokens", "layer_formula", "layer_kinds",
+           "mode_name", "modeled", "outside_terms", "paper_row", "rank_report", "report_activation_memory"]

@@ -28,8 +28,9 @@ from what the code saves (never fitted to a count):
   LayerNorm, the logits' input, the vocabulary-padding mask, and the cross entropy's fp32 softmax, targets
   and target mask. The token ids are counted as the training loop passes them: inputs and labels are views
   of one [b, s + 1] int64 batch, kept whole by the embedding at TP 1. The chunked cross entropy
-  (`chunked_cross_entropy`, fused with the output projection) keeps per token the fp32 max and sum of
-  exponentials (8 bytes) instead of the padding mask and the 4sbV/t softmax.
+  (`cross_entropy_chunk_size` c, fused with the output projection) keeps per token the fp32 max and sum of
+  exponentials (8 bytes) and the last chunk's fp32 exponentials (4 x its c' tokens x V/t, c' = sb - c
+  floor((sb - 1)/c): the whole 4sbV/t when sb <= c) instead of the padding mask and the 4sbV/t softmax.
 
 Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
 With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
@@ -74,7 +75,7 @@ class ActivationSetting:
     compiled_layers: bool = False  # --torch-compile: the layers' saved tensors are the compiler's choice
     rng_state_bytes: int = CPU_RNG_STATE_BYTES
     rng_streams: int = 1  # tracker streams saved beside the default generator
-    chunked_cross_entropy: bool = False  # the output projection and the loss fused, chunk by chunk of tokens
+    cross_entropy_chunk_size: int = 0  # > 0: the output projection and the loss fused, chunk by chunk of tokens
     # The LLaMA family's shapes and parts (GPT-2's by default):
     ffn_hidden_size: int | None = None  # f; None: 4h
     num_query_groups: int | None = None  # g, the K/V heads; None: a
@@ -370,8 +371,11 @@ def outside_terms(setting: ActivationSetting) -> list[Term]:
         copies = 2 if ln_torch and not st.rms_norm else 1
         terms.append(Term(f"final {norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
     terms.append(Term("logits input", f"{e}sbh{div}", e * s * b * h // rep_div))
-    if st.chunked_cross_entropy:
+    if st.cross_entropy_chunk_size:
         terms.append(Term("cross-entropy max and sum of exponentials fp32", "8sb", 8 * s * b))
+        kept = kept_chunk_tokens(s * b, st.cross_entropy_chunk_size)
+        terms.append(Term("cross-entropy last chunk's exponentials fp32",
+                          "4sbV/t" if kept == s * b else f"{4 * kept}V/t", 4 * kept * local_vocab))
     else:
         first_padding = st.vocab_size - st.tp_rank * local_vocab
         if first_padding < local_vocab:
@@ -379,6 +383,12 @@ def outside_terms(setting: ActivationSetting) -> list[Term]:
         terms.append(Term("cross-entropy softmax fp32", "4sbV/t", 4 * s * b * local_vocab))
     terms.append(Term("cross-entropy targets (int64) and mask (bool)", "9sb", 9 * s * b))
     return terms
+
+
+def kept_chunk_tokens(tokens: int, chunk_size: int) -> int:
+    """The tokens of the chunked cross entropy's last chunk (`_LinearCrossEntropy`), whose exponentials forward
+    keeps for backward; the others are recomputed there."""
+    return tokens - chunk_size * ((tokens - 1) // chunk_size)
 
 
 def paper_row(setting: ActivationSetting) -> str:
@@ -405,5 +415,5 @@ def mode_name(setting: ActivationSetting) -> str:
 
 
 __all__ = ["ActivationSetting", "ActivationFormula", "LayerFormula", "Term", "activation_formula", "layer_formula",
-           "layer_kinds", "outside_terms", "paper_row", "mode_name", "modeled", "check_setting",
-           "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES"]
+           "layer_kinds", "outside_terms", "kept_chunk_tokens", "paper_row", "mode_name", "modeled",
+           "check_setting", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting
+from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
 from mpzero.errors import ConfigError
 from mpzero.fused import ATTENTION_BACKENDS, planned_attention_backend, planned_impl, resolve_attention_backend
 
@@ -248,7 +248,7 @@ class GPTConfig(TransformerArchitecture):
         """Dropout or recomputation draw from (or replay) an RNG tracker; without them none is needed."""
         return self.hidden_dropout > 0 or self.attention_dropout > 0 or self.granularity is not None
 
-    def flops_per_token(self, tp_size: int = 1) -> float:
+    def flops_per_token(self, tp_size: int = 1, micro_batch_size: int = 1) -> float:
         """Matmul FLOPs per trained token, forward and backward, as Megatron counts them
         (megatron/training/training.py, num_floating_point_operations, for GPT: 72 B s l h^2 (1 + s/(6h)
         + V/(12 l h)) per batch of B sequences of s tokens, V the padded vocabulary at this TP size).
@@ -260,7 +260,9 @@ class GPTConfig(TransformerArchitecture):
         --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
         core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
         al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
-        The chunked cross entropy (`cross_entropy_chunk_size`) recomputes the logits in backward: + 2 h V.
+        The chunked cross entropy (`cross_entropy_chunk_size` c) recomputes in backward the logits of every chunk
+        but the last of a micro-batch of `micro_batch_size` b sequences: + 2 h V (sb - c')/(sb), c' the last
+        chunk's tokens (`kept_chunk_tokens`); none when sb <= c.
         The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
         2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
@@ -275,7 +277,10 @@ class GPTConfig(TransformerArchitecture):
             recomputed = (l if self.resolved_recompute_method == "uniform" else n) * per_layer
         elif self.granularity == "selective":
             recomputed = l * 4 * s * h
-        logits = (4 if self.cross_entropy_chunk_size else 3) * 2 * h * vocab
+        logits = 3 * 2 * h * vocab
+        if self.cross_entropy_chunk_size:
+            tokens = s * micro_batch_size
+            logits += 2 * h * vocab * (tokens - kept_chunk_tokens(tokens, self.cross_entropy_chunk_size)) / tokens
         return 3 * l * per_layer + recomputed + logits
 
     def activation_setting(self, tp_size: int, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
@@ -303,7 +308,7 @@ class GPTConfig(TransformerArchitecture):
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
             flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
-            rng_streams=rng_streams, chunked_cross_entropy=self.cross_entropy_chunk_size > 0,
+            rng_streams=rng_streams, cross_entropy_chunk_size=self.cross_entropy_chunk_size,
             ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
             rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
             rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions)

@@ -32,7 +32,7 @@ class ModelFamily:
     config_cls: type
     config_from_args: Callable[[argparse.Namespace, int], Any]  # the parsed flags and the vocabulary -> its config
     build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None) -> the model (device "meta": no storage)
-    flops_per_token: Callable[[Any, int], float]  # (config, tp_size) -> matmul FLOPs per trained token, fwd + bwd
+    flops_per_token: Callable[..., float]  # (config, tp_size, micro_batch_size=1) -> matmul FLOPs per token, fwd+bwd
     activation_setting: Callable | None  # (config, tp, micro_batch, seq, dtype, device, tp_rank, rng_streams)
     tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches) -> TP bytes per iteration
     hf_model_type: str | None  # its key in inference.hf.ADAPTERS (config.json's model_type); None: no HF class

@@ -103,21 +103,24 @@ class GPTEmbedding(nn.Module):
     start (and, receiving no gradient, stay) at zero. Under sequence parallelism the sum (all-reduced over
     the vocabulary shards) is cut to this rank's sequence slice before the dropout, as in Megatron."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None):
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, positions: int | None,
+                 init_std: float, dropout: float, tp: CommGroup, rng: RNGStatesTracker | None = None,
+                 sequence_parallel: bool = False):
+        """`positions`: the learned position table's rows, None without one (RoPE, or no positions)."""
         super().__init__()
-        std, vocab = config.init_method_std, config.vocab_size
-        self.tp, self.sequence_parallel = tp, config.sequence_parallel
-        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp.size), config.hidden_size,
-                                                      tp, vocab_rows_init(std, vocab))
-        mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab)
-        self.position_embeddings = None  # RoPE (in the attention) or no positions
-        if config.learned_positions:
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp,
+                                                      vocab_rows_init(init_std, vocab_size))
+        mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab_size)
+        self.position_embeddings = None
+        if positions is not None:
             # a deferred weight like every other (given a weight, nn.Embedding skips its own reset_parameters, a
             # draw from the global RNG), so a GPU run starts where a CPU run does
-            shape = (config.max_position_embeddings, config.hidden_size)
+            shape = (positions, hidden_size)
             self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
-            self.position_embeddings.weight = mark_tensor_parallel(deferred_parameter(shape, normal_init(std)), None)
-        self.dropout = HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel)
+            self.position_embeddings.weight = mark_tensor_parallel(deferred_parameter(shape, normal_init(init_std)),
+                                                                   None)
+        self.dropout = HiddenDropout(dropout, rng, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         x = self.word_embeddings(tokens)
@@ -163,7 +166,10 @@ class GPTModel(nn.Module):
                               f" or recomputation {config.granularity}: pass one, or set both dropouts "
                               f"to 0 and no recomputation")
         self.config, self.tp, self.rng = config, tp, rng
-        self.embedding = GPTEmbedding(config, tp, rng)
+        self.embedding = GPTEmbedding(
+            config.vocab_size, config.padded_vocab_size(tp.size), config.hidden_size,
+            config.max_position_embeddings if config.learned_positions else None, config.init_method_std,
+            config.hidden_dropout, tp, rng, config.sequence_parallel)
         self.rotary = None
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)

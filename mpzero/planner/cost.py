@@ -56,8 +56,9 @@ class Cost:
         return self.tokens / self.seconds
 
 
-def flops_per_token(config, tp: int, recompute: str) -> float:
-    base = family_of(config).flops_per_token(dataclasses.replace(config, recompute_activations=False), tp)
+def flops_per_token(config, tp: int, recompute: str, micro_batch: int = 1) -> float:
+    base = family_of(config).flops_per_token(dataclasses.replace(config, recompute_activations=False), tp,
+                                             micro_batch)
     l, h = config.num_layers, config.hidden_size
     s = config.seq_length or config.max_position_embeddings
     extra = {"none": 0, "selective": 4 * l * s * h, "full": 24 * l * h ** 2 + 4 * l * s * h}[recompute]
@@ -68,7 +69,7 @@ def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float,
     """The cost of `layout` (a `plan.Layout`) whose model states are `plan` (a `StatePlan`), parameters of `p`
     bytes; `cuda`: the device is a GPU (else device<->host copies cost nothing: the device is the host)."""
     tokens = layout.global_batch * (config.seq_length or config.max_position_embeddings)
-    flops = flops_per_token(config, layout.tp, layout.recompute) * tokens / world
+    flops = flops_per_token(config, layout.tp, layout.recompute, layout.micro_batch) * tokens / world
     compute = flops / (hw.device_tflops * 1e12 * hw.efficiency)
     dp = plan.comm_bytes / hw.dp_bandwidth
     ranks_per_node = min(hw.gpus_per_node, world)

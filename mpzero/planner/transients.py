@@ -6,8 +6,10 @@ unit's working set, `construction_working_set`, which the plan adds to the state
 Working tensors of a step (`compute_transients`), an estimate from what the code computes (not counted by any line):
 - cross entropy, backward: the fp32 softmax with the target subtracted, its product with the loss gradient and
   their cast (8 + e) x s b V/t bytes (the saved softmax itself is an activation); chunked
-  (`cross_entropy_chunk_size` c), one chunk's recomputed fp32 logits, worked on in place, and their cast:
-  (4 + e) x min(c, s b) x V/t (4 x ... in fp32, where the cast is the same tensor);
+  (`cross_entropy_chunk_size` c), the last chunk's c' tokens first: their kept exponentials (an activation),
+  worked on in place, and their cast, e c' V/t; then, those released, each other chunk's recomputed fp32 logits and
+  their cast: (4 + e) c V/t - 4 c' V/t beside the activations (the cast is the same tensor in fp32: e counts 0
+  there);
 - the vocabulary gradients: the output projection's weight gradient and the embedding's dense gradient, and (tied)
   their sum, e x V/t x h each, held until the end of backward;
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
@@ -22,6 +24,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 
 from __future__ import annotations
 
+from mpzero.activations import kept_chunk_tokens
 from mpzero.zero import NORM_CHUNK as CHUNK
 
 
@@ -35,9 +38,12 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     tied = not config.untie_embeddings_and_output_weights
     flash = config.planned_attention("cuda" if cuda else "cpu") in ("flash", "fused")
     attention = 0 if flash else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
-    chunk = config.cross_entropy_chunk_size
-    cross_entropy = ((4 + (e if e < 4 else 0)) * min(chunk, sb) * v if chunk else
-                     (8 + (e if e < 4 else 0)) * sb * v)
+    chunk, cast = config.cross_entropy_chunk_size, (e if e < 4 else 0)
+    if chunk:  # the kept last chunk worked on in place and cast; released, then each other chunk recomputed
+        kept = kept_chunk_tokens(sb, chunk)
+        cross_entropy = max(cast * kept * v, (4 + cast) * chunk * v - 4 * kept * v if sb > chunk else 0)
+    else:
+        cross_entropy = (8 + cast) * sb * v
     return {"cross entropy": cross_entropy,
             "vocabulary gradients": (3 if tied else 2) * e * v * h,
             "attention backward": attention,

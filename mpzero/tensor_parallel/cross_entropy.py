@@ -55,9 +55,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 class _LinearCrossEntropy(torch.autograd.Function):
     """loss = vocab_parallel_cross_entropy(mask_padding(x W^T), target), chunk by chunk of tokens: a chunk's fp32
     logits [c, V/tp] live only inside its step. Forward keeps, per token, the all-reduced max and sum of
-    exponentials (fp32); backward recomputes each chunk's logits from them (one more x W^T: 2 c h V/tp FLOPs) and
-    turns softmax - onehot, scaled by that token's incoming gradient, into dx and dW. Each token's loss gradient
-    is its own (reduction "none"), so dW cannot be formed in forward as Liger-Kernel does for a mean."""
+    exponentials (fp32), and the last chunk's exponentials themselves (the newest tensor when forward ends);
+    backward takes that chunk first, releases its exponentials, then recomputes each other chunk's logits from the
+    max and sum (one more x W^T: 2 c h V/tp FLOPs), and turns
+    softmax - onehot, scaled by that token's incoming gradient, into dx and dW. A micro-batch of at most one chunk
+    is never recomputed. Each token's loss gradient is its own (reduction "none"), so dW cannot be formed in
+    forward as Liger-Kernel does for a mean."""
 
     @staticmethod
     def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel):
@@ -78,29 +81,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sum_exp = logits.exp_().sum(dim=-1)
             group.all_reduce(sum_exp)
             losses[chunk], maxes[chunk], sums[chunk] = sum_exp.log() - target_logit, logits_max, sum_exp
-            del logits  # freed before the next chunk's are allocated
-        ctx.save_for_backward(x, weight, local_target, mine, maxes, sums)
+            # freed before the next chunk's are allocated; the last chunk's exponentials stay for backward
+        ctx.save_for_backward(x, weight, local_target, mine, maxes, sums, logits)
         return losses.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        x, weight, local_target, mine, maxes, sums = ctx.saved_tensors
+        x, weight, local_target, mine, maxes, sums, kept = ctx.saved_tensors
         group = ctx.group
         hidden = _tokens(x, group, ctx.sequence_parallel)
         grad_loss = grad_loss.reshape(-1).float()
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
-        for chunk in _chunks(hidden.size(0), ctx.chunk_size):
-            logits = _chunk_logits(hidden[chunk], weight, group.rank, ctx.vocab_size)
-            softmax = logits.sub_(maxes[chunk].unsqueeze(-1)).exp_().div_(sums[chunk].unsqueeze(-1))
+        chunks = _chunks(hidden.size(0), ctx.chunk_size)
+        for i, chunk in enumerate(chunks[-1:] + chunks[:-1]):  # the kept chunk first: freed before the others
+            if i == 0 and kept.untyped_storage().nbytes():  # (a second backward, retain_graph, finds it freed)
+                softmax = _own_version(kept).div_(sums[chunk].unsqueeze(-1))
+            else:
+                softmax = _chunk_logits(hidden[chunk], weight, group.rank, ctx.vocab_size).sub_(
+                    maxes[chunk].unsqueeze(-1)).exp_().div_(sums[chunk].unsqueeze(-1))
             # d loss / d z = softmax - onehot(target), the one-hot only on the rank that owns the target
             grad = softmax.scatter_add_(-1, local_target[chunk].unsqueeze(-1), -mine[chunk].unsqueeze(-1).float())
             grad = grad.mul_(grad_loss[chunk].unsqueeze(-1)).to(hidden.dtype)  # [c, V/tp]
             torch.mm(grad, weight, out=grad_hidden[chunk])
-            if chunk.start == 0:  # dW [V/tp, h] summed in place, chunk by chunk (one rounding each in bf16)
+            if i == 0:  # dW [V/tp, h] summed in place, chunk by chunk (one rounding each in bf16)
                 torch.mm(grad.t(), hidden[chunk], out=grad_weight)
+                kept.untyped_storage().resize_(0)  # autograd holds the saved tensor until backward returns
             else:
-                grad_weight.addmm_(grad.t(), hidden[chunk])
-            del logits, softmax, grad
+                # addmm_'s own kernel (addmm_out into self), spelled so FlopCounterMode counts it: it has no addmm_
+                torch.addmm(grad_weight, grad.t(), hidden[chunk], out=grad_weight)
+            del softmax, grad
         grad_hidden = grad_hidden.view(*x.shape[:-2], -1, x.size(-1))
         if ctx.sequence_parallel:
             grad_x = reduce_scatter_sequence(grad_hidden, group)
@@ -108,6 +117,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x = grad_hidden
             group.all_reduce(grad_x)  # the input was replicated across the TP group (copy_to_tp's backward)
         return grad_x, grad_weight, None, None, None, None, None
+
+
+def _own_version(saved: torch.Tensor) -> torch.Tensor:
+    """A tensor on `saved`'s memory with a version counter of its own: worked on in place (no second copy at the
+    peak) without tripping autograd's check that the saved tensor is unchanged, should a second backward
+    (retain_graph) unpack it; that one finds the memory released (resized to 0 after use) and recomputes."""
+    return torch.empty(0, dtype=saved.dtype, device=saved.device).set_(
+        saved.untyped_storage(), saved.storage_offset(), saved.shape, saved.stride())
 
 
 def _tokens(x: torch.Tensor, group: CommGroup, sequence_parallel: bool) -> torch.Tensor:
