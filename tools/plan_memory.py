@@ -28,7 +28,7 @@ from mpzero.cli import (Choice, Items, Number, Parser, Size, Text, build_parser,
                         read_config_file, tokenizer_record)
 from mpzero.errors import ConfigError
 from mpzero.planner.cost import Hardware
-from mpzero.planner.plan import Machine, Planner, rank_plans, recompute_modes
+from mpzero.planner.plan import Machine, Planner, rank_plans
 from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
 
 DEFAULTS = {"--micro-batch-size": "1", "--train-iters": "1", "--lr": "1e-4"}
@@ -154,9 +154,7 @@ def plan(argv: list[str]) -> dict:
         print(note)
     plans = rank_plans([planner.evaluate(layout) for layout in layouts])
     best = plans[0] if plans[0].fits else None
-    selective_flags = "selective" in recompute_modes(args)
-    command = (torchrun_command(training_argv(rest), best.layout, machine, selective_flags, opts.offload_path)
-               if best else None)
+    command = torchrun_command(training_argv(rest), best.layout, machine, opts.offload_path) if best else None
     result = {"plans": plans, "best": best, "command": command, "machine": machine, "planner": planner,
               "opts": opts, "rest": rest}
     if opts.json:

@@ -20,12 +20,11 @@ def gib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
 
 
-def layout_argv(layout: Layout, selective_flags: bool, offload_path: str | None) -> list[str]:
+def layout_argv(layout: Layout, offload_path: str | None) -> list[str]:
     argv = ["--tensor-model-parallel-size", str(layout.tp), "--zero-stage", str(layout.stage),
             "--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(layout.global_batch)]
-    if layout.recompute == "full":
-        argv += (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-                 if selective_flags else ["--recompute-activations"])
+    if layout.recompute == "full":  # (--recompute-activations is Megatron's selective recomputation)
+        argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif layout.recompute == "selective":
         argv += ["--recompute-granularity", "selective"]
     if layout.sequence_parallel:
@@ -58,14 +57,13 @@ def without_layout_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, selective_flags: bool,
-                     offload_path: str | None) -> str:
+def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, offload_path: str | None) -> str:
     per_node = machine.ranks_per_node
     nodes = machine.world_size // per_node
     launcher = ["torchrun"] + (["--nnodes", str(nodes)] if nodes > 1 else []) + ["--nproc-per-node", str(per_node)]
     if nodes > 1:
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "--rdzv-id", "JOB"]
-    argv = without_layout_flags(user_argv) + layout_argv(layout, selective_flags, offload_path)
+    argv = without_layout_flags(user_argv) + layout_argv(layout, offload_path)
     return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
 
 

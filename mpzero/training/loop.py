@@ -331,7 +331,7 @@ def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
 def _evaluate_and_log(state: TrainingState, dataset, where: str, iteration: int, run: RunConfig,
                       tensorboard) -> float:
     state.optimizer.finish_update()  # --offload-delayed-update-after: evaluate the updated parameters
-    loss = evaluate(state, dataset, run)
+    loss = state.optimizer.uncounted(evaluate, state, dataset, run)  # the next `zero comm` line: training's bytes
     if state.groups.is_logging_rank:
         print(validation_line(where, loss), flush=True)
     if tensorboard is not None:

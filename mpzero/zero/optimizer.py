@@ -360,7 +360,7 @@ class ZeroOptimizer:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
         self.finish_update()
-        return self._uncounted(consolidated_weights, self.model, self.stage.layouts, self.masters.masters(),
+        return self.uncounted(consolidated_weights, self.model, self.stage.layouts, self.masters.masters(),
                                self.groups.dp)
 
     def owned_pieces(self) -> list[OwnedPiece]:
@@ -381,7 +381,7 @@ class ZeroOptimizer:
         if iteration is not None:
             self.iteration = iteration
         self.masters.publish()
-        self._uncounted(self.stage.after_update)
+        self.uncounted(self.stage.after_update)
 
     def meta_state(self) -> dict:
         """What a checkpoint's meta keeps of this optimizer beside the owned pieces: the rule's name, its step count,
@@ -395,11 +395,14 @@ class ZeroOptimizer:
         (on every rank: it spreads the parameters)."""
         return self.masters.step_count
 
-    def _uncounted(self, fn, *args):
-        before = self.groups.dp.stats.total()
+    def uncounted(self, fn, *args):
+        """fn(*args), with its DP bytes and tier transfers left out of the next `comm_report`, which states a
+        training iteration's: an evaluation's stage-3 gathers, an export's or a load's collectives."""
+        before, moved = self.groups.dp.stats.total(), self._transfers()
         result = fn(*args)
         mark_bytes, mark_iteration = self._comm_mark
         self._comm_mark = (mark_bytes + self.groups.dp.stats.total() - before, mark_iteration)
+        self._transfer_mark = self._transfer_mark + (self._transfers() - moved)
         return result
 
 
