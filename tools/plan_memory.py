@@ -32,7 +32,10 @@ from mpzero.planner.plan import Machine, Planner, rank_plans
 from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
 
 DEFAULTS = {"--micro-batch-size": "1", "--train-iters": "1", "--lr": "1e-4"}
-DEFAULT_RESERVE = {"cuda": 2 * 2 ** 30, "cpu": 32 * 2 ** 20}  # bytes per device for what the planner does not model
+# bytes per device for what the planner does not model: on cuda the context, NCCL's buffers and fragmentation; on
+# cpu the libraries' code a run pages in (35.6 MiB of RssFile measured by bench_planner part 2, torch 2.13 CPU) and
+# the allocator's and interpreter's slack (about 8 MiB more there)
+DEFAULT_RESERVE = {"cuda": 2 * 2 ** 30, "cpu": 48 * 2 ** 20}
 
 
 def planner_parser() -> argparse.ArgumentParser:
@@ -45,7 +48,8 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="disk space per node for the disk tier (default: no disk tier)")
     m.add_argument("--device-reserve", type=Size(low=0.0, low_ok=True), default=None,
                    help="memory per device kept free for what is not modeled: the CUDA context, NCCL buffers, "
-                        "allocator fragmentation (default 2GiB on cuda, 32MiB on cpu: allocator and runtime slack)")
+                        "allocator fragmentation (default 2GiB on cuda; 48MiB on cpu: the code a run pages in, "
+                        "allocator slack)")
     m.add_argument("--gpus-per-node", type=Number(int, low=1), default=8)
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the device is host memory (no device<->host copies; CPU activation terms)")
