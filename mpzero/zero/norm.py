@@ -29,14 +29,19 @@ from mpzero.zero.step_grads import Fp32Buckets
 
 def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement], tp_rank: int,
               dp_rank: int) -> list[tuple[int, int, int]]:
-    """(bucket, start, end) slices of this rank's gradient shards that count towards the norm."""
+    """(bucket, start, end) slices of this rank's gradient shards that count towards the norm; parameters that lie
+    side by side in a bucket make one slice (one fp64 pass, not one per parameter: a GPU launches a few kernels per
+    slice)."""
     runs = []
     for bucket, layout in enumerate(layouts):
         if layout.parts == 1 and dp_rank != 0:
             continue  # replicated over DP (stage 0): every DP rank holds the same reduced gradients
         for i, start, end in layout.owned_pieces():
             if placements[layout.names[i]].is_sharded or tp_rank == 0:
-                runs.append((bucket, start, end))
+                if runs and runs[-1][0] == bucket and runs[-1][2] == start:
+                    runs[-1] = (bucket, runs[-1][1], end)
+                else:
+                    runs.append((bucket, start, end))
     return runs
 
 
