@@ -1,13 +1,14 @@
-"""Activation memory: what a forward keeps for its backward, by formula (`formula.py`, one source of truth for
-the training line and for planners) and counted (`count.py`, saved-tensor hooks), and the line that puts the
-two side by side (`report.py`)."""
+"""Activation memory: what a forward keeps for its backward, by formula (`formula.py`, with its inputs in
+`setting.py` and the terms outside the layers in `outside.py`: one source of truth for the training line and for
+planners) and counted (`count.py`, saved-tensor hooks), and the line that puts the two side by side (`report.py`)."""
 
 from mpzero.activations.count import SavedBytesCounter, activation_region, host_offload
-from mpzero.activations.formula import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
-                                        ActivationFormula, ActivationSetting, LayerFormula, Term, activation_formula,
-                                        check_setting, kept_chunk_tokens, layer_formula, layer_kinds, mode_name,
-                                        modeled, outside_terms, paper_row)
+from mpzero.activations.formula import (ActivationFormula, LayerFormula, activation_formula, layer_formula,
+                                        layer_kinds, mode_name, modeled, paper_row)
+from mpzero.activations.outside import kept_chunk_tokens, outside_terms
 from mpzero.activations.report import activation_line, rank_report, report_activation_memory
+from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
+                                        ActivationSetting, Term, check_setting)
 
 __all__ = ["CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS", "ActivationFormula",
            "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula", "activation_line",

@@ -24,7 +24,7 @@ from what the code saves (never fitted to a count):
   by an e-byte noise tensor; CUDA's fused path keeps a bool): mask_bytes - 1 extra bytes per element;
 - recomputation keeps the RNG states it replays: the default generator's and each tracker stream's
   (5056 bytes each on the CPU, 16 on CUDA);
-- outside the layers (`outside_terms`): token ids, position ids, the embedding dropout mask, the final
+- outside the layers (`outside_terms`, outside.py): token ids, position ids, the embedding dropout mask, the final
   LayerNorm, the logits' input, the vocabulary-padding mask, and the cross entropy's fp32 softmax, targets
   and target mask. The token ids are counted as the training loop passes them: inputs and labels are views
   of one [b, s + 1] int64 batch, kept whole by the embedding at TP 1. The chunked cross entropy
@@ -41,56 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-GRANULARITIES = ("selective", "full")
-METHODS = ("uniform", "block")
-CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state(): the MT19937 state of the CPU generator
-CUDA_RNG_STATE_BYTES = 16  # torch.cuda.get_rng_state(): Philox seed and offset
-
-
-@dataclass(frozen=True)
-class ActivationSetting:
-    """Everything the activation bytes of one rank depend on."""
-    seq_length: int  # s
-    micro_batch_size: int  # b
-    hidden_size: int  # h
-    num_attention_heads: int  # a
-    num_layers: int
-    vocab_size: int  # the real vocabulary
-    padded_vocab_size: int  # all TP ranks together
-    tp: int = 1  # t
-    tp_rank: int = 0  # only the vocabulary padding mask depends on it
-    dtype_bytes: int = 4  # e: activations and parameters (ZeRO casts both)
-    mask_bytes: int | None = None  # m: dropout masks; None: e (the CPU path); 1 on CUDA
-    hidden_dropout: bool = True
-    attention_dropout: bool = True
-    sequence_parallel: bool = False
-    recompute_granularity: str | None = None  # None, "selective", "full"
-    recompute_method: str | None = None  # with "full": "uniform" or "block"
-    recompute_num_layers: int | None = None  # with "full"
-    distribute_saved_activations: bool = False
-    offload_activations: bool = False  # host tier: checkpoints (full) or every saved tensor of a layer
-    layernorm_impl: str = "torch"
-    softmax_impl: str = "torch"
-    flash_attention: bool = False  # the attention backend is SDPA's (flash or fused)
-    compiled_layers: bool = False  # --torch-compile: the layers' saved tensors are the compiler's choice
-    rng_state_bytes: int = CPU_RNG_STATE_BYTES
-    rng_streams: int = 1  # tracker streams saved beside the default generator
-    cross_entropy_chunk_size: int = 0  # > 0: the output projection and the loss fused, chunk by chunk of tokens
-    # The LLaMA family's shapes and parts (GPT-2's by default):
-    ffn_hidden_size: int | None = None  # f; None: 4h
-    num_query_groups: int | None = None  # g, the K/V heads; None: a
-    rms_norm: bool = False  # RMSNorm instead of LayerNorm
-    swiglu: bool = False  # the gated MLP: [gate; up] output 2f, SiLU output f, down-projection input f
-    rotary: bool = False  # RoPE: rotated copies of q and k
-    learned_positions: bool = True  # position ids kept by the learned position embedding
-
-
-@dataclass(frozen=True)
-class Term:
-    name: str
-    text: str  # in s, b, h, a, t, e, m, with e and m substituted
-    bytes: int
-    paper: bool = False  # a Korthikanti item; else an implementation term mpzero adds
+from mpzero.activations.outside import kept_chunk_tokens, outside_terms
+from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, Term,
+                                        check_setting)
+from mpzero.activations.setting import GRANULARITIES, METHODS  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -150,21 +104,6 @@ class ActivationFormula:
     def stored_layer_bytes(self) -> int:
         """What one layer keeps without recomputation, in this setting (the ratio's denominator)."""
         return layer_formula(self.setting, "stored").bytes
-
-
-def check_setting(setting: ActivationSetting) -> None:
-    """The combinations the code runs; raises ValueError otherwise (flags are checked earlier, in one line)."""
-    g, method, n = setting.recompute_granularity, setting.recompute_method, setting.recompute_num_layers
-    if g not in (None,) + GRANULARITIES:
-        raise ValueError(f"recompute granularity {g!r} is not one of {GRANULARITIES}")
-    if g == "full" and (method not in METHODS or not n or not 1 <= n <= setting.num_layers):
-        raise ValueError(f"full recomputation needs a method in {METHODS} and 1 <= layers <= {setting.num_layers}")
-    if g != "full" and (method is not None or n is not None or setting.distribute_saved_activations):
-        raise ValueError("a recompute method, layer count or distributed checkpoints need full recomputation")
-    if setting.distribute_saved_activations and (setting.tp == 1 or setting.sequence_parallel):
-        raise ValueError("distributed checkpoints need TP > 1 and no sequence parallelism")
-    if setting.sequence_parallel and (setting.tp == 1 or setting.seq_length % setting.tp):
-        raise ValueError("sequence parallelism needs TP > 1 and a sequence length divisible by TP")
 
 
 def modeled(setting: ActivationSetting) -> str | None:
@@ -338,57 +277,6 @@ def _exact(value: Fraction) -> int:
     if value.denominator != 1:
         raise ValueError(f"activation bytes {value} are not whole: a shape not divisible by TP")
     return int(value)
-
-
-def outside_terms(setting: ActivationSetting) -> list[Term]:
-    """What a micro-batch keeps outside the transformer layers (embedding, final LayerNorm, logits, loss)."""
-    st = setting
-    s, b, h, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp, st.dtype_bytes
-    m = st.mask_bytes if st.mask_bytes is not None else e
-    sp = st.sequence_parallel
-    rep_div, div = (t, "/t") if sp else (1, "")
-    local_vocab = st.padded_vocab_size // t
-    terms = []
-    if t == 1:
-        terms.append(Term("token ids (the [b, s+1] int64 batch)", "8b(s+1)", 8 * b * (s + 1)))
-    else:
-        terms += [Term("shard-local token ids (int64)", "8sb", 8 * s * b),
-                  Term("ids outside the vocabulary shard (bool)", "sb", s * b)]
-    if st.learned_positions:
-        terms.append(Term("position ids (int64)", "8s", 8 * s))
-    if st.hidden_dropout:
-        terms.append(Term("embedding dropout mask", f"{m}sbh{div}", m * s * b * h // rep_div))
-    ln_torch = st.layernorm_impl == "torch"
-    ln_in = 4 if ln_torch else e
-    norm = "RMSNorm" if st.rms_norm else "LayerNorm"
-    terms.append(Term(f"final {norm} input", f"{ln_in}sbh{div}", ln_in * s * b * h // rep_div))
-    if st.rms_norm and ln_torch:
-        terms.append(Term("final RMSNorm normalized input fp32", f"4sbh{div}", 4 * s * b * h // rep_div))
-    stats = 4 if st.rms_norm else 8
-    terms.append(Term(f"final {norm} {'rstd' if st.rms_norm else 'mean+rstd'} fp32", f"{stats}sb{div}",
-                      stats * s * b // rep_div))
-    if e < 4:
-        copies = 2 if ln_torch and not st.rms_norm else 1
-        terms.append(Term(f"final {norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
-    terms.append(Term("logits input", f"{e}sbh{div}", e * s * b * h // rep_div))
-    if st.cross_entropy_chunk_size:
-        terms.append(Term("cross-entropy max and sum of exponentials fp32", "8sb", 8 * s * b))
-        kept = kept_chunk_tokens(s * b, st.cross_entropy_chunk_size)
-        terms.append(Term("cross-entropy last chunk's exponentials fp32",
-                          "4sbV/t" if kept == s * b else f"{4 * kept}V/t", 4 * kept * local_vocab))
-    else:
-        first_padding = st.vocab_size - st.tp_rank * local_vocab
-        if first_padding < local_vocab:
-            terms.append(Term("vocabulary padding mask (bool)", "V/t", local_vocab))
-        terms.append(Term("cross-entropy softmax fp32", "4sbV/t", 4 * s * b * local_vocab))
-    terms.append(Term("cross-entropy targets (int64) and mask (bool)", "9sb", 9 * s * b))
-    return terms
-
-
-def kept_chunk_tokens(tokens: int, chunk_size: int) -> int:
-    """The tokens of the chunked cross entropy's last chunk (`_LinearCrossEntropy`), whose exponentials forward
-    keeps for backward; the others are recomputed there."""
-    return tokens - chunk_size * ((tokens - 1) // chunk_size)
 
 
 def paper_row(setting: ActivationSetting) -> str:

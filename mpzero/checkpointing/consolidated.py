@@ -12,12 +12,11 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, previous_advice, read_dcp_metadata,
-                                             read_meta_file)
 from mpzero.checkpointing.checksums import ALGORITHM, read_checksums, write_rank_checksums
 from mpzero.checkpointing.format import (FORMAT, LATEST, MASTER, checkpoint_dir, checkpoint_key,
                                          parse_checkpoint_key)
-from mpzero.checkpointing.reader import CheckpointReader
+from mpzero.checkpointing.meta import check_shard_files, previous_advice, read_dcp_metadata, read_meta_file
+from mpzero.checkpointing.reader import CheckpointReader, error_reason
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare
 from mpzero.checkpointing.verify import resolve_iteration
 from mpzero.errors import ConfigError

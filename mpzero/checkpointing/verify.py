@@ -17,11 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from mpzero.checkpointing.checkpoint import (check_shard_files, error_reason, latest_iteration, previous_advice,
-                                             read_dcp_metadata, read_meta_file)
 from mpzero.checkpointing.checksums import ALGORITHMS, read_checksums
 from mpzero.checkpointing.format import published_dir
-from mpzero.checkpointing.reader import CheckpointReader
+from mpzero.checkpointing.meta import (check_shard_files, latest_iteration, previous_advice, read_dcp_metadata,
+                                       read_meta_file)
+from mpzero.checkpointing.reader import CheckpointReader, error_reason
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, LocalShare
 from mpzero.errors import ConfigError
 

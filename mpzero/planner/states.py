@@ -5,7 +5,7 @@ module counts what each ZeRO stage and master store allocates per rank, so the p
 `zero memory` line's measured bytes, padding included. The formulas beside them are the code's own
 (`mpzero.zero.accounting`: memory_formula, offload_formula, comm_theory, transfer_theory), stage 3's in-step
 working set is `Stage3.peak_working_set`'s own formula (`accounting.stage3_working_set`), the offload buffers
-`mpzero.zero.offload.masters.buffer_bytes`, the gradient file's `gradient_file_bytes` and the parameter tier's
+`mpzero.zero.offload.sizing.buffer_bytes`, the gradient file's `gradient_file_bytes` and the parameter tier's
 own sizes: `memory_line()` / `comm_line()` render the very lines a run prints.
 
 Per rank, for buckets (or stage-3 units) b of E_b padded elements and S_b = E_b / N owned (shard) elements,

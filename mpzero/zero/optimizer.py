@@ -11,7 +11,7 @@ Three owners, one job each, behind explicit contracts:
   and spreads updated parameter slices to the model;
 - the master store (`masters.MasterStore`) owns the fp32 master slices and the update rule's states (the
   rule is a value, `OptimizerConfig.rule`: AdamW, SGD), runs the rule and is the only writer of parameter values;
-- this front owns the loss scaler, the global norm and clipping, and accounting.
+- this front owns the loss scaler, the global norm and clipping, and accounting (`reports.py`).
 A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32; the global norm is summed on
 the device (fp16: with the overflow check folded in) and read to the host in the step's one synchronisation,
 with any scalars of the caller's (`check_gradients`); fp16 overflow on any rank skips the step everywhere,
@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Collection
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,17 +36,14 @@ from torch import nn
 from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
-from mpzero.storages import unique_storage_bytes
 from mpzero.tensor_parallel import placements
-from mpzero.zero.tiers import Transfers
-from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                   memory_report, offload_formula, offload_tiers, transfer_theory)
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import ArrivingNorm, clip_grads_, grad_norm_squared, norm_runs, read_to_host
+from mpzero.zero.reports import OptimizerReports
 from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 from mpzero.zero.scaler import make_loss_scaler
 from mpzero.zero.stage3 import Stage3
@@ -86,7 +82,7 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
                                                          directory)
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerReports):
     """An elementwise update rule (`optimizer.rule`: AdamW, SGD) over `model`'s trainable parameters,
     partitioned across `groups.dp` by `zero.stage`.
 
@@ -141,8 +137,7 @@ class ZeroOptimizer:
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
         self.step_fp32_peak = 0  # the most fp32 gradient bytes a step held at once (low-precision gradients)
-        self._comm_mark = (groups.dp.stats.total(), 0)  # (bytes counted, iteration) at the last report
-        self._transfer_mark = Transfers()
+        self._start_counting()
 
     def _make_masters(self, offload: OffloadConfig, directory: OffloadDirectory | None) -> MasterStore:
         """The master store, taking the stage's starting values one bucket at a time as the stage makes them
@@ -285,77 +280,6 @@ class ZeroOptimizer:
             return Fp32Buckets(shards, inverse)
         return [grad.mul_(inverse) if inverse != 1.0 else grad for grad in shards]
 
-    # -- accounting -----------------------------------------------------------------------------
-    def memory_report(self) -> MemoryReport:
-        """Model-state bytes this rank holds (unique storages, padding included) against the formula."""
-        held = self.stage.held_tensors() + self.masters.held_tensors()
-        p, g = self._element_sizes()
-        master = self.masters.master_bytes_per_param
-        padding = sum(layout.padding for layout in self.stage.layouts)
-        tiers = self._tiers()
-        offloaded = tuple(component for component, tier in tiers.items() if tier != "none")
-        report = memory_report(self.zero.stage, self.groups.dp_size, self.numel, unique_storage_bytes(held),
-                               padding, p, g, master, self.rule.state_bytes_per_param, offloaded)
-        if offloaded:
-            report = dataclasses.replace(report, tiers=self._tier_reports(tiers, p, g))
-        meters, formula = self.stage.construction, self._construction_formula
-        report = dataclasses.replace(report, construction=(
-            TierReport("construction peak", report.measured + meters.device.peak, report.formula + formula.device,
-                       f"{report.formula_text}+{formula.device_text}"),
-            TierReport("construction host working set", meters.host.peak, formula.host, formula.host_text)))
-        working = self.stage.peak_working_set(p, g)
-        if working is not None and self.stage.meter.peak:  # after a step: its high-water mark
-            working_set, text = working
-            report = dataclasses.replace(report, peak=PeakReport(
-                report.measured + self.stage.meter.peak, report.formula + working_set,
-                text if report.formula == 0 else f"{report.formula_text}+{text}"))
-        return report
-
-    def comm_report(self) -> CommReport:
-        """Bytes per rank per iteration counted on the DP group since the last report, against theory."""
-        total, (mark_bytes, mark_iteration) = self.groups.dp.stats.total(), self._comm_mark
-        iterations = max(self.iteration - mark_iteration, 1)
-        self._comm_mark = (total, self.iteration)
-        p, g = self._element_sizes()
-        theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self.numel, p, g, self._last_micro_batches,
-                                   self.stage.regathered_numel())
-        transfers = ()
-        tiers = self._tiers()
-        if any(tier != "none" for tier in tiers.values()):
-            moved, self._transfer_mark = self._transfers() - self._transfer_mark, self._transfers()
-            expected = transfer_theory(p, self.numel, self.groups.dp_size, self._last_micro_batches, tiers,
-                                       device_is_host=self.groups.device.type == "cpu",
-                                       states=self.rule.state_bytes_per_param, g=g)
-            counted = {"device-to-host": moved.device_to_host, "host-to-device": moved.host_to_device,
-                       "disk-read": moved.disk_read, "disk-written": moved.disk_written}
-            transfers = tuple(TransferReport(name, counted[name] / iterations, *expected[name]) for name in counted)
-        return CommReport(self.zero.stage, self.groups.dp_size, self._last_micro_batches,
-                          (total - mark_bytes) / iterations, theory, text, transfers)
-
-    # -- offload accounting -----------------------------------------------------------------------
-    def _element_sizes(self) -> tuple[int, int]:
-        """(p, g): bytes per parameter and per gradient element in the model's precision."""
-        return self.precision.torch_dtype.itemsize, self.precision.grad_dtype.itemsize
-
-    def _tiers(self) -> dict[str, str]:
-        return offload_tiers(self.zero.stage, self.offload)
-
-    def _transfers(self) -> Transfers:
-        return self.stage.transfers() + self.masters.transfers()
-
-    def _tier_reports(self, tiers: dict[str, str], p: int, g: int) -> tuple[TierReport, ...]:
-        """Host and disk bytes against offload_formula, and the bounded buffers against their own formula."""
-        held = self.stage.tier_bytes() + self.masters.tier_bytes()
-        per_param = offload_formula(self.zero.stage, p, g, tiers, self.rule.state_bytes_per_param)
-        measured = {"host": held.host, "disk": held.disk}
-        reports = [TierReport(name, measured[name], coef * self.numel / self.groups.dp_size, f"{coef}P/N")
-                   for name, coef in per_param.items()]
-        buffers, text = self.masters.host_buffer_formula()
-        stage_buffers, stage_text = self.stage.host_buffer_formula()
-        reports.append(TierReport("host buffers", held.host_buffers, buffers + stage_buffers,
-                                  "+".join(t for t in (text, stage_text) if t != "0") or "0"))
-        return tuple(reports)
-
     # -- export and checkpoint (collectives over DP, left out of the communication report) -------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
@@ -395,15 +319,6 @@ class ZeroOptimizer:
         (on every rank: it spreads the parameters)."""
         return self.masters.step_count
 
-    def uncounted(self, fn, *args):
-        """fn(*args), with its DP bytes and tier transfers left out of the next `comm_report`, which states a
-        training iteration's: an evaluation's stage-3 gathers, an export's or a load's collectives."""
-        before, moved = self.groups.dp.stats.total(), self._transfers()
-        result = fn(*args)
-        mark_bytes, mark_iteration = self._comm_mark
-        self._comm_mark = (mark_bytes + self.groups.dp.stats.total() - before, mark_iteration)
-        self._transfer_mark = self._transfer_mark + (self._transfers() - moved)
-        return result
 
 
 def _open_offload_directory(offload: OffloadConfig, stage: int, groups: ParallelGroups, numel: int, p: int, g: int,

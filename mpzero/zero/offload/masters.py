@@ -12,8 +12,8 @@ The partition is the concatenation of the buckets' shards (padding included), pr
     disk: masters and states read from one file each (k+1 read and k-1 written while k updates)
     the rule's step on the host, then the new parameters, cast to the model's dtype, to the sink (staging buffer)
 
-Host memory of the disk tier is its buffers (`buffer_bytes`), whatever the model size: the files hold the state,
-element i of the partition at byte 4*i of each.
+Host memory of the disk tier is its buffers (`buffer_bytes`, sizing.py), whatever the model size: the files hold
+the state, element i of the partition at byte 4*i of each.
 
 Exactness: a vectorized CPU kernel (torch's fused AdamW, torch's elementwise ops) runs a SIMD body and a scalar
 tail that round differently, so a call's result depends on where the call starts and ends. Every element is updated
@@ -31,57 +31,19 @@ import torch
 from mpzero.errors import ConfigError
 from mpzero.optim import BLOCK, UpdateRule, canonical_windows  # noqa: F401  (canonical_windows: re-exported)
 from mpzero.zero.offload.directory import OffloadDirectory
+from mpzero.zero.offload.sizing import buffer_formula, group_numel, round_to_block, stored_states
+from mpzero.zero.offload.sizing import buffer_bytes  # noqa: F401  (re-exported: tests)
 from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
-from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty, round_up
+from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empty
 from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.masters import MasterStore, OwnedPiece
 from mpzero.zero.step_grads import Fp32Buckets
 
 
-
-def _states(rule: UpdateRule) -> tuple[str, ...]:
-    """One file per state on disk, in this order in every buffer: the master, then the rule's states."""
-    return ("master",) + rule.state_names
-
-
 def _piece(grads, bucket: int, lo: int, hi: int) -> torch.Tensor:
     """Elements [lo, hi) of bucket's fp32 gradients: a view, or a cast piece of `Fp32Buckets`."""
     return grads.piece(bucket, lo, hi) if isinstance(grads, Fp32Buckets) else grads[bucket][lo:hi]
-
-
-def _scratch_bytes(rule: UpdateRule) -> int:
-    """The scratch block: parameter, gradient and the rule's states of one grid block, fp32."""
-    return 4 * (2 + len(rule.state_names)) * rule.block
-
-
-def _group_numel(offload: OffloadConfig, numel: int) -> int:
-    """Elements per buffer: a sub-group, never more than the partition, rounded up to whole 4096-byte blocks
-    (so the last sub-group's O_DIRECT window fits)."""
-    return round_to_block(min(offload.sub_group_numel, max(numel, 1)))
-
-
-def round_to_block(numel: int) -> int:
-    per_block = ALIGN // 4
-    return -(-numel // per_block) * per_block
-
-
-def buffer_bytes(offload: OffloadConfig, numel: int, cuda: bool, param_bytes: int, rule: UpdateRule,
-                 staged_grads: bool = True) -> int:
-    """Host bytes `OffloadedMasters` allocates for buffers over a partition of `numel` elements (exactly: each
-    buffer's storage, alignment slack included; the pinned allocator may round the reservation further).
-    G = min(sub_group_numel, numel) rounded up to 1024 elements; each buffer is aligned_bytes(G, dtype):
-      disk tier: buffer_count x S states x fp32 (S = 1 + the rule's states);  CUDA: 2 pinned fp32 gradient
-      staging buffers (not when the gradients are streamed to the host in backward, `staged_grads=False`);
-      always: 1 parameter staging buffer in the model's dtype, and a (S + 1) x 256 fp32 scratch."""
-    g = _group_numel(offload, numel)
-    fp32 = round_up(4 * g) + ALIGN  # = aligned_bytes(g, torch.float32)
-    total = round_up(param_bytes * g) + ALIGN + _scratch_bytes(rule)
-    if offload.optimizer == "disk":
-        total += offload.buffer_count * len(_states(rule)) * fp32
-    if cuda and staged_grads:
-        total += 2 * fp32
-    return total
 
 
 class OffloadedMasters(MasterStore):
@@ -101,7 +63,7 @@ class OffloadedMasters(MasterStore):
         if offload.optimizer not in ("cpu", "disk"):
             raise ConfigError(f"OffloadedMasters needs --offload-optimizer cpu or disk, got {offload.optimizer!r}")
         self.config, self.rule, self.layouts, self.sink, self.offload = config, config.rule, layouts, sink, offload
-        self.states = _states(self.rule)
+        self.states = stored_states(self.rule)
         self.tier = offload.optimizer
         self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
         self._slots = self.cuda and staged_grads  # pinned gradient staging for device gradients
@@ -111,7 +73,7 @@ class OffloadedMasters(MasterStore):
         total = self.numel
         self.group = min(offload.sub_group_numel, max(total, 1))  # elements per sub-group
         self._count = -(-total // self.group)
-        self._capacity = _group_numel(offload, total)
+        self._capacity = group_numel(offload, total)
         self._buffers: list[torch.Tensor] = []  # every host buffer, for tier_bytes
         self._make_staging(sink.dtype, self.cuda and offload.pin_memory)
         self._maps: dict[str, torch.Tensor] | None = None
@@ -394,18 +356,8 @@ class OffloadedMasters(MasterStore):
                          disk=sum(f.nbytes for f in self._files.values()))
 
     def host_buffer_formula(self) -> tuple[int, str]:
-        """(bytes, text): G-element buffers (G: see buffer_bytes), each + 4 KiB of alignment, + the scratch; the
-        text has no spaces (the memory line's fields are "name value")."""
-        o, p = self.offload, self.sink.dtype.itemsize
-        per_g, buffers = p, 1  # the parameter staging buffer
-        if self.tier == "disk":
-            per_g, buffers = per_g + o.buffer_count * len(self.states) * 4, buffers + o.buffer_count * len(self.states)
-        if self._slots:
-            per_g, buffers = per_g + 2 * 4, buffers + 2
-        scratch = _scratch_bytes(self.rule)  # AdamW's is 4 KiB: counted with the alignment slack
-        blocks = f"{buffers + 1}x4KiB" if scratch == ALIGN else f"{buffers}x4KiB+{scratch}B"
-        text = f"{per_g}G+{blocks}(G={_group_numel(o, self.numel)})"
-        return buffer_bytes(o, self.numel, self.cuda, p, self.rule, self._slots), text
+        """(bytes, text) of this store's host buffers: `sizing.buffer_formula`."""
+        return buffer_formula(self.offload, self.numel, self.cuda, self.sink.dtype.itemsize, self.rule, self._slots)
 
     def transfers(self) -> Transfers:
         return Transfers(device_to_host=self._device_to_host, host_to_device=self.sink.transfers().host_to_device,

@@ -1,0 +1,74 @@
+"""What the activation formula is computed from and summed of: `ActivationSetting`, every knob one rank's
+activation bytes depend on, with `check_setting`, the combinations the code runs; and `Term`, one named byte count
+with its expression. Shared by the layers' formula (formula.py) and the terms outside the layers (outside.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRANULARITIES = ("selective", "full")
+METHODS = ("uniform", "block")
+CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state(): the MT19937 state of the CPU generator
+CUDA_RNG_STATE_BYTES = 16  # torch.cuda.get_rng_state(): Philox seed and offset
+
+
+@dataclass(frozen=True)
+class ActivationSetting:
+    """Everything the activation bytes of one rank depend on."""
+    seq_length: int  # s
+    micro_batch_size: int  # b
+    hidden_size: int  # h
+    num_attention_heads: int  # a
+    num_layers: int
+    vocab_size: int  # the real vocabulary
+    padded_vocab_size: int  # all TP ranks together
+    tp: int = 1  # t
+    tp_rank: int = 0  # only the vocabulary padding mask depends on it
+    dtype_bytes: int = 4  # e: activations and parameters (ZeRO casts both)
+    mask_bytes: int | None = None  # m: dropout masks; None: e (the CPU path); 1 on CUDA
+    hidden_dropout: bool = True
+    attention_dropout: bool = True
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # None, "selective", "full"
+    recompute_method: str | None = None  # with "full": "uniform" or "block"
+    recompute_num_layers: int | None = None  # with "full"
+    distribute_saved_activations: bool = False
+    offload_activations: bool = False  # host tier: checkpoints (full) or every saved tensor of a layer
+    layernorm_impl: str = "torch"
+    softmax_impl: str = "torch"
+    flash_attention: bool = False  # the attention backend is SDPA's (flash or fused)
+    compiled_layers: bool = False  # --torch-compile: the layers' saved tensors are the compiler's choice
+    rng_state_bytes: int = CPU_RNG_STATE_BYTES
+    rng_streams: int = 1  # tracker streams saved beside the default generator
+    cross_entropy_chunk_size: int = 0  # > 0: the output projection and the loss fused, chunk by chunk of tokens
+    # The LLaMA family's shapes and parts (GPT-2's by default):
+    ffn_hidden_size: int | None = None  # f; None: 4h
+    num_query_groups: int | None = None  # g, the K/V heads; None: a
+    rms_norm: bool = False  # RMSNorm instead of LayerNorm
+    swiglu: bool = False  # the gated MLP: [gate; up] output 2f, SiLU output f, down-projection input f
+    rotary: bool = False  # RoPE: rotated copies of q and k
+    learned_positions: bool = True  # position ids kept by the learned position embedding
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    text: str  # in s, b, h, a, t, e, m, with e and m substituted
+    bytes: int
+    paper: bool = False  # a Korthikanti item; else an implementation term mpzero adds
+
+
+def check_setting(setting: ActivationSetting) -> None:
+    """The combinations the code runs; raises ValueError otherwise (flags are checked earlier, in one line)."""
+    g, method, n = setting.recompute_granularity, setting.recompute_method, setting.recompute_num_layers
+    if g not in (None,) + GRANULARITIES:
+        raise ValueError(f"recompute granularity {g!r} is not one of {GRANULARITIES}")
+    if g == "full" and (method not in METHODS or not n or not 1 <= n <= setting.num_layers):
+        raise ValueError(f"full recomputation needs a method in {METHODS} and 1 <= layers <= {setting.num_layers}")
+    if g != "full" and (method is not None or n is not None or setting.distribute_saved_activations):
+        raise ValueError("a recompute method, layer count or distributed checkpoints need full recomputation")
+    if setting.distribute_saved_activations and (setting.tp == 1 or setting.sequence_parallel):
+        raise ValueError("distributed checkpoints need TP > 1 and no sequence parallelism")
+    if setting.sequence_parallel and (setting.tp == 1 or setting.seq_length % setting.tp):
+        raise ValueError("sequence parallelism needs TP > 1 and a sequence length divisible by TP")
