@@ -96,9 +96,12 @@ class SelfAttention(nn.Module):
         per_group = self.local_heads // self.local_groups
         x = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
         # query head i uses group i // per_group; q stays laid out [b, s, heads, hd] (a view of qkv with one
-        # group per rank, else a copy) like k and v, so attention's output is too and the projection reads a view
-        q = x[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k, v = x[:, :, :, per_group].transpose(1, 2), x[:, :, :, per_group + 1].transpose(1, 2)
+        # group per rank, else a copy) like k and v, so attention's output is too and the projection reads a view.
+        # One split, not three index views: its backward writes the three gradients into one qkv-sized tensor,
+        # where each index view's backward zero-fills a qkv-sized tensor of its own and autograd adds the three
+        q, k, v = x.split([per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
         return q, k, v
