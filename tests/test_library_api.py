@@ -1,7 +1,7 @@
 """mpzero as a library (issue 12, items 3 and 4): GPTConfig's options and Megatron's flags for them, a model that
 needs no RNG tracker and leaves torch's global RNG alone, the mean loss, the weight-decay rule as an optimizer
-parameter, init_parallel's backend, the one-bucket note, FLOPs against a count of the real ops, and the example
-that trains a plain torch.nn model under torchrun."""
+parameter, init_parallel's backend, the one-bucket note, and the example that trains a plain torch.nn model under
+torchrun (FLOPs against a count of the real ops: tests/test_flops.py)."""
 
 import dataclasses
 import math
@@ -16,10 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from mpzero.cli.arguments import build_parser, gpt_config, parse_args
-from mpzero.deferred_init import materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.models.gpt import transformer_layer
@@ -265,66 +263,6 @@ def test_stage3_without_units_is_said():
         plain = mark_replicated(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
         return overlap_note(ZeroOptimizer(plain, groups, ZeroConfig(stage=3), AdamConfig(), PrecisionConfig()))
     assert "no units" in run_ranks(2, note)[0]
-
-
-# -- FLOPs: the formula against the matmuls torch runs -------------------------------------------------
-
-def _counted_flops(config, batch, seq):
-    model = GPTModel(config, init_parallel(1).tp, seed_everything(1, 0, torch.device("cpu")))
-    tokens = _tokens(batch=batch, seq=seq, vocab=config.vocab_size)
-    with FlopCounterMode(display=False) as counter:
-        model(tokens[:, :-1], tokens[:, 1:], reduction="mean").backward()
-    return counter.get_total_flops()
-
-
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("untie", [False, True])
-@pytest.mark.parametrize("chunk", [2048, 7, 0])
-def test_flops_per_token_equals_the_counted_matmuls(recompute, untie, chunk):
-    """FlopCounterMode counts 2mnk per matmul (mm, addmm, bmm) of forward and backward; LayerNorm, softmax, GELU,
-    the loss and the embedding lookup are not matmuls and are in neither count. They agree exactly: every matmul
-    is in the formula (the padded vocabulary's logits included; with the loss in chunks of 7, the 35 of 36 tokens
-    outside the last chunk recomputed; in one chunk of 2048, none) and the formula has nothing else. The attention
-    is the explicit one (local): torch 2.13's counter has no entry for the CPU flash kernel, it counts 0 there."""
-    config = dataclasses.replace(NO_DROPOUT, seq_length=12, max_position_embeddings=12, recompute_activations=recompute,
-                                 untie_embeddings_and_output_weights=untie, attention_backend="local",
-                                 cross_entropy_chunk_size=chunk)
-    counted = run_ranks(1, _counted_flops, config, 3, 12)[0]
-    assert counted == pytest.approx(config.flops_per_token(micro_batch_size=3) * 3 * 12, rel=1e-12)
-
-
-def test_one_layer_is_24h2_plus_4sh_per_token_and_pass():
-    h, s, b = 32, 12, 3
-    local = dataclasses.replace(NO_DROPOUT, attention_backend="local")
-
-    def count():
-        layer = transformer_layer(local, init_parallel(1).tp, None)  # explicit matmuls: counted, unlike CPU flash
-        name_parameters(layer, seed=0)
-        materialize_module(layer)  # a layer built alone holds meta parameters until it is made
-        x = torch.randn(b, s, h, requires_grad=True)
-        with FlopCounterMode(display=False) as counter:
-            layer(x).sum().backward()
-        return counter.get_total_flops()
-    assert run_ranks(1, count)[0] == 3 * (24 * h * h + 4 * s * h) * b * s
-
-
-def test_flops_formula_is_megatrons():
-    gpt2 = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
-                     max_position_embeddings=1024, cross_entropy_chunk_size=0)  # the logits path, computed once
-    l, h, s, v = 12, 768, 1024, 50304  # Megatron pads the vocabulary to a multiple of 128
-    megatron = 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-    assert gpt2.flops_per_token() == pytest.approx(megatron, rel=1e-12)
-    assert dataclasses.replace(gpt2, recompute_granularity="full").flops_per_token() == pytest.approx(
-        96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), rel=1e-12)
-    # --recompute-activations is Megatron's selective recomputation: the two core-attention matmuls once more,
-    # 4sh per token and layer (as FlopCounterMode counts them in test_flops_per_token_equals_the_counted_matmuls)
-    assert dataclasses.replace(gpt2, recompute_activations=True).flops_per_token() == pytest.approx(
-        72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) + 4 * l * s * h, rel=1e-12)
-    # the chunked cross entropy computes the logits once more in backward for the tokens outside the last chunk:
-    # none in one chunk (a sequence of 1024 in chunks of 2048), half of them for 4 sequences (2hV x 1/2 per token)
-    chunked = dataclasses.replace(gpt2, cross_entropy_chunk_size=2048)
-    assert chunked.flops_per_token() == pytest.approx(megatron, rel=1e-12)
-    assert chunked.flops_per_token(micro_batch_size=4) == pytest.approx(megatron + h * v, rel=1e-12)
 
 
 # -- the example: a plain torch.nn model under torchrun -------------------------------------------------
