@@ -57,10 +57,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     logits [c, V/tp] live only inside its step. Forward keeps, per token, the all-reduced max and sum of
     exponentials (fp32), and the last chunk's exponentials themselves (the newest tensor when forward ends);
     backward takes that chunk first, releases its exponentials, then recomputes each other chunk's logits from the
-    max and sum (one more x W^T: 2 c h V/tp FLOPs), and turns
-    softmax - onehot, scaled by that token's incoming gradient, into dx and dW. A micro-batch of at most one chunk
-    is never recomputed. Each token's loss gradient is its own (reduction "none"), so dW cannot be formed in
-    forward as Liger-Kernel does for a mean."""
+    max and sum (one more x W^T: 2 c h V/tp FLOPs), and turns softmax - onehot, scaled by that token's incoming
+    gradient, into dx and dW. A micro-batch of at most one chunk is never recomputed. Each token's loss gradient
+    is its own (reduction "none"), so dW cannot be formed in forward as Liger-Kernel does for a mean."""
 
     @staticmethod
     def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel):
@@ -70,7 +69,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         local_target, mine = _local_target(target.reshape(-1), group.rank, weight.size(0))
         n = hidden.size(0)
         losses, maxes, sums = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
-        for chunk in _chunks(n, chunk_size):
+        chunks = _chunks(n, chunk_size)
+        for chunk in chunks:
             logits = _chunk_logits(hidden[chunk], weight, group.rank, vocab_size)  # [c, V/tp] fp32
             logits_max = logits.amax(dim=-1)  # the values alone: max(dim) also finds the indices, 5x slower
             group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
@@ -81,7 +81,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sum_exp = logits.exp_().sum(dim=-1)
             group.all_reduce(sum_exp)
             losses[chunk], maxes[chunk], sums[chunk] = sum_exp.log() - target_logit, logits_max, sum_exp
-            # freed before the next chunk's are allocated; the last chunk's exponentials stay for backward
+            if chunk is not chunks[-1]:
+                del logits  # freed before the next chunk's are allocated; the last chunk's exponentials stay
         ctx.save_for_backward(x, weight, local_target, mine, maxes, sums, logits)
         return losses.view(target.shape)
 
