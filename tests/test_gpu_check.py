@@ -1,15 +1,17 @@
 """`make gpu-check` without a GPU: one line, exit 0, and a report that names every part (all skipped) written
 atomically into OUT; the report builder and validator on made-up results; the multi-GPU layouts; the
-JUnit parsing of pytest parts."""
+JUnit parsing of pytest parts; bench_gpt2's variants trained at a tiny shape on the CPU."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.gpu.check import cli, report, workers
+from tests.distributed import run_ranks
+from tests.gpu.check import cli, gpt2_step, report, workers
 from tests.gpu.check.report import PART_NAMES, PARTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,3 +138,48 @@ def test_a_part_past_its_limit_is_killed_with_its_process_group(tmp_path):
     rc, seconds = cli.run_logged([sys.executable, "-c", code], log, 1, cli.child_env())
     assert rc is None and seconds < 15
     assert "killed after the 1 s limit" in open(log).read()
+
+
+TINY = gpt2_step.Shape(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=200,
+                       padded_vocab_size=256)
+PLAIN, COMPILED = (0, 1, 2), (3, 4)  # bench_gpt2's variants: eager, mpzero auto, mpzero local; the two compiled
+BF16_RTOL = 2e-3  # bf16 parameters and activations: other kernels sum in another order (seen: 4e-5)
+
+
+def _train_variants(picked: tuple[int, ...]) -> dict[int, list[float]]:
+    """Three steps of each picked variant (build and step exactly as bench_gpt2 does) on one batch; their losses."""
+    import torch
+    from mpzero.parallel import init_parallel
+    groups = init_parallel(1)
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    builds = gpt2_step.variants(TINY, groups, inputs, labels)
+    out = {}
+    for index in picked:
+        step, losses = builds[index][1]()
+        for _ in range(3):
+            step()
+        out[index] = [float(x) for x in losses]
+    return out
+
+
+def _assert_trains(losses: list[float]) -> None:
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[2] < losses[1] < losses[0], losses
+
+
+def test_bench_gpt2_variants_build_and_train_on_the_cpu():
+    """What the GPU part times, run here first: eager, and mpzero's ZeRO-1 bf16 step with each attention backend,
+    learn the batch, and the backends agree."""
+    out = run_ranks(1, _train_variants, PLAIN, deadline=120)[0]
+    for losses in out.values():
+        _assert_trains(losses)
+    assert out[2] == pytest.approx(out[1], rel=BF16_RTOL)
+
+
+@pytest.mark.product
+def test_bench_gpt2_compiled_variants_equal_their_eager_runs_on_the_cpu():
+    """The two torch.compile variants (inductor's C++ backend here; ~40 s) give their eager variant's losses."""
+    out = run_ranks(1, _train_variants, PLAIN[:2] + COMPILED, deadline=300)[0]
+    for losses in out.values():
+        _assert_trains(losses)
+    assert out[3] == pytest.approx(out[1], rel=BF16_RTOL) and out[4] == pytest.approx(out[0], rel=BF16_RTOL)

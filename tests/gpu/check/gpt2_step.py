@@ -1,0 +1,199 @@
+"""bench_gpt2, the GPT-2 124M training-step part of `make gpu-check`: mpzero's step (ZeRO-1, bf16, a world of one)
+against nanoGPT's eager step with and without torch.compile, in tokens/s, MFU against the bf16 matmul peak measured
+in the same run, peak memory and CUDA kernels per step.
+
+The variants are built from a `Shape` on whatever device the tokens are on, so tests/test_gpu_check.py trains
+each of them at a tiny shape on the CPU: what the GPU runs is proven to build and train before a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from tests.gpu.check.result import Result, error_text
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int  # the tokenizer's; mpzero pads it itself
+    padded_vocab_size: int  # the eager model's: mpzero's padding, a multiple of 128 (as nanoGPT pads it)
+
+
+GPT2_124M = Shape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=50257,
+                  padded_vocab_size=50304)
+
+
+def eager_step(shape: Shape, inputs, labels, compiled: bool):
+    """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0; (step, its losses)."""
+    import torch
+    from bench.baselines import eager_gpt2
+    torch.manual_seed(1234)  # the same weights with and without torch.compile
+    model = eager_gpt2(shape.padded_vocab_size, shape.hidden_size, shape.num_layers, shape.num_attention_heads,
+                       shape.seq_length).to(inputs.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    run = torch.compile(model) if compiled else model
+    losses = []
+
+    def step():
+        with torch.autocast(inputs.device.type, dtype=torch.bfloat16):
+            loss = run(inputs, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return step, losses
+
+
+def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False):
+    """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses)."""
+    from mpzero.models import GPTConfig, GPTModel
+    from mpzero.tensor_parallel import seed_everything
+    from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+
+    config = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                       num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
+                       max_position_embeddings=shape.seq_length, hidden_dropout=0.0, attention_dropout=0.0,
+                       attention_backend=backend, torch_compile=compiled, seq_length=shape.seq_length)
+    assert config.padded_vocab_size(1) == shape.padded_vocab_size, "the eager model must see mpzero's padded vocabulary"
+    model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
+                                                                      clip_grad=1.0), PrecisionConfig("bf16"))
+    losses = []
+
+    def step():
+        opt.zero_grad()
+        loss = model(inputs, labels).mean()
+        opt.backward(loss, last_micro_batch=True)
+        opt.step(6e-4)
+        losses.append(loss.detach())
+    return step, losses
+
+
+def variants(shape: Shape, groups, inputs, labels) -> list:
+    """(name, build) of each step measured, in the report's order; build() -> (step, losses)."""
+    return [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: eager_step(shape, inputs, labels, False)),
+            ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16",
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto")),
+            ("mpzero --attention-backend local (core attention, Triton softmax)",
+             lambda: mpzero_step(shape, groups, inputs, labels, "local")),
+            ("mpzero --torch-compile, ZeRO-1 bf16", lambda: mpzero_step(shape, groups, inputs, labels, "auto", True)),
+            ("eager PyTorch + torch.compile", lambda: eager_step(shape, inputs, labels, True))]
+
+
+def _sync_time(fn, steps: int) -> float:
+    import torch
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
+    """bf16 dense matmul throughput of this GPU, measured: the median of `repeats` [n, n] x [n, n] products."""
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del a, b
+    return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
+def free_cuda() -> None:
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: int) -> dict:
+    """One variant's figures: tokens/s, ms/step, first step, peak memory, kernels per step (its per-op table goes to
+    this part's log, logs/bench_gpt2.log) and the last loss."""
+    import torch
+    from bench.baselines import step_profile
+
+    step = losses = None
+    try:
+        free_cuda()
+        base = torch.cuda.memory_allocated()
+        step, losses = build()
+        first = _sync_time(step, 1)  # compilation, Triton autotuning and allocator warm-up happen here
+        _sync_time(step, warmup - 1)
+        seconds = _sync_time(step, timed)
+        peak_bytes = torch.cuda.max_memory_allocated() - base
+        kernels, table = step_profile(step, cuda=True)
+        print(f"== {name}: one step by self CUDA time ({kernels} kernels) ==\n{table}", flush=True)
+        return {"tps": tokens_per_step * timed / seconds, "ms/step": round(seconds / timed * 1000, 2),
+                "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
+                "kernels/step": kernels, "losses": [float(x) for x in losses[-timed:]]}
+    finally:
+        del step, losses
+        free_cuda()
+
+
+def bench_gpt2(args, result: Result) -> str:
+    import torch
+    from mpzero.models import GPTConfig
+    from mpzero.parallel import init_parallel
+
+    shape, batch, warmup, timed = GPT2_124M, args.micro_batch_size, 3, 10
+    seq, tokens_per_step = shape.seq_length, args.micro_batch_size * shape.seq_length
+    torch.cuda.set_device(0)
+    peak = matmul_peak_tflops()
+    flops_per_token = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,  # model FLOPs
+                                num_attention_heads=shape.num_attention_heads, vocab_size=shape.padded_vocab_size,
+                                max_position_embeddings=seq, seq_length=seq,
+                                cross_entropy_chunk_size=0).flops_per_token()
+    result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
+                f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
+                f"72 l h^2 (1 + s/6h + V/16lh), vocab {shape.padded_vocab_size}) x tokens/s / that peak")
+    result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); each variant's per-op breakdown "
+                "of that step is in this part's log")
+    result.note(f"GPT-2 124M: 12 layers, hidden 768, 12 heads, seq {seq}, micro-batch {batch} ({tokens_per_step} "
+                f"tokens/step), dropout 0, AdamW (lr 6e-4, betas 0.9/0.95, wd 0.1), clip 1.0; {warmup} warm-up "
+                f"+ {timed} timed steps; peak memory = torch.cuda.max_memory_allocated from model build to the "
+                f"last step")
+    tokens = torch.randint(0, shape.vocab_size, (batch, seq + 1), device="cuda")
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    groups = init_parallel(1)  # NCCL, a world of one
+    eager_tps, ok = None, True
+    for name, build in variants(shape, groups, inputs, labels):
+        if args.limit - result.elapsed() < 45:
+            result.row(model=name, ok=False, note="not run: out of time")
+            ok = False
+            continue
+        try:
+            figures = _measure_step(name, build, tokens_per_step, warmup, timed)
+        except Exception as error:  # noqa: BLE001
+            result.row(model=name, ok=False, note=error_text(error))
+            ok = False
+            continue
+        tps, final = figures.pop("tps"), figures.pop("losses")
+        finite = all(math.isfinite(x) for x in final)
+        eager_tps = tps if eager_tps is None else eager_tps
+        result.row(model=name, **{"tokens/s": round(tps), **figures, "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
+                                  "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
+                                  "vs eager": round(tps / eager_tps, 3), "last loss": round(final[-1], 4)},
+                   ok=finite)
+        ok = ok and finite
+    return "pass" if ok else "fail"
