@@ -1,10 +1,14 @@
 """Time and memory of the output projection + cross entropy, forward and backward, at one TP rank: the logits path
 (F.linear, -inf padding, `vocab_parallel_cross_entropy`) against the chunked fused one
-(`vocab_parallel_linear_cross_entropy`, --cross-entropy-chunk-size). Each path runs in a process of its own;
+(`vocab_parallel_linear_cross_entropy`, --cross-entropy-chunk-size), its chunk arithmetic by the reference and
+fused by torch.compile (--cross-entropy-loss-fusion; compiled in the untimed first pass). Each path runs in a
+process of its own;
 memory is the process's peak resident set above what it held with the inputs built (CPU), or
-torch.cuda.max_memory_allocated above the inputs (CUDA), and the bytes saved for backward (SavedBytesCounter).
+torch.cuda.max_memory_allocated above the inputs (CUDA), and the bytes saved for backward (SavedBytesCounter). On a
+CPU the compiled path's resident peak includes the compiler's own memory.
 
     python bench/bench_cross_entropy.py [--tokens 2048 --hidden-size 768 --vocab 50304 --chunk-sizes 0 1024 4096]
+    python bench/bench_cross_entropy.py --tokens 8192 --chunk-sizes 2048 --dtype bfloat16 --impls torch compile
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
 
-def _loss(x, weight, target, tp, vocab, chunk):
+def _loss(x, weight, target, tp, vocab, chunk, impl):
     if chunk:
-        return vocab_parallel_linear_cross_entropy(x, weight, target, tp, vocab, chunk)
+        return vocab_parallel_linear_cross_entropy(x, weight, target, tp, vocab, chunk, impl=impl)
     logits = F.linear(x, weight)
     logits = logits.masked_fill(torch.arange(weight.size(0), device=x.device) >= vocab, float("-inf"))
     return vocab_parallel_cross_entropy(logits, target, tp)
@@ -62,12 +66,12 @@ def run_one(args) -> dict:
     base_rss = _resident_bytes()
     counter = SavedBytesCounter(torch.nn.ParameterList([weight]))  # the weight is a parameter, not an activation
     with counter.counting():
-        _loss(x, weight, target, tp, vocab, args.chunk).mean().backward()
+        _loss(x, weight, target, tp, vocab, args.chunk, args.impl).mean().backward()
     x.grad = weight.grad = None
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        _loss(x, weight, target, tp, vocab, args.chunk).mean().backward()
+        _loss(x, weight, target, tp, vocab, args.chunk, args.impl).mean().backward()
         _sync(device)
         times.append(time.perf_counter() - start)
         x.grad = weight.grad = None
@@ -89,20 +93,24 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--impls", nargs="+", choices=("torch", "compile"), default=["torch", "compile"],
+                   help="the chunked path's arithmetic: the reference, and fused by torch.compile")
     p.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)  # a child's one path
+    p.add_argument("--impl", default="torch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.chunk is not None:
         print(json.dumps(run_one(args)))
         return
     print(f"tokens {args.tokens}, h {args.hidden_size}, V {args.vocab}, {args.dtype} on {args.device}, "
           f"{args.threads} threads")
-    for chunk in args.chunk_sizes:
-        child = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--chunk", str(chunk)]
+    paths = [(chunk, impl) for chunk in args.chunk_sizes for impl in (["torch"] if chunk == 0 else args.impls)]
+    for chunk, impl in paths:
+        child = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--chunk", str(chunk), "--impl", impl]
         out = subprocess.run([sys.executable, os.path.abspath(__file__)] + child, capture_output=True, text=True,
                              check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        name = "logits path" if chunk == 0 else f"chunked {chunk}"
-        print(f"{name:>14}: {r['seconds'] * 1e3:8.1f} ms  peak {r['peak_bytes'] / 2 ** 20:8.1f} MiB  "
+        name = "logits path" if chunk == 0 else f"chunked {chunk}, {impl}"
+        print(f"{name:>22}: {r['seconds'] * 1e3:8.1f} ms  peak {r['peak_bytes'] / 2 ** 20:8.1f} MiB  "
               f"saved for backward {r['saved_bytes'] / 2 ** 20:8.1f} MiB")
 
 

@@ -1,4 +1,5 @@
-"""Time the Triton kernels against eager PyTorch, torch.compile (and NVIDIA apex where installed) on one CUDA GPU.
+"""Time the Triton kernels against eager PyTorch, torch.compile (and NVIDIA apex where installed) on one CUDA GPU,
+and the chunked cross entropy's arithmetic by its reference and torch.compile'd.
 
 Run: `PYTHONPATH=. python bench/bench_fused_gpu.py [--dtype bf16] [--small | --gpt2] [--json out.json]`
 (needs CUDA and `mpzero[triton]`; `make gpu-check` runs it with `--gpt2 --json`)
@@ -75,6 +76,22 @@ def _adamw_cases(numel: int, dtype: torch.dtype) -> dict:
     return cases
 
 
+def _cross_entropy_cases(tokens: int, hidden: int, vocab: int, chunk: int, dtype: torch.dtype,
+                         device: str = "cuda") -> dict:
+    """The output projection + loss, forward and backward, chunked (--cross-entropy-chunk-size): the chunk
+    arithmetic by its reference ("torch") and fused by torch.compile ("compile", --cross-entropy-loss-fusion)."""
+    from mpzero.parallel import init_parallel
+    from mpzero.tensor_parallel import vocab_parallel_linear_cross_entropy
+    tp = init_parallel(1).tp
+    x = (torch.randn(1, tokens, hidden, device=device) * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden, device=device) * 0.02).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab - 47, (1, tokens), device=device)  # GPT-2's 50257 in 50304 padded rows
+
+    def step(impl):
+        vocab_parallel_linear_cross_entropy(x, weight, target, tp, vocab - 47, chunk, impl=impl).mean().backward()
+    return {impl: (lambda impl=impl: step(impl)) for impl in ("torch", "compile")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activations and model copy")
@@ -104,12 +121,16 @@ def main() -> int:
             f"layer_norm x [8192, 768] {args.dtype} fwd+bwd": lambda: _layer_norm_cases(8192, 768, dtype),
             f"causal softmax [1, 96, 1024, 1024] {args.dtype} fwd+bwd": lambda: _softmax_cases(96, 1024, dtype),
             f"adamw flat 124M fp32 (+ {args.dtype} copy)": lambda: _adamw_cases(124_475_904, dtype),
+            f"output projection + loss [8192, 768] x [50304, 768] {args.dtype}, chunks of 2048, fwd+bwd":
+                lambda: _cross_entropy_cases(8192, 768, 50304, 2048, dtype),
         }
     else:
         ops = {
             f"layer_norm x [{16384 // k}, 4096] fwd+bwd": lambda: _layer_norm_cases(16384 // k, 4096, dtype),
             f"causal softmax [1, {64 // k}, 2048, 2048] fwd+bwd": lambda: _softmax_cases(64 // k, 2048, dtype),
             f"adamw flat {256 // k}M fp32 (+ {args.dtype} copy)": lambda: _adamw_cases((256 << 20) // k, dtype),
+            f"output projection + loss [{16384 // k}, 4096] x [32000, 4096], chunks of 2048, fwd+bwd":
+                lambda: _cross_entropy_cases(16384 // k, 4096, 32000, 2048, dtype),
         }
     notes.append(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms = triton.testing.do_bench "
                  f"median; x eager = eager ms / impl ms (above 1: faster than eager)")

@@ -125,7 +125,9 @@ def test_bad_flags_are_one_line():
              (["--dry-run", "--world-size", "4", "--rank", "4"], "must lie in [0, --world-size 4)"),
              (["--dry-run", "--world-size", "4", "--zero-stage", "2", "--offload-optimizer", "disk",
                "--offload-path", "/tmp"], "the disk tier would write real files"),
-             (["--dry-run", "--world-size", "6", "--tensor-model-parallel-size", "4"], "not divisible")]
+             (["--dry-run", "--world-size", "6", "--tensor-model-parallel-size", "4"], "not divisible"),
+             (["--dry-run", "--torch-compile"], "drop --torch-compile from the dry run"),
+             (["--dry-run", "--cross-entropy-loss-fusion"], "drop --cross-entropy-loss-fusion from the dry run")]
     for flags, message in cases:
         code, stderr = exit_code_and_stderr(TINY + flags)
         assert code == 2 and message in stderr and stderr.count("\n") == 1, (flags, stderr)

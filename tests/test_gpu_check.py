@@ -142,7 +142,7 @@ def test_a_part_past_its_limit_is_killed_with_its_process_group(tmp_path):
 
 TINY = gpt2_step.Shape(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=200,
                        padded_vocab_size=256)
-PLAIN, COMPILED = (0, 1, 2), (3, 4)  # bench_gpt2's variants: eager, mpzero auto, mpzero local; the two compiled
+PLAIN, COMPILED = (0, 1, 5), (2, 3, 4)  # bench_gpt2's variants: eager, mpzero auto, mpzero local; the compiled
 BF16_RTOL = 2e-3  # bf16 parameters and activations: other kernels sum in another order (seen: 4e-5)
 
 
@@ -173,13 +173,28 @@ def test_bench_gpt2_variants_build_and_train_on_the_cpu():
     out = run_ranks(1, _train_variants, PLAIN, deadline=120)[0]
     for losses in out.values():
         _assert_trains(losses)
-    assert out[2] == pytest.approx(out[1], rel=BF16_RTOL)
+    assert out[5] == pytest.approx(out[1], rel=BF16_RTOL)
 
 
 @pytest.mark.product
 def test_bench_gpt2_compiled_variants_equal_their_eager_runs_on_the_cpu():
-    """The two torch.compile variants (inductor's C++ backend here; ~40 s) give their eager variant's losses."""
-    out = run_ranks(1, _train_variants, PLAIN[:2] + COMPILED, deadline=300)[0]
+    """The torch.compile variants (inductor's C++ backend here; ~60 s) give their eager variant's losses."""
+    out = run_ranks(1, _train_variants, PLAIN[:2] + COMPILED, deadline=400)[0]
     for losses in out.values():
         _assert_trains(losses)
-    assert out[3] == pytest.approx(out[1], rel=BF16_RTOL) and out[4] == pytest.approx(out[0], rel=BF16_RTOL)
+    assert out[2] == pytest.approx(out[0], rel=BF16_RTOL)  # eager + torch.compile
+    assert out[3] == pytest.approx(out[1], rel=BF16_RTOL) and out[4] == pytest.approx(out[1], rel=BF16_RTOL)
+
+
+def test_bench_kernels_cross_entropy_row_runs_on_the_cpu():
+    """bench_fused_gpu.py's cross-entropy row at a tiny shape on the CPU: its cases are the two implementations,
+    and the reference's case runs (the compiled one is the same call with impl "compile", equal to it by
+    tests/fused/test_fused_cross_entropy.py)."""
+    import torch
+    from bench.bench_fused_gpu import _cross_entropy_cases
+
+    def run():
+        cases = _cross_entropy_cases(24, 16, 111, 5, torch.float32, device="cpu")
+        cases["torch"]()
+        return sorted(cases)
+    assert run_ranks(1, run)[0] == ["compile", "torch"]

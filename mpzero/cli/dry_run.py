@@ -42,7 +42,8 @@ from mpzero.zero import ZeroOptimizer
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """--world-size/--rank belong to --dry-run; the rank lies in the world; no disk tier (it would write files)."""
+    """--world-size/--rank belong to --dry-run; the rank lies in the world; no disk tier (it would write files); no
+    torch.compile (it cannot compile tensors without data)."""
     if not args.dry_run:
         if args.world_size is not None or args.rank is not None:
             raise ConfigError("--world-size and --rank describe the job a --dry-run simulates: add --dry-run (a real "
@@ -54,6 +55,11 @@ def check_flags(args: argparse.Namespace) -> None:
     if "disk" in (args.offload_optimizer, args.offload_params):
         raise ConfigError("--dry-run keeps every tier in memory without data, and the disk tier would write real "
                           "files: plan disk offload with tools/plan_memory.py, or dry-run --offload-* cpu")
+    for flag, given in (("--torch-compile", args.torch_compile),
+                        ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion)):
+        if given:
+            raise ConfigError(f"--dry-run runs on tensors without data, which torch.compile does not compile: drop "
+                              f"{flag} from the dry run (compiling changes no parameter, gradient or optimizer byte)")
 
 
 def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | None = None) -> dict:

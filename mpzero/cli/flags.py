@@ -78,6 +78,10 @@ def gpt_flags(p: argparse.ArgumentParser) -> None:
                        help="tokens per chunk of the output projection fused with the vocab-parallel cross entropy: "
                             "the [b, s, V/TP] logits and their fp32 softmax are never held whole, each chunk's "
                             "logits are recomputed in backward (2hV/TP more FLOPs per token); 0: the logits path")
+    model.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="each chunk's loss arithmetic (max, exp-sum, the softmax gradient) through torch.compile, "
+                            "reading the logits in the model's dtype, a kernel per pass, instead of the in-place "
+                            "PyTorch reference on an fp32 copy; needs --cross-entropy-chunk-size > 0")
     model.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
                        help="LayerNorm by the PyTorch reference instead of the fused op")
     model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",

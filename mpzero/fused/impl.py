@@ -42,10 +42,16 @@ IMPLS = {
     "rms_norm": ("torch", "compile", "triton"),
     "scaled_masked_softmax": ("torch", "compile", "triton"),
     "adamw_step": ("torch", "compile", "torch_fused", "triton"),
+    "cross_entropy": ("torch", "compile"),  # the chunked loss's arithmetic (mpzero.fused.cross_entropy)
 }
 
 # The CPU winner per op, measured by bench/bench_fused_cpu.py (see bench/README.md for the numbers).
-CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused"}
+# cross_entropy: the reference. At GPT-2's loss (8192 tokens, chunks of 2048, V 50304, 2 threads) the compiled
+# arithmetic ties it in fp32 (14.44 against 14.66 s, 16.49 against 16.27) and wins 11-18% in bf16 (7.57 against 8.49
+# s, 9.08 against 11.11; bench/bench_cross_entropy.py, 2026-11-26): not worth the seconds of compilation every
+# process pays per chunk shape.
+CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused",
+              "cross_entropy": "torch"}
 # The CUDA winner per op at GPT-2 shapes, measured on an H100 by bench/bench_fused_gpu.py (triton.testing.do_bench
 # medians, bench/README.md "On one H100", 2026-11-22):
 # - layer_norm: torch's F.layer_norm, 0.201 ms fwd+bwd at [8192, 768] bf16 against 0.582 for the Triton kernel
@@ -54,7 +60,10 @@ CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax
 # - adamw_step: the Triton kernel, 1.253 ms over 124M fp32 masters + bf16 copy against torch's fused 1.644.
 # - rms_norm: not measured yet; torch's reference by analogy with layer_norm (the kernel has the same one-row,
 #   serial-dweight design that lost 2.9x there).
-CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton"}
+# - cross_entropy: not measured on a GPU yet (bench/bench_fused_gpu.py times both at GPT-2's shape, and gpu-check's
+#   bench_gpt2 a step with --cross-entropy-loss-fusion): the reference until a figure says otherwise.
+CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton",
+               "cross_entropy": "torch"}
 
 # --attention-backend, with Megatron-core's names and their meaning here:
 # - flash: torch's F.scaled_dot_product_attention, whose dispatcher picks FlashAttention-2, cuDNN or the

@@ -20,7 +20,7 @@ import torch
 
 from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
 from mpzero.errors import ConfigError
-from mpzero.fused import ATTENTION_BACKENDS, planned_attention_backend, planned_impl, resolve_attention_backend
+from mpzero.fused import ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl, resolve_attention_backend
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -158,6 +158,7 @@ class GPTConfig(TransformerArchitecture):
     seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
+    cross_entropy_impl: str = "auto"  # a chunk's arithmetic (mpzero.fused): --cross-entropy-loss-fusion: "compile"
 
     @property
     def granularity(self) -> str | None:
@@ -180,6 +181,12 @@ class GPTConfig(TransformerArchitecture):
         if self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
             raise ConfigError(f"--use-flash-attn means --attention-backend flash, but --attention-backend "
                               f"{self.attention_backend} was given too: keep one of them")
+        if self.cross_entropy_impl not in ("auto",) + IMPLS["cross_entropy"]:
+            raise ConfigError(f"cross_entropy_impl {self.cross_entropy_impl!r} is not one of auto, "
+                              f"{', '.join(IMPLS['cross_entropy'])}")
+        if self.cross_entropy_impl == "compile" and not self.cross_entropy_chunk_size:
+            raise ConfigError("--cross-entropy-loss-fusion fuses the chunked loss's arithmetic: it needs "
+                              "--cross-entropy-chunk-size > 0 (0 is the logits path)")
         self._validate_shapes(tp_size)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:

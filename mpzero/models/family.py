@@ -62,6 +62,7 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                      openai_gelu=args.openai_gelu, init_seed=args.seed,
                      cross_entropy_chunk_size=args.cross_entropy_chunk_size,
+                     cross_entropy_impl="compile" if args.cross_entropy_loss_fusion else "auto",
                      normalization=args.normalization, swiglu=args.swiglu, ffn_hidden_size=args.ffn_hidden_size,
                      position_embedding_type=args.position_embedding_type,
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,

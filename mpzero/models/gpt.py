@@ -211,7 +211,7 @@ class GPTModel(nn.Module):
         if labels is not None and chunk:  # the output projection fused with the loss: no [b, s, V/tp] logits
             weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
             losses = vocab_parallel_linear_cross_entropy(x, weight, labels, self.tp, self.config.vocab_size, chunk,
-                                                         self.config.sequence_parallel)
+                                                         self.config.sequence_parallel, self.config.cross_entropy_impl)
             return losses.mean() if reduction == "mean" else losses
         if self.output_layer is None:  # tied output projection, [b, s, V/tp]
             weight = self.embedding.word_embeddings.weight

@@ -6,7 +6,8 @@ Computed in fp32 whatever the logits' dtype.
 
 `vocab_parallel_linear_cross_entropy` fuses the output projection with it, chunk by chunk of tokens, so the
 [tokens, V/tp] logits and their fp32 softmax are never held whole (`--cross-entropy-chunk-size`); the function
-above is its reference, and stays the path without labels' logits (generation) and with chunk size 0.
+above is its reference, and stays the path without labels' logits (generation) and with chunk size 0. A chunk's
+arithmetic between the all-reduces is `mpzero.fused.cross_entropy` (`--cross-entropy-loss-fusion` compiles it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpzero.comm import CommGroup
+from mpzero.fused import cross_entropy_math
 from mpzero.tensor_parallel.mappings import gather_sequence, reduce_scatter_sequence
 
 
@@ -62,47 +64,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
     is its own (reduction "none"), so dW cannot be formed in forward as Liger-Kernel does for a mean."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel):
-        ctx.group, ctx.vocab_size, ctx.chunk_size, ctx.sequence_parallel = group, vocab_size, chunk_size, \
-            sequence_parallel
+    def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel, math):
+        ctx.group, ctx.chunk_size, ctx.sequence_parallel, ctx.math = group, chunk_size, sequence_parallel, math
         hidden = _tokens(x, group, sequence_parallel)  # [N, h], the whole sequence
         local_target, mine = _local_target(target.reshape(-1), group.rank, weight.size(0))
+        ctx.first_padding = first_padding = min(max(vocab_size - group.rank * weight.size(0), 0), weight.size(0))
         n = hidden.size(0)
         losses, maxes, sums = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
         chunks = _chunks(n, chunk_size)
         for chunk in chunks:
-            logits = _chunk_logits(hidden[chunk], weight, group.rank, vocab_size)  # [c, V/tp] fp32
-            logits_max = logits.amax(dim=-1)  # the values alone: max(dim) also finds the indices, 5x slower
+            work, logits_max = math.start(F.linear(hidden[chunk], weight), first_padding)  # [c, V/tp] logits
             group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
-            logits.sub_(logits_max.unsqueeze(-1))
-            target_logit = logits.gather(-1, local_target[chunk].unsqueeze(-1)).squeeze(-1)
-            target_logit = target_logit.masked_fill(~mine[chunk], 0.0)
+            target_logit, sum_exp, kept = math.sums(work, logits_max, local_target[chunk], mine[chunk],
+                                                    first_padding, keep=chunk is chunks[-1])
+            del work  # freed before the next chunk's logits are made; the last chunk's exponentials stay (kept)
             group.all_reduce(target_logit)
-            sum_exp = logits.exp_().sum(dim=-1)
             group.all_reduce(sum_exp)
             losses[chunk], maxes[chunk], sums[chunk] = sum_exp.log() - target_logit, logits_max, sum_exp
-            if chunk is not chunks[-1]:
-                del logits  # freed before the next chunk's are allocated; the last chunk's exponentials stay
-        ctx.save_for_backward(x, weight, local_target, mine, maxes, sums, logits)
+        ctx.save_for_backward(x, weight, local_target, mine, maxes, sums, kept)
         return losses.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         x, weight, local_target, mine, maxes, sums, kept = ctx.saved_tensors
-        group = ctx.group
+        group, math = ctx.group, ctx.math
         hidden = _tokens(x, group, ctx.sequence_parallel)
         grad_loss = grad_loss.reshape(-1).float()
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
         chunks = _chunks(hidden.size(0), ctx.chunk_size)
         for i, chunk in enumerate(chunks[-1:] + chunks[:-1]):  # the kept chunk first: freed before the others
+            target, mine_chunk = local_target[chunk], mine[chunk]
             if i == 0 and kept.untyped_storage().nbytes():  # (a second backward, retain_graph, finds it freed)
-                softmax = _own_version(kept).div_(sums[chunk].unsqueeze(-1))
+                grad = math.grad_from_kept(_own_version(kept), sums[chunk], target, mine_chunk, grad_loss[chunk],
+                                           hidden.dtype)
             else:
-                softmax = _chunk_logits(hidden[chunk], weight, group.rank, ctx.vocab_size).sub_(
-                    maxes[chunk].unsqueeze(-1)).exp_().div_(sums[chunk].unsqueeze(-1))
-            # d loss / d z = softmax - onehot(target), the one-hot only on the rank that owns the target
-            grad = softmax.scatter_add_(-1, local_target[chunk].unsqueeze(-1), -mine[chunk].unsqueeze(-1).float())
-            grad = grad.mul_(grad_loss[chunk].unsqueeze(-1)).to(hidden.dtype)  # [c, V/tp]
+                grad = math.grad(F.linear(hidden[chunk], weight), maxes[chunk], sums[chunk], target, mine_chunk,
+                                 grad_loss[chunk], ctx.first_padding)  # [c, V/tp] in the model's dtype
             torch.mm(grad, weight, out=grad_hidden[chunk])
             if i == 0:  # dW [V/tp, h] summed in place, chunk by chunk (one rounding each in bf16)
                 torch.mm(grad.t(), hidden[chunk], out=grad_weight)
@@ -110,14 +107,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 # addmm_'s own kernel (addmm_out into self), spelled so FlopCounterMode counts it: it has no addmm_
                 torch.addmm(grad_weight, grad.t(), hidden[chunk], out=grad_weight)
-            del softmax, grad
+            del grad
         grad_hidden = grad_hidden.view(*x.shape[:-2], -1, x.size(-1))
         if ctx.sequence_parallel:
             grad_x = reduce_scatter_sequence(grad_hidden, group)
         else:
             grad_x = grad_hidden
             group.all_reduce(grad_x)  # the input was replicated across the TP group (copy_to_tp's backward)
-        return grad_x, grad_weight, None, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None
 
 
 def _own_version(saved: torch.Tensor) -> torch.Tensor:
@@ -146,24 +143,15 @@ def _chunks(n: int, chunk_size: int) -> list[slice]:
     return [slice(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, rank: int, vocab_size: int) -> torch.Tensor:
-    """fp32 logits [c, V/tp] of hidden [c, h] (the product in the model's dtype, as the logits path computes it),
-    the vocabulary padding at -inf."""
-    logits = F.linear(hidden, weight).float()
-    first_padding = vocab_size - rank * weight.size(0)
-    if first_padding < weight.size(0):
-        logits[:, max(first_padding, 0):] = float("-inf")
-    return logits
-
-
 def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                         group: CommGroup, vocab_size: int, chunk_size: int,
-                                        sequence_parallel: bool = False) -> torch.Tensor:
+                                        sequence_parallel: bool = False, impl: str = "auto") -> torch.Tensor:
     """Per-token loss [b, s] of the output projection x W^T and vocab_parallel_cross_entropy, fused, `chunk_size`
     tokens at a time, without ever holding the [b, s, V/tp] logits. x [b, s, h] is replicated across the TP group
     (its gradient all-reduced), or with `sequence_parallel` this rank's slice [b, s/tp, h] (gathered, its gradient
-    reduce-scattered); W [V/tp, h] is this rank's vocabulary shard, its rows from `vocab_size` on padding (-inf)."""
+    reduce-scattered); W [V/tp, h] is this rank's vocabulary shard, its rows from `vocab_size` on padding (-inf).
+    `impl`: a chunk's arithmetic (`mpzero.fused.cross_entropy_math`: "torch", "compile" or the device's "auto")."""
     if chunk_size < 1:
         raise ValueError(f"chunk size {chunk_size} must be positive")
     return _LinearCrossEntropy.apply(x, weight, target, group, vocab_size, chunk_size,
-                                     sequence_parallel and group.size > 1)
+                                     sequence_parallel and group.size > 1, cross_entropy_math(x.device, impl))

@@ -12,7 +12,7 @@ import torch
 from mpzero.checkpointing import read_meta
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError
-from mpzero.fused import resolved_impls
+from mpzero.fused import resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
 from mpzero.training.config import RunConfig
@@ -20,8 +20,10 @@ from mpzero.training.mock_data import MockGPTDataset
 
 
 def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
-    """What `auto` runs on this device: each fused op's implementation and the model's attention backend."""
-    return {**resolved_impls(device), "attention": run.model.attention(device)}
+    """What `auto` runs on this device: each fused op's implementation; the model's attention backend and loss
+    arithmetic as its flags choose them (--attention-backend, --cross-entropy-loss-fusion)."""
+    return {**resolved_impls(device), "attention": run.model.attention(device),
+            "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl)}
 
 
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:

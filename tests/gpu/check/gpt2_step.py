@@ -53,8 +53,9 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool):
     return step, losses
 
 
-def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False):
-    """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses)."""
+def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False):
+    """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses). `compiled`:
+    --torch-compile; `fused_loss`: --cross-entropy-loss-fusion."""
     from mpzero.models import GPTConfig, GPTModel
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
@@ -62,7 +63,8 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
     config = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                        num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
                        max_position_embeddings=shape.seq_length, hidden_dropout=0.0, attention_dropout=0.0,
-                       attention_backend=backend, torch_compile=compiled, seq_length=shape.seq_length)
+                       attention_backend=backend, torch_compile=compiled, seq_length=shape.seq_length,
+                       cross_entropy_impl="compile" if fused_loss else "auto")
     assert config.padded_vocab_size(1) == shape.padded_vocab_size, "the eager model must see mpzero's padded vocabulary"
     model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
@@ -79,14 +81,17 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
 
 
 def variants(shape: Shape, groups, inputs, labels) -> list:
-    """(name, build) of each step measured, in the report's order; build() -> (step, losses)."""
+    """(name, build) of each step measured, in the report's order (the goal's pair first, should time run out);
+    build() -> (step, losses)."""
     return [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: eager_step(shape, inputs, labels, False)),
             ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16",
              lambda: mpzero_step(shape, groups, inputs, labels, "auto")),
-            ("mpzero --attention-backend local (core attention, Triton softmax)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "local")),
+            ("eager PyTorch + torch.compile", lambda: eager_step(shape, inputs, labels, True)),
             ("mpzero --torch-compile, ZeRO-1 bf16", lambda: mpzero_step(shape, groups, inputs, labels, "auto", True)),
-            ("eager PyTorch + torch.compile", lambda: eager_step(shape, inputs, labels, True))]
+            ("mpzero --torch-compile --cross-entropy-loss-fusion",
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, True)),
+            ("mpzero --attention-backend local (core attention, Triton softmax)",
+             lambda: mpzero_step(shape, groups, inputs, labels, "local"))]
 
 
 def _sync_time(fn, steps: int) -> float:
