@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from mpzero.fused import adamw_step, layer_norm, scaled_masked_softmax
+from mpzero.fused import adamw_step, layer_norm, rms_norm, scaled_masked_softmax
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,6 +39,13 @@ def _layer_norm_cases(tokens: int, hidden: int, dtype: torch.dtype) -> dict:
     except ImportError:
         pass
     return cases
+
+
+def _rms_norm_cases(tokens: int, hidden: int, dtype: torch.dtype) -> dict:
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.ones(hidden, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    return {impl: (lambda impl=impl: rms_norm(x, w, impl=impl).backward(dy)) for impl in ("torch", "compile", "triton")}
 
 
 def _softmax_cases(batch_heads: int, seq: int, dtype: torch.dtype) -> dict:
@@ -119,6 +126,7 @@ def main() -> int:
     if args.gpt2:
         ops = {
             f"layer_norm x [8192, 768] {args.dtype} fwd+bwd": lambda: _layer_norm_cases(8192, 768, dtype),
+            f"rms_norm x [8192, 768] {args.dtype} fwd+bwd": lambda: _rms_norm_cases(8192, 768, dtype),
             f"causal softmax [1, 96, 1024, 1024] {args.dtype} fwd+bwd": lambda: _softmax_cases(96, 1024, dtype),
             f"adamw flat 124M fp32 (+ {args.dtype} copy)": lambda: _adamw_cases(124_475_904, dtype),
             f"output projection + loss [8192, 768] x [50304, 768] {args.dtype}, chunks of 2048, fwd+bwd":
@@ -127,6 +135,7 @@ def main() -> int:
     else:
         ops = {
             f"layer_norm x [{16384 // k}, 4096] fwd+bwd": lambda: _layer_norm_cases(16384 // k, 4096, dtype),
+            f"rms_norm x [{16384 // k}, 4096] fwd+bwd": lambda: _rms_norm_cases(16384 // k, 4096, dtype),
             f"causal softmax [1, {64 // k}, 2048, 2048] fwd+bwd": lambda: _softmax_cases(64 // k, 2048, dtype),
             f"adamw flat {256 // k}M fp32 (+ {args.dtype} copy)": lambda: _adamw_cases((256 << 20) // k, dtype),
             f"output projection + loss [{16384 // k}, 4096] x [32000, 4096], chunks of 2048, fwd+bwd":

@@ -1,14 +1,17 @@
 """Real-GPU checks (skipped without CUDA): the Triton kernels compiled for the GPU, not interpreted, against
 their PyTorch references, forward and backward, in fp32/fp16/bf16, at GPT shapes (GPT-2 124M: 8 x 1024
 tokens, hidden 768, 12 heads; a 4096-wide GPT) and at edge shapes (one element, width 1, odd widths, the
-kernels' widest row, no rows). `make gpu-check` runs this file with the interpreter-sized tests of
-tests/fused on the GPU (their `device` fixture is CUDA there)."""
+kernels' widest row, no rows); the chunked cross entropy's compiled arithmetic (--cross-entropy-loss-fusion,
+inductor's Triton kernels) against its reference. `make gpu-check` runs this file with the interpreter-sized
+tests of tests/fused on the GPU (their `device` fixture is CUDA there)."""
 
 import pytest
 import torch
 
+from mpzero.comm import CommGroup
 from mpzero.fused import (adamw_step, layer_norm, layer_norm_reference, resolved_impls, scaled_masked_softmax,
                           scaled_masked_softmax_reference)
+from mpzero.tensor_parallel import vocab_parallel_linear_cross_entropy
 from mpzero.fused.layer_norm import MAX_WIDTH as LN_MAX_WIDTH
 from mpzero.fused.softmax import MAX_WIDTH as SOFTMAX_MAX_WIDTH
 from tests.fused.helpers import DTYPES, needs_triton, tol
@@ -128,3 +131,27 @@ def test_triton_kernels_follow_the_tensors_device_not_the_current_one():
     torch.testing.assert_close(y, layer_norm_reference(x, w, b, 1e-5), **tol(torch.bfloat16))
     torch.testing.assert_close(probs, scaled_masked_softmax_reference(x.view(1, 1, 64, 768).float(), 0.5, False,
                                                                       None), **tol(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cross_entropy_matches_reference_on_gpu(dtype):
+    """4608 tokens in chunks of 2048 (the last, kept, of 512), GPT-2's padded vocabulary (47 padding rows), a loss
+    gradient per token. The products are the same calls in both; the compiled passes sum in another order and
+    round the gradient to bf16 once from fp32 values ~1e-6 apart: fp32 within 1e-5, bf16 within a few bf16
+    roundings of the tensor's largest element."""
+    group = CommGroup(None, (0,), 0)  # size 1: every TP collective is the identity
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x0 = torch.randn(2, 2304, 768, device="cuda", generator=g).to(dtype)
+    w0 = (torch.randn(50304, 768, device="cuda", generator=g) * 0.05).to(dtype)
+    target = torch.randint(0, 50257, (2, 2304), device="cuda", generator=g)
+    grad = torch.rand(2, 2304, device="cuda", generator=g)
+    out = {}
+    for impl in ("torch", "compile"):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        losses = vocab_parallel_linear_cross_entropy(x, w, target, group, 50257, 2048, impl=impl)
+        losses.backward(grad)
+        out[impl] = (losses.detach(), x.grad.float(), w.grad.float())
+    torch.testing.assert_close(out["compile"][0], out["torch"][0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(out["compile"][1:], out["torch"][1:]):
+        atol = (1e-5 if dtype == torch.float32 else 2 ** -6) * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 0, atol=atol)

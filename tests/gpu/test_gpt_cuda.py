@@ -1,9 +1,14 @@
 """GPT forward and backward on CUDA equal the CPU model's (fp32, same weights and tokens).
 
+Variants, named by what runs on the GPU (the CPU model is always the references with local attention): auto
+(flash attention and torch's LayerNorm on CUDA, mpzero/fused/impl.py), local attention with the Triton LayerNorm
+and softmax, local with the PyTorch references, flash (SDPA) with the references.
+
 Tolerance: per-token losses within 1e-5 relative (+1e-5 absolute); every parameter gradient within 1e-4
 relative + 1e-4 x its largest CPU magnitude absolute (TF32 off; the GPU sums in other orders: cuBLAS splits,
 the Triton kernels' per-program partials). Also: activation recomputation on CUDA replays the dropout masks
-(the RNG states are the CUDA generator's), so it gives the same gradients as storing activations.
+(the RNG states are the CUDA generator's), so it gives the same gradients as storing activations, with SDPA's
+dropout (auto) and with the local path's explicit dropout.
 """
 
 import dataclasses
@@ -12,6 +17,7 @@ import pytest
 import torch
 
 from mpzero.comm import CommGroup
+from mpzero.fused import triton_available
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.tensor_parallel import seed_everything
 from tests.gpu.common import DEVICE, needs_cuda
@@ -41,13 +47,19 @@ def _losses_and_grads(model, tokens):
     return losses.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("variant", ["fused", "torch", "flash"])
+VARIANTS = {"auto": {}, "local-triton": dict(attention_backend="local", layernorm_impl="triton",
+                                             softmax_impl="triton"),
+            "local-torch": dict(attention_backend="local", layernorm_impl="torch", softmax_impl="torch"),
+            "flash-torch": dict(attention_backend="flash", layernorm_impl="torch", softmax_impl="torch")}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpt_on_cuda_equals_cpu(variant):
-    config = dataclasses.replace(CONFIG, use_flash_attn=variant == "flash",
-                                 layernorm_impl="torch" if variant == "torch" else "auto",
-                                 softmax_impl="torch" if variant == "torch" else "auto")
-    cpu = GPTModel(dataclasses.replace(config, layernorm_impl="torch", softmax_impl="torch"), _one_rank(),
-                   seed_everything(5, 0, torch.device("cpu")))
+    if "triton" in VARIANTS[variant].values() and not triton_available():
+        pytest.skip("triton not installed (pip install 'mpzero[triton]')")
+    config = dataclasses.replace(CONFIG, **VARIANTS[variant])
+    cpu = GPTModel(dataclasses.replace(config, attention_backend="local", layernorm_impl="torch",
+                                       softmax_impl="torch"), _one_rank(), seed_everything(5, 0, torch.device("cpu")))
     gpu = GPTModel(config, _one_rank(), seed_everything(5, 0, DEVICE), device=DEVICE)
     gpu.load_state_dict(cpu.state_dict())
     tokens = torch.randint(0, config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
@@ -60,8 +72,9 @@ def test_gpt_on_cuda_equals_cpu(variant):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_recompute_on_cuda_replays_dropout_masks():
-    config = dataclasses.replace(CONFIG, hidden_dropout=0.1, attention_dropout=0.1)
+@pytest.mark.parametrize("backend", ["auto", "local"])
+def test_recompute_on_cuda_replays_dropout_masks(backend):
+    config = dataclasses.replace(CONFIG, hidden_dropout=0.1, attention_dropout=0.1, attention_backend=backend)
     trackers = [seed_everything(9, 0, DEVICE) for _ in range(2)]
     stored = GPTModel(config, _one_rank(), trackers[0], device=DEVICE)
     recomputed = GPTModel(dataclasses.replace(config, recompute_activations=True), _one_rank(), trackers[1],

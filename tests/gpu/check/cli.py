@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 RESERVE_S = 10  # kept back from the budget for writing the report
 MIN_PART_S = 20  # a part is not started with less time than this left
 FUSED_TESTS = ["tests/fused/test_fused_gpu.py", "tests/fused/test_fused_layer_norm.py",
-               "tests/fused/test_fused_softmax.py", "tests/fused/test_fused_adam.py"]
+               "tests/fused/test_fused_rms_norm.py", "tests/fused/test_fused_softmax.py",
+               "tests/fused/test_fused_adam.py"]
 PYTEST_FILES = {
     "fused_kernels": FUSED_TESTS,
     "gpt_cuda_vs_cpu": ["tests/gpu/test_gpt_cuda.py"],

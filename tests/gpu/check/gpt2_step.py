@@ -171,7 +171,7 @@ def bench_gpt2(args, result: Result) -> str:
                                 cross_entropy_chunk_size=0).flops_per_token()
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
-                f"72 l h^2 (1 + s/6h + V/16lh), vocab {shape.padded_vocab_size}) x tokens/s / that peak")
+                f"72 l h^2 (1 + s/6h + V/12lh), vocab {shape.padded_vocab_size}) x tokens/s / that peak")
     result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); each variant's per-op breakdown "
                 "of that step is in this part's log")
     result.note(f"GPT-2 124M: 12 layers, hidden 768, 12 heads, seq {seq}, micro-batch {batch} ({tokens_per_step} "

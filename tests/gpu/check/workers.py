@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,14 @@ def multi_gpu(args, result: Result) -> str:
     def remaining() -> float:
         return args.limit - result.elapsed() - 5
 
+    try:
+        return _multi_gpu_layouts(layouts, launch, remaining, result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _multi_gpu_layouts(layouts, launch, remaining, result: Result) -> str:
+    """The reference run on one GPU, then each layout against it (a row each)."""
     try:
         reference, _ = launch("reference", 1, ["--zero-stage", "1"], min(90, remaining()))
     except Exception as error:  # noqa: BLE001
