@@ -1,8 +1,8 @@
 """Tokens/s of one training step (forward, backward, optimizer) of mpzero's GPT at TP=1 against a plain eager
 PyTorch GPT-2 of the same size (nanoGPT style: `F.scaled_dot_product_attention`, torch.optim.AdamW), measured in
 the same run, and where the time goes. mpzero runs as a world of one through its ZeRO-1 optimizer (the step a
-training run takes), with each attention backend and with `--torch-compile`; the eager model with and without
-torch.compile.
+training run takes), with each attention backend, with `--torch-compile` and with it and
+`--cross-entropy-loss-fusion` (mpzero-compile-ce); the eager model with and without torch.compile.
 
     python bench/bench_step.py [--hidden-size 256 --num-layers 4 --seq-length 256 --micro-batch-size 8]
     python bench/bench_step.py --profile            # + a per-op breakdown of one step of each model
@@ -28,7 +28,7 @@ from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 
-VARIANTS = ("eager", "eager-compile", "mpzero-local", "mpzero-flash", "mpzero-compile")
+VARIANTS = ("eager", "eager-compile", "mpzero-local", "mpzero-flash", "mpzero-compile", "mpzero-compile-ce")
 
 
 def eager_step(a, device, dtype, compiled: bool):
@@ -46,11 +46,12 @@ def eager_step(a, device, dtype, compiled: bool):
     return step
 
 
-def mpzero_step(a, groups, dtype, backend: str, compiled: bool):
+def mpzero_step(a, groups, dtype, backend: str, compiled: bool, fused_loss: bool = False):
     config = GPTConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                        vocab_size=a.vocab_size, max_position_embeddings=a.seq_length, hidden_dropout=0.0,
                        attention_dropout=0.0, attention_backend=backend, torch_compile=compiled,
-                       cross_entropy_chunk_size=a.cross_entropy_chunk_size)
+                       cross_entropy_chunk_size=a.cross_entropy_chunk_size,
+                       cross_entropy_impl="compile" if fused_loss else "auto")
     model = GPTModel(config, groups.tp, seed_everything(1, 0, groups.device), device=groups.device)
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-4), PrecisionConfig(precision))
@@ -100,7 +101,8 @@ def main(argv=None):
                 "eager-compile": lambda: eager_step(a, device, dtype, True),
                 "mpzero-local": lambda: mpzero_step(a, groups, dtype, "local", False),
                 "mpzero-flash": lambda: mpzero_step(a, groups, dtype, "flash", False),
-                "mpzero-compile": lambda: mpzero_step(a, groups, dtype, "flash", True)}
+                "mpzero-compile": lambda: mpzero_step(a, groups, dtype, "flash", True),
+                "mpzero-compile-ce": lambda: mpzero_step(a, groups, dtype, "flash", True, True)}
     print(f"{device.type}, threads {torch.get_num_threads()}, {dtype} | h {a.hidden_size} layers {a.num_layers} "
           f"seq {a.seq_length} batch {a.micro_batch_size} vocab {a.vocab_size} | loss chunk "
           f"{a.cross_entropy_chunk_size} | median of {a.steps} steps")
