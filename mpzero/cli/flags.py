@@ -59,32 +59,38 @@ def gpt_flags(p: argparse.ArgumentParser) -> None:
                        help="an output projection of its own instead of the input embedding's transpose")
     model.add_argument("--openai-gelu", action="store_true",
                        help="GELU's tanh approximation (OpenAI's GPT-2) instead of the exact erf form")
-    model.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+
+
+def kernel_flags(p: argparse.ArgumentParser) -> None:
+    """How GPTConfig's model is computed, not what it is: the fused ops, attention backend, compilation, the loss."""
+    kernels = p.add_argument_group("kernels and compilation (mpzero/fused; the choices are printed on the 'fused ops' "
+                                 "line)")
+    kernels.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                        help="attention softmax by the PyTorch reference instead of the fused op")
-    model.add_argument("--use-flash-attn", action="store_true",
+    kernels.add_argument("--use-flash-attn", action="store_true",
                        help="Megatron's older spelling of --attention-backend flash")
-    model.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=GPTConfig.attention_backend,
+    kernels.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=GPTConfig.attention_backend,
                        help="flash: torch's scaled_dot_product_attention (FlashAttention-2, cuDNN or memory-efficient "
                             "kernels on GPUs, never an [s, s] tensor); fused: the same restricted to cuDNN's fused "
                             "attention (CUDA only); local: Megatron's core attention (explicit scores, the fused "
                             "scale + mask + softmax op); unfused: the same with the PyTorch reference softmax; auto "
                             "(default): flash on GPUs, and on CPUs without attention dropout; local on CPUs with "
                             "it (the choice is printed on the 'fused ops' line)")
-    model.add_argument("--torch-compile", action="store_true",
+    kernels.add_argument("--torch-compile", action="store_true",
                        help="compile each transformer layer's forward with torch.compile (torchtitan's regional "
                             "compilation; inductor: Triton kernels on GPUs, C++ on CPUs); the first iteration "
                             "pays the compilation")
-    model.add_argument("--cross-entropy-chunk-size", type=int, default=GPTConfig.cross_entropy_chunk_size,
+    kernels.add_argument("--cross-entropy-chunk-size", type=int, default=GPTConfig.cross_entropy_chunk_size,
                        help="tokens per chunk of the output projection fused with the vocab-parallel cross entropy: "
                             "the [b, s, V/TP] logits and their fp32 softmax are never held whole, each chunk's "
                             "logits are recomputed in backward (2hV/TP more FLOPs per token); 0: the logits path")
-    model.add_argument("--cross-entropy-loss-fusion", action="store_true",
+    kernels.add_argument("--cross-entropy-loss-fusion", action="store_true",
                        help="each chunk's loss arithmetic (max, exp-sum, the softmax gradient) through torch.compile, "
                             "reading the logits in the model's dtype, a kernel per pass, instead of the in-place "
                             "PyTorch reference on an fp32 copy; needs --cross-entropy-chunk-size > 0")
-    model.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
+    kernels.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
                        help="LayerNorm by the PyTorch reference instead of the fused op")
-    model.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
+    kernels.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",
                        help="AdamW by torch.optim.AdamW's single-tensor arithmetic instead of the fused op")
 
 
@@ -277,5 +283,5 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 
 
 # In the order --help lists them.
-SECTIONS = (gpt_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags, precision_flags, training_flags,
-            logging_flags, checkpoint_flags, data_flags)
+SECTIONS = (gpt_flags, kernel_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags, precision_flags,
+            training_flags, logging_flags, checkpoint_flags, data_flags)
