@@ -8,8 +8,10 @@ implementations that `mpzero.tensor_parallel.vocab_parallel_linear_cross_entropy
   torch.compile'd jit_fuser over this arithmetic): the same arithmetic as pure functions under torch.compile,
   which reads z in the model's dtype and fuses each pass into one kernel (inductor: Triton on GPUs, C++ on CPUs).
   No fp32 copy of a chunk is made but the last chunk's exponentials, which forward keeps for backward as the
-  reference does, so the saved bytes are the same and the transients no larger. Its sums run in another order:
-  within 1e-6 of the reference (tests/test_cross_entropy.py).
+  reference does, so the saved bytes are the same. Each pass writes a new tensor beside its input: in bf16/fp16
+  less than the reference's fp32 copy at the peak, in fp32 (where the reference works in place on the product
+  itself) one chunk's logits more (the planner's cross-entropy transient counts both). Its sums run in another
+  order: within 1e-6 of the reference (tests/fused/test_fused_cross_entropy.py).
 
 `first_padding`: this rank's first padding column (rows of W past the tokenizer's vocabulary), or the local
 vocabulary size when it holds none; padding logits are -inf.

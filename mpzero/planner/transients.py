@@ -9,7 +9,9 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   (`cross_entropy_chunk_size` c), the last chunk's c' tokens first: their kept exponentials (an activation),
   worked on in place, and their cast, e c' V/t; then, those released, each other chunk's recomputed fp32 logits and
   their cast: (4 + e) c V/t - 4 c' V/t beside the activations (the cast is the same tensor in fp32: e counts 0
-  there);
+  there). Fused (`--cross-entropy-loss-fusion`, `mpzero.fused.cross_entropy`): no fp32 copy, each pass writes a
+  new tensor beside its input: the kept chunk's gradient, e c' V/t, then each other chunk's product and its
+  gradient, 2 e c V/t - 4 c' V/t (in fp32 more than the reference's in-place passes, in bf16 less);
 - the vocabulary gradients: the output projection's weight gradient and the embedding's dense gradient, and (tied)
   their sum, e x V/t x h each, held until the end of backward;
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
@@ -25,6 +27,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 from __future__ import annotations
 
 from mpzero.activations import kept_chunk_tokens
+from mpzero.fused import planned_impl
 from mpzero.zero import NORM_CHUNK as CHUNK
 
 
@@ -39,9 +42,11 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     flash = config.planned_attention("cuda" if cuda else "cpu") in ("flash", "fused")
     attention = 0 if flash else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
     chunk, cast = config.cross_entropy_chunk_size, (e if e < 4 else 0)
+    fused = planned_impl("cross_entropy", "cuda" if cuda else "cpu", config.cross_entropy_impl) == "compile"
     if chunk:  # the kept last chunk worked on in place and cast; released, then each other chunk recomputed
         kept = kept_chunk_tokens(sb, chunk)
-        cross_entropy = max(cast * kept * v, (4 + cast) * chunk * v - 4 * kept * v if sb > chunk else 0)
+        kept_bytes, other_bytes = (e, 2 * e) if fused else (cast, 4 + cast)
+        cross_entropy = max(kept_bytes * kept * v, other_bytes * chunk * v - 4 * kept * v if sb > chunk else 0)
     else:
         cross_entropy = (8 + cast) * sb * v
     return {"cross entropy": cross_entropy,
