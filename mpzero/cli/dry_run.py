@@ -63,7 +63,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | None = None) -> dict:
-    """Rank `rank` of a `world_size`-rank job: one iteration on tensors without data (`engine` "meta" or "fake";
+    """Rank `rank` of a `world_size`-rank job: two iterations on tensors without data (`engine` "meta" or "fake";
     by default fake where a tier is offloaded to host memory, else meta), the run's lines and the planner's.
     Returns {"memory", "memory_at_start", "comm", "tp_comm", "activations", "plan", "plan_tp_comm",
     "plan_activations", "checks", "equal", "max_rss", "seconds"}."""
@@ -81,27 +81,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
           f"{groups.tp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
           f"{training.micro_batch_size} x {training.seq_length} tokens, on {engine} tensors and a fake process group",
           flush=True)
-    with no_data(engine):
-        state = _build(run, provider, groups, engine)
-        optimizer = state.optimizer
-        at_start = optimizer.memory_report()
-        print(at_start.line(), flush=True)
-        for note in (overlap_note(optimizer), partition_note(optimizer)):
-            if note:
-                print(note, flush=True)
-        data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed,
-                              2 * training.global_batch_size)
-        # two iterations, the second measured: stage 3 prefetches from the trace its first micro-batch records
-        forward_backward(state, data, 0, training)
-        optimizer.step(run.schedule.lr(0))
-        optimizer.comm_report()  # count from the second iteration on
-        tp_mark = groups.tp.stats.total()
-        counter = SavedBytesCounter(state.model.module)
-        forward_backward(state, data, 1, training, activations=counter)
-        optimizer.step(run.schedule.lr(1))
-        memory, comm = optimizer.memory_report(), optimizer.comm_report()
-        tp_comm = groups.tp.stats.total() - tp_mark
-        optimizer.close()
+    state, at_start, memory, comm, tp_comm, counter = _two_iterations(run, provider, groups, engine)
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
     dtype = run.precision.torch_dtype  # the line training prints after its first iteration, here for this rank
@@ -110,13 +90,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     activations = rank_report(counter, setting)
     print(activation_line(rank, activations, dtype), flush=True)
 
-    plan = plan_states(PlanInputs(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision,
-                                  groups.dp_size, groups.dp_rank, run.offload, micro_batches, cuda=False,
-                                  rule=run.optimizer.rule, recomputed=full_recompute_chunks(run.model)))
-    plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                            element_sizes(run.precision)[0], micro_batches)
-    plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank)
+    plan, plan_tp, plan_acts = _planned(run, groups, micro_batches)
     checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts)
     equal = all(_same(a, b) for _, a, b in checks)
     print("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
@@ -127,6 +101,47 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     return {"memory": memory, "memory_at_start": at_start, "comm": comm, "tp_comm": tp_comm,
             "activations": activations, "plan": plan, "plan_tp_comm": plan_tp, "plan_activations": plan_acts,
             "checks": checks, "equal": equal, "max_rss": max_rss, "seconds": seconds}
+
+
+def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
+    """The training state built on tensors without data and two iterations, the second measured (stage 3 prefetches
+    from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, TP
+    bytes, the second iteration's SavedBytesCounter)."""
+    training = run.training
+    with no_data(engine):
+        state = _build(run, provider, groups, engine)
+        optimizer = state.optimizer
+        at_start = optimizer.memory_report()
+        print(at_start.line(), flush=True)
+        for note in (overlap_note(optimizer), partition_note(optimizer)):
+            if note:
+                print(note, flush=True)
+        data = MockGPTDataset(run.data.vocab_size, training.seq_length, training.seed,
+                              2 * training.global_batch_size)
+        forward_backward(state, data, 0, training)
+        optimizer.step(run.schedule.lr(0))
+        optimizer.comm_report()  # count from the second iteration on
+        tp_mark = groups.tp.stats.total()
+        counter = SavedBytesCounter(state.model.module)
+        forward_backward(state, data, 1, training, activations=counter)
+        optimizer.step(run.schedule.lr(1))
+        memory, comm = optimizer.memory_report(), optimizer.comm_report()
+        tp_comm = groups.tp.stats.total() - tp_mark
+        optimizer.close()
+    return state, at_start, memory, comm, tp_comm, counter
+
+
+def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
+    """The planner's figures for this rank, from the flags alone: (model states plan, TP bytes, activation plan)."""
+    training = run.training
+    plan = plan_states(PlanInputs(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision,
+                                  groups.dp_size, groups.dp_rank, run.offload, micro_batches, cuda=False,
+                                  rule=run.optimizer.rule, recomputed=full_recompute_chunks(run.model)))
+    plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                            element_sizes(run.precision)[0], micro_batches)
+    plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank)
+    return plan, plan_tp, plan_acts
 
 
 def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
