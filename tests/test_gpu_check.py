@@ -198,3 +198,27 @@ def test_bench_kernels_cross_entropy_row_runs_on_the_cpu():
         cases["torch"]()
         return sorted(cases)
     assert run_ranks(1, run)[0] == ["compile", "torch"]
+
+
+def _zero_memory_on_the_cpu(path):
+    """zero_memory at a tiny shape with the CUDA allocator's calls stubbed (0 bytes): its own code end to end."""
+    import argparse
+
+    import torch
+    from tests.gpu.check import memory_check
+    from tests.gpu.check.result import Result
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *args, **kwargs: 0
+    memory_check.GPT2_124M = gpt2_step.Shape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                             vocab_size=300, padded_vocab_size=384)
+    status = memory_check.zero_memory(argparse.Namespace(limit=120), Result(path, workers.COLUMNS["zero_memory"]))
+    return status, json.load(open(path))["rows"]
+
+
+def test_zero_memory_part_runs_its_four_stages_on_the_cpu(tmp_path):
+    status, rows = run_ranks(1, _zero_memory_on_the_cpu, str(tmp_path / "zm.json"))[0]
+    assert status == "pass" and [row["stage"] for row in rows] == [0, 1, 2, 3]
+    for row in rows:
+        assert row["counted MiB"] == row["formula MiB"] and row["construction formula MiB"] > row["formula MiB"]
+        assert set(row) <= set(workers.COLUMNS["zero_memory"])

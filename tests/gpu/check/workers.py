@@ -177,7 +177,8 @@ COLUMNS = {
     "bench_gpt2": ["model", "tokens/s", "ms/step", "first step s", "peak GiB", "TFLOP/s", "MFU", "vs eager",
                    "kernels/step", "last loss", "ok", "note"],
     "zero_memory": ["stage", "params", "formula", "formula MiB", "counted MiB", "allocated MiB",
-                    "allocated / formula", "peak build MiB", "peak step MiB", "ok", "note"],
+                    "allocated / formula", "construction formula MiB", "peak build MiB",
+                    "peak build / construction formula", "peak step MiB", "ok", "note"],
 }
 PARTS = {"multi_gpu": multi_gpu, "bench_gpt2": bench_gpt2, "zero_memory": zero_memory}
 
