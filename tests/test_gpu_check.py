@@ -140,8 +140,7 @@ def test_a_part_past_its_limit_is_killed_with_its_process_group(tmp_path):
     assert "killed after the 1 s limit" in open(log).read()
 
 
-TINY = gpt2_step.Shape(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=200,
-                       padded_vocab_size=256)
+TINY = gpt2_step.Shape(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=200)
 PLAIN, COMPILED = (0, 1, 5), (2, 3, 4)  # bench_gpt2's variants: eager, mpzero auto, mpzero local; the compiled
 BF16_RTOL = 2e-3  # bf16 parameters and activations: other kernels sum in another order (seen: 4e-5)
 
@@ -211,7 +210,7 @@ def _zero_memory_on_the_cpu(path):
         setattr(torch.cuda, name, lambda *args, **kwargs: None)
     torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *args, **kwargs: 0
     memory_check.GPT2_124M = gpt2_step.Shape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                                             vocab_size=300, padded_vocab_size=384)
+                                             vocab_size=300)
     status = memory_check.zero_memory(argparse.Namespace(limit=120), Result(path, workers.COLUMNS["zero_memory"]))
     return status, json.load(open(path))["rows"]
 

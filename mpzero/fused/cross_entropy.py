@@ -102,16 +102,18 @@ def _fused_max(z, first_padding):
     return _shifted(z, None, first_padding).amax(dim=-1)
 
 
-def _fused_sums(z, row_max, local_target, mine, first_padding):
+def _target_and_exp(z, row_max, local_target, mine, first_padding):
     logits = _shifted(z, row_max, first_padding)
-    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-    return target_logit, logits.exp().sum(dim=-1)
+    return logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0), logits.exp()
+
+
+def _fused_sums(z, row_max, local_target, mine, first_padding):
+    target_logit, exp_logits = _target_and_exp(z, row_max, local_target, mine, first_padding)
+    return target_logit, exp_logits.sum(dim=-1)  # the exponentials stay inside the kernel
 
 
 def _fused_sums_kept(z, row_max, local_target, mine, first_padding):
-    logits = _shifted(z, row_max, first_padding)
-    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-    exp_logits = logits.exp()
+    target_logit, exp_logits = _target_and_exp(z, row_max, local_target, mine, first_padding)
     return target_logit, exp_logits.sum(dim=-1), exp_logits
 
 

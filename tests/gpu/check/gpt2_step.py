@@ -23,12 +23,19 @@ class Shape:
     hidden_size: int
     num_attention_heads: int
     seq_length: int
-    vocab_size: int  # the tokenizer's; mpzero pads it itself
-    padded_vocab_size: int  # the eager model's: mpzero's padding, a multiple of 128 (as nanoGPT pads it)
+    vocab_size: int  # the tokenizer's; mpzero pads it (to 50304 for GPT-2, as nanoGPT does)
 
 
-GPT2_124M = Shape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=50257,
-                  padded_vocab_size=50304)
+GPT2_124M = Shape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=50257)
+
+
+def gpt_config(shape: Shape, **overrides):
+    """mpzero's GPTConfig of `shape`, dropout 0, with `overrides` (the implementation choices of a variant)."""
+    from mpzero.models import GPTConfig
+    return GPTConfig(**{"num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
+                        "num_attention_heads": shape.num_attention_heads, "vocab_size": shape.vocab_size,
+                        "max_position_embeddings": shape.seq_length, "seq_length": shape.seq_length,
+                        "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
 
 
 def eager_step(shape: Shape, inputs, labels, compiled: bool):
@@ -36,7 +43,7 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool):
     import torch
     from bench.baselines import eager_gpt2
     torch.manual_seed(1234)  # the same weights with and without torch.compile
-    model = eager_gpt2(shape.padded_vocab_size, shape.hidden_size, shape.num_layers, shape.num_attention_heads,
+    model = eager_gpt2(gpt_config(shape).padded_vocab_size(1), shape.hidden_size, shape.num_layers, shape.num_attention_heads,
                        shape.seq_length).to(inputs.device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     run = torch.compile(model) if compiled else model
@@ -56,16 +63,12 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool):
 def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False):
     """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses). `compiled`:
     --torch-compile; `fused_loss`: --cross-entropy-loss-fusion."""
-    from mpzero.models import GPTConfig, GPTModel
+    from mpzero.models import GPTModel
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 
-    config = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-                       num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
-                       max_position_embeddings=shape.seq_length, hidden_dropout=0.0, attention_dropout=0.0,
-                       attention_backend=backend, torch_compile=compiled, seq_length=shape.seq_length,
-                       cross_entropy_impl="compile" if fused_loss else "auto")
-    assert config.padded_vocab_size(1) == shape.padded_vocab_size, "the eager model must see mpzero's padded vocabulary"
+    config = gpt_config(shape, attention_backend=backend, torch_compile=compiled,
+                        cross_entropy_impl="compile" if fused_loss else "auto")
     model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
                                                                       clip_grad=1.0), PrecisionConfig("bf16"))
@@ -158,20 +161,17 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
 
 def bench_gpt2(args, result: Result) -> str:
     import torch
-    from mpzero.models import GPTConfig
     from mpzero.parallel import init_parallel
 
     shape, batch, warmup, timed = GPT2_124M, args.micro_batch_size, 3, 10
     seq, tokens_per_step = shape.seq_length, args.micro_batch_size * shape.seq_length
     torch.cuda.set_device(0)
     peak = matmul_peak_tflops()
-    flops_per_token = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,  # model FLOPs
-                                num_attention_heads=shape.num_attention_heads, vocab_size=shape.padded_vocab_size,
-                                max_position_embeddings=seq, seq_length=seq,
-                                cross_entropy_chunk_size=0).flops_per_token()
+    flops_config = gpt_config(shape, cross_entropy_chunk_size=0)  # model FLOPs: no recomputed logits
+    flops_per_token, padded_vocab = flops_config.flops_per_token(), flops_config.padded_vocab_size(1)
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
-                f"72 l h^2 (1 + s/6h + V/12lh), vocab {shape.padded_vocab_size}) x tokens/s / that peak")
+                f"72 l h^2 (1 + s/6h + V/12lh), vocab {padded_vocab}) x tokens/s / that peak")
     result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); each variant's per-op breakdown "
                 "of that step is in this part's log")
     result.note(f"GPT-2 124M: 12 layers, hidden 768, 12 heads, seq {seq}, micro-batch {batch} ({tokens_per_step} "

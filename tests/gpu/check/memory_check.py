@@ -5,13 +5,13 @@ so the line's construction peak is checked against the allocator's peak too."""
 
 from __future__ import annotations
 
-from tests.gpu.check.gpt2_step import GPT2_124M, free_cuda
+from tests.gpu.check.gpt2_step import GPT2_124M, free_cuda, gpt_config
 from tests.gpu.check.result import Result, error_text
 
 
 def zero_memory(args, result: Result) -> str:
     import torch
-    from mpzero.models import GPTConfig, GPTModel
+    from mpzero.models import GPTModel
     from mpzero.parallel import init_parallel
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import ZeroOptimizer
@@ -20,10 +20,7 @@ def zero_memory(args, result: Result) -> str:
     groups = init_parallel(1)
     shape, batch = GPT2_124M, 4
     seq = shape.seq_length
-    config = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-                       num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
-                       max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0, seq_length=seq,
-                       use_flash_attn=True)
+    config = gpt_config(shape, use_flash_attn=True)
     tokens = torch.randint(0, shape.vocab_size, (batch, seq + 1), device=groups.device)
     result.note("GPT-2 124M, bf16 (fp32 masters and gradients), world of one (N = 1), flash attention. "
                 "'counted' = the zero memory line's measured bytes (unique storages held by the stage and the "
