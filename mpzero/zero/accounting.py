@@ -195,8 +195,8 @@ def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers:
         d2h.append((micro_batches * g, f"{micro_batches * g}P/N"))
     elif tiers.get("optimizer", "none") != "none":
         d2h.append((4, "4P/N"))
-        if tiers.get("params", "none") == "none":  # else the step writes the parameters to their own tier
-            h2d.append((p, f"{p}P/N"))
+    if tiers.get("optimizer", "none") != "none" and tiers.get("params", "none") == "none":
+        h2d.append((p, f"{p}P/N"))  # the host step's new parameters (else written to their own tier)
     if tiers.get("optimizer") == "disk":
         k = 4 + states
         read.append((k, f"{k}P/N"))
