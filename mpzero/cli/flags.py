@@ -87,7 +87,8 @@ def kernel_flags(p: argparse.ArgumentParser) -> None:
     kernels.add_argument("--cross-entropy-loss-fusion", action="store_true",
                        help="each chunk's loss arithmetic (max, exp-sum, the softmax gradient) through torch.compile, "
                             "reading the logits in the model's dtype, a kernel per pass, instead of the in-place "
-                            "PyTorch reference on an fp32 copy; needs --cross-entropy-chunk-size > 0")
+                            "PyTorch reference on an fp32 copy (auto: fused on GPUs, the reference on CPUs); needs "
+                            "--cross-entropy-chunk-size > 0")
     kernels.add_argument("--no-layernorm-fusion", dest="layernorm_fusion", action="store_false",
                        help="LayerNorm by the PyTorch reference instead of the fused op")
     kernels.add_argument("--no-adam-fusion", dest="adam_fusion", action="store_false",

