@@ -1,5 +1,6 @@
 """Time the Triton kernels against eager PyTorch, torch.compile (and NVIDIA apex where installed) on one CUDA GPU,
-and the chunked cross entropy's arithmetic by its reference and torch.compile'd.
+the chunked cross entropy's arithmetic by its reference and torch.compile'd, and the gradient norm's sum of squares
+by its reference and kernel.
 
 Run: `PYTHONPATH=. python bench/bench_fused_gpu.py [--dtype bf16] [--small | --gpt2] [--json out.json]`
 (needs CUDA and `mpzero[triton]`; `make gpu-check` runs it with `--gpt2 --json`)
@@ -21,7 +22,7 @@ import traceback
 
 import torch
 
-from mpzero.fused import adamw_step, layer_norm, rms_norm, scaled_masked_softmax
+from mpzero.fused import adamw_step, layer_norm, rms_norm, scaled_masked_softmax, sum_of_squares
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -83,6 +84,12 @@ def _adamw_cases(numel: int, dtype: torch.dtype) -> dict:
     return cases
 
 
+def _sum_of_squares_cases(numel: int) -> dict:
+    """The global norm's fp64 sum of squares over fp32 gradients (mpzero.zero.norm): reference and kernel."""
+    grads = torch.randn(numel, device="cuda")
+    return {impl: (lambda impl=impl: sum_of_squares(grads, impl=impl)) for impl in ("torch", "triton")}
+
+
 def _cross_entropy_cases(tokens: int, hidden: int, vocab: int, chunk: int, dtype: torch.dtype,
                          device: str = "cuda") -> dict:
     """The output projection + loss, forward and backward, chunked (--cross-entropy-chunk-size): the chunk
@@ -129,6 +136,7 @@ def main() -> int:
             f"rms_norm x [8192, 768] {args.dtype} fwd+bwd": lambda: _rms_norm_cases(8192, 768, dtype),
             f"causal softmax [1, 96, 1024, 1024] {args.dtype} fwd+bwd": lambda: _softmax_cases(96, 1024, dtype),
             f"adamw flat 124M fp32 (+ {args.dtype} copy)": lambda: _adamw_cases(124_475_904, dtype),
+            "gradient norm: fp64 sum of squares of 124M fp32": lambda: _sum_of_squares_cases(124_475_904),
             f"output projection + loss [8192, 768] x [50304, 768] {args.dtype}, chunks of 2048, fwd+bwd":
                 lambda: _cross_entropy_cases(8192, 768, 50304, 2048, dtype),
         }
@@ -138,6 +146,7 @@ def main() -> int:
             f"rms_norm x [{16384 // k}, 4096] fwd+bwd": lambda: _rms_norm_cases(16384 // k, 4096, dtype),
             f"causal softmax [1, {64 // k}, 2048, 2048] fwd+bwd": lambda: _softmax_cases(64 // k, 2048, dtype),
             f"adamw flat {256 // k}M fp32 (+ {args.dtype} copy)": lambda: _adamw_cases((256 << 20) // k, dtype),
+            f"gradient norm: fp64 sum of squares of {256 // k}M fp32": lambda: _sum_of_squares_cases((256 << 20) // k),
             f"output projection + loss [{16384 // k}, 4096] x [32000, 4096], chunks of 2048, fwd+bwd":
                 lambda: _cross_entropy_cases(16384 // k, 4096, 32000, 2048, dtype),
         }

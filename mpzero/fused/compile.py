@@ -11,6 +11,7 @@ from mpzero.fused.adam import triton_kernel_specs as adam_specs
 from mpzero.fused.layer_norm import triton_kernel_specs as layer_norm_specs
 from mpzero.fused.rms_norm import triton_kernel_specs as rms_norm_specs
 from mpzero.fused.softmax import triton_kernel_specs as softmax_specs
+from mpzero.fused.squares import triton_kernel_specs as sum_of_squares_specs
 from mpzero.fused.impl import KernelSpec, triton
 
 
@@ -24,7 +25,7 @@ class CompileResult:
 
 
 def all_kernel_specs() -> list[KernelSpec]:
-    return layer_norm_specs() + rms_norm_specs() + softmax_specs() + adam_specs()
+    return layer_norm_specs() + rms_norm_specs() + softmax_specs() + adam_specs() + sum_of_squares_specs()
 
 
 def compile_spec(spec: KernelSpec, capability: int) -> CompileResult:

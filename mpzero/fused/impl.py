@@ -43,6 +43,7 @@ IMPLS = {
     "scaled_masked_softmax": ("torch", "compile", "triton"),
     "adamw_step": ("torch", "compile", "torch_fused", "triton"),
     "cross_entropy": ("torch", "compile"),  # the chunked loss's arithmetic (mpzero.fused.cross_entropy)
+    "sum_of_squares": ("torch", "triton"),  # the global gradient norm's fp64 reduction (mpzero.zero.norm)
 }
 
 # The CPU winner per op, measured by bench/bench_fused_cpu.py (see bench/README.md for the numbers).
@@ -50,8 +51,9 @@ IMPLS = {
 # arithmetic ties it in fp32 (14.44 against 14.66 s, 16.49 against 16.27) and wins 11-18% in bf16 (7.57 against 8.49
 # s, 9.08 against 11.11; bench/bench_cross_entropy.py, 2026-11-26): not worth the seconds of compilation every
 # process pays per chunk shape.
+# sum_of_squares: the reference (the kernel runs on a CPU only under Triton's interpreter).
 CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused",
-              "cross_entropy": "torch"}
+              "cross_entropy": "torch", "sum_of_squares": "torch"}
 # The CUDA winner per op at GPT-2 shapes, measured on an H100 by bench/bench_fused_gpu.py (triton.testing.do_bench
 # medians, bench/README.md "On one H100", 2026-11-22):
 # - layer_norm: torch's F.layer_norm, 0.201 ms fwd+bwd at [8192, 768] bf16 against 0.582 for the Triton kernel
@@ -66,8 +68,12 @@ CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax
 # - cross_entropy: compiled (--cross-entropy-loss-fusion's arithmetic): the output projection + loss of GPT-2's 8192
 #   tokens in chunks of 2048, fwd+bwd bf16, 5.15 ms against the reference's 14.81 (2.9x), and a GPT-2 124M step
 #   (gpu-check's bench_gpt2, with --torch-compile) 35.5 ms against 38.8 (H100, 2026-11-26).
+# - sum_of_squares: the Triton kernel, from the H100 profile of mpzero's GPT-2 step (bench_gpt2's log, 2026-11-26):
+#   the reference's fp64 casts were 31 launches and 0.63 ms of the step, beside as many dot products and adds, ~90
+#   launches for 124M gradients; the kernel makes 2 per run and reads 4 bytes per fp32 element where the reference
+#   moves 20. Its own time is bench_fused_gpu.py's `sum_of_squares` row, not yet measured on a GPU.
 CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton",
-               "cross_entropy": "compile"}
+               "cross_entropy": "compile", "sum_of_squares": "triton"}
 
 # --attention-backend, with Megatron-core's names and their meaning here:
 # - flash: torch's F.scaled_dot_product_attention, whose dispatcher picks FlashAttention-2, cuDNN or the

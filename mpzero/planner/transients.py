@@ -17,7 +17,8 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
   flash attention: --attention-backend flash or fused, and auto on a GPU);
 - the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
-  fp16's loss-scaled gradients), then, with gradients in the parameters' dtype (fp16, bf16 with
+  fp16's loss-scaled gradients; on a GPU, whose `sum_of_squares` kernel upcasts in registers, 8 bytes per 4096
+  elements of the largest run), then, with gradients in the parameters' dtype (fp16, bf16 with
   --grad-reduce-in-bf16), the fp32 cast of one bucket's shard at a time (4 x the largest shard: `Fp32Buckets`;
   with an offloaded optimizer two sub-groups' pieces, 4 x 2 min(G, S): `accounting.step_fp32_bytes`); the larger
   of the two.
@@ -27,8 +28,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 from __future__ import annotations
 
 from mpzero.activations import kept_chunk_tokens
-from mpzero.fused import planned_impl
-from mpzero.zero import NORM_CHUNK as CHUNK
+from mpzero.fused import planned_impl, sum_of_squares_bytes
 
 
 def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, fp32_grad_numel: int,
@@ -39,10 +39,11 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     v, h = config.padded_vocab_size(tp) // tp, config.hidden_size
     sb = seq * micro_batch
     tied = not config.untie_embeddings_and_output_weights
-    flash = config.planned_attention("cuda" if cuda else "cpu") in ("flash", "fused")
+    device = "cuda" if cuda else "cpu"
+    flash = config.planned_attention(device) in ("flash", "fused")
     attention = 0 if flash else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
     chunk, cast = config.cross_entropy_chunk_size, (e if e < 4 else 0)
-    fused = planned_impl("cross_entropy", "cuda" if cuda else "cpu", config.cross_entropy_impl) == "compile"
+    fused = planned_impl("cross_entropy", device, config.cross_entropy_impl) == "compile"
     if chunk:  # the kept last chunk worked on in place and cast; released, then each other chunk recomputed
         kept = kept_chunk_tokens(sb, chunk)
         kept_bytes, other_bytes = (e, 2 * e) if fused else (cast, 4 + cast)
@@ -52,5 +53,6 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     return {"cross entropy": cross_entropy,
             "vocabulary gradients": (3 if tied else 2) * e * v * h,
             "attention backward": attention,
-            "optimizer step": max((12 if loss_scaled and g < 4 else 8) * min(CHUNK, largest_run),
+            "optimizer step": max(sum_of_squares_bytes(largest_run, planned_impl("sum_of_squares", device),
+                                                       scaled=loss_scaled and g < 4),
                                   4 * fp32_grad_numel if g < 4 else 0)}

@@ -16,7 +16,6 @@ from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
-from mpzero.zero.norm import CHUNK as NORM_CHUNK
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
 from mpzero.zero.schedule3 import Replay, predicted_trace, recompute_chunks, stage3_working_set
 from mpzero.zero.stage3 import Stage3, assign_params, default_units, layer_units
@@ -24,7 +23,7 @@ from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
 __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "FlatLayout", "GradientCheck",
-           "MasterStore", "MemoryReport", "NORM_CHUNK", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig",
+           "MasterStore", "MemoryReport", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig",
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",

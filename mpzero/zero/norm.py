@@ -7,11 +7,11 @@ TP-replicated ones only on TP rank 0 (their gradients are identical on all TP ra
 over the world adds everything up.
 So the printed norm equals the single-process one.
 
-The squares are summed in fp64, run by run in chunks of `CHUNK` elements (an fp64 copy of at most one chunk
-exists at a time), and the ranks' partial sums are added as one fp64 scalar. An fp32 sum of millions of
-squares is off by ~1e-4 relative, and by a different amount for every way the stages partition it: the
-clipping coefficient then differs between layouts and their losses drift apart (issue 12). In fp64 the sum is
-exact to ~1e-15 whatever the partition, so every layout clips by the same factor.
+The squares are summed in fp64, run by run (`mpzero.fused.sum_of_squares`: on a CPU in chunks, an fp64 copy of at
+most one chunk at a time; on a GPU in one pass that upcasts in registers), and the ranks' partial sums are added as
+one fp64 scalar. An fp32 sum of millions of squares is off by ~1e-4 relative, and by a different amount for every
+way the stages partition it: the clipping coefficient then differs between layouts and their losses drift apart
+(issue 12). In fp64 the sum is exact to ~1e-15 whatever the partition, so every layout clips by the same factor.
 
 Nothing here reads the device: the optimizer reads the squared norm (fp16: with the overflow check folded in)
 together with the training loop's own scalars in one copy (`read_to_host`), once per iteration (issue 26).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from mpzero.fused import sum_of_squares
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import TensorPlacement
 from mpzero.zero.flat import FlatLayout
@@ -43,22 +44,6 @@ def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement],
                 else:
                     runs.append((bucket, start, end))
     return runs
-
-
-CHUNK = 1 << 22  # elements squared per fp64 pass: a 32 MiB temporary, whatever the bucket size
-
-
-def sum_of_squares(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """sum((scale x)**2) of a 1-D tensor as an fp64 scalar on x's device, accumulated in fp64 chunk by chunk;
-    `scale` applies to the chunk cast to fp32 (the values the step's fp32 gradients will hold: `Fp32Buckets`)."""
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for start in range(0, x.numel(), CHUNK):
-        chunk = x[start:start + CHUNK]
-        if scale != 1.0:  # on a copy: fp32 gradients keep their values
-            chunk = chunk.to(torch.float32, copy=True).mul_(scale)
-        chunk = chunk.to(torch.float64)  # exact from fp32, bf16 and fp16
-        total += torch.dot(chunk, chunk)
-    return total
 
 
 def grad_norm_squared(grads: list[torch.Tensor], runs: list[tuple[int, int, int]], groups: ParallelGroups,

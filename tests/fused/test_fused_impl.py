@@ -13,9 +13,10 @@ from mpzero.fused import (adamw_step, layer_norm, layer_norm_reference, resolve_
 def test_auto_resolves_to_the_measured_cpu_choice():
     # The decision recorded in bench/README.md from bench/bench_fused_cpu.py: F.layer_norm is one native
     # kernel, compiled softmax loses at small shapes, torch's fused AdamW is 4.6-6.3x eager; RMSNorm's Triton
-    # kernel runs on CPU only under the interpreter, so its reference; the cross entropy's reference (see CPU_CHOICE).
+    # kernel runs on CPU only under the interpreter, so its reference, as the norm's sum of squares; the cross
+    # entropy's reference (see CPU_CHOICE).
     assert resolved_impls("cpu") == {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "torch",
-                                     "adamw_step": "torch_fused", "cross_entropy": "torch"}
+                                     "adamw_step": "torch_fused", "cross_entropy": "torch", "sum_of_squares": "torch"}
     assert resolved_impls(torch.device("cpu")) == resolved_impls("cpu")
     assert resolve_impl("adamw_step", torch.device("cpu"), "compile") == "compile"
 

@@ -21,12 +21,14 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
     compiled = {tuple(line.split()[1:3]) for line in proc.stdout.splitlines() if line.startswith("ok ")}
     # Every variant the fused ops launch, enumerated here: LayerNorm and RMSNorm forward and backward per dtype, softmax
     # forward, causal forward and backward per dtype, and AdamW per (gradient dtype, model copy dtype) pair
-    # the optimizer uses (fp32 training; bf16/fp16 mixed precision with fp32 or low-precision gradients).
+    # the optimizer uses (fp32 training; bf16/fp16 mixed precision with fp32 or low-precision gradients), and the
+    # norm's sum of squares per gradient dtype, unscaled and loss-scaled.
     dtypes = ("fp32", "fp16", "bf16")
     names = ([f"{norm}_{d}_{t}" for norm in ("layer_norm", "rms_norm") for t in dtypes for d in ("fwd", "bwd")]
              + [f"softmax_{d}_{t}" for t in dtypes for d in ("fwd", "fwd_causal", "bwd")]
              + [f"adamw_grad_{g}_copy_{c}" for g, c in (("fp32", "none"), ("fp32", "bf16"), ("fp32", "fp16"),
-                                                       ("bf16", "bf16"), ("fp16", "fp16"))])
+                                                       ("bf16", "bf16"), ("fp16", "fp16"))]
+             + [f"sum_of_squares_{t}{s}" for t in dtypes for s in ("", "_scaled")])
     expected = {(name, f"sm_{cc}") for name in names for cc in (80, 90)}
-    assert len(expected) == 2 * 26  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5 grad/copy variants
+    assert len(expected) == 2 * 32  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5, sum of squares 6
     assert compiled == expected
