@@ -1,0 +1,124 @@
+"""1-D parameters' gradients delivered by runs (`mpzero.zero.grads.VectorRun`): held until the last of a run arrives,
+then added with one concatenation and one add. The buffers hold bitwise what one add per parameter leaves; a run
+whose member got no gradient is flushed at the end of backward; a GPU launches 2 kernels per run instead of one per
+parameter (counted here as the adds into the fp32 buffers)."""
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import mark_replicated
+from mpzero.zero.flat import bucket_layouts
+from mpzero.zero.grads import ReplicatedGrads, ShardedGrads, vector_runs
+from mpzero.zero.meter import TransientMeter
+from tests.zero_toy import make_batches, make_model
+
+
+def _layouts(model, bucket_numel=10 ** 9):
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return bucket_layouts(named, bucket_numel, 1, 0)
+
+
+def test_a_run_is_every_1d_parameter_of_a_bucket_side_by_side():
+    model = make_model(num_layers=3)
+    (layout,) = _layouts(model)
+    (run,) = vector_runs(layout, 0)
+    vectors = [p for p in layout.params if p.dim() == 1]
+    assert list(run.params) == vectors and len(vectors) == 3 * 4 + 2  # per block: norm w, b, fc1 b, fc2 b; final norm
+    assert run.end - run.start == sum(p.numel() for p in vectors) and run.end == layout.numel
+
+
+class _AddsIntoFp32(TorchDispatchMode):
+    """Counts in-place adds into fp32 tensors (the collector's; autograd's own sums are in the bf16 model's dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.add_.Tensor and args[0].dtype == torch.float32:
+            self.adds += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _collect(model, layouts, grads, batches):
+    """Backward of each micro-batch through `grads`; returns the number of adds into its fp32 buffers."""
+    counter = _AddsIntoFp32()
+    for m, micro in enumerate(batches):
+        tokens, labels = micro[0]
+        loss = model(tokens, labels).mean() / len(batches)
+        grads.begin_backward(last_micro_batch=m == len(batches) - 1)
+        with counter:
+            loss.backward()
+        grads.end_backward()
+    return counter.adds
+
+
+def _per_parameter_sums(model, layouts, batches):
+    """What one add per parameter and micro-batch leaves in fp32 buffers, in the same order."""
+    flats = [torch.zeros(layout.padded_numel) for layout in layouts]
+    places = [(flat, layout, i) for flat, layout in zip(flats, layouts) for i in range(len(layout.params))]
+    for micro in batches:
+        tokens, labels = micro[0]
+        loss = model(tokens, labels).mean() / len(batches)
+        grads = torch.autograd.grad(loss, [layout.params[i] for _, layout, i in places])
+        for (flat, layout, i), grad in zip(places, grads):
+            layout.param_view(flat, i).view(-1).add_(grad.reshape(-1))
+    return flats
+
+
+def test_the_buffers_are_bitwise_those_of_one_add_per_parameter_at_stages_0_to_3():
+    batches = make_batches(1, 2, 1)[0]
+    for sharded in (False, True):
+        model = make_model(num_layers=2).to(torch.bfloat16)
+        layouts = _layouts(model, bucket_numel=300)  # several buckets, each with its own run
+        dp = init_parallel(1).dp
+        if sharded:
+            grads = ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
+        else:
+            grads = ReplicatedGrads(layouts, dp, torch.float32, "cpu", True, "all_reduce")
+        adds = _collect(model, layouts, grads, batches)
+        got = grads.shards if sharded else grads.flats
+        assert all(torch.equal(g, w) for g, w in zip(got, _per_parameter_sums(model, layouts, batches)))
+        if sharded:
+            continue  # its later micro-batches also add reduced slices into the shards
+        runs = [run for b, layout in enumerate(layouts) for run in vector_runs(layout, b)]
+        params = [p for layout in layouts for p in layout.params]
+        in_runs = sum(len(run.params) for run in runs)
+        assert len(runs) >= 2 and in_runs > len(runs)
+        # per micro-batch: one add per run and one per parameter outside the runs
+        assert adds == 2 * (len(runs) + len(params) - in_runs)
+
+
+class _UnusedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.bias = nn.Parameter(torch.randn(4))
+        self.scale = nn.Parameter(torch.randn(4))
+        self.unused = nn.Parameter(torch.randn(4))  # a run member that receives no gradient
+
+    def forward(self, x):
+        return ((x @ self.weight.t() + self.bias) * self.scale).sum()
+
+
+def test_a_run_with_a_member_that_got_no_gradient_is_flushed_at_the_end_of_backward():
+    model = mark_replicated(_UnusedBias())
+    layouts = _layouts(model)
+    (run,) = vector_runs(layouts[0], 0)
+    assert len(run.params) == 3
+    ready = []
+    grads = ReplicatedGrads(layouts, init_parallel(1).dp, torch.float32, "cpu", True, "all_reduce")
+    grads.collector._on_ready = ready.append  # the bucket never completes: `unused` has no gradient
+    x = torch.randn(3, 4)
+    grads.begin_backward(last_micro_batch=True)
+    model(x).backward()
+    grads.end_backward()
+    expected = torch.autograd.grad(model(x), [model.bias, model.scale])
+    layout = layouts[0]
+    index = {name: i for i, name in enumerate(layout.names)}
+    for name, grad in zip(("bias", "scale"), expected):
+        assert torch.equal(layout.param_view(grads.flats[0], index[name]), grad)
+    assert torch.equal(layout.param_view(grads.flats[0], index["unused"]), torch.zeros(4))
+    assert ready == [] and model.bias.grad is None and model.scale.grad is None
