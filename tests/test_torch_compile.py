@@ -1,12 +1,20 @@
-"""--torch-compile (each TransformerLayer's forward through torch.compile, inductor's C++ backend on this CPU)
-against the eager run through the CLI: the same losses and gradient norms within 1e-5 relative in fp32 (inductor
-fuses elementwise chains and reorders reductions: float rounding, never a different computation), at TP 1 with
-ZeRO-1, and at TP 2 with ZeRO-3 (its gather/release hooks around the compiled forward), sequence parallelism
-and selective recomputation; bf16 within 2e-2 (one bf16 rounding of a fused chain differs from the eager op-by-op
-roundings). Dropout is 0: compiled dropout draws its masks from inductor's generator. Compilation costs seconds
-per rank: the models are tiny and the runs share the run's one inductor cache and compile in their own process
+"""--torch-compile (each TransformerLayer's forward through torch.compile, inductor's C++ backend on this CPU; where
+nothing between the layers runs eagerly, all of them as one compiled region) against the eager run through the CLI:
+the same losses and gradient norms within 1e-5 relative in fp32 (inductor fuses elementwise chains and reorders
+reductions: float rounding, never a different computation), at TP 1 with ZeRO-1 (one region) and ZeRO-3 (its
+gather/release hooks around each compiled layer), and at TP 2 with ZeRO-3, sequence parallelism and selective
+recomputation; bf16 within 2e-2 (one bf16 rounding of a fused chain differs from the eager op-by-op roundings).
+Dropout is 0: compiled dropout draws its masks from inductor's generator. Compilation costs seconds per rank: the
+models are tiny and the runs share the run's one inductor cache and compile in their own process
 (tests/conftest.py)."""
 
+import pytest
+import torch
+
+from mpzero.activations import COMPILED_LAYERS, SavedBytesCounter
+from mpzero.models import GPTConfig, GPTModel
+from mpzero.models.gpt import stack_compilable
+from mpzero.parallel import init_parallel
 from tests.cli import TINY, assert_close_lists, main_capturing_stdout
 from tests.distributed import run_ranks
 
@@ -24,10 +32,52 @@ def _losses_and_norms(world, flags):
     return eager, compiled, stdout
 
 
-def test_compiled_layers_match_eager_at_tp1_zero1():
-    eager, compiled, _ = _losses_and_norms(1, ["--zero-stage", "1"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_compiled_layers_match_eager_at_tp1(stage):
+    eager, compiled, stdout = _losses_and_norms(1, ["--zero-stage", str(stage)])
     assert_close_lists(compiled["losses"], eager["losses"], rel=1e-5)
     assert_close_lists(compiled["grad_norms"], eager["grad_norms"], rel=1e-5)
+    # TP 1, no recomputation: the layers run as one region, unless ZeRO-3's hooks must run around each
+    assert ("(one compiled region)" in stdout) is (stage == 1)
+
+
+def _tiny(**overrides) -> GPTConfig:
+    return GPTConfig(**{"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "vocab_size": 50,
+                        "max_position_embeddings": 8, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                        "torch_compile": True, **overrides})
+
+
+def _regions(overrides: dict, hooked: bool = False) -> tuple[set, int]:
+    """(the activation regions a --torch-compile'd forward's saved tensors were counted in, the layers' forward
+    pre-hook calls); `hooked`: each layer has one, as ZeRO-3 gives them."""
+    from mpzero.tensor_parallel import seed_everything
+    model = GPTModel(_tiny(**overrides), init_parallel(1).tp, seed_everything(1, 0, torch.device("cpu")))
+    calls = []
+    if hooked:
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda module, args: calls.append(module))
+    counter = SavedBytesCounter(model)
+    tokens = torch.randint(0, 50, (2, 8))
+    with counter.counting():
+        loss = model(tokens, tokens, reduction="mean")
+    loss.backward()
+    return {region for region, nbytes in counter.device_bytes.items() if nbytes}, len(calls)
+
+
+@pytest.mark.parametrize("overrides, one_region", [({}, True), ({"recompute_activations": True}, False),
+                                                   ({"recompute_granularity": "full"}, False),
+                                                   ({"offload_activations": "cpu"}, False)],
+                         ids=["plain", "selective", "full", "host-activations"])
+def test_the_layers_are_one_compiled_region_only_where_nothing_between_them_runs_eagerly(overrides, one_region):
+    config = _tiny(**overrides)
+    assert stack_compilable(config, 1) is one_region and not stack_compilable(config, 2)
+    if one_region:
+        assert run_ranks(1, _regions, overrides, deadline=300)[0] == ({COMPILED_LAYERS, None}, 0)
+
+
+def test_layers_with_forward_hooks_run_region_by_region():
+    # ZeRO-3 gathers and releases each layer's parameters from forward hooks: they must run around each layer
+    assert run_ranks(1, _regions, {}, hooked=True, deadline=300)[0] == ({0, 1, None}, 2)
 
 
 def test_compiled_layers_match_eager_at_tp2_zero3_sp_selective():

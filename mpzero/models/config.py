@@ -154,7 +154,7 @@ class GPTConfig(TransformerArchitecture):
     softmax_impl: str = "auto"  # --no-masked-softmax-fusion gives "torch"
     use_flash_attn: bool = False  # --use-flash-attn: Megatron's older spelling of attention_backend "flash"
     attention_backend: str = "auto"  # --attention-backend: flash, fused, unfused, local (mpzero.fused.impl)
-    torch_compile: bool = False  # --torch-compile: each TransformerLayer's forward through torch.compile
+    torch_compile: bool = False  # --torch-compile: each TransformerLayer's forward through torch.compile (gpt.py)
     seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
