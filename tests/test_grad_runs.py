@@ -12,6 +12,7 @@ from mpzero.tensor_parallel import mark_replicated
 from mpzero.zero.flat import bucket_layouts
 from mpzero.zero.grads import ReplicatedGrads, ShardedGrads, vector_runs
 from mpzero.zero.meter import TransientMeter
+from tests.distributed import run_ranks
 from tests.zero_toy import make_batches, make_model
 
 
@@ -69,6 +70,10 @@ def _per_parameter_sums(model, layouts, batches):
 
 
 def test_the_buffers_are_bitwise_those_of_one_add_per_parameter_at_stages_0_to_3():
+    run_ranks(1, _bitwise_at_stages_0_to_3)  # a world of one in its own process (the DP group)
+
+
+def _bitwise_at_stages_0_to_3():
     batches = make_batches(1, 2, 1)[0]
     for sharded in (False, True):
         model = make_model(num_layers=2).to(torch.bfloat16)
@@ -104,6 +109,10 @@ class _UnusedBias(nn.Module):
 
 
 def test_a_run_with_a_member_that_got_no_gradient_is_flushed_at_the_end_of_backward():
+    run_ranks(1, _flushed)
+
+
+def _flushed():
     model = mark_replicated(_UnusedBias())
     layouts = _layouts(model)
     (run,) = vector_runs(layouts[0], 0)
