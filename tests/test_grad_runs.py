@@ -1,5 +1,6 @@
-"""1-D parameters' gradients delivered by runs (`mpzero.zero.grads.VectorRun`): held until the last of a run arrives,
-then added with one concatenation and one add. The buffers hold bitwise what one add per parameter leaves; a run
+"""1-D parameters' gradients delivered by runs at stages 0-1 (`mpzero.zero.grads.VectorRun`): held until the last of
+a run arrives, then added with one concatenation and one add (stages 2-3 deliver each parameter: the in-step peak
+replays when each bucket's full buffer is made). The buffers hold bitwise what one add per parameter leaves; a run
 whose member got no gradient is flushed at the end of backward; a GPU launches 2 kernels per run instead of one per
 parameter (counted here as the adds into the fp32 buffers)."""
 
@@ -73,7 +74,7 @@ def test_the_buffers_are_bitwise_those_of_one_add_per_parameter_at_stages_0_to_3
     run_ranks(1, _bitwise_at_stages_0_to_3)  # a world of one in its own process (the DP group)
 
 
-def _bitwise_at_stages_0_to_3():
+def _bitwise_at_stages_0_to_3():  # stages 2-3 (ShardedGrads) deliver each parameter: the same sums
     batches = make_batches(1, 2, 1)[0]
     for sharded in (False, True):
         model = make_model(num_layers=2).to(torch.bfloat16)

@@ -3,9 +3,9 @@
 `GradCollector` hooks every parameter's post-accumulate-grad event: the fresh gradient is added into
 the parameter's place in its bucket's flat buffer (upcast to the buffer's dtype: bf16 gradients
 accumulate in fp32) and `param.grad` is dropped, so autograd's copy lives only until its hook runs.
-1-D parameters (biases, norm weights) lie side by side in a bucket (`flat.build_layout` puts the weight-decay-free
-ones last): their gradients are held until the last of their run arrives, then added with one concatenation and
-one add (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's 148, each a few
+At stages 0-1, 1-D parameters (biases, norm weights) lie side by side in a bucket (`flat.build_layout` puts the
+weight-decay-free ones last): their gradients are held until the last of their run arrives, then added with one
+concatenation and one add (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's 148, each a few
 thousand elements; the values and the order of the additions are the same, so the buffers are bitwise the same.
 A bucket is reported ready once every parameter in it has delivered; this also holds under reentrant
 activation checkpointing, where the hooks fire inside the recomputation's inner backward. A parameter
@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 class GradCollector:
     def __init__(self, layouts: list[FlatLayout], buffer_of: Callable[[int], torch.Tensor],
-                 on_ready: Callable[[int], None]):
+                 on_ready: Callable[[int], None], hold_runs: bool):
+        """hold_runs: deliver 1-D parameters by runs (`VectorRun`); only where the buffers persist (stages 0-1):
+        at stages 2-3 a bucket's full buffer is made at its first delivery, and the in-step peak replays when."""
         self._buffer_of, self._on_ready = buffer_of, on_ready
         self._place = {}  # param -> (bucket, offset, numel)
         self._runs: list[VectorRun] = []
@@ -55,7 +57,7 @@ class GradCollector:
         for b, layout in enumerate(layouts):
             for param, offset, shape in zip(layout.params, layout.offsets, layout.shapes):
                 self._place[param] = (b, offset, shape.numel())
-            for run in vector_runs(layout, b):
+            for run in vector_runs(layout, b) if hold_runs else ():
                 self._runs.append(run)
                 self._run_of.update(dict.fromkeys(run.params, run))
         self._members = [set(layout.params) for layout in layouts]
@@ -157,7 +159,7 @@ class ReplicatedGrads(OffloadHolder):
         self.flats = [torch.zeros(l.padded_numel, dtype=dtype, device=device) for l in layouts]
         self.shards = [f[l.shard_start:l.shard_start + l.shard_numel] for f, l in zip(self.flats, layouts)]
         self._communicate, self._handles, self._launched = False, [], set()
-        self.collector = GradCollector(layouts, self.flats.__getitem__, self._ready)
+        self.collector = GradCollector(layouts, self.flats.__getitem__, self._ready, hold_runs=True)
 
     def begin_backward(self, last_micro_batch: bool) -> None:
         self._communicate = last_micro_batch
@@ -249,7 +251,7 @@ class ShardedGrads(OffloadHolder):
         largest = max((l.shard_numel for l in layouts), default=0)
         self._landing = (torch.empty(largest, dtype=dtype, pin_memory=pin) if host and cuda and file is None
                          else None)
-        self.collector = GradCollector(layouts, self._full_buffer, self._ready)
+        self.collector = GradCollector(layouts, self._full_buffer, self._ready, hold_runs=False)
 
     def _add(self, nbytes: int) -> None:
         self._meter.add(nbytes)
