@@ -11,7 +11,7 @@ from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTE
                                         ActivationSetting, Term, check_setting)
 
 __all__ = ["COMPILED_LAYERS", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS",
-           "ActivationFormula",
-           "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula", "activation_line",
-           "activation_region", "check_setting", "host_offload", "kept_chunk_tokens", "layer_formula", "layer_kinds",
-           "mode_name", "modeled", "outside_terms", "paper_row", "rank_report", "report_activation_memory"]
+           "ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula",
+           "activation_line", "activation_region", "check_setting", "host_offload", "kept_chunk_tokens",
+           "layer_formula", "layer_kinds", "mode_name", "modeled", "outside_terms", "paper_row", "rank_report",
+           "report_activation_memory"]

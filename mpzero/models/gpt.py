@@ -151,9 +151,9 @@ def compile_layers(layers: nn.ModuleList) -> None:
 def stack_compilable(config: GPTConfig, tp_size: int) -> bool:
     """Whether --torch-compile also compiles the loop over all the layers as one region: one compiled call per
     forward and one per backward instead of one per layer. Each call of a compiled region costs host time (guards,
-    the autograd wrapper) that a launch-bound GPU step waits for: a GPT-2-shaped 12-layer step on this project's
-    CPU, where the compute is negligible, takes 11.2 ms with one region against 14.1 with twelve (the per-layer
-    regions' host cost; bench/README.md). Only where nothing between the layers must run eagerly: no recomputation
+    the autograd wrapper) that a launch-bound GPU step waits for: a GPT-2-deep step at a width where the compute is
+    negligible takes 12.5 ms of host time with one region against 15.4 with twelve (bench/bench_host.py, 1 CPU
+    thread; eager + torch.compile 11.1). Only where nothing between the layers must run eagerly: no recomputation
     (full recomputes chunks of layers in eager Python, selective forks the RNG tracker inside a layer), no
     activations in host memory, TP 1 (a layer's collectives would break the graph at every layer); ZeRO-3's
     gather and release hooks on the layers are checked at each forward (`_layers`)."""
@@ -161,7 +161,8 @@ def stack_compilable(config: GPTConfig, tp_size: int) -> bool:
 
 
 def _has_module_hooks(layers: nn.ModuleList) -> bool:
-    """Forward hooks on a layer (ZeRO-3's gather and release): they run around each layer, outside compiled code."""
+    """Forward hooks on a layer (ZeRO-3's gather and release): they run around each layer, outside compiled code.
+    (nn.Module has no public accessor for its hooks.)"""
     return any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
 
 

@@ -5,8 +5,9 @@ the parameter's place in its bucket's flat buffer (upcast to the buffer's dtype:
 accumulate in fp32) and `param.grad` is dropped, so autograd's copy lives only until its hook runs.
 At stages 0-1, 1-D parameters (biases, norm weights) lie side by side in a bucket (`flat.build_layout` puts the
 weight-decay-free ones last): their gradients are held until the last of their run arrives, then added with one
-concatenation and one add (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's 148, each a few
-thousand elements; the values and the order of the additions are the same, so the buffers are bitwise the same.
+concatenation and one add (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's
+148, each a few thousand elements; the values and the order of the additions are the same, so the buffers are
+bitwise the same.
 A bucket is reported ready once every parameter in it has delivered; this also holds under reentrant
 activation checkpointing, where the hooks fire inside the recomputation's inner backward. A parameter
 that delivers again after its bucket was reported (used in two reentrant regions) is recorded as late.
