@@ -21,22 +21,10 @@ import time
 
 import torch
 
-import mpzero.models.gpt as gpt
 from mpzero.parallel import init_parallel
 from tests.gpu.check.gpt2_step import Shape, eager_step, mpzero_step
 
 SHAPE = Shape(num_layers=12, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=500)
-
-
-def _per_layer_regions(groups, inputs, labels):
-    """mpzero --torch-compile with one compiled region per layer: the model built as if the layers could not be
-    one region."""
-    stack_compilable = gpt.stack_compilable
-    gpt.stack_compilable = lambda config, tp_size: False
-    try:
-        return mpzero_step(SHAPE, groups, inputs, labels, "auto", compiled=True)
-    finally:
-        gpt.stack_compilable = stack_compilable
 
 
 def main(argv=None) -> None:
@@ -50,7 +38,8 @@ def main(argv=None) -> None:
     builders = {"eager PyTorch": lambda: eager_step(SHAPE, inputs, labels, False),
                 "eager + torch.compile": lambda: eager_step(SHAPE, inputs, labels, True),
                 "mpzero defaults": lambda: mpzero_step(SHAPE, groups, inputs, labels, "auto"),
-                "mpzero --torch-compile, a region per layer": lambda: _per_layer_regions(groups, inputs, labels),
+                "mpzero --torch-compile, a region per layer": lambda: mpzero_step(SHAPE, groups, inputs, labels, "auto",
+                                                                                  compiled=True, one_region=False),
                 "mpzero --torch-compile (one region)": lambda: mpzero_step(SHAPE, groups, inputs, labels, "auto",
                                                                            compiled=True)}
     steps = {name: build()[0] for name, build in builders.items()}

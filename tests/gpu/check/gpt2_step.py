@@ -43,8 +43,8 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool):
     import torch
     from bench.baselines import eager_gpt2
     torch.manual_seed(1234)  # the same weights with and without torch.compile
-    model = eager_gpt2(gpt_config(shape).padded_vocab_size(1), shape.hidden_size, shape.num_layers, shape.num_attention_heads,
-                       shape.seq_length).to(inputs.device)
+    model = eager_gpt2(gpt_config(shape).padded_vocab_size(1), shape.hidden_size, shape.num_layers,
+                       shape.num_attention_heads, shape.seq_length).to(inputs.device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     run = torch.compile(model) if compiled else model
     losses = []
@@ -60,16 +60,25 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool):
     return step, losses
 
 
-def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False):
+def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False,
+                one_region: bool = True):
     """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses). `compiled`:
-    --torch-compile; `fused_loss`: --cross-entropy-loss-fusion."""
+    --torch-compile; `fused_loss`: --cross-entropy-loss-fusion; `one_region` False: the compiled layers one region
+    each, as a run that cannot compile them as one (ZeRO-3, TP > 1, recomputation) does."""
+    import mpzero.models.gpt as gpt
     from mpzero.models import GPTModel
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 
     config = gpt_config(shape, attention_backend=backend, torch_compile=compiled,
                         cross_entropy_impl="compile" if fused_loss else "auto")
-    model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
+    stack_compilable = gpt.stack_compilable
+    if not one_region:
+        gpt.stack_compilable = lambda config, tp_size: False
+    try:
+        model = GPTModel(config, groups.tp, seed_everything(1234, 0, groups.device), device=groups.device)
+    finally:
+        gpt.stack_compilable = stack_compilable
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
                                                                       clip_grad=1.0), PrecisionConfig("bf16"))
     losses = []
@@ -94,7 +103,9 @@ def variants(shape: Shape, groups, inputs, labels) -> list:
             ("mpzero --torch-compile --cross-entropy-loss-fusion",
              lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, True)),
             ("mpzero --attention-backend local (core attention, Triton softmax)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "local"))]
+             lambda: mpzero_step(shape, groups, inputs, labels, "local")),
+            ("mpzero --torch-compile, a compiled region per layer (as at ZeRO-3, TP > 1, recomputation)",
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, one_region=False))]
 
 
 def _sync_time(fn, steps: int) -> float:
