@@ -1,4 +1,4 @@
-"""1-D parameters' gradients delivered by runs at stages 0-1 (`mpzero.zero.grads.VectorRun`): held until the last of
+"""1-D parameters' gradients delivered by runs at stages 0-1 (`mpzero.zero.collector.VectorRun`): held until the last of
 a run arrives, then added with one concatenation and one add (stages 2-3 deliver each parameter: the in-step peak
 replays when each bucket's full buffer is made). The buffers hold bitwise what one add per parameter leaves; a run
 whose member got no gradient is flushed at the end of backward; a GPU launches 2 kernels per run instead of one per
@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import mark_replicated
 from mpzero.zero.flat import bucket_layouts
-from mpzero.zero.grads import ReplicatedGrads, ShardedGrads, vector_runs
+from mpzero.zero.collector import vector_runs
+from mpzero.zero.grads import ReplicatedGrads, ShardedGrads
 from mpzero.zero.meter import TransientMeter
 from tests.distributed import run_ranks
 from tests.zero_toy import make_batches, make_model
