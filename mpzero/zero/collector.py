@@ -11,11 +11,15 @@ bitwise the same.
 A bucket is reported ready once every parameter in it has delivered; this also holds under reentrant activation
 checkpointing, where the hooks fire inside the recomputation's inner backward. A parameter that delivers again after
 its bucket was reported (used in two reentrant regions) is recorded as late. The reductions are grads.py's.
+The hooks run once per parameter per backward, on the host time a launch-bound GPU step waits for: their
+bookkeeping is by parameter index in lists (a tensor key hashes through a Python call) and each parameter's hook is
+bound to its index.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -29,71 +33,86 @@ class GradCollector:
         """hold_runs: deliver 1-D parameters by runs (`VectorRun`); only where the buffers persist (stages 0-1):
         at stages 2-3 a bucket's full buffer is made at its first delivery, and the in-step peak replays when."""
         self._buffer_of, self._on_ready = buffer_of, on_ready
-        self._place = {}  # param -> (bucket, offset, numel)
-        self._runs: list[VectorRun] = []
-        self._run_of: dict[torch.Tensor, VectorRun] = {}
+        self._bucket, self._start, self._end, self._run_of = [], [], [], []  # by parameter index
+        self._sizes = []  # parameters per bucket
+        self._runs: list[tuple[VectorRun, tuple[int, ...]]] = []  # a run and its members' indices
         for b, layout in enumerate(layouts):
-            for param, offset, shape in zip(layout.params, layout.offsets, layout.shapes):
-                self._place[param] = (b, offset, shape.numel())
+            first = len(self._bucket)
+            for offset, shape in zip(layout.offsets, layout.shapes):
+                self._bucket.append(b)
+                self._start.append(offset)
+                self._end.append(offset + shape.numel())
+                self._run_of.append(None)
             for run in vector_runs(layout, b) if hold_runs else ():
-                self._runs.append(run)
-                self._run_of.update(dict.fromkeys(run.params, run))
-        self._members = [set(layout.params) for layout in layouts]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._deliver) for p in self._place]
+                members = tuple(first + j for j in run.indices)
+                for i in members:
+                    self._run_of[i] = len(self._runs)
+                self._runs.append((run, members))
+            self._sizes.append(len(layout.params))
+        params = [p for layout in layouts for p in layout.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._deliver, i)) for i, p in enumerate(params)]
         self.reset()
 
     def reset(self) -> None:
-        self._waiting = [set(members) for members in self._members]
-        self._held: dict[torch.Tensor, torch.Tensor] = {}  # param -> its gradient, waiting for the rest of its run
-        self._arrived: set[torch.Tensor] = set()  # run members whose first gradient of this backward arrived
-        self._unheld = {run: len(run.params) for run in self._runs}  # run -> members not yet arrived
+        n = len(self._bucket)
+        self._waiting = list(self._sizes)  # per bucket: parameters that have not delivered in this backward
+        self._delivered = [False] * n
+        self._held: list[torch.Tensor | None] = [None] * n  # a run member's gradient, waiting for the rest of its run
+        self._arrived = [False] * n  # run members whose first gradient of this backward arrived
+        self._unheld = [len(members) for _, members in self._runs]  # per run: members not yet arrived
         self.late: set[int] = set()
 
-    def _deliver(self, param: torch.Tensor) -> None:
+    def _deliver(self, i: int, param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
-        bucket, offset, numel = self._place[param]
-        run = self._run_of.get(param)
-        if run is not None and param not in self._arrived and self._waiting[bucket]:
-            self._arrived.add(param)
-            self._held[param] = grad
+        bucket, run = self._bucket[i], self._run_of[i]
+        if run is not None and not self._arrived[i] and self._waiting[bucket]:
+            self._arrived[i] = True
+            self._held[i] = grad
             self._unheld[run] -= 1
             if not self._unheld[run]:
                 self._mark_delivered(bucket, self._fold(run))
             return
         # One parameter: a matrix, or a late or repeated gradient (added after the one held, in that order)
-        target = self._buffer_of(bucket)[offset:offset + numel]
-        if param in self._held:
-            target.add_(self._held.pop(param).reshape(-1))
+        target = self._buffer_of(bucket)[self._start[i]:self._end[i]]
+        held, self._held[i] = self._held[i], None
+        if held is not None:
+            target.add_(held.reshape(-1))
         target.add_(grad.reshape(-1))
-        self._mark_delivered(bucket, (param,))
+        self._mark_delivered(bucket, (i,))
 
-    def _fold(self, run: VectorRun) -> list[torch.Tensor]:
-        """The run's held gradients into its region of the flat buffer, returning their parameters: all of them
+    def _fold(self, run: int) -> list[int]:
+        """The run's held gradients into its region of the flat buffer, returning their indices: all of them
         with one concatenation and one add (a GPU launches 2 kernels, not one per parameter); if a member was
         delivered on its own (a repeated gradient), the others one by one."""
-        flat, members = self._buffer_of(run.bucket), [p for p in run.params if p in self._held]
-        if len(members) == len(run.params):
-            flat[run.start:run.end].add_(torch.cat([self._held.pop(p).reshape(-1) for p in members]))
-            return members
-        for param in members:
-            _, offset, numel = self._place[param]
-            flat[offset:offset + numel].add_(self._held.pop(param).reshape(-1))
-        return members
+        vector_run, members = self._runs[run]
+        flat, held = self._buffer_of(vector_run.bucket), [i for i in members if self._held[i] is not None]
+        if len(held) == len(members):
+            flat[vector_run.start:vector_run.end].add_(torch.cat([self._take(i).reshape(-1) for i in held]))
+            return held
+        for i in held:
+            flat[self._start[i]:self._end[i]].add_(self._take(i).reshape(-1))
+        return held
 
-    def _mark_delivered(self, bucket: int, params) -> None:
-        waiting = self._waiting[bucket]
-        if not waiting:
+    def _take(self, i: int) -> torch.Tensor:
+        grad, self._held[i] = self._held[i], None
+        return grad
+
+    def _mark_delivered(self, bucket: int, indices) -> None:
+        if not self._waiting[bucket]:
             self.late.add(bucket)
             return
-        waiting.difference_update(params)
-        if not waiting:
+        for i in indices:
+            if not self._delivered[i]:
+                self._delivered[i] = True
+                self._waiting[bucket] -= 1
+        if not self._waiting[bucket]:
             self._on_ready(bucket)
 
     def flush(self) -> None:
         """End of backward: gradients still held (a run with a member that received none) go into their buffers."""
-        for run in self._runs:
-            if any(p in self._held for p in run.params):
-                self._mark_delivered(run.bucket, self._fold(run))
+        for run, (vector_run, members) in enumerate(self._runs):
+            if any(self._held[i] is not None for i in members):
+                self._mark_delivered(vector_run.bucket, self._fold(run))
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +121,7 @@ class VectorRun:
     `flat.build_layout`): elements [start, end) of the bucket's flat buffer."""
     bucket: int
     params: tuple[torch.Tensor, ...]
+    indices: tuple[int, ...]  # the params' places in the layout
     start: int
     end: int
 
@@ -117,7 +137,7 @@ def vector_runs(layout: FlatLayout, bucket: int) -> list[VectorRun]:
             continue
         if len(current) >= 2:
             first, last = current[0], current[-1]
-            runs.append(VectorRun(bucket, tuple(layout.params[j] for j in current), layout.offsets[first],
-                                  layout.offsets[last] + layout.shapes[last].numel()))
+            runs.append(VectorRun(bucket, tuple(layout.params[j] for j in current), tuple(current),
+                                  layout.offsets[first], layout.offsets[last] + layout.shapes[last].numel()))
         current = []
     return runs
