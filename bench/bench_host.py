@@ -8,7 +8,8 @@ mpzero's ZeRO-1 bf16 step with its defaults and with --torch-compile) at GPT-2's
 the step's time is what the host does: Python, dispatch, autograd, the compiled regions' wrappers. On an H100 a
 GPT-2 124M step is host-bound in part: eager + torch.compile's kernels took 21.6 ms of a 25.5 ms step, mpzero's 21.6
 of 27.6 (bench/README.md, "On one H100, again"). mpzero with --torch-compile is measured twice: as a TP 1 run
-compiles it (all layers one region) and with one region per layer (as a ZeRO-3, TP > 1 or recomputing run does).
+compiles it (embedding, layers and final norm one region) and with one region per layer (as a ZeRO-3, TP > 1 or
+recomputing run does).
 Rounds interleave the variants (each round: 5 steps of each); medians; ratio = eager + compile's time / the
 variant's (above 1: less host time than eager + compile).
 """

@@ -1,17 +1,16 @@
 """--torch-compile (each TransformerLayer's forward through torch.compile, inductor's C++ backend on this CPU; where
-nothing between the layers runs eagerly, all of them as one compiled region) against the eager run through the CLI:
-the same losses and gradient norms within 1e-5 relative in fp32 (inductor fuses elementwise chains and reorders
-reductions: float rounding, never a different computation), at TP 1 with ZeRO-1 (one region) and ZeRO-3 (its
-gather/release hooks around each compiled layer), and at TP 2 with ZeRO-3, sequence parallelism and selective
+nothing in the trunk runs eagerly, embedding, layers and final norm as one compiled region) against the eager run
+through the CLI: the same losses and gradient norms within 1e-5 relative in fp32 (inductor fuses elementwise chains
+and reorders reductions: float rounding, never a different computation), at TP 1 with ZeRO-1 (one region) and ZeRO-3
+(its gather/release hooks around each compiled layer), and at TP 2 with ZeRO-3, sequence parallelism and selective
 recomputation; bf16 within 2e-2 (one bf16 rounding of a fused chain differs from the eager op-by-op roundings).
 Dropout is 0: compiled dropout draws its masks from inductor's generator. Compilation costs seconds per rank: the
-models are tiny and the runs share the run's one inductor cache and compile in their own process
-(tests/conftest.py)."""
+models are tiny and the runs share the run's one inductor cache and compile in their own process (tests/conftest.py)."""
 
 import pytest
 import torch
 
-from mpzero.activations import COMPILED_LAYERS, SavedBytesCounter
+from mpzero.activations import COMPILED_TRUNK, SavedBytesCounter
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.models.gpt import stack_compilable
 from mpzero.parallel import init_parallel
@@ -47,15 +46,15 @@ def _tiny(**overrides) -> GPTConfig:
                         "torch_compile": True, **overrides})
 
 
-def _regions(overrides: dict, hooked: bool = False) -> tuple[set, int]:
-    """(the activation regions a --torch-compile'd forward's saved tensors were counted in, the layers' forward
-    pre-hook calls); `hooked`: each layer has one, as ZeRO-3 gives them."""
+def _regions(overrides: dict, hooked: str | None = None) -> tuple[set, int]:
+    """(the activation regions a --torch-compile'd forward's saved tensors were counted in, the forward pre-hook
+    calls); `hooked`: "layers", each layer has one, as ZeRO-3 gives its units; "embedding", the embedding's
+    (a unit of a library user's choice)."""
     from mpzero.tensor_parallel import seed_everything
     model = GPTModel(_tiny(**overrides), init_parallel(1).tp, seed_everything(1, 0, torch.device("cpu")))
     calls = []
-    if hooked:
-        for layer in model.layers:
-            layer.register_forward_pre_hook(lambda module, args: calls.append(module))
+    for module in {None: [], "layers": model.layers, "embedding": [model.embedding.word_embeddings]}[hooked]:
+        module.register_forward_pre_hook(lambda module, args: calls.append(module))
     counter = SavedBytesCounter(model)
     tokens = torch.randint(0, 50, (2, 8))
     with counter.counting():
@@ -72,12 +71,13 @@ def test_the_layers_are_one_compiled_region_only_where_nothing_between_them_runs
     config = _tiny(**overrides)
     assert stack_compilable(config, 1) is one_region and not stack_compilable(config, 2)
     if one_region:
-        assert run_ranks(1, _regions, overrides, deadline=300)[0] == ({COMPILED_LAYERS, None}, 0)
+        assert run_ranks(1, _regions, overrides, deadline=300)[0] == ({COMPILED_TRUNK, None}, 0)
 
 
-def test_layers_with_forward_hooks_run_region_by_region():
-    # ZeRO-3 gathers and releases each layer's parameters from forward hooks: they must run around each layer
-    assert run_ranks(1, _regions, {}, hooked=True, deadline=300)[0] == ({0, 1, None}, 2)
+@pytest.mark.parametrize("hooked, calls", [("layers", 2), ("embedding", 1)])
+def test_a_trunk_with_forward_hooks_runs_module_by_module(hooked, calls):
+    # ZeRO-3 gathers and releases each unit's parameters from forward hooks: they must run around their module
+    assert run_ranks(1, _regions, {}, hooked=hooked, deadline=300)[0] == ({0, 1, None}, calls)
 
 
 def test_compiled_layers_match_eager_at_tp2_zero3_sp_selective():

@@ -2,7 +2,7 @@
 `setting.py` and the terms outside the layers in `outside.py`: one source of truth for the training line and for
 planners) and counted (`count.py`, saved-tensor hooks), and the line that puts the two side by side (`report.py`)."""
 
-from mpzero.activations.count import COMPILED_LAYERS, SavedBytesCounter, activation_region, host_offload
+from mpzero.activations.count import COMPILED_TRUNK, SavedBytesCounter, activation_region, host_offload
 from mpzero.activations.formula import (ActivationFormula, LayerFormula, activation_formula, layer_formula,
                                         layer_kinds, mode_name, modeled, paper_row)
 from mpzero.activations.outside import kept_chunk_tokens, outside_terms
@@ -10,7 +10,7 @@ from mpzero.activations.report import activation_line, rank_report, report_activ
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
                                         ActivationSetting, Term, check_setting)
 
-__all__ = ["COMPILED_LAYERS", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS",
+__all__ = ["COMPILED_TRUNK", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS",
            "ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula",
            "activation_line", "activation_region", "check_setting", "host_offload", "kept_chunk_tokens",
            "layer_formula", "layer_kinds", "mode_name", "modeled", "outside_terms", "paper_row", "rank_report",

@@ -7,9 +7,9 @@
     counter.host_bytes      # {region: bytes} packed into host memory by the host tier (save_on_cpu)
 
 A region is what the model names with `activation_region(i)` around a piece of its forward (the GPT names
-each transformer layer by its index, or all of them `COMPILED_LAYERS` when --torch-compile runs them as one
-compiled region; everything else is region None). A storage is counted once, in the
-region that saves it first, whatever views of it are saved; a storage that belongs to a parameter (a
+each transformer layer by its index, or its trunk (embedding, layers, final norm) `COMPILED_TRUNK` when
+--torch-compile runs it as one compiled region; everything else is region None). A storage is counted once, in
+the region that saves it first, whatever views of it are saved; a storage that belongs to a parameter (a
 weight saved by a linear, a ZeRO flat buffer) is not an activation and is left out. Count the forward only:
 a recomputation inside backward saves again what it frees right after. The pack hook returns the
 tensor itself: counting changes nothing in the computation.
@@ -30,7 +30,7 @@ from torch import nn
 
 from mpzero.storages import storage_key
 
-COMPILED_LAYERS = "compiled layers"  # the region of the layers when they run as one torch.compile'd region
+COMPILED_TRUNK = "compiled trunk"  # embedding, layers and final norm when they run as one torch.compile'd region
 _REGION: ContextVar = ContextVar("mpzero_activation_region", default=None)
 _ACTIVE: list = []  # the counter counting now (at most one)
 

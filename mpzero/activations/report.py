@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mpzero.activations.count import COMPILED_LAYERS, SavedBytesCounter
+from mpzero.activations.count import COMPILED_TRUNK, SavedBytesCounter
 from mpzero.activations.formula import ActivationSetting, activation_formula, mode_name, modeled
 
 _DTYPE_NAMES = {4: "fp32", 2: "16-bit"}
@@ -26,7 +26,7 @@ def rank_report(counter: SavedBytesCounter, setting: ActivationSetting | None) -
     layers = max([k for k in counter.device_bytes if isinstance(k, int)], default=-1) + 1
     if setting is not None:
         layers = setting.num_layers
-    return {"layers": counter.layer_bytes(layers), "compiled layers": counter.device_bytes.get(COMPILED_LAYERS, 0),
+    return {"layers": counter.layer_bytes(layers), "compiled trunk": counter.device_bytes.get(COMPILED_TRUNK, 0),
             "outside": counter.device_bytes.get(None, 0),
             "total": counter.total_bytes, "host": sum(counter.host_bytes.values()), "formula": formula,
             "why": why, "setting": setting}
@@ -57,8 +57,9 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
     parts = [head]
     counted = report["layers"]
     if formula is None:
-        if report.get("compiled layers"):  # one compiled region: its saved tensors are not the layers' own
-            parts.append(f"layers 0-{len(counted) - 1} (one compiled region) {report['compiled layers']:,} B counted")
+        if report.get("compiled trunk"):  # one compiled region: its saved tensors are not the layers' own
+            parts.append(f"embedding, layers 0-{len(counted) - 1} and final norm (one compiled region) "
+                         f"{report['compiled trunk']:,} B counted")
         else:
             parts.append(f"layers {', '.join(f'{c:,}' for c in counted)} B counted")
         parts.append(f"micro-batch {report['total']:,} B counted (no formula: {report['why']})")
@@ -100,7 +101,7 @@ def report_activation_memory(counter: SavedBytesCounter, model, groups, micro_ba
     if tensorboard is not None:
         scalars = {}
         for rank, report in enumerate(reports):
-            scalars[f"activations/rank-{rank}-layers-bytes"] = sum(report["layers"]) + report["compiled layers"]
+            scalars[f"activations/rank-{rank}-layers-bytes"] = sum(report["layers"]) + report["compiled trunk"]
             scalars[f"activations/rank-{rank}-micro-batch-bytes"] = report["total"]
             if report["formula"] is not None:
                 scalars[f"activations/rank-{rank}-layers-formula-bytes"] = sum(report["formula"].layer_bytes)

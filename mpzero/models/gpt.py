@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpzero.activations import COMPILED_LAYERS, ActivationSetting, activation_region, host_offload
+from mpzero.activations import COMPILED_TRUNK, ActivationSetting, activation_region, host_offload
 from mpzero.comm import CommGroup
 from mpzero.deferred_init import deferred_parameter, materialize_module, name_parameters
 from mpzero.errors import ConfigError
@@ -143,33 +143,39 @@ def compile_layers(layers: nn.ModuleList) -> None:
     compiled pieces (graph breaks, not errors). Dropout in compiled code draws its masks from inductor's own
     generator: the same distribution, other masks than an eager run. The activation formula does not model
     what the compiled graphs save (the `activation memory` line says so). Where `stack_compilable`, the model
-    also compiles the loop over all the layers as one region, into which these compiled forwards are inlined."""
+    also compiles its trunk (embedding, the loop over the layers, final norm) as one region, into which these
+    compiled forwards are inlined."""
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
 
 
 def stack_compilable(config: GPTConfig, tp_size: int) -> bool:
-    """Whether --torch-compile also compiles the loop over all the layers as one region: one compiled call per
-    forward and one per backward instead of one per layer. Each call of a compiled region costs host time (guards,
-    the autograd wrapper) that a launch-bound GPU step waits for: a GPT-2-deep step at a width where the compute is
-    negligible takes 12.5 ms of host time with one region against 15.4 with twelve (bench/bench_host.py, 1 CPU
-    thread; eager + torch.compile 11.1). Only where nothing between the layers must run eagerly: no recomputation
-    (full recomputes chunks of layers in eager Python, selective forks the RNG tracker inside a layer), no
-    activations in host memory, TP 1 (a layer's collectives would break the graph at every layer); ZeRO-3's
-    gather and release hooks on the layers are checked at each forward (`_layers`)."""
+    """Whether --torch-compile also compiles the model's trunk (embedding, all the layers, final norm) as one
+    region: one compiled call per forward and one per backward instead of one per layer, and the embedding's and
+    final norm's ops fused into it. Each call of a compiled region and each op launched outside one costs host
+    time (guards, the autograd wrapper, dispatch) that a launch-bound GPU step waits for: a GPT-2-deep step at a
+    width where the compute is negligible takes 12.5 ms of host time with the layers as one region against 15.4
+    with twelve (bench/bench_host.py, 1 CPU thread; eager + torch.compile 11.1). Only where nothing in the trunk
+    must run eagerly: no recomputation (full recomputes chunks of layers in eager Python, selective forks the RNG
+    tracker inside a layer), no activations in host memory, TP 1 (a layer's collectives would break the graph at
+    every layer); ZeRO-3's gather and release hooks are checked at each forward (`_has_module_hooks`)."""
     return tp_size == 1 and config.granularity is None and config.offload_activations != "cpu"
 
 
-def _has_module_hooks(layers: nn.ModuleList) -> bool:
-    """Forward hooks on a layer (ZeRO-3's gather and release): they run around each layer, outside compiled code.
-    (nn.Module has no public accessor for its hooks.)"""
-    return any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+def _has_module_hooks(modules: list[nn.Module]) -> bool:
+    """Forward hooks on any of `modules` (ZeRO-3's gather and release): they run around their module, outside
+    compiled code. (nn.Module has no public accessor for its hooks.)"""
+    return any(module._forward_pre_hooks or module._forward_hooks for module in modules)
 
 
 def _run_chunk(layers, x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         x = layer(x)
     return x
+
+
+def _run_trunk(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
+    return model.final_layernorm(_run_chunk(model.layers, model.embedding(tokens)))
 
 
 class GPTModel(nn.Module):
@@ -193,13 +199,15 @@ class GPTModel(nn.Module):
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)
         self.layers = nn.ModuleList(transformer_layer(config, tp, rng, self.rotary) for _ in range(config.num_layers))
-        self._compiled_stack = None
+        self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
+                                    config.layernorm_impl, tp if config.sequence_parallel else None)
+        self._compiled_trunk = None
         if config.torch_compile:
             compile_layers(self.layers)
             if stack_compilable(config, tp.size):  # the layers' compiled forwards are inlined into it
-                self._compiled_stack = torch.compile(partial(_run_chunk, self.layers))
-        self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                                    config.layernorm_impl, tp if config.sequence_parallel else None)
+                self._compiled_trunk = torch.compile(partial(_run_trunk, self))
+                self._trunk_modules = [self.embedding, *self.layers, self.final_layernorm]
+                self._trunk_modules += [m for top in self._trunk_modules for m in top.modules() if m is not top]
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
             self.output_layer = ColumnParallelLinear(
@@ -227,8 +235,7 @@ class GPTModel(nn.Module):
         if self.config.sequence_parallel and tokens.size(1) % self.tp.size:
             raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} is not divisible by "
                               f"--tensor-model-parallel-size {self.tp.size}")
-        x = self._layers(self.embedding(tokens))  # sequence parallel: this rank's slice [b, s/tp, h]
-        x = self.final_layernorm(x)
+        x = self._trunk(tokens)  # sequence parallel: this rank's slice [b, s/tp, h]
         chunk = self.config.cross_entropy_chunk_size
         if labels is not None and chunk:  # the output projection fused with the loss: no [b, s, V/tp] logits
             weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
@@ -268,6 +275,14 @@ class GPTModel(nn.Module):
             logits = self.output_layer(x)
         return self._mask_vocab_padding(logits)
 
+    def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding, layers, final norm: one compiled region where `stack_compilable` and no module in it has
+        forward hooks (ZeRO-3's, for any unit), else module by module."""
+        if self._compiled_trunk is not None and not _has_module_hooks(self._trunk_modules):
+            with activation_region(COMPILED_TRUNK):
+                return self._compiled_trunk(tokens)
+        return self.final_layernorm(self._layers(self.embedding(tokens)))
+
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         """The transformer layers, each in its activation-counting region (`mpzero.activations`), with full
         recomputation as configured: uniform N cuts the layers into chunks of N and keeps each chunk's input;
@@ -275,9 +290,6 @@ class GPTModel(nn.Module):
         stage here). The host tier keeps the checkpoints (full) or every tensor the layers save in host
         memory, through torch.autograd.graph.save_on_cpu."""
         config, layers = self.config, self.layers
-        if self._compiled_stack is not None and not _has_module_hooks(layers):
-            with activation_region(COMPILED_LAYERS):
-                return self._compiled_stack(x)
         full = config.granularity == "full" and self.training
         method, n = config.resolved_recompute_method, config.resolved_recompute_num_layers
         distribute = self.tp if config.distribute_saved_activations else None

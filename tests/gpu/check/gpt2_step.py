@@ -64,7 +64,7 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
                 one_region: bool = True):
     """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses). `compiled`:
     --torch-compile; `fused_loss`: --cross-entropy-loss-fusion; `one_region` False: the compiled layers one region
-    each, as a run that cannot compile them as one (ZeRO-3, TP > 1, recomputation) does."""
+    each, as a run that cannot compile its trunk as one (ZeRO-3, TP > 1, recomputation) does."""
     import mpzero.models.gpt as gpt
     from mpzero.models import GPTModel
     from mpzero.tensor_parallel import seed_everything
