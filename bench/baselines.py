@@ -5,6 +5,8 @@ torch is imported inside each function, so importing this module costs nothing."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def eager_gpt2(vocab: int, h: int, layers: int, heads: int, seq: int):
     """nanoGPT's GPT-2: pre-LN blocks, F.scaled_dot_product_attention, GELU MLP, tied output projection."""
@@ -47,10 +49,19 @@ def eager_gpt2(vocab: int, h: int, layers: int, heads: int, seq: int):
     return GPT()
 
 
-def step_profile(step, *inputs, cuda: bool | None = None, rows: int = 25) -> tuple[int, str]:
-    """Where one training step's time goes: torch.profiler over one call of `step`, as (ops launched, the
-    per-op table by self time). Ops are CUDA kernels on a GPU and leaf aten ops on a CPU (a compiled region's fused
-    C++ kernels are no aten ops and are not counted there). `step(*inputs)` profiled once; `cuda`: the step runs on a GPU (default: any input is a CUDA tensor)."""
+@dataclass(frozen=True)
+class StepProfile:
+    """One training step under torch.profiler."""
+    ops: int  # CUDA kernels launched (on a GPU) or leaf aten ops dispatched (on a CPU)
+    table: str  # the per-op table by self time
+    kernel_ms: float | None  # the kernels' summed time (a GPU); with one stream, the time the GPU was busy
+
+
+def step_profile(step, *inputs, cuda: bool | None = None, rows: int = 25) -> StepProfile:
+    """Where one training step's time goes: torch.profiler over one call of `step`. Ops are CUDA kernels on a GPU
+    and leaf aten ops on a CPU (a compiled region's fused C++ kernels are no aten ops and are not counted there).
+    `step(*inputs)` profiled once; `cuda`: the step runs on a GPU (default: any input is a CUDA tensor). The kernels'
+    time against the step's wall time says how long the GPU waited for the host."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,11 +71,13 @@ def step_profile(step, *inputs, cuda: bool | None = None, rows: int = 25) -> tup
         step(*inputs)
         if cuda:
             torch.cuda.synchronize()
-    events = prof.events()
+    events, kernel_ms = prof.events(), None
     if cuda:
-        ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        ops, kernel_ms = len(kernels), sum(e.self_device_time_total for e in kernels) / 1000
     else:
         ops = sum(1 for e in events if e.name.startswith("aten::")
                   and not any(c.name.startswith("aten::") for c in e.cpu_children))
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return ops, prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=50)
+    return StepProfile(ops, prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=50),
+                       kernel_ms)

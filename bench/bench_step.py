@@ -111,7 +111,8 @@ def main(argv=None):
     for name in a.variants:
         step = builders[name]()
         seconds = timed(step, inputs, labels, a.steps)
-        ops, tables[name] = step_profile(step, inputs, labels)
+        profiled = step_profile(step, inputs, labels)
+        ops, tables[name] = profiled.ops, profiled.table
         baseline = baseline or (seconds if name == "eager" else None)
         ratio = f"{baseline / seconds:.3f}" if baseline else "-"
         print(f"{name:16s} {n_tokens / seconds:10.0f} tokens/s  {seconds * 1000:8.1f} ms/step  ratio to eager "

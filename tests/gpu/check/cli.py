@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python3 -m tests.gpu.check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu-report", help="directory for report.md, report.json and logs/")
     p.add_argument("--budget", type=float, default=440.0,
-                   help="seconds for the whole check (default 440: under 8 minutes with a killed part's grace and the report)")
+                   help="seconds for the whole check (default 440: under 8 minutes with a killed part's grace and "
+                        "the report)")
     p.add_argument("--only", nargs="+", choices=PART_NAMES, default=None, help="run these parts, skip the rest")
     p.add_argument("--dry-run", action="store_true", help="build and validate the all-skipped report, run nothing")
     p.add_argument("--python", default=sys.executable, help="interpreter for the parts (default: this one)")

@@ -146,8 +146,8 @@ def free_cuda() -> None:
 
 
 def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: int) -> dict:
-    """One variant's figures: tokens/s, ms/step, first step, peak memory, kernels per step (its per-op table goes to
-    this part's log, logs/bench_gpt2.log) and the last loss."""
+    """One variant's figures: tokens/s, ms/step, first step, peak memory, kernels per step and their time (its
+    per-op table goes to this part's log, logs/bench_gpt2.log) and the last loss."""
     import torch
     from bench.baselines import step_profile
 
@@ -160,11 +160,13 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
         _sync_time(step, warmup - 1)
         seconds = _sync_time(step, timed)
         peak_bytes = torch.cuda.max_memory_allocated() - base
-        kernels, table = step_profile(step, cuda=True)
-        print(f"== {name}: one step by self CUDA time ({kernels} kernels) ==\n{table}", flush=True)
-        return {"tps": tokens_per_step * timed / seconds, "ms/step": round(seconds / timed * 1000, 2),
+        profiled = step_profile(step, cuda=True)
+        print(f"== {name}: one step by self CUDA time ({profiled.ops} kernels) ==\n{profiled.table}", flush=True)
+        ms_per_step = seconds / timed * 1000
+        return {"tps": tokens_per_step * timed / seconds, "ms/step": round(ms_per_step, 2),
                 "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
-                "kernels/step": kernels, "losses": [float(x) for x in losses[-timed:]]}
+                "kernels/step": profiled.ops, "kernel ms/step": round(profiled.kernel_ms, 2),
+                "GPU busy": round(profiled.kernel_ms / ms_per_step, 3), "losses": [float(x) for x in losses[-timed:]]}
     finally:
         del step, losses
         free_cuda()
@@ -183,8 +185,10 @@ def bench_gpt2(args, result: Result) -> str:
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
                 f"72 l h^2 (1 + s/6h + V/12lh), vocab {padded_vocab}) x tokens/s / that peak")
-    result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); each variant's per-op breakdown "
-                "of that step is in this part's log")
+    result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); kernel ms/step: their summed "
+                "time; GPU busy: that over ms/step (below 1: the GPU waited for the host, whose launches, Python "
+                "and synchronisations were the step's critical path); each variant's per-op breakdown of that "
+                "step is in this part's log")
     result.note(f"GPT-2 124M: 12 layers, hidden 768, 12 heads, seq {seq}, micro-batch {batch} ({tokens_per_step} "
                 f"tokens/step), dropout 0, AdamW (lr 6e-4, betas 0.9/0.95, wd 0.1), clip 1.0; {warmup} warm-up "
                 f"+ {timed} timed steps; peak memory = torch.cuda.max_memory_allocated from model build to the "
