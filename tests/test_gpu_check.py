@@ -134,7 +134,8 @@ def test_pytest_junit_results_become_rows(tmp_path):
 
 def test_a_part_past_its_limit_is_killed_with_its_process_group(tmp_path):
     log = str(tmp_path / "part.log")
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "time.sleep(60)")
     rc, seconds = cli.run_logged([sys.executable, "-c", code], log, 1, cli.child_env())
     assert rc is None and seconds < 15
     assert "killed after the 1 s limit" in open(log).read()
@@ -142,8 +143,8 @@ def test_a_part_past_its_limit_is_killed_with_its_process_group(tmp_path):
 
 TINY = gpt2_step.Shape(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=200)
 # bench_gpt2's variants by index: eager, mpzero auto, mpzero local; the compiled ones: eager + compile, mpzero's
-# layers as one region, the same with the fused loss, a region per layer
-PLAIN, COMPILED = (0, 1, 5), (2, 3, 4, 6)
+# trunk as one region, the same with the fused loss, a region per layer, eager + compile reading its norm
+PLAIN, COMPILED = (0, 1, 5), (2, 3, 4, 6, 7)
 BF16_RTOL = 2e-3  # bf16 parameters and activations: other kernels sum in another order (seen: 4e-5)
 
 
@@ -184,6 +185,7 @@ def test_bench_gpt2_compiled_variants_equal_their_eager_runs_on_the_cpu():
     for losses in out.values():
         _assert_trains(losses)
     assert out[2] == pytest.approx(out[0], rel=BF16_RTOL)  # eager + torch.compile
+    assert out[7] == out[2]  # reading the norm changes nothing computed
     for compiled in (3, 4, 6):  # one region, + the fused loss, a region per layer
         assert out[compiled] == pytest.approx(out[1], rel=BF16_RTOL)
 

@@ -38,8 +38,10 @@ def gpt_config(shape: Shape, **overrides):
                         "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
 
 
-def eager_step(shape: Shape, inputs, labels, compiled: bool):
-    """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0; (step, its losses)."""
+def eager_step(shape: Shape, inputs, labels, compiled: bool, read_norm: bool = False):
+    """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0; (step, its losses). `read_norm`: the gradient norm is
+    read to the host before the update, one synchronisation a step as Megatron's step and mpzero's take (nanoGPT
+    takes none): what that costs a launch-bound step."""
     import torch
     from bench.baselines import eager_gpt2
     torch.manual_seed(1234)  # the same weights with and without torch.compile
@@ -47,13 +49,15 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool):
                        shape.num_attention_heads, shape.seq_length).to(inputs.device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     run = torch.compile(model) if compiled else model
-    losses = []
+    losses, norms = [], []
 
     def step():
         with torch.autocast(inputs.device.type, dtype=torch.bfloat16):
             loss = run(inputs, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if read_norm:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
@@ -105,7 +109,9 @@ def variants(shape: Shape, groups, inputs, labels) -> list:
             ("mpzero --attention-backend local (core attention, Triton softmax)",
              lambda: mpzero_step(shape, groups, inputs, labels, "local")),
             ("mpzero --torch-compile, a compiled region per layer (as at ZeRO-3, TP > 1, recomputation)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, one_region=False))]
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, one_region=False)),
+            ("eager PyTorch + torch.compile, the gradient norm read to the host each step (as mpzero's step)",
+             lambda: eager_step(shape, inputs, labels, True, read_norm=True))]
 
 
 def _sync_time(fn, steps: int) -> float:
