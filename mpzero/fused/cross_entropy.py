@@ -13,6 +13,10 @@ implementations that `mpzero.tensor_parallel.vocab_parallel_linear_cross_entropy
   itself) one chunk's logits more (the planner's cross-entropy transient counts both). Its sums run in another
   order: within 1e-6 of the reference (tests/fused/test_fused_cross_entropy.py).
 
+At TP 1 nothing is all-reduced between the stages, and a chunk's whole forward (the product with the output
+weight, both passes, the loss) is one call, `local_chunk`: for "compile" one compiled region instead of three calls
+(a GPU step pays each call's guards and each op's launch on the host).
+
 `first_padding`: this rank's first padding column (rows of W past the tokenizer's vocabulary), or the local
 vocabulary size when it holds none; padding logits are -inf.
 """
@@ -20,6 +24,7 @@ vocabulary size when it holds none; padding logits are -inf.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mpzero.fused.impl import compiled, resolve_impl
 
@@ -41,6 +46,15 @@ class CrossEntropyMath:
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         exp_logits = logits.exp_()
         return target_logit, exp_logits.sum(dim=-1), (exp_logits if keep else None)
+
+    def local_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, local_target: torch.Tensor, mine: torch.Tensor,
+                    first_padding: int, keep: bool):
+        """A chunk's whole forward where one rank holds the vocabulary (TP 1: nothing to all-reduce between the
+        stages), from its hidden states [c, h] and the output weight [V, h]: (loss [c], row max [c], sum of
+        exponentials [c], the kept exponentials or None)."""
+        work, row_max = self.start(F.linear(hidden, weight), first_padding)
+        target_logit, sum_exp, kept = self.sums(work, row_max, local_target, mine, first_padding, keep)
+        return sum_exp.log() - target_logit, row_max, sum_exp, kept
 
     def grad(self, z: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local_target: torch.Tensor,
              mine: torch.Tensor, grad_loss: torch.Tensor, first_padding: int) -> torch.Tensor:
@@ -82,6 +96,12 @@ class FusedCrossEntropyMath(CrossEntropyMath):
             return compiled(_fused_sums_kept)(work, row_max, local_target, mine, first_padding)
         return compiled(_fused_sums)(work, row_max, local_target, mine, first_padding) + (None,)
 
+    def local_chunk(self, hidden, weight, local_target, mine, first_padding, keep):
+        """One compiled call (the product, both passes and the loss) instead of three calls and their launches."""
+        if keep:
+            return compiled(_fused_local_chunk_kept)(hidden, weight, local_target, mine, first_padding)
+        return compiled(_fused_local_chunk)(hidden, weight, local_target, mine, first_padding) + (None,)
+
     def grad(self, z, row_max, sum_exp, local_target, mine, grad_loss, first_padding):
         return compiled(_fused_grad)(z, row_max, sum_exp, local_target, mine, grad_loss, first_padding)
 
@@ -115,6 +135,20 @@ def _fused_sums(z, row_max, local_target, mine, first_padding):
 def _fused_sums_kept(z, row_max, local_target, mine, first_padding):
     target_logit, exp_logits = _target_and_exp(z, row_max, local_target, mine, first_padding)
     return target_logit, exp_logits.sum(dim=-1), exp_logits
+
+
+def _fused_local_chunk(hidden, weight, local_target, mine, first_padding):
+    z = F.linear(hidden, weight)
+    row_max = _fused_max(z, first_padding)
+    target_logit, sum_exp = _fused_sums(z, row_max, local_target, mine, first_padding)
+    return sum_exp.log() - target_logit, row_max, sum_exp
+
+
+def _fused_local_chunk_kept(hidden, weight, local_target, mine, first_padding):
+    z = F.linear(hidden, weight)
+    row_max = _fused_max(z, first_padding)
+    target_logit, sum_exp, kept = _fused_sums_kept(z, row_max, local_target, mine, first_padding)
+    return sum_exp.log() - target_logit, row_max, sum_exp, kept
 
 
 def _fused_onehot_grad(softmax, local_target, mine, grad_loss, dtype):

@@ -69,18 +69,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden = _tokens(x, group, sequence_parallel)  # [N, h], the whole sequence
         local_target, mine = _local_target(target.reshape(-1), group.rank, weight.size(0))
         ctx.first_padding = first_padding = min(max(vocab_size - group.rank * weight.size(0), 0), weight.size(0))
-        n = hidden.size(0)
-        losses, maxes, sums = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
-        chunks = _chunks(n, chunk_size)
+        chunks = _chunks(hidden.size(0), chunk_size)
+        per_chunk = []  # (losses, maxes, sums) of each chunk, [c] fp32 each
         for chunk in chunks:
+            keep = chunk is chunks[-1]
+            if group.size == 1:  # nothing to all-reduce between a chunk's stages: the math in one call
+                *values, kept = math.local_chunk(hidden[chunk], weight, local_target[chunk], mine[chunk],
+                                                 first_padding, keep)
+                per_chunk.append(values)
+                continue
             work, logits_max = math.start(F.linear(hidden[chunk], weight), first_padding)  # [c, V/tp] logits
             group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
             target_logit, sum_exp, kept = math.sums(work, logits_max, local_target[chunk], mine[chunk],
-                                                    first_padding, keep=chunk is chunks[-1])
+                                                    first_padding, keep)
             del work  # freed before the next chunk's logits are made; the last chunk's exponentials stay (kept)
             group.all_reduce(target_logit)
             group.all_reduce(sum_exp)
-            losses[chunk], maxes[chunk], sums[chunk] = sum_exp.log() - target_logit, logits_max, sum_exp
+            per_chunk.append((sum_exp.log() - target_logit, logits_max, sum_exp))
+        losses, maxes, sums = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*per_chunk))
         ctx.save_for_backward(x, weight, local_target, mine, maxes, sums, kept)
         return losses.view(target.shape)
 
