@@ -12,7 +12,7 @@ import torch
 
 from mpzero.activations import COMPILED_TRUNK, SavedBytesCounter
 from mpzero.models import GPTConfig, GPTModel
-from mpzero.models.gpt import stack_compilable
+from mpzero.models.gpt import trunk_compilable
 from mpzero.parallel import init_parallel
 from tests.cli import TINY, assert_close_lists, main_capturing_stdout
 from tests.distributed import run_ranks
@@ -69,7 +69,7 @@ def _regions(overrides: dict, hooked: str | None = None) -> tuple[set, int]:
                          ids=["plain", "selective", "full", "host-activations"])
 def test_the_layers_are_one_compiled_region_only_where_nothing_between_them_runs_eagerly(overrides, one_region):
     config = _tiny(**overrides)
-    assert stack_compilable(config, 1) is one_region and not stack_compilable(config, 2)
+    assert trunk_compilable(config, 1) is one_region and not trunk_compilable(config, 2)
     if one_region:
         assert run_ranks(1, _regions, overrides, deadline=300)[0] == ({COMPILED_TRUNK, None}, 0)
 

@@ -78,9 +78,10 @@ def kernel_flags(p: argparse.ArgumentParser) -> None:
                             "it (the choice is printed on the 'fused ops' line)")
     kernels.add_argument("--torch-compile", action="store_true",
                        help="compile each transformer layer's forward with torch.compile (torchtitan's regional "
-                            "compilation; inductor: Triton kernels on GPUs, C++ on CPUs), and all the layers as one "
-                            "region where nothing between them runs eagerly (TP 1, no recomputation, no activation "
-                            "offload, no ZeRO-3); the first iteration pays the compilation")
+                            "compilation; inductor: Triton kernels on GPUs, C++ on CPUs), and the embedding, all the "
+                            "layers and the final norm as one region where nothing in them runs eagerly (TP 1, no "
+                            "recomputation, no activation offload, no ZeRO-3); the first iteration pays the "
+                            "compilation")
     kernels.add_argument("--cross-entropy-chunk-size", type=int, default=GPTConfig.cross_entropy_chunk_size,
                        help="tokens per chunk of the output projection fused with the vocab-parallel cross entropy: "
                             "the [b, s, V/TP] logits and their fp32 softmax are never held whole, each chunk's "

@@ -98,9 +98,7 @@ class FusedCrossEntropyMath(CrossEntropyMath):
 
     def local_chunk(self, hidden, weight, local_target, mine, first_padding, keep):
         """One compiled call (the product, both passes and the loss) instead of three calls and their launches."""
-        if keep:
-            return compiled(_fused_local_chunk_kept)(hidden, weight, local_target, mine, first_padding)
-        return compiled(_fused_local_chunk)(hidden, weight, local_target, mine, first_padding) + (None,)
+        return compiled(_fused_local_chunk)(hidden, weight, local_target, mine, first_padding, keep)
 
     def grad(self, z, row_max, sum_exp, local_target, mine, grad_loss, first_padding):
         return compiled(_fused_grad)(z, row_max, sum_exp, local_target, mine, grad_loss, first_padding)
@@ -137,18 +135,13 @@ def _fused_sums_kept(z, row_max, local_target, mine, first_padding):
     return target_logit, exp_logits.sum(dim=-1), exp_logits
 
 
-def _fused_local_chunk(hidden, weight, local_target, mine, first_padding):
+def _fused_local_chunk(hidden, weight, local_target, mine, first_padding, keep):
+    """`keep` is a Python bool: a graph for each value (without it the exponentials stay inside the kernel)."""
     z = F.linear(hidden, weight)
     row_max = _fused_max(z, first_padding)
-    target_logit, sum_exp = _fused_sums(z, row_max, local_target, mine, first_padding)
-    return sum_exp.log() - target_logit, row_max, sum_exp
-
-
-def _fused_local_chunk_kept(hidden, weight, local_target, mine, first_padding):
-    z = F.linear(hidden, weight)
-    row_max = _fused_max(z, first_padding)
-    target_logit, sum_exp, kept = _fused_sums_kept(z, row_max, local_target, mine, first_padding)
-    return sum_exp.log() - target_logit, row_max, sum_exp, kept
+    target_logit, exp_logits = _target_and_exp(z, row_max, local_target, mine, first_padding)
+    sum_exp = exp_logits.sum(dim=-1)
+    return sum_exp.log() - target_logit, row_max, sum_exp, (exp_logits if keep else None)
 
 
 def _fused_onehot_grad(softmax, local_target, mine, grad_loss, dtype):

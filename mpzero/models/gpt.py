@@ -142,14 +142,14 @@ def compile_layers(layers: nn.ModuleList) -> None:
     functions at TP > 1, the RNG tracker's fork for dropout and selective recomputation) runs eagerly between
     compiled pieces (graph breaks, not errors). Dropout in compiled code draws its masks from inductor's own
     generator: the same distribution, other masks than an eager run. The activation formula does not model
-    what the compiled graphs save (the `activation memory` line says so). Where `stack_compilable`, the model
+    what the compiled graphs save (the `activation memory` line says so). Where `trunk_compilable`, the model
     also compiles its trunk (embedding, the loop over the layers, final norm) as one region, into which these
     compiled forwards are inlined."""
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
 
 
-def stack_compilable(config: GPTConfig, tp_size: int) -> bool:
+def trunk_compilable(config: GPTConfig, tp_size: int) -> bool:
     """Whether --torch-compile also compiles the model's trunk (embedding, all the layers, final norm) as one
     region: one compiled call per forward and one per backward instead of one per layer, and the embedding's and
     final norm's ops fused into it. Each call of a compiled region and each op launched outside one costs host
@@ -204,10 +204,10 @@ class GPTModel(nn.Module):
         self._compiled_trunk = None
         if config.torch_compile:
             compile_layers(self.layers)
-            if stack_compilable(config, tp.size):  # the layers' compiled forwards are inlined into it
+            if trunk_compilable(config, tp.size):  # the layers' compiled forwards are inlined into it
                 self._compiled_trunk = torch.compile(partial(_run_trunk, self))
-                self._trunk_modules = [self.embedding, *self.layers, self.final_layernorm]
-                self._trunk_modules += [m for top in self._trunk_modules for m in top.modules() if m is not top]
+                self._trunk_modules = [m for top in (self.embedding, self.layers, self.final_layernorm)
+                                       for m in top.modules()]
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
             self.output_layer = ColumnParallelLinear(
@@ -276,7 +276,7 @@ class GPTModel(nn.Module):
         return self._mask_vocab_padding(logits)
 
     def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Embedding, layers, final norm: one compiled region where `stack_compilable` and no module in it has
+        """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has
         forward hooks (ZeRO-3's, for any unit), else module by module."""
         if self._compiled_trunk is not None and not _has_module_hooks(self._trunk_modules):
             with activation_region(COMPILED_TRUNK):

@@ -74,7 +74,7 @@ class GradCollector:
             return
         # One parameter: a matrix, or a late or repeated gradient (added after the one held, in that order)
         target = self._buffer_of(bucket)[self._start[i]:self._end[i]]
-        held, self._held[i] = self._held[i], None
+        held = self._take(i)
         if held is not None:
             target.add_(held.reshape(-1))
         target.add_(grad.reshape(-1))
@@ -93,7 +93,7 @@ class GradCollector:
             flat[self._start[i]:self._end[i]].add_(self._take(i).reshape(-1))
         return held
 
-    def _take(self, i: int) -> torch.Tensor:
+    def _take(self, i: int) -> torch.Tensor | None:
         grad, self._held[i] = self._held[i], None
         return grad
 
