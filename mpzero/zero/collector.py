@@ -3,11 +3,12 @@
 Every parameter's post-accumulate-grad hook adds the fresh gradient into the parameter's place in its bucket's flat
 buffer (upcast to the buffer's dtype: bf16 gradients accumulate in fp32) and drops `param.grad`, so autograd's copy
 lives only until its hook runs.
-With `hold_runs` (stages 0-1), 1-D parameters (biases, norm weights) lie side by side in a bucket (`flat.build_layout`
-puts the weight-decay-free ones last): their gradients are held until the last of their run arrives, then added with
-one concatenation and one add (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's
-148, each a few thousand elements; the values and the order of the additions are the same, so the buffers are
-bitwise the same.
+Where the buffers persist (`persistent`, stages 0-1), each parameter's place in its buffer is kept as a view in
+the parameter's shape (made at its first delivery: no slicing or reshaping per delivery), and 1-D parameters
+(biases, norm weights) lie side by side in a bucket (`flat.build_layout` puts the weight-decay-free ones last):
+their gradients are held until the last of their run arrives, then added with one concatenation and one add
+(`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's 148, each a few thousand
+elements; the values and the order of the additions are the same, so the buffers are bitwise the same.
 A bucket is reported ready once every parameter in it has delivered; this also holds under reentrant activation
 checkpointing, where the hooks fire inside the recomputation's inner backward. A parameter that delivers again after
 its bucket was reported (used in two reentrant regions) is recorded as late. The reductions are grads.py's.
@@ -29,12 +30,14 @@ from mpzero.zero.flat import FlatLayout
 
 class GradCollector:
     def __init__(self, layouts: list[FlatLayout], buffer_of: Callable[[int], torch.Tensor],
-                 on_ready: Callable[[int], None], hold_runs: bool):
-        """hold_runs: deliver 1-D parameters by runs (`VectorRun`); only where the buffers persist (stages 0-1):
-        at stages 2-3 a bucket's full buffer is made at its first delivery, and the in-step peak replays when."""
+                 on_ready: Callable[[int], None], persistent: bool):
+        """persistent: `buffer_of` returns the same buffers for the collector's lifetime (stages 0-1): parameters'
+        places are cached as views and 1-D parameters delivered by runs (`VectorRun`). At stages 2-3 a bucket's
+        full buffer is made at its first delivery, and the in-step peak replays when."""
         self._buffer_of, self._on_ready = buffer_of, on_ready
-        self._bucket, self._start, self._end, self._run_of = [], [], [], []  # by parameter index
+        self._bucket, self._start, self._end, self._shape, self._run_of = [], [], [], [], []  # by parameter index
         self._sizes = []  # parameters per bucket
+        self._persistent = persistent
         self._runs: list[tuple[VectorRun, tuple[int, ...]]] = []  # a run and its members' indices
         for b, layout in enumerate(layouts):
             first = len(self._bucket)
@@ -42,13 +45,15 @@ class GradCollector:
                 self._bucket.append(b)
                 self._start.append(offset)
                 self._end.append(offset + shape.numel())
+                self._shape.append(shape)
                 self._run_of.append(None)
-            for run in vector_runs(layout, b) if hold_runs else ():
+            for run in vector_runs(layout, b) if persistent else ():
                 members = tuple(first + j for j in run.indices)
                 for i in members:
                     self._run_of[i] = len(self._runs)
                 self._runs.append((run, members))
             self._sizes.append(len(layout.params))
+        self._views: list[torch.Tensor | None] = [None] * len(self._bucket)  # persistent: each one's place, shaped
         params = [p for layout in layouts for p in layout.params]
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._deliver, i)) for i, p in enumerate(params)]
         self.reset()
@@ -73,11 +78,15 @@ class GradCollector:
                 self._mark_delivered(bucket, self._fold(run))
             return
         # One parameter: a matrix, or a late or repeated gradient (added after the one held, in that order)
-        target = self._buffer_of(bucket)[self._start[i]:self._end[i]]
+        target = self._views[i]
+        if target is None:
+            target = self._buffer_of(bucket)[self._start[i]:self._end[i]].view(self._shape[i])
+            if self._persistent:
+                self._views[i] = target
         held = self._take(i)
         if held is not None:
-            target.add_(held.reshape(-1))
-        target.add_(grad.reshape(-1))
+            target.add_(held)
+        target.add_(grad)
         self._mark_delivered(bucket, (i,))
 
     def _fold(self, run: int) -> list[int]:

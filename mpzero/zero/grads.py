@@ -48,7 +48,7 @@ class ReplicatedGrads(OffloadHolder):
         self.flats = [torch.zeros(l.padded_numel, dtype=dtype, device=device) for l in layouts]
         self.shards = [f[l.shard_start:l.shard_start + l.shard_numel] for f, l in zip(self.flats, layouts)]
         self._communicate, self._handles, self._launched = False, [], set()
-        self.collector = GradCollector(layouts, self.flats.__getitem__, self._ready, hold_runs=True)
+        self.collector = GradCollector(layouts, self.flats.__getitem__, self._ready, persistent=True)
 
     def begin_backward(self, last_micro_batch: bool) -> None:
         self._communicate = last_micro_batch
@@ -140,7 +140,7 @@ class ShardedGrads(OffloadHolder):
         largest = max((l.shard_numel for l in layouts), default=0)
         self._landing = (torch.empty(largest, dtype=dtype, pin_memory=pin) if host and cuda and file is None
                          else None)
-        self.collector = GradCollector(layouts, self._full_buffer, self._ready, hold_runs=False)
+        self.collector = GradCollector(layouts, self._full_buffer, self._ready, persistent=False)
 
     def _add(self, nbytes: int) -> None:
         self._meter.add(nbytes)
