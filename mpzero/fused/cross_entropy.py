@@ -13,9 +13,10 @@ implementations that `mpzero.tensor_parallel.vocab_parallel_linear_cross_entropy
   itself) one chunk's logits more (the planner's cross-entropy transient counts both). Its sums run in another
   order: within 1e-6 of the reference (tests/fused/test_fused_cross_entropy.py).
 
-At TP 1 nothing is all-reduced between the stages, and a chunk's whole forward (the product with the output
-weight, both passes, the loss) is one call, `local_chunk`: for "compile" one compiled region instead of three calls
-(a GPU step pays each call's guards and each op's launch on the host).
+At TP 1 nothing is all-reduced between the stages, and the whole forward of all the chunks (each chunk's product
+with the output weight, both passes, the loss) is one call, `local_chunks`: for "compile" one compiled region
+instead of three calls a chunk (a GPU step pays each call's guards and each op's launch on the host; GPT-2 124M at
+micro-batch 8 has 4 chunks).
 
 `first_padding`: this rank's first padding column (rows of W past the tokenizer's vocabulary), or the local
 vocabulary size when it holds none; padding logits are -inf.
@@ -47,14 +48,22 @@ class CrossEntropyMath:
         exp_logits = logits.exp_()
         return target_logit, exp_logits.sum(dim=-1), (exp_logits if keep else None)
 
-    def local_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, local_target: torch.Tensor, mine: torch.Tensor,
-                    first_padding: int, keep: bool):
-        """A chunk's whole forward where one rank holds the vocabulary (TP 1: nothing to all-reduce between the
-        stages), from its hidden states [c, h] and the output weight [V, h]: (loss [c], row max [c], sum of
-        exponentials [c], the kept exponentials or None)."""
-        work, row_max = self.start(F.linear(hidden, weight), first_padding)
-        target_logit, sum_exp, kept = self.sums(work, row_max, local_target, mine, first_padding, keep)
-        return sum_exp.log() - target_logit, row_max, sum_exp, kept
+    def local_chunks(self, hidden: torch.Tensor, weight: torch.Tensor, local_target: torch.Tensor,
+                     mine: torch.Tensor, first_padding: int, chunk_size: int):
+        """The whole forward where one rank holds the vocabulary (TP 1: nothing to all-reduce between the stages),
+        chunk by chunk of `chunk_size` tokens, from the hidden states [N, h] and the output weight [V, h]: (losses
+        [N], row maxes [N], sums of exponentials [N], the last chunk's exponentials). Each chunk's logits are
+        released before the next chunk's are made."""
+        per_chunk = []
+        for start in range(0, hidden.size(0), chunk_size):
+            chunk = slice(start, start + chunk_size)
+            work, row_max = self.start(F.linear(hidden[chunk], weight), first_padding)
+            keep = start + chunk_size >= hidden.size(0)
+            target_logit, sum_exp, kept = self.sums(work, row_max, local_target[chunk], mine[chunk], first_padding,
+                                                    keep)
+            del work
+            per_chunk.append((sum_exp.log() - target_logit, row_max, sum_exp))
+        return (*(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*per_chunk)), kept)
 
     def grad(self, z: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local_target: torch.Tensor,
              mine: torch.Tensor, grad_loss: torch.Tensor, first_padding: int) -> torch.Tensor:
@@ -96,9 +105,9 @@ class FusedCrossEntropyMath(CrossEntropyMath):
             return compiled(_fused_sums_kept)(work, row_max, local_target, mine, first_padding)
         return compiled(_fused_sums)(work, row_max, local_target, mine, first_padding) + (None,)
 
-    def local_chunk(self, hidden, weight, local_target, mine, first_padding, keep):
-        """One compiled call (the product, both passes and the loss) instead of three calls and their launches."""
-        return compiled(_fused_local_chunk)(hidden, weight, local_target, mine, first_padding, keep)
+    def local_chunks(self, hidden, weight, local_target, mine, first_padding, chunk_size):
+        """One compiled call (each chunk's product, both passes and loss) instead of three calls a chunk."""
+        return compiled(_fused_local_chunks)(hidden, weight, local_target, mine, first_padding, chunk_size)
 
     def grad(self, z, row_max, sum_exp, local_target, mine, grad_loss, first_padding):
         return compiled(_fused_grad)(z, row_max, sum_exp, local_target, mine, grad_loss, first_padding)
@@ -135,13 +144,20 @@ def _fused_sums_kept(z, row_max, local_target, mine, first_padding):
     return target_logit, exp_logits.sum(dim=-1), exp_logits
 
 
-def _fused_local_chunk(hidden, weight, local_target, mine, first_padding, keep):
-    """`keep` is a Python bool: a graph for each value (without it the exponentials stay inside the kernel)."""
-    z = F.linear(hidden, weight)
-    row_max = _fused_max(z, first_padding)
-    target_logit, exp_logits = _target_and_exp(z, row_max, local_target, mine, first_padding)
-    sum_exp = exp_logits.sum(dim=-1)
-    return sum_exp.log() - target_logit, row_max, sum_exp, (exp_logits if keep else None)
+def _fused_local_chunks(hidden, weight, local_target, mine, first_padding, chunk_size):
+    """The chunks unrolled into one graph (a graph for each token count and chunk size); only the last chunk's
+    exponentials leave it, the others' stay inside their kernels."""
+    losses, maxes, sums = [], [], []
+    for start in range(0, hidden.size(0), chunk_size):
+        chunk = slice(start, start + chunk_size)
+        z = F.linear(hidden[chunk], weight)
+        row_max = _fused_max(z, first_padding)
+        target_logit, exp_logits = _target_and_exp(z, row_max, local_target[chunk], mine[chunk], first_padding)
+        sum_exp = exp_logits.sum(dim=-1)
+        losses.append(sum_exp.log() - target_logit)
+        maxes.append(row_max)
+        sums.append(sum_exp)
+    return torch.cat(losses), torch.cat(maxes), torch.cat(sums), exp_logits
 
 
 def _fused_onehot_grad(softmax, local_target, mine, grad_loss, dtype):

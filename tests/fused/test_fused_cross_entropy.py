@@ -57,6 +57,38 @@ def test_fused_cross_entropy_matches_the_reference(tp_size, sequence_parallel):
         assert out["compile"][2][VOCAB:].abs().sum() == 0  # the padding rows get no gradient
 
 
+def _compiled_calls_forward_and_backward():
+    """(compiled calls in forward, in backward) of the fused loss at TP 1 over 5 chunks."""
+    import mpzero.fused.cross_entropy as fused_module
+    calls, compile_once = [], fused_module.compiled
+
+    def counting(fn):
+        compiled_fn = compile_once(fn)
+        return lambda *args: calls.append(fn.__name__) or compiled_fn(*args)
+    fused_module.compiled = counting
+    try:
+        tp = init_parallel(1).tp
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(B, S, H, generator=g, requires_grad=True)
+        weight = (torch.randn(PADDED, H, generator=g) * 0.5).requires_grad_()
+        losses = vocab_parallel_linear_cross_entropy(x, weight, torch.randint(0, VOCAB, (B, S), generator=g), tp,
+                                                     VOCAB, CHUNK, False, "compile")
+        forward = list(calls)
+        losses.sum().backward()
+        return forward, calls[len(forward):]
+    finally:
+        fused_module.compiled = compile_once
+
+
+@pytest.mark.product  # its own process compiles the graphs anew: ~20 s
+def test_the_fused_forward_at_tp1_is_one_compiled_call_for_all_its_chunks():
+    """Host time a GPU step waits for: at TP 1 the five chunks' forward is one compiled region (not three calls a
+    chunk); backward is one a chunk (the kept chunk's gradient, then each other chunk's recomputed one)."""
+    forward, backward = run_ranks(1, _compiled_calls_forward_and_backward, deadline=300)[0]
+    assert forward == ["_fused_local_chunks"]
+    assert backward == ["_fused_grad_from_kept"] + ["_fused_grad"] * 4
+
+
 @pytest.mark.product
 def test_fused_cross_entropy_in_bf16_is_within_a_rounding_of_the_reference():
     out = run_ranks(1, _impls, 1, False, torch.bfloat16, False, deadline=300)[0]
