@@ -13,6 +13,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from tests.gpu.check.result import Result, error_text
 
@@ -38,10 +39,26 @@ def gpt_config(shape: Shape, **overrides):
                         "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
 
 
-def eager_step(shape: Shape, inputs, labels, compiled: bool, read_norm: bool = False):
-    """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0; (step, its losses). `read_norm`: the gradient norm is
-    read to the host before the update, one synchronisation a step as Megatron's step and mpzero's take (nanoGPT
-    takes none): what that costs a launch-bound step."""
+@dataclass
+class Step:
+    """One training step in its three phases, which bench/bench_host.py times apart; calling it runs them in order
+    and keeps the loss. (The optimizer phase's host time on a CPU includes its arithmetic: a GPU launches it.)"""
+    forward: Callable[[], object]  # -> the loss
+    backward: Callable[[object], None]
+    update: Callable[[], None]  # clipping, the optimizer's step, clearing the gradients
+    losses: list
+
+    def __call__(self) -> None:
+        loss = self.forward()
+        self.backward(loss)
+        self.update()
+        self.losses.append(loss.detach())
+
+
+def eager_step(shape: Shape, inputs, labels, compiled: bool, read_norm: bool = False) -> Step:
+    """nanoGPT's step: autocast bf16, fused AdamW, clip 1.0. `read_norm`: the gradient norm is read to the host
+    before the update, one synchronisation a step as Megatron's step and mpzero's take (nanoGPT takes none): what
+    that costs a launch-bound step."""
     import torch
     from bench.baselines import eager_gpt2
     torch.manual_seed(1234)  # the same weights with and without torch.compile
@@ -49,33 +66,35 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool, read_norm: bool = F
                        shape.num_attention_heads, shape.seq_length).to(inputs.device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     run = torch.compile(model) if compiled else model
-    losses = []
 
-    def step():
+    def forward():
         with torch.autocast(inputs.device.type, dtype=torch.bfloat16):
-            loss = run(inputs, labels)
-        loss.backward()
+            return run(inputs, labels)
+
+    def update():
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if read_norm:
             norm.item()  # the host read is the point: the value is not used
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return step, losses
+    return Step(forward, lambda loss: loss.backward(), update, [])
 
 
 def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False,
-                one_region: bool = True):
-    """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one); (step, its losses). `compiled`:
+                one_region: bool = True, loss_chunk: int | None = None) -> Step:
+    """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one). `compiled`:
     --torch-compile; `fused_loss`: --cross-entropy-loss-fusion; `one_region` False: the compiled layers one region
-    each, as a run that cannot compile its trunk as one (ZeRO-3, TP > 1, recomputation) does."""
+    each, as a run that cannot compile its trunk as one (ZeRO-3, TP > 1, recomputation) does; `loss_chunk`:
+    --cross-entropy-chunk-size (None: its default; the micro-batch's tokens: one chunk, no logits recomputed in
+    backward, all the tokens' fp32 exponentials held)."""
     import mpzero.models.gpt as gpt
     from mpzero.models import GPTModel
     from mpzero.tensor_parallel import seed_everything
     from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 
     config = gpt_config(shape, attention_backend=backend, torch_compile=compiled,
-                        cross_entropy_impl="compile" if fused_loss else "auto")
+                        cross_entropy_impl="compile" if fused_loss else "auto",
+                        **({} if loss_chunk is None else {"cross_entropy_chunk_size": loss_chunk}))
     trunk_compilable = gpt.trunk_compilable
     if not one_region:
         gpt.trunk_compilable = lambda config, tp_size: False
@@ -85,20 +104,16 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
         gpt.trunk_compilable = trunk_compilable
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=6e-4, beta2=0.95, weight_decay=0.1,
                                                                       clip_grad=1.0), PrecisionConfig("bf16"))
-    losses = []
 
-    def step():
+    def forward():
         opt.zero_grad()
-        loss = model(inputs, labels).mean()
-        opt.backward(loss, last_micro_batch=True)
-        opt.step(6e-4)
-        losses.append(loss.detach())
-    return step, losses
+        return model(inputs, labels).mean()
+    return Step(forward, lambda loss: opt.backward(loss, last_micro_batch=True), lambda: opt.step(6e-4), [])
 
 
 def variants(shape: Shape, groups, inputs, labels) -> list:
     """(name, build) of each step measured, in the report's order (the goal's pair first, should time run out);
-    build() -> (step, losses)."""
+    build() -> a `Step`."""
     return [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: eager_step(shape, inputs, labels, False)),
             ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16",
              lambda: mpzero_step(shape, groups, inputs, labels, "auto")),
@@ -111,7 +126,9 @@ def variants(shape: Shape, groups, inputs, labels) -> list:
             ("mpzero --torch-compile, a compiled region per layer (as at ZeRO-3, TP > 1, recomputation)",
              lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, one_region=False)),
             ("eager PyTorch + torch.compile, the gradient norm read to the host each step (as mpzero's step)",
-             lambda: eager_step(shape, inputs, labels, True, read_norm=True))]
+             lambda: eager_step(shape, inputs, labels, True, read_norm=True)),
+            ("mpzero --torch-compile, the loss in one chunk of the micro-batch (no logits recomputed in backward)",
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, loss_chunk=inputs.numel()))]
 
 
 def _sync_time(fn, steps: int) -> float:
@@ -157,11 +174,11 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
     import torch
     from bench.baselines import step_profile
 
-    step = losses = None
+    step = None
     try:
         free_cuda()
         base = torch.cuda.memory_allocated()
-        step, losses = build()
+        step = build()
         first = _sync_time(step, 1)  # compilation, Triton autotuning and allocator warm-up happen here
         _sync_time(step, warmup - 1)
         seconds = _sync_time(step, timed)
@@ -172,9 +189,10 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
         return {"tps": tokens_per_step * timed / seconds, "ms/step": round(ms_per_step, 2),
                 "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
                 "kernels/step": profiled.ops, "kernel ms/step": round(profiled.kernel_ms, 2),
-                "GPU busy": round(profiled.kernel_ms / ms_per_step, 3), "losses": [float(x) for x in losses[-timed:]]}
+                "GPU busy": round(profiled.kernel_ms / ms_per_step, 3),
+                "losses": [float(x) for x in step.losses[-timed:]]}
     finally:
-        del step, losses
+        del step
         free_cuda()
 
 
