@@ -2,7 +2,8 @@
 a run arrives, then added with one concatenation and one add (stages 2-3 deliver each parameter: the in-step peak
 replays when each bucket's full buffer is made). The buffers hold bitwise what one add per parameter leaves; a run
 whose member got no gradient is flushed at the end of backward; a GPU launches 2 kernels per run instead of one per
-parameter (counted here as the adds into the fp32 buffers)."""
+parameter (counted here as the adds into the fp32 buffers). After a step (`zero_()`), the buffers are not zeroed:
+the next backward copies each first gradient over the stale values and zeroes the places nobody wrote."""
 
 import torch
 from torch import nn
@@ -32,30 +33,37 @@ def test_a_run_is_every_1d_parameter_of_a_bucket_side_by_side():
     assert run.end - run.start == sum(p.numel() for p in vectors) and run.end == layout.numel
 
 
-class _AddsIntoFp32(TorchDispatchMode):
-    """Counts in-place adds into fp32 tensors (the collector's; autograd's own sums are in the bf16 model's dtype)."""
+class _WritesIntoFp32(TorchDispatchMode):
+    """Counts in-place writes into fp32 tensors by op (the collector's; autograd's own sums are in the bf16 model's
+    dtype)."""
 
     def __init__(self):
         super().__init__()
-        self.adds = 0
+        self.writes = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.add_.Tensor and args[0].dtype == torch.float32:
-            self.adds += 1
+        name = func.overloadpacket.__name__
+        if name in ("add_", "copy_", "zero_", "fill_") and args[0].dtype == torch.float32:
+            self.writes[name] = self.writes.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
-def _collect(model, layouts, grads, batches):
-    """Backward of each micro-batch through `grads`; returns the number of adds into its fp32 buffers."""
-    counter = _AddsIntoFp32()
+def _collect(model, layouts, grads, batches, writes=None):
+    """Backward of each micro-batch through `grads`, ended as the stage ends it; returns the number of adds into its
+    fp32 buffers (and each micro-batch's writes by op into `writes`, a list, if given)."""
+    adds = 0
     for m, micro in enumerate(batches):
         tokens, labels = micro[0]
         loss = model(tokens, labels).mean() / len(batches)
+        counter = _WritesIntoFp32()
         grads.begin_backward(last_micro_batch=m == len(batches) - 1)
         with counter:
             loss.backward()
-        grads.end_backward()
-    return counter.adds
+            grads.end_backward()
+        adds += counter.writes.get("add_", 0)
+        if writes is not None:
+            writes.append(counter.writes)
+    return adds
 
 
 def _per_parameter_sums(model, layouts, batches):
@@ -98,6 +106,30 @@ def _bitwise_at_stages_0_to_3():  # stages 2-3 (ShardedGrads) deliver each param
         assert adds == 2 * (len(runs) + len(params) - in_runs)
 
 
+def test_after_a_step_the_buffers_are_overwritten_not_zeroed_then_added_to():
+    run_ranks(1, _overwritten)
+
+
+def _overwritten():
+    batches = make_batches(1, 2, 1)[0]
+    model = make_model(num_layers=2).to(torch.bfloat16)
+    layouts = _layouts(model, bucket_numel=300)
+    grads = ReplicatedGrads(layouts, init_parallel(1).dp, torch.float32, "cpu", True, "all_reduce")
+    _collect(model, layouts, grads, batches)  # a first step's gradients, then values no gradient has
+    for flat in grads.flats:
+        flat.fill_(float("nan"))
+    counter = _WritesIntoFp32()
+    with counter:
+        grads.zero_()
+    assert counter.writes == {}  # no pass over the buffers
+    writes = []
+    _collect(model, layouts, grads, batches, writes)
+    assert all(torch.equal(g, w) for g, w in zip(grads.flats, _per_parameter_sums(model, layouts, batches)))
+    runs = [run for b, layout in enumerate(layouts) for run in vector_runs(layout, b)]
+    alone = sum(len(layout.params) for layout in layouts) - sum(len(run.params) for run in runs)
+    assert writes == [{"copy_": len(runs) + alone}, {"add_": len(runs) + alone}]  # the first micro-batch copies
+
+
 class _UnusedBias(nn.Module):
     def __init__(self):
         super().__init__()
@@ -133,3 +165,13 @@ def _flushed():
         assert torch.equal(layout.param_view(grads.flats[0], index[name]), grad)
     assert torch.equal(layout.param_view(grads.flats[0], index["unused"]), torch.zeros(4))
     assert ready == [] and model.bias.grad is None and model.scale.grad is None
+    grads.flats[0].fill_(float("nan"))  # stale values after a step: overwritten, and zeroed where nobody wrote
+    grads.zero_()
+    grads.begin_backward(last_micro_batch=True)
+    model(x).backward()
+    grads.end_backward()
+    for name, grad in zip(("bias", "scale"), expected):
+        assert torch.equal(layout.param_view(grads.flats[0], index[name]), grad)
+    assert torch.equal(layout.param_view(grads.flats[0], index["unused"]), torch.zeros(4))
+    (weight_grad,) = torch.autograd.grad(model(x), model.weight)
+    assert torch.equal(layout.param_view(grads.flats[0], index["weight"]), weight_grad)

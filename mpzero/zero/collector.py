@@ -9,6 +9,12 @@ the parameter's shape (made at its first delivery: no slicing or reshaping per d
 their gradients are held until the last of their run arrives, then added with one concatenation and one add
 (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's 148, each a few thousand
 elements; the values and the order of the additions are the same, so the buffers are bitwise the same.
+Persistent buffers are not zeroed between steps (`overwrite_next`): the first backward after a step copies each
+parameter's first gradient into its place instead of adding it to zeros, and zeroes the places of parameters that
+received none when it ends, before their bucket is reduced. A GPU then makes no pass over the buffers to zero
+them and the first add does not read them: for GPT-2 124M's fp32 gradients, 0.5 GB written and 0.5 GB read
+less a step. The values are those of zeroing and adding (x, where 0 + x gives +0.0 for a -0.0, which no step
+tells apart).
 A bucket is reported ready once every parameter in it has delivered; this also holds under reentrant activation
 checkpointing, where the hooks fire inside the recomputation's inner backward. A parameter that delivers again after
 its bucket was reported (used in two reentrant regions) is recorded as late. The reductions are grads.py's.
@@ -54,9 +60,17 @@ class GradCollector:
                 self._runs.append((run, members))
             self._sizes.append(len(layout.params))
         self._views: list[torch.Tensor | None] = [None] * len(self._bucket)  # persistent: each one's place, shaped
+        self._overwrite = False  # this backward's first gradient of each parameter replaces its place's stale value
         params = [p for layout in layouts for p in layout.params]
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._deliver, i)) for i, p in enumerate(params)]
         self.reset()
+
+    def overwrite_next(self) -> None:
+        """The buffers' values are stale (a step used them): the next backward writes each parameter's first
+        gradient instead of adding it, and zeroes the places of parameters that receive none (persistent only)."""
+        if not self._persistent:
+            raise RuntimeError("only persistent buffers are overwritten: a bucket's full buffer is made anew")
+        self._overwrite = True
 
     def reset(self) -> None:
         n = len(self._bucket)
@@ -78,16 +92,23 @@ class GradCollector:
                 self._mark_delivered(bucket, self._fold(run))
             return
         # One parameter: a matrix, or a late or repeated gradient (added after the one held, in that order)
-        target = self._views[i]
-        if target is None:
-            target = self._buffer_of(bucket)[self._start[i]:self._end[i]].view(self._shape[i])
-            if self._persistent:
-                self._views[i] = target
+        target = self._place(i)
+        first = self._overwrite and not self._delivered[i]
         held = self._take(i)
         if held is not None:
-            target.add_(held)
-        target.add_(grad)
+            _write(target, held, first)
+            first = False
+        _write(target, grad, first)
         self._mark_delivered(bucket, (i,))
+
+    def _place(self, i: int) -> torch.Tensor:
+        """Parameter i's place in its bucket's buffer, in its shape."""
+        place = self._views[i]
+        if place is None:
+            place = self._buffer_of(self._bucket[i])[self._start[i]:self._end[i]].view(self._shape[i])
+            if self._persistent:
+                self._views[i] = place
+        return place
 
     def _fold(self, run: int) -> list[int]:
         """The run's held gradients into its region of the flat buffer, returning their indices: all of them
@@ -95,11 +116,12 @@ class GradCollector:
         delivered on its own (a repeated gradient), the others one by one."""
         vector_run, members = self._runs[run]
         flat, held = self._buffer_of(vector_run.bucket), [i for i in members if self._held[i] is not None]
-        if len(held) == len(members):
-            flat[vector_run.start:vector_run.end].add_(torch.cat([self._take(i).reshape(-1) for i in held]))
+        if len(held) == len(members):  # none of them delivered on its own in this backward
+            _write(flat[vector_run.start:vector_run.end], torch.cat([self._take(i).reshape(-1) for i in held]),
+                   self._overwrite)
             return held
         for i in held:
-            flat[self._start[i]:self._end[i]].add_(self._take(i).reshape(-1))
+            _write(self._place(i), self._take(i), self._overwrite and not self._delivered[i])
         return held
 
     def _take(self, i: int) -> torch.Tensor | None:
@@ -118,10 +140,24 @@ class GradCollector:
             self._on_ready(bucket)
 
     def flush(self) -> None:
-        """End of backward: gradients still held (a run with a member that received none) go into their buffers."""
+        """End of backward: gradients still held (a run with a member that received none) go into their buffers;
+        after `overwrite_next`, the places of parameters that received no gradient are zeroed."""
         for run, (vector_run, members) in enumerate(self._runs):
             if any(self._held[i] is not None for i in members):
                 self._mark_delivered(vector_run.bucket, self._fold(run))
+        if self._overwrite and any(self._waiting):
+            for i, delivered in enumerate(self._delivered):
+                if not delivered:
+                    self._place(i).zero_()
+        self._overwrite = False
+
+
+def _write(place: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+    """A gradient into its place: copied (and cast) where the place's value is stale, else added."""
+    if first:
+        place.copy_(grad)
+    else:
+        place.add_(grad)
 
 
 @dataclass(frozen=True, eq=False)

@@ -85,8 +85,9 @@ class ReplicatedGrads(OffloadHolder):
         self._handles = []
 
     def zero_(self) -> None:
-        for flat in self.flats:
-            flat.zero_()
+        """Gradients from zero for the next step, without a pass over the buffers: the next backward overwrites
+        each parameter's place (`GradCollector.overwrite_next`)."""
+        self.collector.overwrite_next()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.flats)
