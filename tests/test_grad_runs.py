@@ -3,7 +3,8 @@ a run arrives, then added with one concatenation and one add (stages 2-3 deliver
 replays when each bucket's full buffer is made). The buffers hold bitwise what one add per parameter leaves; a run
 whose member got no gradient is flushed at the end of backward; a GPU launches 2 kernels per run instead of one per
 parameter (counted here as the adds into the fp32 buffers). After a step (`zero_()`), the buffers are not zeroed:
-the next backward copies each first gradient over the stale values and zeroes the places nobody wrote."""
+the next backward copies each first gradient over the stale values and zeroes the places nobody wrote; at stages
+2-3 a bucket's full buffer is made uninitialised and overwritten the same way."""
 
 import torch
 from torch import nn
@@ -128,6 +129,36 @@ def _overwritten():
     runs = [run for b, layout in enumerate(layouts) for run in vector_runs(layout, b)]
     alone = sum(len(layout.params) for layout in layouts) - sum(len(run.params) for run in runs)
     assert writes == [{"copy_": len(runs) + alone}, {"add_": len(runs) + alone}]  # the first micro-batch copies
+
+
+class _StaleEmpty(TorchDispatchMode):
+    """fp32 tensors made uninitialised (torch.empty) come out full of NaN: what a buffer holds before it is written
+    is visible in the results."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.empty.memory_format and out.dtype == torch.float32:
+            out.fill_(float("nan"))
+        return out
+
+
+def test_a_full_bucket_buffer_is_made_uninitialised_and_overwritten_at_stages_2_3():
+    run_ranks(1, _full_buffers_overwritten)
+
+
+def _full_buffers_overwritten():
+    batches = make_batches(1, 2, 1)[0]
+    model = make_model(num_layers=2).to(torch.bfloat16)
+    layouts = _layouts(model, bucket_numel=300)
+    grads = ShardedGrads(layouts, init_parallel(1).dp, torch.float32, "cpu", True, TransientMeter())
+    writes = []
+    with _StaleEmpty():
+        _collect(model, layouts, grads, batches, writes)
+    assert all(torch.equal(g, w) for g, w in zip(grads.shards, _per_parameter_sums(model, layouts, batches)))
+    params = sum(len(layout.params) for layout in layouts)
+    buckets = len(layouts)  # each reduction at DP 1 is a copy of the full buffer into the shard (or a temporary)
+    assert writes[0] == {"copy_": params + buckets}  # a copy per gradient and no zeroing pass
+    assert writes[1] == {"copy_": params + buckets, "add_": buckets}  # the second adds its reduced slice
 
 
 class _UnusedBias(nn.Module):

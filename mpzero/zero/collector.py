@@ -9,12 +9,13 @@ the parameter's shape (made at its first delivery: no slicing or reshaping per d
 their gradients are held until the last of their run arrives, then added with one concatenation and one add
 (`VectorRun`). A GPU otherwise launches one kernel per parameter, 98 of GPT-2 124M's 148, each a few thousand
 elements; the values and the order of the additions are the same, so the buffers are bitwise the same.
-Persistent buffers are not zeroed between steps (`overwrite_next`): the first backward after a step copies each
-parameter's first gradient into its place instead of adding it to zeros, and zeroes the places of parameters that
-received none when it ends, before their bucket is reduced. A GPU then makes no pass over the buffers to zero
-them and the first add does not read them: for GPT-2 124M's fp32 gradients, 0.5 GB written and 0.5 GB read
-less a step. The values are those of zeroing and adding (x, where 0 + x gives +0.0 for a -0.0, which no step
-tells apart).
+No buffer is zeroed before gradients go into it: a parameter's first gradient in a buffer is copied over the
+place's stale values (persistent buffers after a step, `overwrite_next`; a bucket's full buffer, made
+uninitialised, `fresh`), later ones are added, and the places of parameters that received none are zeroed before
+their bucket is reduced (persistent: when the backward ends, `flush`; full buffers: `zero_unwritten`). A GPU then
+makes no pass over the buffers to zero them and the first add does not read them: for GPT-2 124M's fp32
+gradients, 0.5 GB written and 0.5 GB read less a step (and at stages 2-3 a micro-batch). The values are those of
+zeroing and adding (x, where 0 + x gives +0.0 for a -0.0, which no step tells apart).
 A bucket is reported ready once every parameter in it has delivered; this also holds under reentrant activation
 checkpointing, where the hooks fire inside the recomputation's inner backward. A parameter that delivers again after
 its bucket was reported (used in two reentrant regions) is recorded as late. The reductions are grads.py's.
@@ -60,17 +61,41 @@ class GradCollector:
                 self._runs.append((run, members))
             self._sizes.append(len(layout.params))
         self._views: list[torch.Tensor | None] = [None] * len(self._bucket)  # persistent: each one's place, shaped
-        self._overwrite = False  # this backward's first gradient of each parameter replaces its place's stale value
+        self._first = [0] * len(layouts)  # per bucket: its first parameter's index
+        for b in range(1, len(layouts)):
+            self._first[b] = self._first[b - 1] + self._sizes[b - 1]
+        # Per parameter: its place holds a gradient of this step (else stale values, overwritten by the next one);
+        # per bucket: how many do not.
+        self._written = [persistent] * len(self._bucket)
+        self._unwritten = [0 if persistent else size for size in self._sizes]
         params = [p for layout in layouts for p in layout.params]
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._deliver, i)) for i, p in enumerate(params)]
         self.reset()
 
     def overwrite_next(self) -> None:
-        """The buffers' values are stale (a step used them): the next backward writes each parameter's first
-        gradient instead of adding it, and zeroes the places of parameters that receive none (persistent only)."""
+        """The persistent buffers' values are stale (a step used them): the next backward writes each parameter's
+        first gradient instead of adding it, and zeroes the places of parameters that receive none."""
         if not self._persistent:
             raise RuntimeError("only persistent buffers are overwritten: a bucket's full buffer is made anew")
-        self._overwrite = True
+        self._written = [False] * len(self._bucket)
+        self._unwritten = list(self._sizes)
+
+    def fresh(self, bucket: int) -> None:
+        """`bucket`'s buffer was just made, uninitialised (stages 2-3): no place in it holds a gradient."""
+        first = self._first[bucket]
+        self._written[first:first + self._sizes[bucket]] = [False] * self._sizes[bucket]
+        self._unwritten[bucket] = self._sizes[bucket]
+
+    def zero_unwritten(self, bucket: int) -> None:
+        """Zeroes the places in `bucket`'s buffer that hold no gradient of this step: before it is reduced."""
+        if not self._unwritten[bucket]:
+            return
+        first = self._first[bucket]
+        for i in range(first, first + self._sizes[bucket]):
+            if not self._written[i]:
+                self._place(i).zero_()
+                self._written[i] = True
+        self._unwritten[bucket] = 0
 
     def reset(self) -> None:
         n = len(self._bucket)
@@ -92,14 +117,21 @@ class GradCollector:
                 self._mark_delivered(bucket, self._fold(run))
             return
         # One parameter: a matrix, or a late or repeated gradient (added after the one held, in that order)
-        target = self._place(i)
-        first = self._overwrite and not self._delivered[i]
+        target = self._place(i)  # (a full buffer made here is `fresh` before its first write)
         held = self._take(i)
         if held is not None:
-            _write(target, held, first)
-            first = False
-        _write(target, grad, first)
+            self._write(i, target, held)
+        self._write(i, target, grad)
         self._mark_delivered(bucket, (i,))
+
+    def _write(self, i: int, place: torch.Tensor, grad: torch.Tensor) -> None:
+        """Parameter i's gradient into its place: copied (and cast) over stale values, else added."""
+        if self._written[i]:
+            place.add_(grad)
+            return
+        place.copy_(grad)
+        self._written[i] = True
+        self._unwritten[self._bucket[i]] -= 1
 
     def _place(self, i: int) -> torch.Tensor:
         """Parameter i's place in its bucket's buffer, in its shape."""
@@ -116,12 +148,18 @@ class GradCollector:
         delivered on its own (a repeated gradient), the others one by one."""
         vector_run, members = self._runs[run]
         flat, held = self._buffer_of(vector_run.bucket), [i for i in members if self._held[i] is not None]
-        if len(held) == len(members):  # none of them delivered on its own in this backward
-            _write(flat[vector_run.start:vector_run.end], torch.cat([self._take(i).reshape(-1) for i in held]),
-                   self._overwrite)
+        if len(held) == len(members):  # none delivered on its own: all written (flush) or none (overwrite_next)
+            region, values = flat[vector_run.start:vector_run.end], torch.cat([self._take(i).reshape(-1) for i in held])
+            if self._written[held[0]]:
+                region.add_(values)
+            else:
+                region.copy_(values)
+                for i in held:
+                    self._written[i] = True
+                self._unwritten[vector_run.bucket] -= len(held)
             return held
         for i in held:
-            _write(self._place(i), self._take(i), self._overwrite and not self._delivered[i])
+            self._write(i, self._place(i), self._take(i))
         return held
 
     def _take(self, i: int) -> torch.Tensor | None:
@@ -141,23 +179,13 @@ class GradCollector:
 
     def flush(self) -> None:
         """End of backward: gradients still held (a run with a member that received none) go into their buffers;
-        after `overwrite_next`, the places of parameters that received no gradient are zeroed."""
+        the persistent buffers' places that received no gradient since `overwrite_next` are zeroed."""
         for run, (vector_run, members) in enumerate(self._runs):
             if any(self._held[i] is not None for i in members):
                 self._mark_delivered(vector_run.bucket, self._fold(run))
-        if self._overwrite and any(self._waiting):
-            for i, delivered in enumerate(self._delivered):
-                if not delivered:
-                    self._place(i).zero_()
-        self._overwrite = False
-
-
-def _write(place: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
-    """A gradient into its place: copied (and cast) where the place's value is stale, else added."""
-    if first:
-        place.copy_(grad)
-    else:
-        place.add_(grad)
+        if self._persistent:
+            for bucket in range(len(self._sizes)):
+                self.zero_unwritten(bucket)
 
 
 @dataclass(frozen=True, eq=False)

@@ -152,10 +152,15 @@ class ShardedGrads(OffloadHolder):
         self.device_meter.sub(nbytes)
 
     def _full_buffer(self, bucket: int) -> torch.Tensor:
+        """Uninitialised but its padding: the collector overwrites each place and zeroes the rest before the
+        reduction (`GradCollector.fresh`, `zero_unwritten`), with no pass over the buffer first."""
         if bucket not in self._full:
-            numel = self._layouts[bucket].padded_numel
-            self._full[bucket] = torch.zeros(numel, dtype=self._dtype, device=self._device)
-            self._add(self._full[bucket].nbytes)
+            layout = self._layouts[bucket]
+            full = self._full[bucket] = torch.empty(layout.padded_numel, dtype=self._dtype, device=self._device)
+            if layout.padding:
+                full[layout.numel:].zero_()
+            self._add(full.nbytes)
+            self.collector.fresh(bucket)
         return self._full[bucket]
 
     def begin_backward(self, last_micro_batch: bool) -> None:
@@ -170,6 +175,7 @@ class ShardedGrads(OffloadHolder):
 
     def _launch(self, bucket: int) -> None:
         full = self._full_buffer(bucket)
+        self.collector.zero_unwritten(bucket)
         if self.dp.size > 1:  # at DP 1 a division by 1: no pass over the buffer
             full.div_(self.dp.size)
         del self._full[bucket]
