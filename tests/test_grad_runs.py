@@ -84,11 +84,15 @@ def test_the_buffers_are_bitwise_those_of_one_add_per_parameter_at_stages_0_to_3
     run_ranks(1, _bitwise_at_stages_0_to_3)  # a world of one in its own process (the DP group)
 
 
+def _bf16_model():
+    """(2 micro-batches, a bf16 toy model, its layouts in several buckets, each with its own run)."""
+    model = make_model(num_layers=2).to(torch.bfloat16)
+    return make_batches(1, 2, 1)[0], model, _layouts(model, bucket_numel=300)
+
+
 def _bitwise_at_stages_0_to_3():  # stages 2-3 (ShardedGrads) deliver each parameter: the same sums
-    batches = make_batches(1, 2, 1)[0]
     for sharded in (False, True):
-        model = make_model(num_layers=2).to(torch.bfloat16)
-        layouts = _layouts(model, bucket_numel=300)  # several buckets, each with its own run
+        batches, model, layouts = _bf16_model()
         dp = init_parallel(1).dp
         if sharded:
             grads = ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
@@ -112,9 +116,7 @@ def test_after_a_step_the_buffers_are_overwritten_not_zeroed_then_added_to():
 
 
 def _overwritten():
-    batches = make_batches(1, 2, 1)[0]
-    model = make_model(num_layers=2).to(torch.bfloat16)
-    layouts = _layouts(model, bucket_numel=300)
+    batches, model, layouts = _bf16_model()
     grads = ReplicatedGrads(layouts, init_parallel(1).dp, torch.float32, "cpu", True, "all_reduce")
     _collect(model, layouts, grads, batches)  # a first step's gradients, then values no gradient has
     for flat in grads.flats:
@@ -147,9 +149,7 @@ def test_a_full_bucket_buffer_is_made_uninitialised_and_overwritten_at_stages_2_
 
 
 def _full_buffers_overwritten():
-    batches = make_batches(1, 2, 1)[0]
-    model = make_model(num_layers=2).to(torch.bfloat16)
-    layouts = _layouts(model, bucket_numel=300)
+    batches, model, layouts = _bf16_model()
     grads = ShardedGrads(layouts, init_parallel(1).dp, torch.float32, "cpu", True, TransientMeter())
     writes = []
     with _StaleEmpty():

@@ -24,6 +24,8 @@ vocabulary size when it holds none; padding logits are -inf.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -50,20 +52,9 @@ class CrossEntropyMath:
 
     def local_chunks(self, hidden: torch.Tensor, weight: torch.Tensor, local_target: torch.Tensor,
                      mine: torch.Tensor, first_padding: int, chunk_size: int):
-        """The whole forward where one rank holds the vocabulary (TP 1: nothing to all-reduce between the stages),
-        chunk by chunk of `chunk_size` tokens, from the hidden states [N, h] and the output weight [V, h]: (losses
-        [N], row maxes [N], sums of exponentials [N], the last chunk's exponentials). Each chunk's logits are
-        released before the next chunk's are made."""
-        per_chunk = []
-        for start in range(0, hidden.size(0), chunk_size):
-            chunk = slice(start, start + chunk_size)
-            work, row_max = self.start(F.linear(hidden[chunk], weight), first_padding)
-            keep = start + chunk_size >= hidden.size(0)
-            target_logit, sum_exp, kept = self.sums(work, row_max, local_target[chunk], mine[chunk], first_padding,
-                                                    keep)
-            del work
-            per_chunk.append((sum_exp.log() - target_logit, row_max, sum_exp))
-        return (*(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*per_chunk)), kept)
+        """The whole forward where one rank holds the vocabulary (TP 1: nothing to all-reduce between the stages):
+        `chunked_forward`'s result."""
+        return chunked_forward(self, hidden, weight, local_target, mine, first_padding, chunk_size)
 
     def grad(self, z: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local_target: torch.Tensor,
              mine: torch.Tensor, grad_loss: torch.Tensor, first_padding: int) -> torch.Tensor:
@@ -78,6 +69,31 @@ class CrossEntropyMath:
         """d loss / d z from forward's kept exponentials, which it divides in place."""
         softmax = kept.div_(sum_exp.unsqueeze(-1))
         return _softmax_grad(softmax, local_target, mine, grad_loss, dtype)
+
+
+def chunked_forward(math: CrossEntropyMath, hidden: torch.Tensor, weight: torch.Tensor, local_target: torch.Tensor,
+                    mine: torch.Tensor, first_padding: int, chunk_size: int,
+                    all_reduce_max: Callable[[torch.Tensor], object] | None = None,
+                    all_reduce_sum: Callable[[torch.Tensor], object] | None = None):
+    """The forward chunk by chunk of `chunk_size` tokens through `math`'s stages, from the hidden states [N, h] and
+    this rank's output weight [V/tp, h]: (losses [N], row maxes [N], sums of exponentials [N], the last chunk's
+    exponentials). With the vocabulary split across ranks, `all_reduce_max` and `all_reduce_sum` (in place) join
+    each chunk's row max, then its target logit and sum, between the stages. Each chunk's logits are released
+    before the next chunk's are made."""
+    n, per_chunk = hidden.size(0), []
+    for start in range(0, n, chunk_size):
+        chunk = slice(start, start + chunk_size)
+        work, row_max = math.start(F.linear(hidden[chunk], weight), first_padding)  # [c, V/tp] logits
+        if all_reduce_max is not None:
+            all_reduce_max(row_max)
+        target_logit, sum_exp, kept = math.sums(work, row_max, local_target[chunk], mine[chunk], first_padding,
+                                                start + chunk_size >= n)
+        del work  # the last chunk's exponentials stay (kept)
+        if all_reduce_sum is not None:
+            all_reduce_sum(target_logit)
+            all_reduce_sum(sum_exp)
+        per_chunk.append((sum_exp.log() - target_logit, row_max, sum_exp))
+    return (*(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*per_chunk)), kept)
 
 
 def _masked_fp32(z: torch.Tensor, first_padding: int) -> torch.Tensor:

@@ -12,12 +12,15 @@ arithmetic between the all-reduces is `mpzero.fused.cross_entropy` (`--cross-ent
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpzero.comm import CommGroup
 from mpzero.fused import cross_entropy_math
+from mpzero.fused.cross_entropy import chunked_forward
 from mpzero.tensor_parallel.mappings import gather_sequence, reduce_scatter_sequence
 
 
@@ -73,8 +76,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             losses, maxes, sums, kept = math.local_chunks(hidden, weight, local_target, mine, first_padding,
                                                           chunk_size)
         else:
-            losses, maxes, sums, kept = _vocab_parallel_chunks(hidden, weight, local_target, mine, first_padding,
-                                                               chunk_size, group, math)
+            losses, maxes, sums, kept = chunked_forward(
+                math, hidden, weight, local_target, mine, first_padding, chunk_size,
+                partial(group.all_reduce, op=dist.ReduceOp.MAX), group.all_reduce)
         ctx.save_for_backward(x, weight, local_target, mine, maxes, sums, kept)
         return losses.view(target.shape)
 
@@ -109,23 +113,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x = grad_hidden
             group.all_reduce(grad_x)  # the input was replicated across the TP group (copy_to_tp's backward)
         return grad_x, grad_weight, None, None, None, None, None, None
-
-
-def _vocab_parallel_chunks(hidden, weight, local_target, mine, first_padding, chunk_size, group, math):
-    """Forward chunk by chunk with the vocabulary split across the TP group: (losses, maxes, sums of exponentials,
-    the last chunk's exponentials), each chunk's stages between its three all-reduces."""
-    chunks = _chunks(hidden.size(0), chunk_size)
-    per_chunk = []  # (losses, maxes, sums) of each chunk, [c] fp32 each
-    for chunk in chunks:
-        work, logits_max = math.start(F.linear(hidden[chunk], weight), first_padding)  # [c, V/tp] logits
-        group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
-        target_logit, sum_exp, kept = math.sums(work, logits_max, local_target[chunk], mine[chunk], first_padding,
-                                                chunk is chunks[-1])
-        del work  # freed before the next chunk's logits are made; the last chunk's exponentials stay (kept)
-        group.all_reduce(target_logit)
-        group.all_reduce(sum_exp)
-        per_chunk.append((sum_exp.log() - target_logit, logits_max, sum_exp))
-    return (*(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*per_chunk)), kept)
 
 
 def _own_version(saved: torch.Tensor) -> torch.Tensor:
