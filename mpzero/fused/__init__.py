@@ -3,7 +3,7 @@ squares), each a Triton kernel beside its PyTorch reference, and the chunked cro
 and torch.compile'd); `impl` picks the implementation explicitly (see `mpzero.fused.impl`)."""
 
 from mpzero.fused.adam import adamw_reference, adamw_step
-from mpzero.fused.cross_entropy import CrossEntropyMath, cross_entropy_math
+from mpzero.fused.cross_entropy import CrossEntropyMath, chunked_forward, cross_entropy_math
 from mpzero.fused.impl import (ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl,
                                resolve_attention_backend, resolve_impl, resolved_impls, triton_available)
 from mpzero.fused.layer_norm import layer_norm, layer_norm_reference
@@ -13,7 +13,8 @@ from mpzero.fused.squares import sum_of_squares, sum_of_squares_reference
 from mpzero.fused.squares import working_bytes as sum_of_squares_bytes
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CrossEntropyMath", "IMPLS", "adamw_reference", "adamw_step", "cross_entropy_math",
+    "ATTENTION_BACKENDS", "CrossEntropyMath", "IMPLS", "adamw_reference", "adamw_step", "chunked_forward",
+    "cross_entropy_math",
     "fused_softmax_supported", "layer_norm", "layer_norm_reference", "planned_attention_backend", "planned_impl",
     "resolve_attention_backend", "resolve_impl", "resolved_impls", "rms_norm", "rms_norm_reference",
     "scaled_masked_softmax", "scaled_masked_softmax_reference", "sum_of_squares", "sum_of_squares_bytes",

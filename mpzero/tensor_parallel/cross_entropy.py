@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpzero.comm import CommGroup
-from mpzero.fused import cross_entropy_math
-from mpzero.fused.cross_entropy import chunked_forward
+from mpzero.fused import chunked_forward, cross_entropy_math
 from mpzero.tensor_parallel.mappings import gather_sequence, reduce_scatter_sequence
 
 
