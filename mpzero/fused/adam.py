@@ -3,8 +3,11 @@
 Same formula and bias correction as `torch.optim.AdamW` (single-tensor path), decoupled weight decay:
     p *= 1 - lr * wd;  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-The gradient may be fp32/bf16/fp16 (read as fp32); the Triton kernel also writes the bf16/fp16 model copy
-of the new parameters in the same pass. ZeRO stages 1-3 all call this on their own partition.
+The gradient may be fp32/bf16/fp16 (read as fp32) and is used times `grad_scale` (the clipping coefficient):
+the Triton kernel multiplies as it reads, in fp32 as an in-place `mul_` would, so the step needs no pass of its
+own over the gradients to clip them; the other implementations scale them first (fp32 ones in place, as
+clipping does). The Triton kernel also writes the bf16/fp16 model copy of the new parameters in the same pass.
+ZeRO stages 1-3 all call this on their own partition.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ def adamw_reference(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, b
 
 
 @jit
-def _adamw_kernel(P, G, M, V, Copy, n, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+def _adamw_kernel(P, G, M, V, Copy, n, grad_scale, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
                   HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     p = tl.load(P + offs, mask=ok, other=0.0)
-    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32) * grad_scale  # exact at 1.0
     m = tl.load(M + offs, mask=ok, other=0.0)
     v = tl.load(V + offs, mask=ok, other=0.0)
     p = p * decay
@@ -55,14 +58,14 @@ def _adamw_kernel(P, G, M, V, Copy, n, decay, w1, beta2, w2, step_size, bc2_sqrt
 
 
 def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
-                  step) -> None:
+                  step, grad_scale) -> None:
     # Host scalars computed as adamw_reference computes them (Python doubles), rounded to fp32 at launch.
     scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                (1 - beta2 ** step) ** 0.5, eps)
     n = params.numel()
     copy_arg = params if model_copy is None else model_copy  # never written when HAS_COPY is False
     with launch_device(params):
-        _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, *scalars,
+        _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, grad_scale, *scalars,
                                                 HAS_COPY=model_copy is not None, BLOCK=BLOCK, num_warps=8)
 
 
@@ -99,11 +102,17 @@ def _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step) -> None:
 
 def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-               model_copy: torch.Tensor | None = None, impl: str = "auto") -> None:
-    """AdamW step `step` (from 1) in place on a flat fp32 partition; optionally writes `model_copy`."""
+               model_copy: torch.Tensor | None = None, impl: str = "auto", grad_scale: float = 1.0) -> None:
+    """AdamW step `step` (from 1) in place on a flat fp32 partition with the gradients times `grad_scale`;
+    optionally writes `model_copy`."""
     _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step)
     fn = dispatch("adamw_step", params.device, impl,
                   {"torch": adamw_reference, "triton": _triton_adamw, "torch_fused": _torch_fused_adamw})
+    if fn is _triton_adamw:
+        fn(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+        return
+    if grad_scale != 1.0:
+        grads = grads.float().mul_(grad_scale)  # fp32 gradients in place, as clipping does
     fn(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay, step)
 
 
@@ -113,7 +122,7 @@ def triton_kernel_specs() -> list[KernelSpec]:
     specs = []
     for grad_dt, copy_dt in (("fp32", None), ("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "bf16"), ("fp16", "fp16")):
         types = {"P": "*fp32", "G": f"*{grad_dt}", "M": "*fp32", "V": "*fp32", "Copy": f"*{copy_dt or 'fp32'}",
-                 "n": "i32", **floats}
+                 "n": "i32", "grad_scale": "fp32", **floats}
         specs.append(KernelSpec(f"adamw_grad_{grad_dt}_copy_{copy_dt or 'none'}", _adamw_kernel, types,
                                 {"HAS_COPY": copy_dt is not None, "BLOCK": BLOCK}, 8))
     return specs

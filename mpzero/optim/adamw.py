@@ -35,10 +35,13 @@ class AdamW(UpdateRule):
     def resolve_impl(self, device: torch.device | str, impl: str) -> str:
         return resolve_impl("adamw_step", device, impl)
 
-    def step(self, master, grad, states, *, lr, weight_decay, step, impl, model_copy=None) -> None:
+    def folds_grad_scale(self, impl: str) -> bool:
+        return impl == "triton"  # the kernel multiplies as it reads the gradient
+
+    def step(self, master, grad, states, *, lr, weight_decay, step, impl, model_copy=None, grad_scale=1.0) -> None:
         adamw_step(master, grad, states["exp_avg"], states["exp_avg_sq"], lr=lr, beta1=self.beta1,
                    beta2=self.beta2, eps=self.eps, weight_decay=weight_decay, step=step, impl=impl,
-                   model_copy=model_copy)
+                   model_copy=model_copy, grad_scale=grad_scale)
 
     @staticmethod
     def add_flags(group: argparse._ArgumentGroup) -> None:

@@ -85,6 +85,12 @@ class UpdateRule(ABC):
         fp32 tensors of one length, `grad` fp32/bf16/fp16 of it; `model_copy` (optional) receives the new
         values in the model's dtype."""
 
+    def folds_grad_scale(self, impl: str) -> bool:
+        """Whether `step(..., grad_scale=c)` multiplies the gradient by c within its own pass (implementation
+        `impl`), so the step makes no pass over the gradients to clip them. Otherwise the store scales them in place
+        first and calls `step` without it (a rule need not know the keyword)."""
+        return False
+
     def windows(self, run_start: int, run_end: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """The canonical decomposition for offload exactness (see `canonical_windows`)."""
         return canonical_windows(run_start, run_end, lo, hi, self.block)

@@ -120,13 +120,24 @@ def read_to_host(values: list[torch.Tensor]) -> list[float]:
     return torch.stack([v.to(torch.float64) for v in values]).tolist()
 
 
-def clip_grads_(grads: list[torch.Tensor] | Fp32Buckets, norm: float, max_norm: float) -> None:
-    """Megatron's rule: scale by max_norm / (norm + 1e-6) when that is below 1 (`Fp32Buckets`: as each bucket
-    is cast)."""
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Megatron's rule: the gradients are scaled by max_norm / (norm + 1e-6) when that is below 1 (and clipping
+    is on, max_norm > 0), else by 1 (a non-finite norm included)."""
     coef = max_norm / (norm + 1.0e-6)
-    if max_norm > 0 and coef < 1.0:
-        if isinstance(grads, Fp32Buckets):
-            grads.clip_(coef)
-            return
-        for grad in grads:
-            grad.mul_(coef)
+    return coef if max_norm > 0 and coef < 1.0 else 1.0
+
+
+def scale_grads_(grads: list[torch.Tensor] | Fp32Buckets, coef: float) -> None:
+    """The gradients times `coef` in place (`Fp32Buckets`: as each bucket is cast); nothing at 1."""
+    if coef == 1.0:
+        return
+    if isinstance(grads, Fp32Buckets):
+        grads.clip_(coef)
+        return
+    for grad in grads:
+        grad.mul_(coef)
+
+
+def clip_grads_(grads: list[torch.Tensor] | Fp32Buckets, norm: float, max_norm: float) -> None:
+    """Scales the gradients by `clip_coefficient` in place."""
+    scale_grads_(grads, clip_coefficient(norm, max_norm))

@@ -42,7 +42,8 @@ from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
-from mpzero.zero.norm import ArrivingNorm, clip_grads_, grad_norm_squared, norm_runs, read_to_host
+from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared, norm_runs, read_to_host,
+                              scale_grads_)
 from mpzero.zero.reports import OptimizerReports
 from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 from mpzero.zero.scaler import make_loss_scaler
@@ -232,12 +233,13 @@ class ZeroOptimizer(OptimizerReports):
                 raise TrainingError(f"the gradient norm is {norm} at iteration {self.iteration + 1} (rank "
                                     f"{self.groups.world.rank}): stopped before the update, so the parameters and "
                                     f"the last checkpoint are intact; lower --lr or enable --clip-grad")
-            clip_grads_(grads, norm, self.config.clip_grad)
+            coef = clip_coefficient(norm, self.config.clip_grad)
             if self._delayed is not None and self.iteration >= self.offload.delayed_update_after:
+                scale_grads_(grads, coef)  # clipped before the snapshot the background step reads
                 self.finish_update()  # the previous iteration's update reaches the model now
                 self._delayed.start(grads, self.lr)  # this one's runs while the next forward/backward do
             else:
-                self.masters.step(grads, self.lr)
+                self.masters.step(grads, self.lr, grad_scale=coef)
                 if isinstance(grads, Fp32Buckets):  # the fp32 copies go; their high-water mark stays for the report
                     grads.release()
                     self.step_fp32_peak = max(self.step_fp32_peak, grads.meter.peak)

@@ -22,12 +22,13 @@ def _run_torch_adamw(p0, grads, fused):
     return param.detach(), opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"]
 
 
-def _run_adamw_step(p0, grads, impl, device="cpu", copy_dtype=None):
+def _run_adamw_step(p0, grads, impl, device="cpu", copy_dtype=None, grad_scale=1.0):
     params = p0.clone().to(device)
     exp_avg, exp_avg_sq = torch.zeros_like(params), torch.zeros_like(params)
     copy = None if copy_dtype is None else torch.empty(params.shape, dtype=copy_dtype, device=device)
     for step, g in enumerate(grads, start=1):
-        adamw_step(params, g.to(device), exp_avg, exp_avg_sq, step=step, model_copy=copy, impl=impl, **HYPER)
+        adamw_step(params, g.to(device), exp_avg, exp_avg_sq, step=step, model_copy=copy, impl=impl,
+                   grad_scale=grad_scale, **HYPER)
     return params.cpu(), exp_avg.cpu(), exp_avg_sq.cpu(), copy
 
 
@@ -66,6 +67,69 @@ def test_adamw_triton_matches_reference(grad_dtype, copy_dtype, device):
     if copy_dtype is not None:
         # The copy is the new fp32 params rounded once: one ulp (the interpreter truncates bf16 stores).
         torch.testing.assert_close(copy.cpu(), params.to(copy_dtype), rtol=torch.finfo(copy_dtype).eps, atol=0)
+
+
+SCALE = 0.37  # a clipping coefficient
+
+
+@needs_triton
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_adamw_triton_folds_the_gradient_scale_into_its_pass(grad_dtype, device):
+    """Clipping inside the kernel is the kernel on clipped gradients (the same fp32 multiply; on a GPU it may
+    contract into an FMA with what follows: a few ulps), and the gradients are not written."""
+    p0, grads = _data(grad_dtype)
+    on_device = [g.to(device) for g in grads]
+    kept = [g.clone() for g in on_device]
+    folded = _run_adamw_step(p0, on_device, "triton", device, grad_scale=SCALE)[:3]
+    clipped = _run_adamw_step(p0, [g.float() * SCALE for g in kept], "triton", device)[:3]
+    assert all(torch.equal(g, k) for g, k in zip(on_device, kept))
+    for got, want in zip(folded, clipped):
+        if device.type == "cpu":
+            assert torch.equal(got, want)  # the interpreter multiplies as torch's mul_ does
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_other_implementations_scale_fp32_gradients_in_place_first():
+    p0, grads = _data(torch.float32)
+    for impl in ("torch", "torch_fused"):
+        scaled = [g.clone() for g in grads]
+        got = _run_adamw_step(p0, scaled, impl, grad_scale=SCALE)[:3]
+        want = _run_adamw_step(p0, [g * SCALE for g in grads], impl)[:3]
+        assert all(torch.equal(s, g * SCALE) for s, g in zip(scaled, grads))  # in place, as clipping does
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_triton
+def test_device_masters_clip_in_the_triton_step_and_elsewhere_first(device):
+    """The store folds the clipping coefficient into AdamW's Triton kernel (no pass over the gradients) and scales
+    them in place before any other implementation's step; the masters are those of clipping first."""
+    from torch import nn
+
+    from mpzero.zero.config import AdamConfig
+    from mpzero.zero.flat import bucket_layouts, initial_values, mark_weight_decay
+    from mpzero.zero.masters import DeviceMasters
+    gen = torch.Generator().manual_seed(1)
+    named = [(name, nn.Parameter(torch.randn(*shape, generator=gen)))
+             for name, shape in {"w": (37, 29), "b": (29,), "w2": (300, 7)}.items()]
+    mark_weight_decay(named)
+    layouts = bucket_layouts(named, 1500, 1, 0)
+    initial = [initial_values(layout, device) for layout in layouts]
+
+    def store(impl):
+        return DeviceMasters(layouts, [v.clone() for v in initial], [v.clone() for v in initial],
+                             AdamConfig(weight_decay=0.1, impl=impl))
+    grads = [torch.randn(layout.shard_numel, generator=gen).to(device) for layout in layouts]
+    kept = [g.clone() for g in grads]
+    folded, clipped, reference = store("triton"), store("triton"), store("torch")
+    folded.step(grads, 1e-2, grad_scale=SCALE)
+    assert all(torch.equal(g, k) for g, k in zip(grads, kept))  # no pass over the gradients
+    clipped.step([k * SCALE for k in kept], 1e-2)
+    for got, want in zip(folded.masters(), clipped.masters()):
+        torch.testing.assert_close(got, want, rtol=0 if device.type == "cpu" else 1e-6, atol=0 if
+                                   device.type == "cpu" else 1e-7)
+    reference.step(grads, 1e-2, grad_scale=SCALE)
+    assert all(torch.equal(g, k * SCALE) for g, k in zip(grads, kept))  # scaled first, in place
 
 
 def test_adamw_step_rejects_a_non_flat_partition():

@@ -38,6 +38,7 @@ from mpzero.zero.offload.swap import ALIGN, SwapFile, SwapPipeline, aligned_empt
 from mpzero.zero.config import OffloadConfig, OptimizerConfig
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.masters import MasterStore, OwnedPiece
+from mpzero.zero.norm import scale_grads_
 from mpzero.zero.step_grads import Fp32Buckets
 
 
@@ -284,9 +285,10 @@ class OffloadedMasters(MasterStore):
         self.sink.flush()
         self._unflushed = False
 
-    def step(self, grads, lr: float) -> None:
+    def step(self, grads, lr: float, grad_scale: float = 1.0) -> None:
         """grads: per bucket, fp32 gradient shards, or `Fp32Buckets` over low-precision ones; on the device (copied
-        down here, sub-group by sub-group) or in host memory (read in place)."""
+        down here, sub-group by sub-group) or in host memory (read in place); scaled by `grad_scale` first."""
+        scale_grads_(grads, grad_scale)
         self._drop_maps()
         self.step_count += 1
         device = grads.device if isinstance(grads, Fp32Buckets) else grads[0].device  # Fp32Buckets: also FileGrads
