@@ -136,8 +136,3 @@ def scale_grads_(grads: list[torch.Tensor] | Fp32Buckets, coef: float) -> None:
         return
     for grad in grads:
         grad.mul_(coef)
-
-
-def clip_grads_(grads: list[torch.Tensor] | Fp32Buckets, norm: float, max_norm: float) -> None:
-    """Scales the gradients by `clip_coefficient` in place."""
-    scale_grads_(grads, clip_coefficient(norm, max_norm))
