@@ -38,9 +38,10 @@ from mpzero.zero.flat import FlatLayout
 class GradCollector:
     def __init__(self, layouts: list[FlatLayout], buffer_of: Callable[[int], torch.Tensor],
                  on_ready: Callable[[int], None], persistent: bool):
-        """persistent: `buffer_of` returns the same buffers for the collector's lifetime (stages 0-1): parameters'
-        places are cached as views and 1-D parameters delivered by runs (`VectorRun`). At stages 2-3 a bucket's
-        full buffer is made at its first delivery, and the in-step peak replays when."""
+        """persistent: `buffer_of` returns the same buffers for the collector's lifetime (stages 0-1, made with
+        zeros): parameters' places are cached as views and 1-D parameters delivered by runs (`VectorRun`).
+        Otherwise (stages 2-3) `buffer_of` makes a bucket's full buffer at its first delivery, uninitialised, and
+        calls `fresh(bucket)`; the in-step peak replays when."""
         self._buffer_of, self._on_ready = buffer_of, on_ready
         self._bucket, self._start, self._end, self._shape, self._run_of = [], [], [], [], []  # by parameter index
         self._sizes = []  # parameters per bucket
