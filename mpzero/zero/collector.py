@@ -44,11 +44,12 @@ class GradCollector:
         calls `fresh(bucket)`; the in-step peak replays when."""
         self._buffer_of, self._on_ready = buffer_of, on_ready
         self._bucket, self._start, self._end, self._shape, self._run_of = [], [], [], [], []  # by parameter index
-        self._sizes = []  # parameters per bucket
+        self._sizes, self._first = [], []  # per bucket: its parameters, and the index of its first one
         self._persistent = persistent
         self._runs: list[tuple[VectorRun, tuple[int, ...]]] = []  # a run and its members' indices
         for b, layout in enumerate(layouts):
             first = len(self._bucket)
+            self._first.append(first)
             for offset, shape in zip(layout.offsets, layout.shapes):
                 self._bucket.append(b)
                 self._start.append(offset)
@@ -62,9 +63,6 @@ class GradCollector:
                 self._runs.append((run, members))
             self._sizes.append(len(layout.params))
         self._views: list[torch.Tensor | None] = [None] * len(self._bucket)  # persistent: each one's place, shaped
-        self._first = [0] * len(layouts)  # per bucket: its first parameter's index
-        for b in range(1, len(layouts)):
-            self._first[b] = self._first[b - 1] + self._sizes[b - 1]
         # Per parameter: its place holds a gradient of this step (else stale values, overwritten by the next one);
         # per bucket: how many do not.
         self._written = [persistent] * len(self._bucket)
