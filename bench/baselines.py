@@ -55,6 +55,13 @@ class StepProfile:
     ops: int  # CUDA kernels launched (on a GPU) or leaf aten ops dispatched (on a CPU)
     table: str  # the per-op table by self time
     kernel_ms: float | None  # the kernels' summed time (a GPU); with one stream, the time the GPU was busy
+    launches: int | None = None  # a GPU: the host's launch calls (kernels, memcpy/memset, CUDA graphs)
+    graph_launches: int | None = None  # a GPU: the CUDA graphs among them (each replays many kernels)
+
+
+# The CUDA runtime and driver calls by which the host starts work on the GPU (Triton launches through the driver)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
 def step_profile(step, *inputs, cuda: bool | None = None, rows: int = 25) -> StepProfile:
@@ -71,13 +78,15 @@ def step_profile(step, *inputs, cuda: bool | None = None, rows: int = 25) -> Ste
         step(*inputs)
         if cuda:
             torch.cuda.synchronize()
-    events, kernel_ms = prof.events(), None
+    events, kernel_ms, launches, graph_launches = prof.events(), None, None, None
     if cuda:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         ops, kernel_ms = len(kernels), sum(e.self_device_time_total for e in kernels) / 1000
+        calls = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_CALLS]
+        launches, graph_launches = len(calls), calls.count("cudaGraphLaunch")
     else:
         ops = sum(1 for e in events if e.name.startswith("aten::")
                   and not any(c.name.startswith("aten::") for c in e.cpu_children))
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return StepProfile(ops, prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=50),
-                       kernel_ms)
+                       kernel_ms, launches, graph_launches)

@@ -210,6 +210,10 @@ def zero_config(args: argparse.Namespace) -> ZeroConfig:
     if args.zero_units != "layer" and args.torch_compile:
         raise ConfigError(f"--zero-units {args.zero_units} gathers units inside a transformer layer, which "
                           "--torch-compile compiles whole: drop one of them")
+    if args.cuda_graph_impl != "none" and args.zero_stage == 3:
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures the trunk as one compiled region, which "
+                          "ZeRO-3's gather and release hooks split into layers: use --zero-stage 0-2 or drop "
+                          "--cuda-graph-impl")
     return ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
                       prefetch=args.zero_prefetch, units=args.zero_units,
                       check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)

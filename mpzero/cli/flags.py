@@ -11,7 +11,7 @@ import argparse
 
 from mpzero.data import TOKENIZER_TYPES
 from mpzero.fused import ATTENTION_BACKENDS
-from mpzero.models import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
+from mpzero.models import CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
 from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, TrainingConfig
 from mpzero.zero import (OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig,
@@ -82,6 +82,12 @@ def kernel_flags(p: argparse.ArgumentParser) -> None:
                             "layers and the final norm as one region where nothing in them runs eagerly (TP 1, no "
                             "recomputation, no activation offload, no ZeRO-3); the first iteration pays the "
                             "compilation")
+    kernels.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default=GPTConfig.cuda_graph_impl,
+                       help="local: the trunk compiled as one region (--torch-compile at TP 1 without recomputation "
+                            "or ZeRO-3) is captured into CUDA graphs by inductor's CUDA graph trees, its forward and "
+                            "backward each replayed as one launch; a trunk inductor cannot capture is an error. "
+                            "CUDA only: on other devices the trunk runs as without it (the 'fused ops' line says "
+                            "so). Megatron's local implementation captures each layer; none (default): no CUDA graphs")
     kernels.add_argument("--cross-entropy-chunk-size", type=int, default=GPTConfig.cross_entropy_chunk_size,
                        help="tokens per chunk of the output projection fused with the vocab-parallel cross entropy: "
                             "the [b, s, V/TP] logits and their fp32 softmax are never held whole, each chunk's "

@@ -25,6 +25,7 @@ from mpzero.fused import ATTENTION_BACKENDS, IMPLS, planned_attention_backend, p
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+CUDA_GRAPH_IMPLS = ("none", "local")  # Megatron's --cuda-graph-impl choices that mpzero has
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class GPTConfig(TransformerArchitecture):
     use_flash_attn: bool = False  # --use-flash-attn: Megatron's older spelling of attention_backend "flash"
     attention_backend: str = "auto"  # --attention-backend: flash, fused, unfused, local (mpzero.fused.impl)
     torch_compile: bool = False  # --torch-compile: each TransformerLayer's forward through torch.compile (gpt.py)
+    cuda_graph_impl: str = "none"  # --cuda-graph-impl local: the compiled trunk's CUDA graphs replayed (gpt.py)
     seq_length: int | None = None  # the training sequence length (FLOPs count); None: max_position_embeddings
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
@@ -184,6 +186,7 @@ class GPTConfig(TransformerArchitecture):
         if self.cross_entropy_impl not in ("auto",) + IMPLS["cross_entropy"]:
             raise ConfigError(f"cross_entropy_impl {self.cross_entropy_impl!r} is not one of auto, "
                               f"{', '.join(IMPLS['cross_entropy'])}")
+        self._validate_cuda_graphs(tp_size)
         if self.cross_entropy_impl == "compile" and not self.cross_entropy_chunk_size:
             raise ConfigError("--cross-entropy-loss-fusion fuses the chunked loss's arithmetic: it needs "
                               "--cross-entropy-chunk-size > 0 (0 is the logits path)")
@@ -192,6 +195,36 @@ class GPTConfig(TransformerArchitecture):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
         self._validate_family(tp_size)
+
+    def trunk_eager_reason(self, tp_size: int) -> str | None:
+        """Why the trunk (embedding, layers, final norm) cannot be one compiled region, or None where it can: what
+        in it must run eagerly (`mpzero.models.gpt.trunk_compilable`)."""
+        if tp_size > 1:
+            return "at TP > 1 each layer's collectives run eagerly"
+        if self.granularity is not None:
+            return f"{self.granularity} recomputation runs eagerly around or inside the layers"
+        if self.offload_activations == "cpu":
+            return "--offload-activations cpu moves the saved tensors to the host from eager hooks"
+        return None
+
+    def _validate_cuda_graphs(self, tp_size: int) -> None:
+        if self.cuda_graph_impl not in CUDA_GRAPH_IMPLS:
+            raise ConfigError(f"--cuda-graph-impl {self.cuda_graph_impl} is not one of {', '.join(CUDA_GRAPH_IMPLS)}")
+        if self.cuda_graph_impl == "none":
+            return
+        if not self.torch_compile:
+            raise ConfigError("--cuda-graph-impl local replays the CUDA graphs of the model's compiled trunk: add "
+                              "--torch-compile")
+        reason = self.trunk_eager_reason(tp_size)
+        if reason:
+            raise ConfigError(f"--cuda-graph-impl local captures the trunk compiled as one region, which it cannot be "
+                              f"here ({reason}): drop --cuda-graph-impl local")
+
+    def cuda_graphs(self, device: torch.device | str) -> str:
+        """The CUDA graphs this config replays on a device of `device`'s type, as the `fused ops` line prints it."""
+        if self.cuda_graph_impl == "none" or torch.device(device).type == "cuda":
+            return self.cuda_graph_impl
+        return f"none ({self.cuda_graph_impl} captures CUDA graphs; this device is {torch.device(device).type})"
 
     def _validate_activation_memory(self, tp_size: int) -> None:
         """Megatron's rules for the recomputation and sequence-parallel flags, each a one-line error."""

@@ -57,7 +57,7 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      layernorm_impl="auto" if args.layernorm_fusion else "torch",
                      softmax_impl="auto" if args.masked_softmax_fusion else "torch",
                      use_flash_attn=args.use_flash_attn, attention_backend=args.attention_backend,
-                     torch_compile=args.torch_compile,
+                     torch_compile=args.torch_compile, cuda_graph_impl=args.cuda_graph_impl,
                      seq_length=args.seq_length,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                      openai_gelu=args.openai_gelu, init_seed=args.seed,

@@ -156,10 +156,24 @@ def trunk_compilable(config: GPTConfig, tp_size: int) -> bool:
     time (guards, the autograd wrapper, dispatch) that a launch-bound GPU step waits for: a GPT-2-deep step at a
     width where the compute is negligible takes 12.5 ms of host time with the layers as one region against 15.4
     with twelve (bench/bench_host.py, 1 CPU thread; eager + torch.compile 11.1). Only where nothing in the trunk
-    must run eagerly: no recomputation (full recomputes chunks of layers in eager Python, selective forks the RNG
-    tracker inside a layer), no activations in host memory, TP 1 (a layer's collectives would break the graph at
-    every layer); ZeRO-3's gather and release hooks are checked at each forward (`_has_module_hooks`)."""
-    return tp_size == 1 and config.granularity is None and config.offload_activations != "cpu"
+    must run eagerly (`GPTConfig.trunk_eager_reason`): no recomputation (full recomputes chunks of layers in eager
+    Python, selective forks the RNG tracker inside a layer), no activations in host memory, TP 1 (a layer's
+    collectives would break the graph at every layer); ZeRO-3's gather and release hooks are checked at each
+    forward (`_has_module_hooks`)."""
+    return config.trunk_eager_reason(tp_size) is None
+
+
+def compile_trunk(trunk, cuda_graph_impl: str):
+    """The trunk through torch.compile; with --cuda-graph-impl local, inductor's CUDA graph trees (torch.compile's
+    "reduce-overhead" mode) capture its forward and backward and replay each as one launch, so the host no longer
+    launches its kernels one by one (Megatron's --cuda-graph-impl local captures each layer's). A graph inductor
+    cannot capture (an op CUDA graphs forbid, an input on the host) is an error naming it, not a silent fall back
+    to launches. The parameters are the graphs' static inputs: ZeRO stages 0-2 keep them in place (a step writes
+    the new values into the same storage); the tokens are copied into the graph's input at each replay. On a
+    device other than CUDA inductor captures nothing and the trunk runs as without the option."""
+    if cuda_graph_impl == "none":
+        return torch.compile(trunk)
+    return torch.compile(trunk, options={"triton.cudagraphs": True, "triton.cudagraph_or_error": True})
 
 
 def _has_module_hooks(modules: list[nn.Module]) -> bool:
@@ -205,7 +219,7 @@ class GPTModel(nn.Module):
         if config.torch_compile:
             compile_layers(self.layers)
             if trunk_compilable(config, tp.size):  # the layers' compiled forwards are inlined into it
-                self._compiled_trunk = torch.compile(partial(_run_trunk, self))
+                self._compiled_trunk = compile_trunk(partial(_run_trunk, self), config.cuda_graph_impl)
                 self._trunk_modules = [m for top in (self.embedding, self.layers, self.final_layernorm)
                                        for m in top.modules()]
         self.output_layer = None
@@ -278,9 +292,14 @@ class GPTModel(nn.Module):
     def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has
         forward hooks (ZeRO-3's, for any unit), else module by module."""
-        if self._compiled_trunk is not None and not _has_module_hooks(self._trunk_modules):
-            with activation_region(COMPILED_TRUNK):
-                return self._compiled_trunk(tokens)
+        if self._compiled_trunk is not None:
+            if not _has_module_hooks(self._trunk_modules):
+                with activation_region(COMPILED_TRUNK):
+                    return self._compiled_trunk(tokens)
+            if self.config.cuda_graph_impl != "none":
+                raise ConfigError("--cuda-graph-impl local captures the trunk as one compiled region, but its modules "
+                                  "have forward hooks (ZeRO-3's gather and release) that must run around each: use "
+                                  "--zero-stage 0-2 or drop --cuda-graph-impl local")
         return self.final_layernorm(self._layers(self.embedding(tokens)))
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,11 @@ from mpzero.training.mock_data import MockGPTDataset
 
 def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
     """What `auto` runs on this device: each fused op's implementation; the model's attention backend and loss
-    arithmetic as its flags choose them (--attention-backend, --cross-entropy-loss-fusion)."""
+    arithmetic as its flags choose them (--attention-backend, --cross-entropy-loss-fusion); the CUDA graphs it
+    replays (--cuda-graph-impl)."""
     return {**resolved_impls(device), "attention": run.model.attention(device),
-            "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl)}
+            "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
+            "cuda_graphs": run.model.cuda_graphs(device)}
 
 
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:

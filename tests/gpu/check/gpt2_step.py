@@ -81,12 +81,12 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool, read_norm: bool = F
 
 
 def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False,
-                one_region: bool = True, loss_chunk: int | None = None) -> Step:
+                one_region: bool = True, loss_chunk: int | None = None, cuda_graphs: bool = False) -> Step:
     """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one). `compiled`:
     --torch-compile; `fused_loss`: --cross-entropy-loss-fusion; `one_region` False: the compiled layers one region
     each, as a run that cannot compile its trunk as one (ZeRO-3, TP > 1, recomputation) does; `loss_chunk`:
     --cross-entropy-chunk-size (None: its default; the micro-batch's tokens: one chunk, no logits recomputed in
-    backward, all the tokens' fp32 exponentials held)."""
+    backward, all the tokens' fp32 exponentials held); `cuda_graphs`: --cuda-graph-impl local (with `compiled`)."""
     import mpzero.models.gpt as gpt
     from mpzero.models import GPTModel
     from mpzero.tensor_parallel import seed_everything
@@ -94,6 +94,7 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
 
     config = gpt_config(shape, attention_backend=backend, torch_compile=compiled,
                         cross_entropy_impl="compile" if fused_loss else "auto",
+                        cuda_graph_impl="local" if cuda_graphs else "none",
                         **({} if loss_chunk is None else {"cross_entropy_chunk_size": loss_chunk}))
     trunk_compilable = gpt.trunk_compilable
     if not one_region:
@@ -128,7 +129,31 @@ def variants(shape: Shape, groups, inputs, labels) -> list:
             ("eager PyTorch + torch.compile, the gradient norm read to the host each step (as mpzero's step)",
              lambda: eager_step(shape, inputs, labels, True, read_norm=True)),
             ("mpzero --torch-compile, the loss in one chunk of the micro-batch (no logits recomputed in backward)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, loss_chunk=inputs.numel()))]
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, loss_chunk=inputs.numel())),
+            ("mpzero --torch-compile --cuda-graph-impl local (the trunk's forward and backward as CUDA graphs)",
+             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, cuda_graphs=True))]
+
+
+# variant index (replaying CUDA graphs: its profiled step must launch some) -> the variant whose losses it must
+# give: the same kernels, replayed (bitwise unless inductor's autotuning picked another launch configuration for a
+# reduction when compiling them again)
+SAME_LOSSES = {9: 3}
+SAME_LOSSES_RTOL = 2e-3  # bf16 sums in another order (tests/test_gpu_check.py's BF16_RTOL)
+
+
+def _same_losses_note(index: int, measured: dict, named: list) -> str | None:
+    """Whether variant `index` gave the losses of the variant `SAME_LOSSES` names, a note starting "the same
+    losses" if so (None: it names none, or that one did not run)."""
+    reference = SAME_LOSSES.get(index)
+    if reference not in measured:
+        return None
+    mine, theirs, name = measured[index], measured[reference], named[reference][0]
+    if mine == theirs:
+        return f"the same losses as '{name}', bitwise"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(mine, theirs))
+    if worst <= SAME_LOSSES_RTOL:
+        return f"the same losses as '{name}' within {worst:.1e} relative (not bitwise)"
+    return f"losses differ from '{name}': up to {worst:.2e} relative"
 
 
 def _sync_time(fn, steps: int) -> float:
@@ -188,7 +213,8 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
         ms_per_step = seconds / timed * 1000
         return {"tps": tokens_per_step * timed / seconds, "ms/step": round(ms_per_step, 2),
                 "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
-                "kernels/step": profiled.ops, "kernel ms/step": round(profiled.kernel_ms, 2),
+                "kernels/step": profiled.ops, "host launches/step": profiled.launches,
+                "CUDA graph launches/step": profiled.graph_launches, "kernel ms/step": round(profiled.kernel_ms, 2),
                 "GPU busy": round(profiled.kernel_ms / ms_per_step, 3),
                 "losses": [float(x) for x in step.losses[-timed:]]}
     finally:
@@ -209,7 +235,9 @@ def bench_gpt2(args, result: Result) -> str:
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
                 f"72 l h^2 (1 + s/6h + V/12lh), vocab {padded_vocab}) x tokens/s / that peak")
-    result.note("kernels/step: CUDA kernels launched in one step (torch.profiler); kernel ms/step: their summed "
+    result.note("kernels/step: CUDA kernels run in one step (torch.profiler); host launches/step: the host's calls "
+                "that start them (kernel, memcpy/memset and CUDA graph launches: a graph replays many kernels with "
+                "one); kernel ms/step: their summed "
                 "time; GPU busy: that over ms/step (below 1: the GPU waited for the host, whose launches, Python "
                 "and synchronisations were the step's critical path); each variant's per-op breakdown of that "
                 "step is in this part's log")
@@ -220,8 +248,9 @@ def bench_gpt2(args, result: Result) -> str:
     tokens = torch.randint(0, shape.vocab_size, (batch, seq + 1), device="cuda")
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     groups = init_parallel(1)  # NCCL, a world of one
-    eager_tps, ok = None, True
-    for name, build in variants(shape, groups, inputs, labels):
+    eager_tps, ok, measured = None, True, {}
+    named = variants(shape, groups, inputs, labels)
+    for index, (name, build) in enumerate(named):
         if args.limit - result.elapsed() < 45:
             result.row(model=name, ok=False, note="not run: out of time")
             ok = False
@@ -233,11 +262,21 @@ def bench_gpt2(args, result: Result) -> str:
             ok = False
             continue
         tps, final = figures.pop("tps"), figures.pop("losses")
-        finite = all(math.isfinite(x) for x in final)
+        measured[index] = final
+        good, notes = all(math.isfinite(x) for x in final), []
+        same = _same_losses_note(index, measured, named)
+        if same is not None:
+            notes.append(same)
+            good = good and same.startswith("the same losses")
+        if index in SAME_LOSSES and not figures["CUDA graph launches/step"]:  # a graph inductor gave up at run time
+            notes.append("no CUDA graph launched in the profiled step")
+            good = False
+        if notes:
+            figures["note"] = "; ".join(notes)
         eager_tps = tps if eager_tps is None else eager_tps
         result.row(model=name, **{"tokens/s": round(tps), **figures, "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
                                   "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
                                   "vs eager": round(tps / eager_tps, 3), "last loss": round(final[-1], 4)},
-                   ok=finite)
-        ok = ok and finite
+                   ok=good)
+        ok = ok and good
     return "pass" if ok else "fail"
