@@ -294,6 +294,8 @@ class GPTModel(nn.Module):
         forward hooks (ZeRO-3's, for any unit), else module by module."""
         if self._compiled_trunk is not None:
             if not _has_module_hooks(self._trunk_modules):
+                if self.rotary is not None:
+                    self.rotary.follow(tokens.device)
                 with activation_region(COMPILED_TRUNK):
                     return self._compiled_trunk(tokens)
             if self.config.cuda_graph_impl != "none":

@@ -71,11 +71,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    def follow(self, device: torch.device) -> None:
+        """The tables moved to `device` if they are elsewhere (computed on the host once, moved as they are: a model
+        whose parameters ZeRO made on the device). A compiled trunk has them moved before it is called: one traced
+        with host tables would copy them in every call, and CUDA graphs cannot capture a host input."""
+        if self.cos.device != device:
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k [b, heads, s, head_dim] at positions [start, start + s), rotated. The tables follow q's device
-        (computed on the host once, moved as they are: a model whose parameters ZeRO made on the device)."""
-        if self.cos.device != q.device:
-            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
+        """q, k [b, heads, s, head_dim] at positions [start, start + s), rotated. The tables follow q's device."""
+        self.follow(q.device)
         s = q.size(2)
         cos, sin = self.cos[start:start + s], self.sin[start:start + s]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -8,7 +8,8 @@ Tolerance: per-token losses within 1e-5 relative (+1e-5 absolute); every paramet
 relative + 1e-4 x its largest CPU magnitude absolute (TF32 off; the GPU sums in other orders: cuBLAS splits,
 the Triton kernels' per-program partials). Also: activation recomputation on CUDA replays the dropout masks
 (the RNG states are the CUDA generator's), so it gives the same gradients as storing activations, with SDPA's
-dropout (auto) and with the local path's explicit dropout.
+dropout (auto) and with the local path's explicit dropout. And --cuda-graph-impl local: the compiled trunk
+replayed from CUDA graphs gives the --torch-compile run's losses and launches graphs.
 """
 
 import dataclasses
@@ -93,3 +94,49 @@ def test_recompute_on_cuda_replays_dropout_masks(backend):
     dropped = stored(tokens[:, :-1], tokens[:, 1:]).detach()
     stored.eval()
     assert not torch.equal(dropped, stored(tokens[:, :-1], tokens[:, 1:]).detach())  # dropout was on
+
+
+LLAMA_SHAPED = dataclasses.replace(CONFIG, normalization="RMSNorm", swiglu=True, ffn_hidden_size=256,
+                                   position_embedding_type="rope", add_position_embedding=False,
+                                   group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+                                   untie_embeddings_and_output_weights=True, torch_compile=True)
+
+
+def _zero1_bf16_run(groups, cuda_graph_impl: str) -> tuple[list[float], int | None]:
+    """Four ZeRO-1 bf16 steps of the LLaMA-shaped model built on the meta device and streamed by ZeRO (its rotary
+    tables start on the host), an evaluation (no-grad forward, eval mode) after the second: (the losses, the CUDA
+    graphs a fifth, profiled step launches; None off CUDA)."""
+    from bench.baselines import step_profile
+    from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+    config = dataclasses.replace(LLAMA_SHAPED, cuda_graph_impl=cuda_graph_impl)
+    model = GPTModel(config, groups.tp, seed_everything(7, 0, groups.device), device="meta")
+    opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-3, clip_grad=1.0),
+                        PrecisionConfig("bf16"))
+    tokens = torch.randint(0, config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    inputs, labels, losses = tokens[:, :-1], tokens[:, 1:], []
+
+    def step():
+        opt.zero_grad()
+        loss = model(inputs, labels).mean()
+        opt.backward(loss, last_micro_batch=True)
+        opt.step(1e-3)
+        losses.append(loss.item())
+    for i in range(4):
+        step()
+        if i == 1:
+            model.eval()
+            with torch.no_grad():
+                losses.append(model(inputs, labels).mean().item())
+            model.train()
+    profiled = step_profile(step, cuda=DEVICE.type == "cuda")
+    return losses, profiled.graph_launches
+
+
+def test_cuda_graphs_replay_the_compiled_trunk(world):
+    """--cuda-graph-impl local against --torch-compile on the same steps: the same losses (bf16; within 2e-3
+    relative, as another compilation may autotune another launch configuration for a reduction), and a step that
+    launches the trunk's forward and backward as CUDA graphs where the other launches none."""
+    plain, graphed = _zero1_bf16_run(world, "none"), _zero1_bf16_run(world, "local")
+    assert graphed[0] == pytest.approx(plain[0], rel=2e-3), (graphed[0], plain[0])
+    if DEVICE.type == "cuda":
+        assert plain[1] == 0 and graphed[1] >= 2, (plain[1], graphed[1])

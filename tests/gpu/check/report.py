@@ -30,9 +30,10 @@ PARTS = [
          "pytest tests/fused (LayerNorm, RMSNorm, scaled masked softmax, AdamW, the fused cross entropy; "
          "fp32/fp16/bf16; forward and backward; "
          "GPT-2 and edge shapes) on the GPU"),
-    Part("gpt_cuda_vs_cpu", "GPT forward/backward: CUDA against CPU", 90,
+    Part("gpt_cuda_vs_cpu", "GPT forward/backward: CUDA against CPU; CUDA graphs against --torch-compile", 150,
          "pytest tests/gpu/test_gpt_cuda.py: same weights and tokens on both devices, fp32; auto, local attention "
-         "with the Triton kernels and with the references, flash"),
+         "with the Triton kernels and with the references, flash; --cuda-graph-impl local's ZeRO-1 bf16 steps "
+         "(LLaMA-shaped, an evaluation between them) against --torch-compile's, and its CUDA graph launches"),
     Part("zero_nccl", "ZeRO stages 0-3 over NCCL, world of one", 120,
          "pytest tests/gpu/test_zero_nccl.py: pretrain_gpt.main at every stage, losses equal across stages"),
     Part("mixed_precision", "fp16 dynamic loss scaling and bf16, 20 steps", 90,
