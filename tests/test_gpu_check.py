@@ -2,6 +2,8 @@
 atomically into OUT; the report builder and validator on made-up results; the multi-GPU layouts; the
 JUnit parsing of pytest parts; bench_gpt2's variants trained at a tiny shape on the CPU."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -200,6 +202,25 @@ def test_a_variant_replaying_cuda_graphs_must_give_the_compiled_variants_losses(
     assert note(9, {3: [2.0, 1.5], 9: [2.0, 1.5]}, named) == "the same losses as 'variant 3', bitwise"
     assert note(9, {3: [2.0, 1.5], 9: [2.0, 1.501]}, named).startswith("the same losses as 'variant 3' within 6.7e-04")
     assert note(9, {3: [2.0, 1.5], 9: [2.0, 1.6]}, named) == "losses differ from 'variant 3': up to 6.67e-02 relative"
+
+
+def _rounds(argv):
+    from bench import bench_rounds
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        medians = bench_rounds.main(argv)
+    return medians, out.getvalue()
+
+
+def test_bench_rounds_times_the_picked_variants_in_turn_on_the_cpu():
+    """bench/bench_rounds.py (interleaved rounds of gpu-check's variants) at its CPU shape: each picked variant
+    gets a median, printed with its ratio to the first."""
+    medians, out = run_ranks(1, _rounds, ["--variants", "0", "1", "--rounds", "2", "--steps", "1",
+                                          "--micro-batch-size", "2"], deadline=120)[0]
+    assert sorted(medians) == [0, 1] and all(t > 0 for t in medians.values())
+    assert "x1.000" in out.splitlines()[1] and out.splitlines()[2].startswith("1: ")
+    listing = run_ranks(1, _rounds, ["--list"])[0][1]
+    assert listing.splitlines()[9].startswith("9: mpzero --torch-compile --cuda-graph-impl local")
 
 
 def test_bench_kernels_cross_entropy_row_runs_on_the_cpu():
