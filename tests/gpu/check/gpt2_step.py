@@ -113,41 +113,43 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
 
 
 def variants(shape: Shape, groups, inputs, labels) -> list:
-    """(name, build) of each step measured, in the report's order (the goal's pair first, should time run out);
-    build() -> a `Step`."""
+    """(name, build) of each step measured, in the report's order (the goal's pair and CUDA graphs first, should
+    time run out); build() -> a `Step`."""
+    def mpzero(*args, **kwargs):
+        return lambda: mpzero_step(shape, groups, inputs, labels, *args, **kwargs)
+    one_chunk = inputs.numel()
     return [("eager PyTorch (SDPA, autocast bf16, fused AdamW)", lambda: eager_step(shape, inputs, labels, False)),
-            ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto")),
+            ("mpzero defaults (auto: flash attention, torch LayerNorm), ZeRO-1 bf16", mpzero("auto")),
             ("eager PyTorch + torch.compile", lambda: eager_step(shape, inputs, labels, True)),
-            ("mpzero --torch-compile, ZeRO-1 bf16", lambda: mpzero_step(shape, groups, inputs, labels, "auto", True)),
-            ("mpzero --torch-compile --cross-entropy-loss-fusion",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, True)),
-            ("mpzero --attention-backend local (core attention, Triton softmax)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "local")),
+            ("mpzero --torch-compile, ZeRO-1 bf16", mpzero("auto", True)),
+            ("mpzero --torch-compile --cuda-graph-impl local (the trunk's forward and backward as CUDA graphs)",
+             mpzero("auto", True, cuda_graphs=True)),
+            ("mpzero --torch-compile --cuda-graph-impl local, the loss in one chunk of the micro-batch",
+             mpzero("auto", True, cuda_graphs=True, loss_chunk=one_chunk)),
+            ("mpzero --torch-compile --cross-entropy-loss-fusion", mpzero("auto", True, True)),
+            ("mpzero --attention-backend local (core attention, Triton softmax)", mpzero("local")),
             ("mpzero --torch-compile, a compiled region per layer (as at ZeRO-3, TP > 1, recomputation)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, one_region=False)),
+             mpzero("auto", True, one_region=False)),
             ("eager PyTorch + torch.compile, the gradient norm read to the host each step (as mpzero's step)",
              lambda: eager_step(shape, inputs, labels, True, read_norm=True)),
             ("mpzero --torch-compile, the loss in one chunk of the micro-batch (no logits recomputed in backward)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, loss_chunk=inputs.numel())),
-            ("mpzero --torch-compile --cuda-graph-impl local (the trunk's forward and backward as CUDA graphs)",
-             lambda: mpzero_step(shape, groups, inputs, labels, "auto", True, cuda_graphs=True))]
+             mpzero("auto", True, loss_chunk=one_chunk))]
 
 
-# variant index (replaying CUDA graphs: its profiled step must launch some) -> the variant whose losses it must
-# give: the same kernels, replayed (bitwise unless inductor's autotuning picked another launch configuration for a
-# reduction when compiling them again)
-SAME_LOSSES = {9: 3}
+GRAPHED = (4, 5)  # variants replaying CUDA graphs: their profiled step must launch some
+# Pairs of variants that must give the same losses: the same kernels, one of them replayed from CUDA graphs
+# (bitwise unless inductor's autotuning picked another launch configuration for a reduction when compiling again)
+SAME_LOSSES = ((3, 4), (10, 5))
 SAME_LOSSES_RTOL = 2e-3  # bf16 sums in another order (tests/test_gpu_check.py's BF16_RTOL)
 
 
 def _same_losses_note(index: int, measured: dict, named: list) -> str | None:
-    """Whether variant `index` gave the losses of the variant `SAME_LOSSES` names, a note starting "the same
-    losses" if so (None: it names none, or that one did not run)."""
-    reference = SAME_LOSSES.get(index)
-    if reference not in measured:
+    """Whether variant `index` gave the losses of its `SAME_LOSSES` partner, measured before it: a note starting
+    "the same losses" if so (None: it has no partner, or that one did not run yet)."""
+    partner = next((a if b == index else b for a, b in SAME_LOSSES if index in (a, b)), None)
+    if partner not in measured:
         return None
-    mine, theirs, name = measured[index], measured[reference], named[reference][0]
+    mine, theirs, name = measured[index], measured[partner], named[partner][0]
     if mine == theirs:
         return f"the same losses as '{name}', bitwise"
     worst = max(abs(a - b) / abs(b) for a, b in zip(mine, theirs))
@@ -268,7 +270,7 @@ def bench_gpt2(args, result: Result) -> str:
         if same is not None:
             notes.append(same)
             good = good and same.startswith("the same losses")
-        if index in SAME_LOSSES and not figures["CUDA graph launches/step"]:  # a graph inductor gave up at run time
+        if index in GRAPHED and not figures["CUDA graph launches/step"]:  # inductor can still give up at run time
             notes.append("no CUDA graph launched in the profiled step")
             good = False
         if notes:
