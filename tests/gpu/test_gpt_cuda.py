@@ -13,6 +13,7 @@ replayed from CUDA graphs gives the --torch-compile run's losses and launches gr
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -102,13 +103,13 @@ LLAMA_SHAPED = dataclasses.replace(CONFIG, normalization="RMSNorm", swiglu=True,
                                    untie_embeddings_and_output_weights=True, torch_compile=True)
 
 
-def _zero1_bf16_run(groups, cuda_graph_impl: str) -> tuple[list[float], int | None]:
-    """Four ZeRO-1 bf16 steps of the LLaMA-shaped model built on the meta device and streamed by ZeRO (its rotary
-    tables start on the host), an evaluation (no-grad forward, eval mode) after the second: (the losses, the CUDA
-    graphs a fifth, profiled step launches; None off CUDA)."""
+def _zero1_bf16_run(groups, cuda_graph_impl: str, config: GPTConfig = LLAMA_SHAPED) -> tuple[list[float], int | None]:
+    """Four ZeRO-1 bf16 steps of `config` (by default the LLaMA-shaped model) built on the meta device and streamed
+    by ZeRO (rotary tables start on the host), an evaluation (no-grad forward, eval mode) after the second: (the
+    losses, the CUDA graphs a fifth, profiled step launches; None off CUDA)."""
     from bench.baselines import step_profile
     from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
-    config = dataclasses.replace(LLAMA_SHAPED, cuda_graph_impl=cuda_graph_impl)
+    config = dataclasses.replace(config, cuda_graph_impl=cuda_graph_impl)
     model = GPTModel(config, groups.tp, seed_everything(7, 0, groups.device), device="meta")
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-3, clip_grad=1.0),
                         PrecisionConfig("bf16"))
@@ -140,3 +141,15 @@ def test_cuda_graphs_replay_the_compiled_trunk(world):
     assert graphed[0] == pytest.approx(plain[0], rel=2e-3), (graphed[0], plain[0])
     if DEVICE.type == "cuda":
         assert plain[1] == 0 and graphed[1] >= 2, (plain[1], graphed[1])
+
+
+def test_cuda_graphs_train_gpt2_with_dropout(world):
+    """GPT-2's default dropouts (0.1) inside the graphed trunk: attention dropout draws from the RNG tracker's
+    stream, whose fork runs eagerly between compiled pieces (a graph break), so the trunk replays as more than one
+    graph. The steps must run, launch graphs and give finite losses (the masks are inductor's: no equality with
+    another run is claimed)."""
+    config = dataclasses.replace(CONFIG, hidden_dropout=0.1, attention_dropout=0.1, torch_compile=True)
+    losses, graphs = _zero1_bf16_run(world, "local", config)
+    assert all(math.isfinite(x) for x in losses), losses
+    if DEVICE.type == "cuda":
+        assert graphs >= 2, graphs
