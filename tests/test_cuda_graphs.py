@@ -2,8 +2,8 @@
 trees. This CPU has no CUDA graphs, so what is proven here is the contract around them: every configuration the
 trunk cannot be one region in is refused in one line before anything is built; the option reaches inductor
 (it asks for CUDA graphs and, on this device, counts the skip); and the run is otherwise the plain --torch-compile
-run, bitwise. The graphs themselves are exercised on a GPU by `make gpu-check` (bench_gpt2's "--cuda-graph-impl
-local" variant: the same losses as --torch-compile, replayed)."""
+run, bitwise. The graphs themselves are exercised on a GPU by `make gpu-check`: bench_gpt2's graphed variants (the
+losses of their partners without graphs, their graph launches counted) and tests/gpu/test_gpt_cuda.py."""
 
 import pytest
 import torch
