@@ -6,10 +6,11 @@ naming a model. `FAMILIES`: GPT-2 and LLaMA, two entries over the one transforme
 whose parts (`models/blocks.py`, `models/attention.py`) the config chooses.
 """
 
-from mpzero.models.config import CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig, TransformerArchitecture
+from mpzero.models.config import (CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig,
+                                  TransformerArchitecture)
 from mpzero.models.family import FAMILIES, GPT2, LLAMA, ModelFamily, config_from_args, family_of
 from mpzero.models.gpt import GPTModel
 from mpzero.models.kv_cache import KVCache
 
-__all__ = ["CUDA_GRAPH_IMPLS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "GPTConfig", "GPTModel", "KVCache", "TransformerArchitecture", "FAMILIES", "GPT2", "LLAMA", "ModelFamily",
-           "config_from_args", "family_of"]
+__all__ = ["CUDA_GRAPH_IMPLS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "GPTConfig", "GPTModel", "KVCache",
+           "TransformerArchitecture", "FAMILIES", "GPT2", "LLAMA", "ModelFamily", "config_from_args", "family_of"]
