@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from mpzero.parallel import init_parallel
-from tests.gpu.check.gpt2_step import GPT2_124M, Shape, gpt_config, matmul_peak_tflops, variants
+from tests.gpu.check.gpt2_step import GPT2_124M, Shape, gpt_config, matmul_peak_tflops, timed_steps, variants
 
 TINY = Shape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 
@@ -44,19 +43,19 @@ def main(argv=None) -> dict:
         for index, (name, _) in enumerate(named):
             print(f"{index}: {name}")
         return {}
+    if a.rounds < 1 or a.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
     for index in a.variants:
         if not 0 <= index < len(named):
             p.error(f"--variants {index}: there are variants 0-{len(named) - 1} (--list names them)")
-        if a.rounds < 1 or a.steps < 1:
-            p.error("--rounds and --steps must be at least 1")
     peak = matmul_peak_tflops() if cuda else None
     steps = {index: named[index][1]() for index in a.variants}
     for step in steps.values():  # compilation, autotuning, CUDA graph recording
-        _timed(step, 3, cuda)
+        timed_steps(step, 3, cuda)
     times = {index: [] for index in steps}
     for _ in range(a.rounds):
         for index, step in steps.items():
-            times[index].append(_timed(step, a.steps, cuda) / a.steps)
+            times[index].append(timed_steps(step, a.steps, cuda) / a.steps)
     medians = {index: statistics.median(t) for index, t in times.items()}
     first = medians[a.variants[0]]
     flops_per_step = gpt_config(shape, cross_entropy_chunk_size=0).flops_per_token() * inputs.numel()
@@ -69,18 +68,6 @@ def main(argv=None) -> dict:
         print(f"{index}: {statistics.median(ms):8.2f} ({min(ms):.2f}-{max(ms):.2f})  x{first / medians[index]:.3f}"
               f"{mfu}  {named[index][0]}")
     return medians
-
-
-def _timed(step, n: int, cuda: bool) -> float:
-    """Seconds for n calls of `step`, the device idle at the start and at the end."""
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

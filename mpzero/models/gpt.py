@@ -292,16 +292,16 @@ class GPTModel(nn.Module):
     def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has
         forward hooks (ZeRO-3's, for any unit), else module by module."""
-        if self._compiled_trunk is not None:
-            if not _has_module_hooks(self._trunk_modules):
-                if self.rotary is not None:
-                    self.rotary.follow(tokens.device)
-                with activation_region(COMPILED_TRUNK):
-                    return self._compiled_trunk(tokens)
-            if self.config.cuda_graph_impl != "none":
-                raise ConfigError("--cuda-graph-impl local captures the trunk as one compiled region, but its modules "
-                                  "have forward hooks (ZeRO-3's gather and release) that must run around each: use "
-                                  "--zero-stage 0-2 or drop --cuda-graph-impl local")
+        compiled = self._compiled_trunk is not None
+        if compiled and not _has_module_hooks(self._trunk_modules):
+            if self.rotary is not None:
+                self.rotary.follow(tokens.device)
+            with activation_region(COMPILED_TRUNK):
+                return self._compiled_trunk(tokens)
+        if compiled and self.config.cuda_graph_impl != "none":
+            raise ConfigError("--cuda-graph-impl local captures the trunk as one compiled region, but its modules "
+                              "have forward hooks (ZeRO-3's gather and release) that must run around each: use "
+                              "--zero-stage 0-2 or drop --cuda-graph-impl local")
         return self.final_layernorm(self._layers(self.embedding(tokens)))
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:

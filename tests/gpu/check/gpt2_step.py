@@ -158,13 +158,16 @@ def _same_losses_note(index: int, measured: dict, named: list) -> str | None:
     return f"losses differ from '{name}': up to {worst:.2e} relative"
 
 
-def _sync_time(fn, steps: int) -> float:
+def timed_steps(fn, steps: int, cuda: bool = True) -> float:
+    """Seconds for `steps` calls of `fn`, the GPU (`cuda`) idle at the start and at the end."""
     import torch
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -206,9 +209,9 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
         free_cuda()
         base = torch.cuda.memory_allocated()
         step = build()
-        first = _sync_time(step, 1)  # compilation, Triton autotuning and allocator warm-up happen here
-        _sync_time(step, warmup - 1)
-        seconds = _sync_time(step, timed)
+        first = timed_steps(step, 1)  # compilation, Triton autotuning and allocator warm-up happen here
+        timed_steps(step, warmup - 1)
+        seconds = timed_steps(step, timed)
         peak_bytes = torch.cuda.max_memory_allocated() - base
         profiled = step_profile(step, cuda=True)
         print(f"== {name}: one step by self CUDA time ({profiled.ops} kernels) ==\n{profiled.table}", flush=True)
