@@ -119,18 +119,20 @@ class GradCollector:
         target = self._place(i)  # (a full buffer made here is `fresh` before its first write)
         held = self._take(i)
         if held is not None:
-            self._write(i, target, held)
-        self._write(i, target, grad)
+            self._write((i,), target, held)
+        self._write((i,), target, grad)
         self._mark_delivered(bucket, (i,))
 
-    def _write(self, i: int, place: torch.Tensor, grad: torch.Tensor) -> None:
-        """Parameter i's gradient into its place: copied (and cast) over stale values, else added."""
-        if self._written[i]:
-            place.add_(grad)
+    def _write(self, indices, place: torch.Tensor, values: torch.Tensor) -> None:
+        """The gradients of parameters `indices` (of one bucket, all written this step or none: one parameter, or a
+        run) into their place: copied (and cast) over stale values, else added."""
+        if self._written[indices[0]]:
+            place.add_(values)
             return
-        place.copy_(grad)
-        self._written[i] = True
-        self._unwritten[self._bucket[i]] -= 1
+        place.copy_(values)
+        for i in indices:
+            self._written[i] = True
+        self._unwritten[self._bucket[indices[0]]] -= len(indices)
 
     def _place(self, i: int) -> torch.Tensor:
         """Parameter i's place in its bucket's buffer, in its shape."""
@@ -148,17 +150,11 @@ class GradCollector:
         vector_run, members = self._runs[run]
         flat, held = self._buffer_of(vector_run.bucket), [i for i in members if self._held[i] is not None]
         if len(held) == len(members):  # none delivered on its own: all written (flush) or none (overwrite_next)
-            region, values = flat[vector_run.start:vector_run.end], torch.cat([self._take(i).reshape(-1) for i in held])
-            if self._written[held[0]]:
-                region.add_(values)
-            else:
-                region.copy_(values)
-                for i in held:
-                    self._written[i] = True
-                self._unwritten[vector_run.bucket] -= len(held)
+            self._write(held, flat[vector_run.start:vector_run.end],
+                        torch.cat([self._take(i).reshape(-1) for i in held]))
             return held
         for i in held:
-            self._write(i, self._place(i), self._take(i))
+            self._write((i,), self._place(i), self._take(i))
         return held
 
     def _take(self, i: int) -> torch.Tensor | None:
