@@ -266,7 +266,7 @@ def _killed_during(root, latest):
     return "before the pointer" if later else "between saves"
 
 
-@pytest.mark.slow
+@pytest.mark.product  # fifty kills under load: ~30 s; make test keeps test_checkpoint_kill's SIGKILLs
 def test_kill_9_under_cpu_load_leaves_the_last_published_checkpoint(tmp_path):
     """Real SIGKILLs of a run that saves every iteration, at random moments, two busy processes beside it."""
     root, rng = str(tmp_path / "save"), random.Random(0)
