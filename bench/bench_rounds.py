@@ -8,8 +8,9 @@ Variants by their index in tests/gpu/check/gpt2_step.variants (`--list` prints t
 torch.compile, mpzero --torch-compile, the same with --cuda-graph-impl local). Each is built and warmed up (3
 steps) once; then every round runs `--steps` steps of each in turn, timed with the device synchronised at both
 ends. Printed: the median (min-max) of the rounds' ms/step, the first variant's median over each one's (above 1:
-faster than the first), and on a GPU MFU against the bf16 matmul peak measured in the same run. Without CUDA it
-runs at a tiny shape on the CPU: the variants build and train before a GPU is lent.
+faster than the first), and on a GPU MFU against the bf16 matmul peak measured in the same run (in brackets:
+against the GPU's datasheet peak, mpzero.training.peak_flops). Without CUDA it runs at a tiny shape on the CPU: the
+variants build and train before a GPU is lent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import torch
 
 from mpzero.parallel import init_parallel
+from mpzero.training import datasheet_bf16_tflops
 from tests.gpu.check.gpt2_step import GPT2_124M, Shape, gpt_config, matmul_peak_tflops, timed_steps, variants
 
 TINY = Shape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
@@ -49,6 +51,7 @@ def main(argv=None) -> dict:
         if not 0 <= index < len(named):
             p.error(f"--variants {index}: there are variants 0-{len(named) - 1} (--list names them)")
     peak = matmul_peak_tflops() if cuda else None
+    datasheet = datasheet_bf16_tflops(torch.cuda.get_device_name(0)) if cuda else None
     steps = {index: named[index][1]() for index in a.variants}
     for step in steps.values():  # compilation, autotuning, CUDA graph recording
         timed_steps(step, 3, cuda)
@@ -61,10 +64,12 @@ def main(argv=None) -> dict:
     flops_per_step = gpt_config(shape, cross_entropy_chunk_size=0).flops_per_token() * inputs.numel()
     print(f"{shape}, micro-batch {a.micro_batch_size}, {'cuda' if cuda else 'cpu'}: {a.rounds} rounds of {a.steps} "
           f"steps, each variant in turn; ms/step median (min-max)"
-          + (f"; MFU against the bf16 matmul peak measured here, {peak:.0f} TFLOP/s" if peak else ""))
+          + (f"; MFU against the bf16 matmul peak measured here, {peak:.0f} TFLOP/s" if peak else "")
+          + (f" (and against the datasheet's {datasheet:g})" if datasheet else ""))
     for index in steps:
         ms = [t * 1e3 for t in times[index]]
         mfu = f"  MFU {flops_per_step / medians[index] / (peak * 1e12):.3f}" if peak else ""
+        mfu += f" ({flops_per_step / medians[index] / (datasheet * 1e12):.3f})" if datasheet else ""
         print(f"{index}: {statistics.median(ms):8.2f} ({min(ms):.2f}-{max(ms):.2f})  x{first / medians[index]:.3f}"
               f"{mfu}  {named[index][0]}")
     return medians

@@ -14,10 +14,11 @@ from mpzero.training.loop import (BuiltModel, ModelProvider, Progress, StepResul
 from mpzero.training.lr_schedule import DECAY_STYLES, LRSchedule
 from mpzero.training.metrics import MetricsLogger
 from mpzero.training.mock_data import MockGPTDataset
+from mpzero.training.peak_flops import DATASHEET_BF16_TFLOPS, datasheet_bf16_tflops
 from mpzero.training.startup import fused_ops
 
-__all__ = ["BuiltModel", "CheckpointConfig", "DECAY_STYLES", "DataConfig", "DryRunConfig", "EvalConfig",
-           "LRSchedule", "LoggingConfig", "MetricsLogger", "MockGPTDataset", "ModelProvider", "ParallelConfig", "Progress",
-           "RunConfig", "StepResult", "TrainingConfig", "TrainingState", "build_training_state", "evaluate",
-           "forward_backward", "fused_ops", "load_batch", "micro_batch_indices", "num_micro_batches", "overlap_note",
-           "partition_note", "save", "train", "train_step"]
+__all__ = ["BuiltModel", "CheckpointConfig", "DATASHEET_BF16_TFLOPS", "DECAY_STYLES", "DataConfig", "DryRunConfig",
+           "EvalConfig", "LRSchedule", "LoggingConfig", "MetricsLogger", "MockGPTDataset", "ModelProvider",
+           "ParallelConfig", "Progress", "RunConfig", "StepResult", "TrainingConfig", "TrainingState",
+           "build_training_state", "datasheet_bf16_tflops", "evaluate", "forward_backward", "fused_ops", "load_batch",
+           "micro_batch_indices", "num_micro_batches", "overlap_note", "partition_note", "save", "train", "train_step"]

@@ -27,6 +27,7 @@ from mpzero.training.batches import load_batch, micro_batch_indices
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
+from mpzero.training.peak_flops import mfu_peak
 from mpzero.training.signals import TerminationSignal
 from mpzero.training.startup import start
 from mpzero.training.metrics import MetricsLogger
@@ -353,17 +354,21 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
     memory = memory_per_rank(groups)  # every rank takes part in the gather
     comm = state.optimizer.comm_report()
     grad_norm = stats.grad_norm if stats.grad_norm is not None else float("nan")
+    peak = mfu_peak(groups.device, run.precision.dtype)
+    mfu = tflops / peak[1] if peak is not None and peak[1] is not None else None  # a known GPU, bf16/fp16
     if groups.is_logging_rank:
+        extra = {"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}",
+                 **({} if mfu is None else {"MFU": f"{mfu:.3f}"})}
         print(iteration_line(iteration, training.train_iters, consumed, seconds * 1000, lr,
                              training.global_batch_size, loss, stats.loss_scale, grad_norm, interval.skipped,
-                             nan=0, extra={"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}"}),
-              flush=True)
+                             nan=0, extra=extra), flush=True)
         print(comm.line(), flush=True)
     applied = {"lm loss": loss} if interval.losses else {}  # no point plotted for an all-skipped interval
     model_states = state.optimizer.memory_report()
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,
                          "loss-scale": stats.loss_scale,
                          "batch-size": training.global_batch_size, "throughput": tokens_per_s,
+                         **({} if mfu is None else {"mfu": mfu}),
                          **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)},
                          "zero/memory-bytes": model_states.measured, "zero/memory-formula-bytes": model_states.formula,
                          "zero/comm-bytes-per-iter": comm.measured, "zero/comm-theory-bytes-per-iter": comm.theory,

@@ -17,6 +17,7 @@ from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
 from mpzero.training.config import RunConfig
 from mpzero.training.mock_data import MockGPTDataset
+from mpzero.training.peak_flops import mfu_note, mfu_peak
 
 
 def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
@@ -40,7 +41,8 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         print("fused ops (auto): " + json.dumps(fused_ops(run, groups.device), sort_keys=True), flush=True)
         if nodes_line:
             print(nodes_line, flush=True)
-        for note in _resume_notes(run, resumed) + data_notes:
+        mfu_line = mfu_note(mfu_peak(groups.device, run.precision.dtype))
+        for note in ([mfu_line] if mfu_line else []) + _resume_notes(run, resumed) + data_notes:
             print(note, flush=True)
     return datasets, data_tokenizers
 

@@ -1,11 +1,15 @@
 """fp16 with dynamic loss scaling and bf16, 20 iterations each on the GPU: every loss finite, the loss falls
-(the last 5 iterations' mean below the first iteration's), fp16 steps that overflow are skipped."""
+(the last 5 iterations' mean below the first iteration's), fp16 steps that overflow are skipped; the log's lines
+give MFU against the GPU's datasheet peak (or say at start that none is known)."""
 
 import math
+import re
 
 import pytest
+import torch
 
 import pretrain_gpt
+from mpzero.training import datasheet_bf16_tflops
 from tests.gpu.common import SMALL, needs_cuda
 
 pytestmark = needs_cuda
@@ -24,3 +28,11 @@ def test_twenty_steps_train(precision, stage, capsys):
     print(f"{precision[0]} stage {stage}: {skipped} skipped (overflow) steps, losses {losses}")
     assert len(applied) >= 10, f"{skipped} of 20 steps skipped: {out[-2000:]}"
     assert sum(losses[-5:]) / 5 < losses[0], losses
+    lines = [line for line in out.splitlines() if line.startswith(" iteration ")]
+    peak = datasheet_bf16_tflops(torch.cuda.get_device_name())
+    if peak is None:
+        assert "note: no datasheet bf16 peak is known for" in out and " MFU: " not in out
+    else:
+        assert f"datasheet dense bf16 peak, {peak:g} TFLOP/s" in out
+        assert len(lines) == 4 and all(re.search(r"\| TFLOP/s/rank: [0-9.]+ \| MFU: \d+\.\d{3} \|$", line)
+                                       for line in lines), lines

@@ -230,16 +230,22 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
 def bench_gpt2(args, result: Result) -> str:
     import torch
     from mpzero.parallel import init_parallel
+    from mpzero.training import datasheet_bf16_tflops
 
     shape, batch, warmup, timed = GPT2_124M, args.micro_batch_size, 3, 10
     seq, tokens_per_step = shape.seq_length, args.micro_batch_size * shape.seq_length
     torch.cuda.set_device(0)
     peak = matmul_peak_tflops()
+    device_name = torch.cuda.get_device_name(0)
+    datasheet = datasheet_bf16_tflops(device_name)
     flops_config = gpt_config(shape, cross_entropy_chunk_size=0)  # model FLOPs: no recomputed logits
     flops_per_token, padded_vocab = flops_config.flops_per_token(), flops_config.padded_vocab_size(1)
     result.note(f"bf16 matmul peak measured in this run: {peak:.0f} TFLOP/s ([8192, 8192] x [8192, 8192] "
                 f"torch.matmul, median of 20); MFU = {flops_per_token / 1e6:.0f} MFLOP/token (Megatron's "
                 f"72 l h^2 (1 + s/6h + V/12lh), vocab {padded_vocab}) x tokens/s / that peak")
+    result.note(f"MFU (datasheet): the same over {device_name}'s datasheet dense bf16 peak, {datasheet:g} TFLOP/s "
+                f"(mpzero.training.peak_flops; the training log's MFU)" if datasheet else
+                f"MFU (datasheet): no datasheet peak known for {device_name} (mpzero.training.peak_flops)")
     result.note("kernels/step: CUDA kernels run in one step (torch.profiler); host launches/step: the host's calls "
                 "that start them (kernel, memcpy/memset and CUDA graph launches: a graph replays many kernels with "
                 "one); kernel ms/step: their summed "
@@ -281,6 +287,8 @@ def bench_gpt2(args, result: Result) -> str:
         eager_tps = tps if eager_tps is None else eager_tps
         result.row(model=name, **{"tokens/s": round(tps), **figures, "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
                                   "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
+                                  **({"MFU (datasheet)": round(flops_per_token * tps / (datasheet * 1e12), 3)}
+                                     if datasheet else {}),
                                   "vs eager": round(tps / eager_tps, 3), "last loss": round(final[-1], 4)},
                    ok=good)
         ok = ok and good
