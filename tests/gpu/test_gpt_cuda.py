@@ -105,8 +105,9 @@ LLAMA_SHAPED = dataclasses.replace(CONFIG, normalization="RMSNorm", swiglu=True,
 
 def _zero1_bf16_run(groups, cuda_graph_impl: str, config: GPTConfig = LLAMA_SHAPED) -> tuple[list[float], int | None]:
     """Four ZeRO-1 bf16 steps of `config` (by default the LLaMA-shaped model) built on the meta device and streamed
-    by ZeRO (rotary tables start on the host), an evaluation (no-grad forward, eval mode) after the second: (the
-    losses, the CUDA graphs a fifth, profiled step launches; None off CUDA)."""
+    by ZeRO (rotary tables start on the host), each over two micro-batches (gradient accumulation: the graphs'
+    outputs are overwritten by the next micro-batch's replay, after its backward), an evaluation (no-grad forward,
+    eval mode) after the second: (the losses, the CUDA graphs a fifth, profiled step launches; None off CUDA)."""
     from bench.baselines import step_profile
     from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
     config = dataclasses.replace(config, cuda_graph_impl=cuda_graph_impl)
@@ -114,20 +115,21 @@ def _zero1_bf16_run(groups, cuda_graph_impl: str, config: GPTConfig = LLAMA_SHAP
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=1), AdamConfig(lr=1e-3, clip_grad=1.0),
                         PrecisionConfig("bf16"))
     tokens = torch.randint(0, config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    inputs, labels, losses = tokens[:, :-1], tokens[:, 1:], []
+    micro_batches, losses = [(t[:, :-1], t[:, 1:]) for t in tokens.split(2)], []
 
     def step():
         opt.zero_grad()
-        loss = model(inputs, labels).mean()
-        opt.backward(loss, last_micro_batch=True)
+        for i, (inputs, labels) in enumerate(micro_batches):
+            loss = model(inputs, labels).mean() / len(micro_batches)
+            opt.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
+            losses.append(loss.item())
         opt.step(1e-3)
-        losses.append(loss.item())
     for i in range(4):
         step()
         if i == 1:
             model.eval()
             with torch.no_grad():
-                losses.append(model(inputs, labels).mean().item())
+                losses.append(model(*micro_batches[0]).mean().item())
             model.train()
     profiled = step_profile(step, cuda=DEVICE.type == "cuda")
     return losses, profiled.graph_launches
