@@ -1,16 +1,17 @@
 """gpu-check's GPT-2 step variants timed in interleaved rounds: what one 10-step window cannot rank. On an H100
 the host-bound step moved by up to 25% from one window to the next (bench/README.md, "On one H100, a third
-time"), so bench_gpt2's variant-after-variant figures rank nothing closer than that.
+time"), so bench_gpt2's variant-after-variant figures rank nothing closer than that. bench_gpt2 itself ends with
+such rounds of variants 2-5 when its part has time left (gpt2_step.interleaved_rounds is the shared loop).
 
-    python -m bench.bench_rounds [--variants 2 3 4] [--rounds 8] [--steps 10] [--micro-batch-size 8] [--list]
+    python -m bench.bench_rounds [--variants 2 3 4 5] [--rounds 8] [--steps 10] [--micro-batch-size 8] [--list]
 
-Variants by their index in tests/gpu/check/gpt2_step.variants (`--list` prints them; the default: eager +
-torch.compile, mpzero --torch-compile, the same with --cuda-graph-impl local). Each is built and warmed up (3
-steps) once; then every round runs `--steps` steps of each in turn, timed with the device synchronised at both
-ends. Printed: the median (min-max) of the rounds' ms/step, the first variant's median over each one's (above 1:
-faster than the first), and on a GPU MFU against the bf16 matmul peak measured in the same run (in brackets:
-against the GPU's datasheet peak, mpzero.training.peak_flops). Without CUDA it runs at a tiny shape on the CPU: the
-variants build and train before a GPU is lent.
+Variants by their index in tests/gpu/check/gpt2_step.variants (`--list` prints them; the default, bench_gpt2's:
+eager + torch.compile, mpzero --torch-compile, the same with --cuda-graph-impl local, and that with the loss in one
+chunk). Each is built and warmed up (3 steps) once; then every round runs `--steps` steps of each in turn, timed
+with the device synchronised at both ends. Printed: the median (min-max) of the rounds' ms/step, the first
+variant's median over each one's (above 1: faster than the first), and on a GPU MFU against the bf16 matmul peak
+measured in the same run (in brackets: against the GPU's datasheet peak, mpzero.training.peak_flops). Without CUDA
+it runs at a tiny shape on the CPU: the variants build and train before a GPU is lent.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import torch
 
 from mpzero.parallel import init_parallel
 from mpzero.training import datasheet_bf16_tflops
-from tests.gpu.check.gpt2_step import GPT2_124M, Shape, gpt_config, matmul_peak_tflops, timed_steps, variants
+from tests.gpu.check.gpt2_step import (GPT2_124M, ROUNDS_VARIANTS, Shape, gpt_config, interleaved_rounds,
+                                       matmul_peak_tflops, timed_steps, variants)
 
 TINY = Shape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--variants", type=int, nargs="+", default=list(ROUNDS_VARIANTS))
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -55,10 +57,7 @@ def main(argv=None) -> dict:
     steps = {index: named[index][1]() for index in a.variants}
     for step in steps.values():  # compilation, autotuning, CUDA graph recording
         timed_steps(step, 3, cuda)
-    times = {index: [] for index in steps}
-    for _ in range(a.rounds):
-        for index, step in steps.items():
-            times[index].append(timed_steps(step, a.steps, cuda) / a.steps)
+    times = interleaved_rounds(steps, a.rounds, a.steps, cuda)
     medians = {index: statistics.median(t) for index, t in times.items()}
     first = medians[a.variants[0]]
     flops_per_step = gpt_config(shape, cross_entropy_chunk_size=0).flops_per_token() * inputs.numel()

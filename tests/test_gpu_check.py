@@ -206,6 +206,38 @@ def test_a_variant_replaying_cuda_graphs_must_give_the_compiled_variants_losses(
     assert note(4, {3: [2.0, 1.5], 4: [2.0, 1.6]}, named) == "losses differ from 'variant 3': up to 6.67e-02 relative"
 
 
+def _interleaved_on_the_cpu(path: str, limit: float) -> tuple[bool, dict]:
+    """bench_gpt2's closing rounds with its eager variants at the tiny shape, the CUDA calls stubbed: its rows."""
+    import argparse
+
+    import torch
+    from mpzero.parallel import init_parallel
+    from tests.gpu.check.result import Result
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    named = gpt2_step.variants(TINY, init_parallel(1), tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    result = Result(path, workers.COLUMNS["bench_gpt2"])
+    ok = gpt2_step._interleaved(named, tokens[:, 1:].numel(), lambda tps: {"MFU": 0.5}, argparse.Namespace(limit=limit),
+                                result, indices=(0, 1))
+    return ok, json.load(open(path))
+
+
+def test_bench_gpt2_ends_with_interleaved_rounds_when_time_is_left(tmp_path):
+    ok, data = run_ranks(1, _interleaved_on_the_cpu, str(tmp_path / "r.json"), 300.0, deadline=120)[0]
+    rows, eager = data["rows"], "eager PyTorch (SDPA, autocast bf16, fused AdamW)"
+    assert ok and [row["model"] for row in rows] == [f"interleaved: {eager}", "interleaved: mpzero defaults (auto: "
+                                                     "flash attention, torch LayerNorm), ZeRO-1 bf16"]
+    for row in rows:
+        assert row["ms/step"] > 0 and row["ok"] and row["MFU"] == 0.5 and set(row) <= set(workers.COLUMNS["bench_gpt2"])
+        assert row["note"].startswith(f"median of {gpt2_step.ROUNDS} rounds of {gpt2_step.ROUND_STEPS} steps, the 2 "
+                                      f"variants in turn (") and row["note"].endswith(f" of {eager}'s")
+    assert "); x1.000 of " in rows[0]["note"]
+    ok, data = run_ranks(1, _interleaved_on_the_cpu, str(tmp_path / "short.json"), 60.0)[0]
+    assert ok and not data["rows"] and data["notes"][0].startswith("interleaved rounds not run: ")
+    assert data["notes"][0].endswith("they need 90 (python -m bench.bench_rounds --variants 0 1 runs them)")
+
+
 def _rounds(argv):
     from bench import bench_rounds
     out = io.StringIO()

@@ -1,6 +1,8 @@
 """bench_gpt2, the GPT-2 124M training-step part of `make gpu-check`: mpzero's step (ZeRO-1, bf16, a world of one)
 against nanoGPT's eager step with and without torch.compile, in tokens/s, MFU against the bf16 matmul peak measured
-in the same run, peak memory and CUDA kernels per step.
+in the same run, peak memory and CUDA kernels per step. Each variant is timed in one window after the one before;
+then, if the part has time left, the goal's variants again in interleaved rounds (`interleaved_rounds`), which
+rank what one window cannot (bench/bench_rounds.py runs the same rounds on its own).
 
 The variants are built from a `Shape` on whatever device the tokens are on, so tests/test_gpu_check.py trains
 each of them at a tiny shape on the CPU: what the GPU runs is proven to build and train before a GPU is lent.
@@ -171,6 +173,16 @@ def timed_steps(fn, steps: int, cuda: bool = True) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_rounds(steps: dict, rounds: int, steps_per_round: int, cuda: bool) -> dict[object, list[float]]:
+    """Seconds per step of each of `steps` ({key: a built, warmed-up Step}) in each round: every round runs
+    `steps_per_round` steps of each in turn, so a drift of the machine's speed reaches every variant alike."""
+    times: dict[object, list[float]] = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            times[key].append(timed_steps(step, steps_per_round, cuda) / steps_per_round)
+    return times
+
+
 def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
     """bf16 dense matmul throughput of this GPU, measured: the median of `repeats` [n, n] x [n, n] products."""
     import torch
@@ -259,6 +271,12 @@ def bench_gpt2(args, result: Result) -> str:
     tokens = torch.randint(0, shape.vocab_size, (batch, seq + 1), device="cuda")
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     groups = init_parallel(1)  # NCCL, a world of one
+
+    def throughput(tps: float) -> dict:
+        return {"TFLOP/s": round(flops_per_token * tps / 1e12, 1),
+                "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
+                **({"MFU (datasheet)": round(flops_per_token * tps / (datasheet * 1e12), 3)} if datasheet else {})}
+
     eager_tps, ok, measured = None, True, {}
     named = variants(shape, groups, inputs, labels)
     for index, (name, build) in enumerate(named):
@@ -285,11 +303,47 @@ def bench_gpt2(args, result: Result) -> str:
         if notes:
             figures["note"] = "; ".join(notes)
         eager_tps = tps if eager_tps is None else eager_tps
-        result.row(model=name, **{"tokens/s": round(tps), **figures, "TFLOP/s": round(flops_per_token * tps / 1e12, 1),
-                                  "MFU": round(flops_per_token * tps / (peak * 1e12), 3),
-                                  **({"MFU (datasheet)": round(flops_per_token * tps / (datasheet * 1e12), 3)}
-                                     if datasheet else {}),
+        result.row(model=name, **{"tokens/s": round(tps), **figures, **throughput(tps),
                                   "vs eager": round(tps / eager_tps, 3), "last loss": round(final[-1], 4)},
                    ok=good)
         ok = ok and good
-    return "pass" if ok else "fail"
+    rounds_ok = _interleaved(named, tokens_per_step, throughput, args, result)
+    return "pass" if ok and rounds_ok else "fail"
+
+
+ROUNDS_VARIANTS = (2, 3, 4, 5)  # eager + torch.compile, mpzero --torch-compile, and the two CUDA-graphed steps
+ROUNDS, ROUND_STEPS = 6, 10
+ROUNDS_MIN_S = 90  # four builds (compiled from the warm caches the windows left), their warm-up, 240 steps
+
+
+def _interleaved(named: list, tokens_per_step: int, throughput: Callable, args, result: Result,
+                 indices: tuple[int, ...] = ROUNDS_VARIANTS) -> bool:
+    """Variants `indices` (the goal's) again, built together and timed in interleaved rounds (a row each,
+    "interleaved: ..."), if the part has `ROUNDS_MIN_S` left; else a note. False if they failed."""
+    left = args.limit - result.elapsed()
+    if left < ROUNDS_MIN_S:
+        result.note(f"interleaved rounds not run: {left:.0f} s of the part's limit left, they need {ROUNDS_MIN_S} "
+                    f"(python -m bench.bench_rounds --variants {' '.join(map(str, indices))} runs them)")
+        return True
+    steps = {}
+    try:
+        for index in indices:
+            steps[index] = named[index][1]()
+            timed_steps(steps[index], 3)  # compilation, autotuning, CUDA graph recording
+        times = interleaved_rounds(steps, ROUNDS, ROUND_STEPS, cuda=True)
+    except Exception as error:  # noqa: BLE001
+        result.row(model="interleaved rounds", ok=False, note=error_text(error))
+        return False
+    finally:
+        steps.clear()
+        free_cuda()
+    first = statistics.median(times[indices[0]])
+    for index, seconds in times.items():
+        median = statistics.median(seconds)
+        result.row(model=f"interleaved: {named[index][0]}", **{
+            "tokens/s": round(tokens_per_step / median), "ms/step": round(median * 1e3, 2),
+            **throughput(tokens_per_step / median), "ok": True,
+            "note": f"median of {ROUNDS} rounds of {ROUND_STEPS} steps, the {len(times)} variants in turn "
+                    f"({min(seconds) * 1e3:.2f}-{max(seconds) * 1e3:.2f} ms); x{first / median:.3f} of "
+                    f"{named[indices[0]][0]}'s"})
+    return True

@@ -47,7 +47,7 @@ PARTS = [
          "torchrun pretrain_gpt (TP 2 x DP 2 when 4+ GPUs, else TP 2 and DP 2 apart), stages 1-3"),
     Part("bench_gpt2", "GPT-2 124M training step: mpzero against nanoGPT-style eager and torch.compile", 300,
          "bf16, seq 1024: tokens/s, peak memory, MFU against the bf16 matmul peak measured in the same run and "
-         "against the GPU's datasheet peak"),
+         "against the GPU's datasheet peak; then, with time left, the goal's variants in interleaved rounds"),
     Part("bench_kernels", "Triton kernels against eager PyTorch and torch.compile at GPT-2 shapes", 150,
          "bench/bench_fused_gpu.py --gpt2 (triton.testing.do_bench medians)"),
     Part("zero_memory", "ZeRO memory line against torch.cuda.max_memory_allocated", 90,
