@@ -27,7 +27,7 @@ from mpzero.cli.flags import SECTIONS
 from mpzero.models import GPTConfig, config_from_args
 from mpzero.optim import RULES
 from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
-                             ParallelConfig, RunConfig, TrainingConfig, num_micro_batches)
+                             ParallelConfig, ProfileConfig, RunConfig, TrainingConfig, num_micro_batches)
 from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
@@ -121,6 +121,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     if not args.dry_run:  # a dry run touches nothing on disk: its paths were checked as the flags' types
         _prepare_output_directories(args, offload)
     logging = logging_config(args)
+    profile = profile_config(args, world_size)
     resolved = {"global_batch_size": global_batch, "vocab_size": vocab_size,
                 "max_position_embeddings": model.max_position_embeddings}
     return RunConfig(
@@ -137,7 +138,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                     overwrite=args.overwrite_checkpoints),
         logging=logging,
         schedule=lr_schedule(args), zero=sections[0], optimizer=sections[1], precision=sections[2], offload=offload,
-        dry_run=DryRunConfig(args.world_size or 1, args.rank or 0) if args.dry_run else None,
+        profile=profile, dry_run=DryRunConfig(args.world_size or 1, args.rank or 0) if args.dry_run else None,
         flags={**vars(args), **resolved})
 
 
@@ -176,6 +177,39 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
         check_output_directory(save_dir, "--wandb-save-dir")
     return LoggingConfig(args.log_interval, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, save_dir,
                          args.wandb_entity)
+
+
+PROFILE_FLAGS = ("use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks")
+
+
+def profile_config(args: argparse.Namespace, world_size: int) -> ProfileConfig:
+    """Megatron's --profile and its window; the flags that shape it need --profile, the window lies inside the run,
+    the ranks inside the world, and torch.profiler's trace needs --tensorboard-dir to go to. (Nsight Systems' mode
+    needs CUDA: checked at start, where the device is known.)"""
+    if not args.profile:
+        given = [name for name in PROFILE_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} shapes --profile's trace, but --profile is not given: "
+                              f"add --profile or drop it")
+        return ProfileConfig()
+    if args.dry_run:
+        raise ConfigError("--profile traces iterations, and --dry-run runs none: drop one of them")
+    start = args.profile_step_start if args.profile_step_start is not None else ProfileConfig.step_start
+    end = args.profile_step_end if args.profile_step_end is not None else ProfileConfig.step_end
+    if end <= start:
+        raise ConfigError(f"--profile-step-end {end} is not after --profile-step-start {start}: the trace covers "
+                          f"iterations start+1 to end")
+    if end > args.train_iters:
+        raise ConfigError(f"--profile-step-end {end} is past --train-iters {args.train_iters}: the trace would never "
+                          f"end; lower --profile-step-start/--profile-step-end")
+    ranks = tuple(args.profile_ranks) if args.profile_ranks is not None else ProfileConfig.ranks
+    outside = [rank for rank in ranks if rank >= world_size]
+    if outside:
+        raise ConfigError(f"--profile-ranks {outside[0]} is not a rank of this {world_size}-process run "
+                          f"(ranks 0-{world_size - 1})")
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its traces into --tensorboard-dir: give one")
+    return ProfileConfig(True, args.use_pytorch_profiler, start, end, tuple(sorted(set(ranks))))
 
 
 def tokenizer_record(args: argparse.Namespace) -> dict:

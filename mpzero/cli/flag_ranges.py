@@ -37,6 +37,8 @@ RANGES = {
     "ffn_hidden_size": (1, True, None, False), "num_query_groups": (1, True, None, False),
     "rotary_base": (1, True, None, False), "rotary_percent": (0.0, False, 1.0, True),
     "world_size": (1, True, None, False), "rank": (0, True, None, False),
+    "profile_step_start": (0, True, None, False), "profile_step_end": (1, True, None, False),
+    "profile_ranks": (0, True, None, False),  # each of them
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 
@@ -52,9 +54,9 @@ def check_ranges(args: argparse.Namespace) -> None:
     that depend on each other."""
     for dest, bounds in RANGES.items():
         value = getattr(args, dest)
-        if value is not None:
+        for item in value if isinstance(value, list) else [] if value is None else [value]:  # nargs: each one
             try:
-                Number(type(value), *bounds).check(value)
+                Number(type(item), *bounds).check(item)
             except CheckError as error:
                 raise ConfigError(f"--{dest.replace('_', '-')} {error}") from None
     _check_consistency(args)

@@ -13,7 +13,7 @@ from mpzero.data import TOKENIZER_TYPES
 from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
-from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, TrainingConfig
+from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, ProfileConfig, TrainingConfig
 from mpzero.zero import (OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig,
                          ZeroConfig)
 
@@ -245,7 +245,8 @@ def training_flags(p: argparse.ArgumentParser) -> None:
 
 
 def logging_flags(p: argparse.ArgumentParser) -> None:
-    """EvalConfig and LoggingConfig: evaluation, console, TensorBoard and wandb."""
+    """EvalConfig, LoggingConfig and ProfileConfig: evaluation, console, TensorBoard, wandb and Megatron's
+    --profile."""
     evaluation = p.add_argument_group("evaluation and logging")
     evaluation.add_argument("--eval-interval", type=int, default=EvalConfig.eval_interval)
     evaluation.add_argument("--eval-iters", type=int, default=EvalConfig.eval_iters)
@@ -257,6 +258,19 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     evaluation.add_argument("--wandb-save-dir", default=None,
                             help="where wandb keeps its files (default: --save/wandb, else ./wandb)")
     evaluation.add_argument("--wandb-entity", default=None, help="the wandb user or team (default: your login's)")
+    evaluation.add_argument("--profile", action="store_true",
+                            help="trace iterations (--profile-step-start, --profile-step-end] on --profile-ranks: "
+                                 "for Nsight Systems on a GPU (run under nsys profile --capture-range=cudaProfilerApi) "
+                                 "or with --use-pytorch-profiler")
+    evaluation.add_argument("--use-pytorch-profiler", action="store_true",
+                            help="with --profile: torch.profiler's trace, one file per rank in --tensorboard-dir")
+    evaluation.add_argument("--profile-step-start", type=int, default=None,
+                            help=f"with --profile: iterations done before the trace starts (default "
+                                 f"{ProfileConfig.step_start})")
+    evaluation.add_argument("--profile-step-end", type=int, default=None,
+                            help=f"with --profile: the last iteration traced (default {ProfileConfig.step_end})")
+    evaluation.add_argument("--profile-ranks", type=int, nargs="+", default=None,
+                            help="with --profile: the global ranks that trace (default 0)")
 
 
 def checkpoint_flags(p: argparse.ArgumentParser) -> None:

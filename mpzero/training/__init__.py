@@ -3,11 +3,12 @@
 rng) -> BuiltModel(module, flops_per_token)`); each iteration is `train_step` (`forward_backward` over one global
 batch, the gradient check, the optimizer step) and then the decisions to log, evaluate, save and stop;
 `startup.py` is what a run checks and prints before the model is built. Around it: batch order, mock data, the LR
-schedule, console lines, TensorBoard, peak memory, and SIGTERM handling."""
+schedule, console lines, TensorBoard, peak memory, MFU, Megatron's --profile (`profiling.py`), and SIGTERM
+handling."""
 
 from mpzero.training.batches import load_batch, micro_batch_indices, num_micro_batches
 from mpzero.training.config import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig,
-                                    ParallelConfig, RunConfig, TrainingConfig)
+                                    ParallelConfig, ProfileConfig, RunConfig, TrainingConfig)
 from mpzero.training.loop import (BuiltModel, ModelProvider, Progress, StepResult, TrainingState,
                                   build_training_state, evaluate, forward_backward, overlap_note, partition_note, save,
                                   train, train_step)
@@ -19,6 +20,6 @@ from mpzero.training.startup import fused_ops
 
 __all__ = ["BuiltModel", "CheckpointConfig", "DATASHEET_BF16_TFLOPS", "DECAY_STYLES", "DataConfig", "DryRunConfig",
            "EvalConfig", "LRSchedule", "LoggingConfig", "MetricsLogger", "MockGPTDataset", "ModelProvider",
-           "ParallelConfig", "Progress", "RunConfig", "StepResult", "TrainingConfig", "TrainingState",
+           "ParallelConfig", "ProfileConfig", "Progress", "RunConfig", "StepResult", "TrainingConfig", "TrainingState",
            "build_training_state", "datasheet_bf16_tflops", "evaluate", "forward_backward", "fused_ops", "load_batch",
            "micro_batch_indices", "num_micro_batches", "overlap_note", "partition_note", "save", "train", "train_step"]

@@ -82,6 +82,17 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """Megatron's --profile: trace iterations (step_start, step_end] on `ranks` (mpzero/training/profiling.py),
+    with torch.profiler into --tensorboard-dir (`use_pytorch_profiler`) or for Nsight Systems (CUDA only)."""
+    enabled: bool = False
+    use_pytorch_profiler: bool = False
+    step_start: int = 10
+    step_end: int = 12
+    ranks: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: Any  # the model provider's own config section
     parallel: ParallelConfig
@@ -95,5 +106,6 @@ class RunConfig:
     optimizer: OptimizerConfig
     precision: PrecisionConfig
     offload: OffloadConfig = OffloadConfig()
+    profile: ProfileConfig = ProfileConfig()
     dry_run: DryRunConfig | None = None  # None: a real run
     flags: dict = field(default_factory=dict, compare=False)

@@ -28,6 +28,7 @@ from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
 from mpzero.training.peak_flops import mfu_peak
+from mpzero.training.profiling import IterationProfiler
 from mpzero.training.signals import TerminationSignal
 from mpzero.training.startup import start
 from mpzero.training.metrics import MetricsLogger
@@ -122,12 +123,17 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     state.optimizer.comm_report()  # measure communication from the first iteration on
     tensorboard = MetricsLogger(run.logging, groups.is_logging_rank, run.flags)  # TensorBoard and wandb
     termination = TerminationSignal(groups.world, groups.device)
+    profiler = IterationProfiler(run.profile, groups.world.rank, run.logging.tensorboard_dir,
+                                 groups.device.type == "cuda")
+    _print_line(profiler.resume_note(progress.iteration))
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
     interval, terminated = Interval(), False
     try:
         while progress.iteration < run.training.train_iters:
             first = not history["losses"]
+            profiler.before(progress.iteration)
             step = train_step(run, state, train_data, progress, termination, activations if first else None)
+            _print_line(profiler.after(progress.iteration))
             terminated, iteration = step.terminated, progress.iteration
             _record(history, interval, step)
             if first:
@@ -151,10 +157,17 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             return history
         _final_evaluations(run, state, valid_data, test_data, progress.iteration, tensorboard, history)
     finally:
+        _print_line(profiler.close())
         termination.restore()
         tensorboard.close()
         state.optimizer.close()
     return history
+
+
+def _print_line(line: str | None) -> None:
+    """A line of this rank's own (the profiled ranks speak for themselves, not through rank 0)."""
+    if line:
+        print(line, flush=True)
 
 
 def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress, termination: TerminationSignal,

@@ -32,6 +32,10 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
     """((train, valid, test) datasets, the data's tokenizers), checked before the model is built (bad data paths
     fail first), and the lines a run prints at start."""
+    if run.profile.enabled and not run.profile.use_pytorch_profiler and groups.device.type != "cuda":
+        raise ConfigError(f"--profile without --use-pytorch-profiler marks the window for Nsight Systems through the "
+                          f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
+                          f"--use-pytorch-profiler (and --tensorboard-dir)")
     nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
     data_tokenizers, data_notes = _data_tokenizers(run, groups)

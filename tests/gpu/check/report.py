@@ -37,7 +37,8 @@ PARTS = [
     Part("zero_nccl", "ZeRO stages 0-3 over NCCL, world of one", 120,
          "pytest tests/gpu/test_zero_nccl.py: pretrain_gpt.main at every stage, losses equal across stages"),
     Part("mixed_precision", "fp16 dynamic loss scaling and bf16, 20 steps", 90,
-         "pytest tests/gpu/test_mixed_precision.py: losses finite and decreasing"),
+         "pytest tests/gpu/test_mixed_precision.py: losses finite and decreasing, MFU in the log; --profile's "
+         "torch.profiler and Nsight Systems modes"),
     Part("checkpoint_resume", "Checkpoint saved on GPU reloads and resumes bitwise", 120,
          "pytest tests/gpu/test_checkpoint_resume.py: --save/--exit-interval then --load, losses compared"),
     Part("offload", "ZeRO-Offload tiers on the GPU: optimizer (and stage-3 parameters) in host memory and on disk",
