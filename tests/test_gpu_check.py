@@ -97,7 +97,7 @@ def test_validate_refuses_a_broken_report(damage):
 
 
 def test_arguments():
-    assert cli.parse_args([]).out == "gpu-report" and cli.parse_args([]).budget == 440
+    assert cli.parse_args([]).out == "gpu-report" and cli.parse_args([]).budget == 540
     assert cli.parse_args(["--only", "bench_gpt2", "zero_nccl"]).only == ["bench_gpt2", "zero_nccl"]
     with pytest.raises(SystemExit):
         cli.parse_args(["--only", "nonsense"])
@@ -105,13 +105,13 @@ def test_arguments():
         cli.parse_args(["--budget", "0"])
 
 
-def test_every_part_has_a_runner_within_the_eight_minute_budget():
+def test_every_part_has_a_runner_within_the_ten_minute_budget():
     for part in PARTS:
         assert part.name in cli.PYTEST_FILES or part.name in workers.PARTS or part.name == "bench_kernels"
         assert 0 < part.limit_s <= 300
     for files in cli.PYTEST_FILES.values():
         assert all(os.path.isfile(os.path.join(ROOT, f)) for f in files)
-    assert cli.parse_args([]).budget + 30 < 8 * 60  # start-up and report included
+    assert cli.parse_args([]).budget + 30 < 10 * 60  # start-up and report included: one device command's limit
 
 
 def test_multi_gpu_layouts():

@@ -1,7 +1,7 @@
 """The orchestrator: probe the machine, run each part in its own process group under a time limit, write the
 report after every part (a check killed midway still leaves one), exit 1 when a part failed.
 
-    PYTHONPATH=. python3 -m tests.gpu.check [--out gpu-report] [--budget 440] [--only PART ...] [--dry-run]
+    PYTHONPATH=. python3 -m tests.gpu.check [--out gpu-report] [--budget 540] [--only PART ...] [--dry-run]
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python3 -m tests.gpu.check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu-report", help="directory for report.md, report.json and logs/")
-    p.add_argument("--budget", type=float, default=440.0,
-                   help="seconds for the whole check (default 440: under 8 minutes with a killed part's grace and "
-                        "the report)")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for the whole check (default 540: under 10 minutes, one device command's limit, "
+                        "with a killed part's grace and the report)")
     p.add_argument("--only", nargs="+", choices=PART_NAMES, default=None, help="run these parts, skip the rest")
     p.add_argument("--dry-run", action="store_true", help="build and validate the all-skipped report, run nothing")
     p.add_argument("--python", default=sys.executable, help="interpreter for the parts (default: this one)")
