@@ -54,7 +54,9 @@ def check_ranges(args: argparse.Namespace) -> None:
     that depend on each other."""
     for dest, bounds in RANGES.items():
         value = getattr(args, dest)
-        for item in value if isinstance(value, list) else [] if value is None else [value]:  # nargs: each one
+        for item in value if isinstance(value, list) else [value]:  # a flag with nargs: each of its values
+            if item is None:
+                continue
             try:
                 Number(type(item), *bounds).check(item)
             except CheckError as error:

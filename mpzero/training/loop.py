@@ -125,7 +125,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
     termination = TerminationSignal(groups.world, groups.device)
     profiler = IterationProfiler(run.profile, groups.world.rank, run.logging.tensorboard_dir,
                                  groups.device.type == "cuda")
-    _print_line(profiler.resume_note(progress.iteration))
+    profiler.note_resumed(progress.iteration)
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
     interval, terminated = Interval(), False
     try:
@@ -133,7 +133,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             first = not history["losses"]
             profiler.before(progress.iteration)
             step = train_step(run, state, train_data, progress, termination, activations if first else None)
-            _print_line(profiler.after(progress.iteration))
+            profiler.after(progress.iteration)
             terminated, iteration = step.terminated, progress.iteration
             _record(history, interval, step)
             if first:
@@ -157,17 +157,11 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             return history
         _final_evaluations(run, state, valid_data, test_data, progress.iteration, tensorboard, history)
     finally:
-        _print_line(profiler.close())
+        profiler.close()
         termination.restore()
         tensorboard.close()
         state.optimizer.close()
     return history
-
-
-def _print_line(line: str | None) -> None:
-    """A line of this rank's own (the profiled ranks speak for themselves, not through rank 0)."""
-    if line:
-        print(line, flush=True)
 
 
 def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress, termination: TerminationSignal,

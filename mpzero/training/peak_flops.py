@@ -7,6 +7,8 @@ use too. Only bf16 and fp16 runs have an MFU here: an fp32 run's matmuls run on 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # (a part of torch.cuda.get_device_name(), dense bf16 TFLOP/s): the first match counts, so the more specific
@@ -27,6 +29,7 @@ def datasheet_bf16_tflops(device_name: str) -> float | None:
     return next((tflops for part, tflops in DATASHEET_BF16_TFLOPS if part in device_name), None)
 
 
+@functools.cache  # a run's device and dtype do not change: asked at start and at every log line
 def mfu_peak(device: torch.device, dtype: str) -> tuple[str, float | None] | None:
     """(the device's name, its datasheet peak or None if unknown) for a bf16/fp16 run on a CUDA device; None where
     MFU does not apply (another device, fp32)."""

@@ -26,7 +26,8 @@ from mpzero.training.config import ProfileConfig
 
 class IterationProfiler:
     """The loop calls `before` and `after` each iteration with the number of iterations done, and `close` when it
-    ends; ranks not in --profile-ranks (and runs without --profile) do nothing."""
+    ends; ranks not in --profile-ranks (and runs without --profile) do nothing. A profiled rank prints its own lines
+    (what it traced, where), not through rank 0."""
 
     def __init__(self, config: ProfileConfig, rank: int, tensorboard_dir: str | None, cuda: bool):
         self.config, self.rank, self.directory, self.cuda = config, rank, tensorboard_dir, cuda
@@ -37,12 +38,11 @@ class IterationProfiler:
         self._written: str | None = None  # the trace's path, once torch.profiler's schedule wrote it
         self._discard = False  # the run stopped inside the window: torch.profiler's stop writes nothing
 
-    def resume_note(self, completed: int) -> str | None:
-        """The line a run resuming after iteration `completed` prints when the window lies behind it."""
-        if not self.on or completed < self.config.step_end:
-            return None
-        return (f"note: rank {self.rank} traces nothing: this run starts after iteration {completed}, past "
-                f"--profile-step-end {self.config.step_end}")
+    def note_resumed(self, completed: int) -> None:
+        """Says so when a run resuming after iteration `completed` finds the window behind it."""
+        if self.on and completed >= self.config.step_end:
+            print(f"note: rank {self.rank} traces nothing: this run starts after iteration {completed}, past "
+                  f"--profile-step-end {self.config.step_end}", flush=True)
 
     def before(self, completed: int) -> None:
         """Called with the number of iterations done, before the next one runs."""
@@ -58,25 +58,27 @@ class IterationProfiler:
             self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
             self._nvtx.__enter__()
 
-    def after(self, completed: int) -> str | None:
-        """Called with the number of iterations done, after one ran: at the window's end, the line that says what
-        was traced."""
+    def after(self, completed: int) -> None:
+        """Called with the number of iterations done, after one ran: at the window's end, stops and says what was
+        traced."""
         if self._torch is None and self._nvtx is None:
-            return None
+            return
         self._last = completed
         if self._torch is not None:
             self._torch.step()  # after the window's last iteration its schedule writes the trace
-        return self._stop() if completed == self.config.step_end else None
+        if completed == self.config.step_end:
+            self._stop()
 
-    def close(self) -> str | None:
-        """The run ended inside the window: the capture stops; the line that says what became of it."""
+    def close(self) -> None:
+        """The run ended inside the window: the capture stops, and the rank says what became of it."""
         if self._torch is not None:
             self._discard = True
             self._torch.stop()
             self._torch = None
-            return (f"profile: rank {self.rank} wrote no trace: the run stopped after iteration {self._last}, before "
-                    f"the end of the window {self._first}-{self.config.step_end}")
-        return self._stop() if self._nvtx is not None else None
+            print(f"profile: rank {self.rank} wrote no trace: the run stopped after iteration {self._last}, before "
+                  f"the end of the window {self._first}-{self.config.step_end}", flush=True)
+        elif self._nvtx is not None:
+            self._stop()
 
     def _start_torch(self, completed: int) -> None:
         warmup = 1 if completed < self.config.step_start else 0
@@ -102,9 +104,9 @@ class IterationProfiler:
                 os.remove(temporary)
         self._written = path
 
-    def _stop(self) -> str:
-        """Stops the capture at the window's end (torch.profiler's schedule wrote the trace at its last step);
-        the line saying what was traced."""
+    def _stop(self) -> None:
+        """Stops the capture at the window's end (torch.profiler's schedule wrote the trace at its last step) and
+        says what was traced."""
         if self._torch is not None:
             self._torch.stop()
             self._torch = None
@@ -114,4 +116,4 @@ class IterationProfiler:
             self._nvtx = None
             torch.cuda.profiler.stop()
             where = "for Nsight Systems (the CUDA profiler API's capture range)"
-        return f"profile: rank {self.rank} traced iterations {self._first}-{self._last} {where}"
+        print(f"profile: rank {self.rank} traced iterations {self._first}-{self._last} {where}", flush=True)
