@@ -57,21 +57,25 @@ CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax
 # The CUDA winner per op at GPT-2 shapes, measured on an H100 by bench/bench_fused_gpu.py (triton.testing.do_bench
 # medians, bench/README.md "On one H100", 2026-11-22):
 # - layer_norm: torch's F.layer_norm, 0.201 ms fwd+bwd at [8192, 768] bf16 against 0.582 for the Triton kernel
-#   (and 0.581 compiled): the kernel holds one row per program with a serial dweight/dbias pass, 2.9x slower;
+#   (and 0.581 compiled): the kernel held one row per program with a serial dweight/dbias pass, 2.9x slower.
+#   With its dweight/dbias partials spread over the SMs (2026-11-27, H100): torch 0.221, the kernel 0.338,
+#   compiled 0.536; torch's still wins;
 # - scaled_masked_softmax: the Triton kernel, 0.584 ms at [1, 96, 1024, 1024] bf16 against torch's 5.239 (9.0x);
 # - adamw_step: the Triton kernel, 1.253 ms over 124M fp32 masters + bf16 copy against torch's fused 1.644.
 # - rms_norm: torch's reference, by analogy with layer_norm first (the kernel has the same one-row, serial-dweight
 #   design that lost 2.9x there).
 #   Measured 2026-11-26 (H100, bench/bench_fused_gpu.py): torch 0.459 ms at [8192, 768] bf16, compiled 0.361, the
 #   kernel 0.605. The compiled norm stays out of `auto`: the activation formula models the torch and Triton norms'
-#   saved tensors, not what a compiler keeps.
+#   saved tensors, not what a compiler keeps. 2026-11-27 (H100): torch 0.472, compiled 0.683, the kernel 0.428
+#   (1.10x, one run): torch's stays until a LLaMA step under --torch-compile is measured with the kernel.
 # - cross_entropy: compiled (--cross-entropy-loss-fusion's arithmetic): the output projection + loss of GPT-2's 8192
 #   tokens in chunks of 2048, fwd+bwd bf16, 5.15 ms against the reference's 14.81 (2.9x), and a GPT-2 124M step
 #   (gpu-check's bench_gpt2, with --torch-compile) 35.5 ms against 38.8 (H100, 2026-11-26).
 # - sum_of_squares: the Triton kernel, from the H100 profile of mpzero's GPT-2 step (bench_gpt2's log, 2026-11-26):
 #   the reference's fp64 casts were 31 launches and 0.63 ms of the step, beside as many dot products and adds, ~90
 #   launches for 124M gradients; the kernel makes 2 per run and reads 4 bytes per fp32 element where the reference
-#   moves 20. Its own time is bench_fused_gpu.py's `sum_of_squares` row, not yet measured on a GPU.
+#   moves 20. Its own time (bench_fused_gpu.py's `sum_of_squares` row, H100, 2026-11-27): 0.181 ms over 124M fp32
+#   gradients against the reference's 1.351 (7.5x).
 CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "triton", "adamw_step": "triton",
                "cross_entropy": "compile", "sum_of_squares": "triton"}
 
