@@ -20,7 +20,8 @@ import torch
 
 from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
 from mpzero.errors import ConfigError
-from mpzero.fused import ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl, resolve_attention_backend
+from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
+                          resolve_attention_backend)
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -277,6 +278,12 @@ class GPTConfig(TransformerArchitecture):
         """`attention(device)` without its check that the backend can run there (a CPU machine plans a CUDA
         run)."""
         return planned_attention_backend(self.attention_backend_name, device, dropout=self.attention_dropout)
+
+    def attention_shape(self, tp_size: int, seq_length: int, dtype: torch.dtype) -> AttentionShape:
+        """One TP rank's attention at `seq_length` in `dtype`: what a run asks torch's fused attention kernels
+        about at start (`mpzero.fused.fused_attention_refusal`)."""
+        return AttentionShape(self.num_attention_heads // tp_size, self.query_groups // tp_size, self.head_dim,
+                              seq_length, dtype, self.attention_dropout)
 
     @property
     def attention_backend_name(self) -> str:

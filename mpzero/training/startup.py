@@ -12,7 +12,7 @@ import torch
 from mpzero.checkpointing import read_meta
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError
-from mpzero.fused import resolve_impl, resolved_impls
+from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
 from mpzero.training.config import RunConfig
@@ -36,6 +36,7 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         raise ConfigError(f"--profile without --use-pytorch-profiler marks the window for Nsight Systems through the "
                           f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
+    attention_line = _check_fused_attention(run, groups)
     nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
     data_tokenizers, data_notes = _data_tokenizers(run, groups)
@@ -46,9 +47,34 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         if nodes_line:
             print(nodes_line, flush=True)
         mfu_line = mfu_note(mfu_peak(groups.device, run.precision.dtype))
-        for note in ([mfu_line] if mfu_line else []) + _resume_notes(run, resumed) + data_notes:
+        notes = [line for line in (mfu_line, attention_line) if line] + _resume_notes(run, resumed) + data_notes
+        for note in notes:
             print(note, flush=True)
     return datasets, data_tokenizers
+
+
+def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None:
+    """Asks torch once whether one of its fused attention kernels runs this rank's attention, where the model's
+    backend is flash or fused; without one, F.scaled_dot_product_attention would take its math path silently. Every
+    rank asks on its own device and the ranks share the answers. A GPU run then stops on torch's reasons. A CPU run
+    gets a note: its SDPA has no fused kernel with dropout, and the tests compare flash with dropout against local
+    there. Returns the note, or None."""
+    backend, device = run.model.attention(groups.device), groups.device
+    shape = run.model.attention_shape(groups.tp_size, run.training.seq_length, run.precision.torch_dtype)
+    refusals = [r for r in groups.world.all_gather_objects(fused_attention_refusal(backend, shape, device)) if r]
+    if not refusals:
+        return None
+    asked = run.model.attention_backend_name
+    named = f"--attention-backend {asked}" + (f" ({backend} on {device.type})" if asked != backend else "")
+    if device.type == "cuda":
+        raise ConfigError(f"{named}: none of torch's fused attention kernels runs this run's attention on "
+                          f"{torch.cuda.get_device_name(device)} ({shape.describe()}, per TP rank): {refusals[0]}. "
+                          f"Torch would fall back to its math path without saying so: explicit [s, s] scores, "
+                          f"slower, in memory the activation line does not count. Use --attention-backend local "
+                          f"(Megatron's core attention), or change what torch's reasons name")
+    return (f"attention: {named} runs torch's math path on this {device.type} ({refusals[0]}): explicit [s, s] "
+            f"scores, which the activation line does not count; --attention-backend local is Megatron's core "
+            f"attention")
 
 
 @dataclass(frozen=True)

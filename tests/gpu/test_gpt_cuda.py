@@ -9,7 +9,8 @@ relative + 1e-4 x its largest CPU magnitude absolute (TF32 off; the GPU sums in 
 the Triton kernels' per-program partials). Also: activation recomputation on CUDA replays the dropout masks
 (the RNG states are the CUDA generator's), so it gives the same gradients as storing activations, with SDPA's
 dropout (auto) and with the local path's explicit dropout. And --cuda-graph-impl local: the compiled trunk
-replayed from CUDA graphs gives the --torch-compile run's losses and launches graphs.
+replayed from CUDA graphs gives the --torch-compile run's losses and launches graphs. And torch's fused attention
+kernels take the attention of the models people train, and a run whose attention none takes stops at start.
 """
 
 import dataclasses
@@ -19,10 +20,11 @@ import pytest
 import torch
 
 from mpzero.comm import CommGroup
-from mpzero.fused import triton_available
+from mpzero.fused import AttentionShape, fused_attention_refusal, triton_available
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.tensor_parallel import seed_everything
-from tests.gpu.common import DEVICE, needs_cuda
+from tests.cli import exit_code_and_stderr
+from tests.gpu.common import DEVICE, SMALL, needs_cuda
 
 pytestmark = needs_cuda
 
@@ -155,3 +157,24 @@ def test_cuda_graphs_train_gpt2_with_dropout(world):
     assert all(math.isfinite(x) for x in losses), losses
     if DEVICE.type == "cuda":
         assert graphs >= 2, graphs
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA's kernels (a CPU's: tests/fused/test_fused_sdpa.py)")
+@pytest.mark.parametrize("shape", [AttentionShape(12, 12, 64, 1024, torch.bfloat16, 0.1),  # GPT-2, its dropout
+                                   AttentionShape(12, 12, 64, 1024, torch.float32, 0.0),  # fp32: memory-efficient
+                                   AttentionShape(32, 8, 128, 4096, torch.bfloat16, 0.0)],  # LLaMA-3 8B, GQA
+                         ids=["gpt2-bf16-dropout", "gpt2-fp32", "llama3-8b-gqa"])
+def test_a_fused_attention_kernel_takes_the_models_people_train(shape):
+    assert fused_attention_refusal("flash", shape, DEVICE) is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a GPU run stops where a CPU run notes (test_attention_backend)")
+def test_attention_no_fused_kernel_takes_stops_the_run_at_start():
+    """cuDNN's attention takes fp16 and bf16 alone: an fp32 run on --attention-backend fused would otherwise fail
+    inside its first forward (and flash's dispatcher would take the math path without a word)."""
+    assert fused_attention_refusal("flash", AttentionShape(4, 4, 64, 64, torch.float64, 0.0), DEVICE)
+    code, stderr = exit_code_and_stderr(SMALL + ["--train-iters", "1", "--attention-backend", "fused"])
+    assert code != 0 and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith("--attention-backend fused: none of torch's fused attention kernels runs this run's "
+                             "attention on "), stderr
+    assert "4 heads of size 16, sequence 64, float32, dropout 0, per TP rank" in stderr, stderr
