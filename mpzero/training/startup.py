@@ -57,8 +57,8 @@ def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None
     """Asks torch once whether one of its fused attention kernels runs this rank's attention, where the model's
     backend is flash or fused; without one, F.scaled_dot_product_attention would take its math path silently. Every
     rank asks on its own device and the ranks share the answers. A GPU run then stops on torch's reasons. A CPU run
-    gets a note: its SDPA has no fused kernel with dropout, and the tests compare flash with dropout against local
-    there. Returns the note, or None."""
+    gets a note instead: SDPA's CPU kernel has no dropout, so flash with dropout is the math path there, which a
+    development run may mean to compare with local. Returns the note, or None."""
     backend, device = run.model.attention(groups.device), groups.device
     shape = run.model.attention_shape(groups.tp_size, run.training.seq_length, run.precision.torch_dtype)
     refusals = [r for r in groups.world.all_gather_objects(fused_attention_refusal(backend, shape, device)) if r]
