@@ -65,7 +65,7 @@ def fused_attention_refusal(backend: str, shape: AttentionShape, device: torch.d
                 out.sum().backward()
             return None
         except RuntimeError as error:
-            reasons = [_TRIGGERED.sub("", str(w.message)).strip().rstrip(".") for w in caught]
+            reasons = [" ".join(_TRIGGERED.sub("", str(w.message)).split()).rstrip(".") for w in caught]
             reasons = ([r for r in reasons if r and not r.endswith("because:")]
-                       or [str(error).splitlines()[0].rstrip(".")])
+                       or [" ".join(str(error).split()).rstrip(".")])
             return "; ".join(dict.fromkeys(reasons))
