@@ -145,7 +145,7 @@ class GPTConfig(TransformerArchitecture):
     """The architecture and how a run computes it: what `GPTModel` takes."""
     hidden_dropout: float = 0.1  # Megatron's defaults, as the flags' (--hidden-dropout, --attention-dropout)
     attention_dropout: float = 0.1
-    recompute_activations: bool = False  # Megatron's flag: selective recomputation (= recompute_granularity "selective")
+    recompute_activations: bool = False  # Megatron's flag: selective recomputation (recompute_granularity "selective")
     recompute_granularity: str | None = None  # "selective" (the core attention) or "full" (whole layers)
     recompute_method: str | None = None  # full: "uniform" (chunks of N layers; the default) or "block" (first N)
     recompute_num_layers: int | None = None  # full: N (default 1: every layer recomputed on its own)
