@@ -10,6 +10,7 @@ from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence_pa
                                              reduce_from_tp, reduce_scatter_to_sequence_parallel,
                                              scatter_to_sequence_parallel, scatter_to_tp)
 from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_everything
+from mpzero.tensor_parallel.weight_grad import WeightGradStore
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -18,5 +19,5 @@ __all__ = [
     "placement_of", "placements", "TensorPlacement", "sharded_parameter", "gather_full", "RNGStatesTracker",
     "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "gather_from_sequence_parallel", "linear_with_sequence_gather", "InitMethod", "ones_", "zeros_", "tp_slice",
-    "tp_unslice",
+    "tp_unslice", "WeightGradStore",
 ]

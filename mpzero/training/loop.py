@@ -23,7 +23,8 @@ from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
-from mpzero.training.batches import load_batch, micro_batch_indices
+from mpzero.pipeline import PipelineSchedule, pipeline_schedule, run_schedule
+from mpzero.training.batches import MicroBatches, load_batch, micro_batch_indices, num_micro_batches
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
@@ -53,14 +54,23 @@ class TrainingState:
     model: BuiltModel
     optimizer: ZeroOptimizer
     rng: RNGStatesTracker
+    pipeline: PipelineSchedule | None = None  # pipeline parallelism: this rank's schedules (mpzero.pipeline)
 
 
 def build_training_state(run: RunConfig, provider: ModelProvider, groups: ParallelGroups) -> TrainingState:
-    """Seeds every generator, builds the model through `provider` and its ZeRO optimizer."""
-    rng = seed_everything(run.training.seed, groups.tp_rank, groups.device)
+    """Seeds every generator, builds the model through `provider` (a pipeline rank: its stage) and its ZeRO
+    optimizer, and a pipeline rank's schedules."""
+    rng = seed_everything(run.training.seed, groups.tp_rank, groups.device, groups.pp_rank)
     built = provider(run.model, groups, rng)
     optimizer = ZeroOptimizer(built.module, groups, run.zero, run.optimizer, run.precision, offload=run.offload)
-    return TrainingState(groups, built, optimizer, rng)
+    schedule = None
+    if groups.pp_size > 1:
+        training = run.training
+        schedule = pipeline_schedule(run.pipeline, groups, built.module, training.micro_batch_size,
+                                     training.seq_length, num_micro_batches(training.global_batch_size,
+                                                                            training.micro_batch_size, groups.dp_size),
+                                     run.precision.torch_dtype)
+    return TrainingState(groups, built, optimizer, rng, schedule)
 
 
 def overlap_note(optimizer: ZeroOptimizer) -> str | None:
@@ -305,6 +315,8 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
     optimizer.zero_grad()
     micro_batches = micro_batch_indices(consumed, training.global_batch_size, training.micro_batch_size,
                                         groups.dp_rank, groups.dp_size)
+    if state.pipeline is not None:
+        return _pipeline_losses(state, MicroBatches(dataset, micro_batches, groups.device), activations, optimizer)
     total = torch.zeros((), device=groups.device)
     for i, indices in enumerate(micro_batches):
         tokens = load_batch(dataset, indices, groups.device)
@@ -313,6 +325,23 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
     groups.dp.all_reduce(total)
+    return total
+
+
+def _pipeline_losses(state: TrainingState, batches: MicroBatches, activations: SavedBytesCounter | None,
+                     optimizer: ZeroOptimizer | None) -> torch.Tensor:
+    """One iteration of this rank's pipeline schedule (training with an optimizer, else evaluation); the loss the
+    last stage computed, summed over DP and given to every stage (the NaN check and the log see it anywhere).
+    The activation counter watches each model chunk's first micro-batch."""
+    schedule, groups = state.pipeline, state.groups
+
+    def counting(chunk: int, micro_batch: int):
+        return activations.counting() if activations is not None and micro_batch == 0 else contextlib.nullcontext()
+
+    steps = schedule.train_steps if optimizer is not None else schedule.eval_steps
+    total = run_schedule(schedule.run, steps, schedule.rank, batches.tokens, batches.labels, optimizer, counting)
+    groups.dp.all_reduce(total)
+    groups.pp.all_reduce(total)
     return total
 
 
@@ -326,12 +355,17 @@ def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
     model.eval()
     total, batches = torch.zeros((), device=groups.device), 0
     for k in range(run.evaluation.eval_iters):
-        for indices in micro_batch_indices(k * training.global_batch_size, training.global_batch_size,
-                                           training.micro_batch_size, groups.dp_rank, groups.dp_size):
-            tokens = load_batch(dataset, indices, groups.device)
-            total += model(tokens[:, :-1], tokens[:, 1:]).mean()
-            batches += 1
-    groups.dp.all_reduce(total)
+        indices = micro_batch_indices(k * training.global_batch_size, training.global_batch_size,
+                                      training.micro_batch_size, groups.dp_rank, groups.dp_size)
+        if state.pipeline is not None:  # the micro-batches' mean losses, summed over DP and given to every stage
+            total += _pipeline_losses(state, MicroBatches(dataset, indices, groups.device), None, None)
+        else:
+            for micro_batch in indices:
+                tokens = load_batch(dataset, micro_batch, groups.device)
+                total += model(tokens[:, :-1], tokens[:, 1:]).mean()
+        batches += len(indices)
+    if state.pipeline is None:
+        groups.dp.all_reduce(total)
     model.train()
     return total.item() / (batches * groups.dp_size)
 

@@ -140,9 +140,15 @@ def build_layout(named_params: list[tuple[str, nn.Parameter]], parts: int, rank:
 def bucket_layouts(named_params: list[tuple[str, nn.Parameter]], bucket_numel: int, parts: int,
                    rank: int) -> list[FlatLayout]:
     """Buckets of about `bucket_numel` elements in reverse registration order, the order in which
-    backward usually produces gradients, so the first bucket fills (and can be reduced) first."""
+    backward usually produces gradients, so the first bucket fills (and can be reduced) first. A parameter tied
+    across pipeline stages (`is_pipeline_tied`) has a bucket of its own, partitioned the same on both stages, so
+    its reduced gradient slices can be added across them."""
     buckets, current, size = [], [], 0
     for name, param in reversed(named_params):
+        if is_pipeline_tied(param):
+            buckets += [current, [(name, param)]] if current else [[(name, param)]]
+            current, size = [], 0
+            continue
         current.append((name, param))
         size += param.numel()
         if size >= bucket_numel:
@@ -151,6 +157,17 @@ def bucket_layouts(named_params: list[tuple[str, nn.Parameter]], bucket_numel: i
     if current:
         buckets.append(current)
     return [build_layout(b, parts, rank) for b in buckets]
+
+
+def is_pipeline_tied(param: nn.Parameter) -> bool:
+    """A parameter with a copy on another pipeline stage (GPT-2's word embedding on the first and last stage,
+    `mpzero.models.GPTModel`): its gradient is the sum of both stages'."""
+    return getattr(param, "pipeline_tied", False)
+
+
+def is_pipeline_copy(param: nn.Parameter) -> bool:
+    """The copy of a pipeline-tied parameter (on the last stage): the norm and checkpoints count the first's."""
+    return getattr(param, "pipeline_copy", False)
 
 
 def initial_values(layout: FlatLayout, device: torch.device) -> torch.Tensor:
