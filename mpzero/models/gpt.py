@@ -57,7 +57,7 @@ from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.models.stage import LayerStack, ModelStage
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
-                                    linear_with_sequence_gather, mark_tensor_parallel, recompute,
+                                    linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
 
@@ -224,9 +224,8 @@ class GPTModel(nn.Module):
                 config.vocab_size, config.padded_vocab_size(tp.size), config.hidden_size,
                 config.max_position_embeddings if config.learned_positions and stage.first else None,
                 config.init_method_std, config.hidden_dropout, tp, rng, config.sequence_parallel)
-            if stage.first != stage.last:  # tied across pipeline stages: `mpzero.zero`'s marks (flat.py)
-                self.embedding.word_embeddings.weight.pipeline_tied = True
-                self.embedding.word_embeddings.weight.pipeline_copy = not stage.first
+            if tied and stage.first != stage.last:  # tied across pipeline stages
+                mark_pipeline_tied(self.embedding.word_embeddings.weight, copy=not stage.first)
         self.rotary = None
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)

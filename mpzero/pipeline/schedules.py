@@ -16,8 +16,8 @@ send matched by a receive in the same order, no deadlock, idle time = the schedu
   the point-to-point traffic; activations 1 + (p - 1)/(p v) times 1F1B's.
 - `zb_h1`: Qi et al.'s ZB-H1: 1F1B with each backward split into I (sent on at once) and W, rank r running the W
   of micro-batch k after the I of micro-batch k + r (the first r held back to fill the cool-down's bubble). Idle
-  (p - 1)(t_F + t_I - t_W), a third of 1F1B's when the three are equal, holding at most p micro-batches' inputs on
-  every rank (1F1B's stage 0).
+  (p - 1)(t_F + t_I - t_W) where W is no longer than F and I (simulate.bubble), a third of 1F1B's when the three
+  are equal, holding at most p micro-batches' inputs on every rank (1F1B's stage 0). Needs m >= p.
 
 Communication follows Megatron's pairing (a send posted with the receive the same two ranks exchange at that
 moment), so each pair of ranks posts the same sequence of batches and NCCL's in-order matching holds.

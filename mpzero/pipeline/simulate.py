@@ -176,9 +176,10 @@ def _in_flight(steps: list[Step]) -> int:
 def bubble(kind: str, pipe: Pipeline, times: Times = Times()) -> float:
     """Each rank's idle time per iteration by the schedule's formula, in chunk times (a rank's whole layers take v
     times them): 1F1B (p - 1)(t_F + t_B); interleaved the same over v in whole-rank times, which is (p - 1)(F + B)
-    in chunk times; ZB-H1 (p - 1)(t_F + t_I - t_W) once m >= p (the paper's setting; with fewer micro-batches
-    only m - 1 weight gradients are left to fill the p - 1 slots: (p - 1)(t_F + t_I) - (m - 1) t_W)."""
+    in chunk times; ZB-H1 (m >= p) (p - 1) max(t_F + t_I - t_W, t_F, t_I): the paper's (p - 1)(t_F + t_I - t_W)
+    where a W is no longer than F or I, as in a transformer (W has none of attention's terms), since a longer W
+    cannot fill its slot without delaying the pass after it."""
     p = pipe.p
     if kind == "zb-h1":
-        return (p - 1) * (times.F + times.I) - min(pipe.m - 1, p - 1) * times.W
+        return (p - 1) * max(times.F + times.I - times.W, times.F, times.I)
     return (p - 1) * (times.F + times.B)

@@ -45,7 +45,9 @@ class WeightGradStore:
     def run(self, key) -> None:
         """The W pass of `key`: each queued weight gradient computed and delivered, in the order queued."""
         for compute, weight in self._queued.pop(key, ()):
-            weight.backward(compute())
+            with torch.no_grad():  # as inside autograd's backward, where it was queued
+                grad = compute()
+            weight.backward(grad)
 
     def pending(self) -> list:
         return list(self._queued)

@@ -24,6 +24,7 @@ from torch import nn
 
 from mpzero.deferred_init import bind, materialize
 from mpzero.errors import ConfigError
+from mpzero.tensor_parallel import is_pipeline_tied
 
 DecayRule = Callable[[str, nn.Parameter], bool]
 _DECAY_ATTR = "zero_weight_decay"  # set by mark_weight_decay: True / False
@@ -157,17 +158,6 @@ def bucket_layouts(named_params: list[tuple[str, nn.Parameter]], bucket_numel: i
     if current:
         buckets.append(current)
     return [build_layout(b, parts, rank) for b in buckets]
-
-
-def is_pipeline_tied(param: nn.Parameter) -> bool:
-    """A parameter with a copy on another pipeline stage (GPT-2's word embedding on the first and last stage,
-    `mpzero.models.GPTModel`): its gradient is the sum of both stages'."""
-    return getattr(param, "pipeline_tied", False)
-
-
-def is_pipeline_copy(param: nn.Parameter) -> bool:
-    """The copy of a pipeline-tied parameter (on the last stage): the norm and checkpoints count the first's."""
-    return getattr(param, "pipeline_copy", False)
 
 
 def initial_values(layout: FlatLayout, device: torch.device) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch
 
 from mpzero.fused import sum_of_squares
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import TensorPlacement
-from mpzero.zero.flat import FlatLayout, is_pipeline_copy
+from mpzero.tensor_parallel import TensorPlacement, is_pipeline_copy
+from mpzero.zero.flat import FlatLayout
 from mpzero.zero.step_grads import Fp32Buckets
 
 

@@ -42,11 +42,11 @@ from torch import nn
 from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import placements
+from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
-from mpzero.zero.flat import DecayRule, is_pipeline_tied, mark_weight_decay
+from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared, norm_runs, read_to_host,
                               scale_grads_)
