@@ -27,7 +27,7 @@ from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import ParallelGroups
 from mpzero.pipeline import PipelineConfig, stage_layers
 from mpzero.tensor_parallel import RNGStatesTracker
-from mpzero.training.loop import BuiltModel, train
+from mpzero.training import BuiltModel, train
 
 
 def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker,

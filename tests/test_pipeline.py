@@ -4,14 +4,22 @@ ZeRO layout: the stages' sums differ from one process's only in the tied embeddi
 each stage sums apart); the initial weights at PP 2 and 4 are one process's bit for bit; a checkpoint moves between
 pipeline sizes; every bad pipeline flag is one line. The schedules themselves: test_pipeline_schedules.py."""
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 import torch
 
+from mpzero.checkpointing import latest_iteration
+from mpzero.checkpointing.consolidated import read_consolidated
+from mpzero.inference import check_gpt_weights, gpt_config_from_meta
 from mpzero.cli.arguments import parse_args, run_config
-from mpzero.training.loop import build_training_state
+from mpzero.training import build_training_state
 from pretrain_gpt import _provider
 from tests.cli import assert_close_lists, exit_code_and_stderr, quiet_main
-from tests.distributed import run_ranks
+from tests.distributed import RanksFailed, run_ranks
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
@@ -148,3 +156,52 @@ def test_a_checkpoint_moves_between_pipeline_sizes(tmp_path):
 def test_every_bad_pipeline_flag_is_one_line(world, flags, message):
     for code, err in run_ranks(world, exit_code_and_stderr, BASE + flags)[:1]:
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def _sigterm_then_train(argv):
+    import torch.distributed as dist
+    if dist.get_rank() == 1:  # the last stage, which holds the loss
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return len(quiet_main(argv)["losses"])
+
+
+def test_sigterm_on_one_stage_saves_every_stage_and_stops(tmp_path):
+    argv = BASE + pp(2) + ["--train-iters", "100000", "--eval-iters", "0", "--save", str(tmp_path)]
+    stopped_at = run_ranks(2, _sigterm_then_train, argv)
+    assert stopped_at[0] == stopped_at[1] == latest_iteration(str(tmp_path)) < 100000
+
+
+def _die_after(delay, report_dir, argv):
+    import torch.distributed as dist
+    if dist.get_rank() == 2:  # a middle stage
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    code, stderr = exit_code_and_stderr(argv)
+    with open(os.path.join(report_dir, f"rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(f"{code}\n{stderr}")
+
+
+def test_a_dead_stage_ends_every_other_with_one_line(tmp_path):
+    argv = BASE + pp(4) + ["--train-iters", "100000", "--eval-iters", "0", "--distributed-timeout-minutes", "0.2"]
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 2 ---\nprocess died"):
+        run_ranks(4, _die_after, 1.0, str(tmp_path), argv, deadline=60)
+    assert time.monotonic() - start < 45  # the 12 s collective timeout, not the test's deadline
+    for rank in (0, 1, 3):
+        code, stderr = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert code == "1" and stderr.startswith("error: a collective failed, a peer rank has died or timed out")
+        assert stderr.count("\n") == 1
+
+
+def test_the_tools_read_a_pipeline_checkpoint_as_one_processs(tmp_path):
+    """What export_hf.py and generate.py read (the consolidated weights, checked against the meta's model): a PP 2
+    checkpoint holds every parameter once, the tied embedding included, with one process's values."""
+    argv = BASE + ["--train-iters", "2", "--eval-iters", "0"]
+    run_ranks(1, quiet_main, argv + ["--save", str(tmp_path / "pp1")])
+    run_ranks(2, quiet_main, argv + pp(2) + ["--save", str(tmp_path / "pp2")])
+    whole, staged = (read_consolidated(str(tmp_path / name), 2) for name in ("pp1", "pp2"))
+    config = gpt_config_from_meta(staged["meta"], str(tmp_path / "pp2"))
+    check_gpt_weights(staged["model"], config, "pp2")
+    assert sorted(staged["model"]) == sorted(whole["model"])
+    for name, tensor in whole["model"].items():  # atol: AdamW's step on a gradient near 0 moves by up to lr x its
+        # rounding (the tied embedding's two halves are summed in another order), 1e-3 of the 1e-3 learning rate
+        torch.testing.assert_close(staged["model"][name], tensor, rtol=1e-5, atol=1e-6)

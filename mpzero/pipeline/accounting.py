@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpzero.comm import CommGroup
 from mpzero.pipeline.schedules import Pipeline, Step
 from mpzero.pipeline.simulate import simulate
 
@@ -59,3 +60,31 @@ def p2p_theory(pipe: Pipeline, rank: int, activation_bytes: int, tied_bytes: int
 def schedule_in_flight(pipe: Pipeline, schedule: list[list[Step]]) -> tuple[int, ...]:
     """Each rank's most (chunk, micro-batch) activations held at once, by the schedule (its simulation)."""
     return simulate(pipe, schedule).in_flight
+
+
+class PipelineMeter:
+    """The bytes this rank sends on the pipeline group (activations and gradients) and the tied embedding's
+    all-reduce, per iteration since the last report (the loss's all-reduce over the stages is bookkeeping, not
+    counted); `uncounted` leaves an evaluation's sends out."""
+
+    def __init__(self, pp: CommGroup, embedding: CommGroup, schedule: str, pipe: Pipeline, rank: int,
+                 activation_bytes: int, tied_bytes: int):
+        self.pp, self.embedding, self.schedule, self.pipe, self.rank = pp, embedding, schedule, pipe, rank
+        self.theory = p2p_theory(pipe, rank, activation_bytes, tied_bytes, embedding.size)
+        self._mark = (self._sent(), 0)
+
+    def _sent(self) -> float:
+        return self.pp.stats.bytes.get("send", 0.0) + self.embedding.stats.bytes.get("all_reduce", 0.0)
+
+    def uncounted(self, fn, *args):
+        before = self._sent()
+        result = fn(*args)
+        mark, iteration = self._mark
+        self._mark = (mark + self._sent() - before, iteration)
+        return result
+
+    def report(self, iteration: int) -> PipelineCommReport:
+        (mark, since), now = self._mark, self._sent()
+        self._mark = (now, iteration)
+        measured = (now - mark) / max(iteration - since, 1)
+        return PipelineCommReport(self.rank, self.schedule, self.pipe, measured, *self.theory)

@@ -39,7 +39,7 @@ class PipelineConfig:
     def validate(self, num_layers: int, micro_batches: int) -> None:
         """Every rule of the section against the model's layers and the micro-batches per iteration."""
         stage_layers(self, num_layers)
-        p, v, m = self.size, self.virtual_stages, micro_batches
+        p, m = self.size, micro_batches
         if self.schedule == "interleaved" and m % p:
             raise ConfigError(f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size"
                               f" {p}, and this run has {m} per iteration (--global-batch-size / (--micro-batch-size x "

@@ -93,8 +93,8 @@ class _Iteration:
 def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[int], torch.Tensor],
                  labels: Callable[[int], torch.Tensor], optimizer=None, counting=None) -> torch.Tensor:
     """One iteration of `steps` on this rank; returns the sum of the micro-batches' losses (each the mean over
-    its tokens, divided by m when training) on the stage that ends the model, zero elsewhere, as a device scalar. `tokens(mb)` /
-    `labels(mb)`: a micro-batch's inputs and labels (asked only where the model begins / ends). Without an
+    its tokens, divided by m when training) on the stage that ends the model, zero elsewhere, as a device scalar.
+    `tokens(mb)` / `labels(mb)`: a micro-batch's inputs and labels (asked only where the model begins / ends). Without an
     optimizer (evaluation) the schedule holds forwards only. `counting(chunk, mb)`: a context manager around each
     forward (activation counting), or None."""
     it, pipe, stage = _Iteration(run, rank), run.pipe, run.model.stage

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.parallel import ParallelGroups
+from mpzero.pipeline.accounting import PipelineMeter
 from mpzero.pipeline.config import PipelineConfig
 from mpzero.pipeline.executor import StageRun
 from mpzero.pipeline.schedules import Step, build
@@ -22,12 +23,14 @@ class PipelineSchedule:
     eval_steps: list[Step]
     rank: int
     kind: str  # the schedule's name (schedules.SCHEDULES)
+    meter: PipelineMeter
 
 
 def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, micro_batch_size: int,
-                      seq_length: int, micro_batches: int, dtype: torch.dtype) -> PipelineSchedule:
+                      seq_length: int, micro_batches: int, dtype: torch.dtype, tied_bytes: int = 0) -> PipelineSchedule:
     """This rank's schedules for a model built from `config`'s stage (a GPTModel: its config gives the hidden
-    states' shape, [b, s, h], or [b, s/t, h] under sequence parallelism)."""
+    states' shape, [b, s, h], or [b, s/t, h] under sequence parallelism). `tied_bytes`: this rank's slice of the
+    tied embedding's gradient, all-reduced with the other end's (`ZeroOptimizer.tied_gradient_bytes`)."""
     store = None
     if config.zero_bubble:
         store = WeightGradStore()
@@ -40,5 +43,7 @@ def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, mic
     run = StageRun(model, groups.pp, pipe, (micro_batch_size, seq, model_config.hidden_size), dtype, groups.device,
                    store)
     rank = groups.pp_rank
+    activation_bytes = micro_batch_size * seq * model_config.hidden_size * dtype.itemsize
+    meter = PipelineMeter(groups.pp, groups.embedding, config.schedule, pipe, rank, activation_bytes, tied_bytes)
     return PipelineSchedule(run, build(config.schedule, pipe)[rank], build("forward", pipe)[rank], rank,
-                            config.schedule)
+                            config.schedule, meter)

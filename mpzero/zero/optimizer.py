@@ -224,6 +224,12 @@ class ZeroOptimizer(OptimizerReports):
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    def tied_gradient_bytes(self) -> int:
+        """This rank's gradient slices of parameters tied across pipeline stages (all-reduced with the other
+        stage's once per step)."""
+        g = self.precision.grad_dtype.itemsize
+        return sum(self.stage.layouts[b].shard_numel * g for b in self._tied_buckets)
+
     def _add_tied_gradients(self) -> None:
         """A parameter tied across pipeline stages (its bucket alone, partitioned alike on both): each stage's
         reduced slice becomes the sum of both stages' (Megatron's embedding-group all-reduce), so both copies
