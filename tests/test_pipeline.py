@@ -205,3 +205,14 @@ def test_the_tools_read_a_pipeline_checkpoint_as_one_processs(tmp_path):
     for name, tensor in whole["model"].items():  # atol: AdamW's step on a gradient near 0 moves by up to lr x its
         # rounding (the tied embedding's two halves are summed in another order), 1e-3 of the 1e-3 learning rate
         torch.testing.assert_close(staged["model"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_skips_the_same_steps_on_every_stage_as_one_process():
+    """One loss scale: an overflow on any stage skips the step everywhere (the norm's all-reduce over the world
+    carries it), so the skipped iterations and the scale's path are one process's."""
+    argv = BASE + ["--fp16", "--initial-loss-scale", "1e6", "--hysteresis", "1", "--train-iters", "6"]
+    reference = _reference(argv)
+    for history in run_ranks(2, quiet_main, argv + pp(2)):
+        assert [n is None for n in history["grad_norms"]] == [n is None for n in reference["grad_norms"]]
+        assert any(n is None for n in history["grad_norms"]) and history["grad_norms"][-1] is not None
+        assert_close_lists(history["losses"], reference["losses"], rel=1e-3)

@@ -13,6 +13,7 @@ the linear layers' weight gradients deferred (`WeightGradStore`), W computes the
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -79,6 +80,13 @@ class _Iteration:
             self.received[kind, key] = (buffer, batch)
         self.batches.append(batch)
 
+    def wait_for(self, action: Action) -> None:
+        """Wait for what a compute action receives (before it is timed: waiting is idle time, not compute)."""
+        kind = "RECV_F" if action.kind == "F" else "RECV_B"
+        pending = self.received.get((kind, (action.chunk, action.micro_batch)))
+        if pending is not None:
+            pending[1].wait()
+
     def take(self, kind: str, key) -> torch.Tensor:
         buffer, batch = self.received.pop((kind, key))
         batch.wait()
@@ -91,12 +99,14 @@ class _Iteration:
 
 
 def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[int], torch.Tensor],
-                 labels: Callable[[int], torch.Tensor], optimizer=None, counting=None) -> torch.Tensor:
+                 labels: Callable[[int], torch.Tensor], optimizer=None, counting=None,
+                 timings: dict | None = None) -> torch.Tensor:
     """One iteration of `steps` on this rank; returns the sum of the micro-batches' losses (each the mean over
     its tokens, divided by m when training) on the stage that ends the model, zero elsewhere, as a device scalar.
     `tokens(mb)` / `labels(mb)`: a micro-batch's inputs and labels (asked only where the model begins / ends). Without an
     optimizer (evaluation) the schedule holds forwards only. `counting(chunk, mb)`: a context manager around each
-    forward (activation counting), or None."""
+    forward (activation counting), or None. `timings`: {kind: [seconds of each compute action]} appended to, on
+    the host clock (bench/bench_pipeline.py: a CPU run, where the host waits for every op)."""
     it, pipe, stage = _Iteration(run, rank), run.pipe, run.model.stage
     total = torch.zeros((), device=run.device)
     last = _last_backward(steps)
@@ -106,6 +116,8 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
             it.post(step)
             continue
         key = (action.chunk, action.micro_batch)
+        it.wait_for(action)
+        started = time.perf_counter()
         if action.kind == "F":
             loss = _forward(it, key, stage, tokens, labels, counting, pipe.m, optimizer is not None)
             if loss is not None:
@@ -115,6 +127,8 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
         else:  # W
             with optimizer.backward_window(index == last, micro_batch=False):
                 run.store.run(key)
+        if timings is not None:
+            timings.setdefault(action.kind, []).append(time.perf_counter() - started)
     it.finish()
     return total
 

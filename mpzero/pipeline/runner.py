@@ -43,6 +43,8 @@ def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, mic
     run = StageRun(model, groups.pp, pipe, (micro_batch_size, seq, model_config.hidden_size), dtype, groups.device,
                    store)
     rank = groups.pp_rank
+    # NCCL's batched point-to-point needs every rank of the group in the group's first collective
+    groups.pp.all_reduce(torch.zeros(1, device=groups.device))
     activation_bytes = micro_batch_size * seq * model_config.hidden_size * dtype.itemsize
     meter = PipelineMeter(groups.pp, groups.embedding, config.schedule, pipe, rank, activation_bytes, tied_bytes)
     return PipelineSchedule(run, build(config.schedule, pipe)[rank], build("forward", pipe)[rank], rank,
