@@ -4,13 +4,14 @@ global batch.
 
     python bench/bench_pipeline.py [--pp 2] [--micro-batches 4 8 16] [--iterations 6]
 
-PP ranks are forked processes with one thread each (on 2 cores: one core a rank), fp32, gloo. Per rank and step:
-the step's wall time (forward and backward of the global batch, after a barrier), its busy time (the executor's
-compute actions, `run_schedule(timings=...)`, waiting excluded) and idle = wall - busy; the formula is the
-schedule's (`mpzero.pipeline.bubble`) with the compute times measured in the same step (F, B; ZB-H1: F, I, W per
-micro-batch and chunk). The micro-batches each rank held at once (the executor's count) show the activation
-memory: ZB-H1 holds p on every rank, 1F1B p on its first. Goals (issue 43): idle within 10% of the formula;
-ZB-H1's idle <= 0.4x 1F1B's at the same m.
+PP ranks are forked processes with one thread each (on 2 cores: one core a rank), fp32, gloo, a small vocabulary
+so that the stages cost alike. Per rank and step: the step's wall time (forward and backward of the global batch,
+after a barrier), its busy time (the executor's compute actions, `run_schedule(timings=...)`, waiting excluded)
+and idle = wall - busy. Beside it: the schedule's closed form (`mpzero.pipeline.bubble`, equal stages) with the
+compute times the ranks measured in the same step (F, B; ZB-H1: F, I, W, each per micro-batch and chunk, the
+ranks' mean), and the schedule simulated with each rank's own times (`simulate`, point-to-point free), which is
+the formula for stages of unequal cost. Goals (issue 43): idle within 10% of the formula; ZB-H1's idle <= 0.4x
+1F1B's at the same m (ZB-H1 holds p micro-batches' inputs on every rank, 1F1B p on its first).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from mpzero.cli.arguments import parse_args, run_config  # noqa: E402
-from mpzero.pipeline import Times, bubble, run_schedule  # noqa: E402
+from mpzero.pipeline import Pipeline, Times, bubble, build, run_schedule, simulate  # noqa: E402
 from mpzero.training import MockGPTDataset, build_training_state, micro_batch_indices  # noqa: E402
 from mpzero.training.batches import MicroBatches  # noqa: E402
 from pretrain_gpt import _provider  # noqa: E402
@@ -42,7 +43,7 @@ def model_flags(a, m: int) -> list[str]:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", "8",
             "--seq-length", str(a.seq), "--micro-batch-size", str(a.micro_batch), "--global-batch-size",
             str(a.micro_batch * m), "--train-iters", "1000", "--lr", "1e-4", "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--mock-data", "--vocab-size", "4096", "--zero-stage", "1"]
+            "--attention-dropout", "0", "--mock-data", "--vocab-size", "128", "--zero-stage", "1"]
 
 
 def _rank(a, m: int, flags: list[str]) -> dict:
@@ -74,20 +75,26 @@ def _rank(a, m: int, flags: list[str]) -> dict:
 
 
 def _summary(records, schedule) -> dict:
-    walls = [wall for wall, _ in records]
-    out = {"wall": statistics.median(walls)}
-    if schedule is None:
-        return out
-    pipe, kind = schedule.run.pipe, schedule.kind
-    idle, formula = [], []
-    for wall, timings in records:
-        busy = sum(sum(times) for times in timings.values())
-        mean = {k: statistics.mean(v) for k, v in timings.items()}
-        times = Times(F=mean["F"], B=mean.get("B", 0.0), I=mean.get("I", 0.0), W=mean.get("W", 0.0))
-        idle.append(wall - busy)
-        formula.append(bubble(kind, pipe, times))
-    out.update(idle=statistics.median(idle), formula=statistics.median(formula))
+    """Median step wall time; per step this rank's idle time and its compute times (per action kind)."""
+    out = {"wall": statistics.median(wall for wall, _ in records)}
+    if schedule is not None:
+        out["steps"] = [(wall - sum(sum(t) for t in timings.values()),
+                         Times(**{k: statistics.mean(timings.get(k, [0.0])) for k in ("F", "B", "I", "W")}))
+                        for wall, timings in records]
     return out
+
+
+def _formulas(kind: str, pipe, ranks: list[dict]) -> tuple[float, float, float]:
+    """(median idle, the closed form with the ranks' mean times, the simulation with each rank's times), medians
+    over the steps, the idle a median over the ranks."""
+    idle, closed, simulated = [], [], []
+    for step in range(len(ranks[0]["steps"])):
+        times = [r["steps"][step][1] for r in ranks]
+        mean = Times(**{k: statistics.mean(getattr(t, k) for t in times) for k in ("F", "B", "I", "W")})
+        idle.append(statistics.median(r["steps"][step][0] for r in ranks))
+        closed.append(bubble(kind, pipe, mean))
+        simulated.append(statistics.median(simulate(pipe, build(kind, pipe), times).idle))
+    return statistics.median(idle), statistics.median(closed), statistics.median(simulated)
 
 
 def main(argv=None) -> None:
@@ -103,20 +110,22 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f} | {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch "
           f"{a.micro_batch}, fp32, PP {a.pp} ranks of one thread")
-    print("| schedule | m | one process ms | PP ms | speed-up | idle ms (median rank) | formula ms | idle/formula |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| schedule | m | one process ms | PP ms | speed-up | idle ms | closed form ms | simulated ms | "
+          "idle / simulated |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in a.micro_batches:
         single = run_ranks(1, _rank, a, m, [], deadline=3600)[0]
         idles = {}
         for kind, flags in SCHEDULES.items():
             ranks = run_ranks(a.pp, _rank, a, m, ["--pipeline-model-parallel-size", str(a.pp)] + flags,
                               deadline=3600)
+            v = 2 if kind == "interleaved" else 1
+            idle, closed, simulated = _formulas(kind, Pipeline(a.pp, v, m), ranks)
             wall = max(r["wall"] for r in ranks)
-            idle = statistics.median(r["idle"] for r in ranks)
-            formula = statistics.median(r["formula"] for r in ranks)
             idles[kind] = idle
             print(f"| {kind} | {m} | {single['wall'] * 1e3:.1f} | {wall * 1e3:.1f} | {single['wall'] / wall:.2f}x | "
-                  f"{idle * 1e3:.1f} | {formula * 1e3:.1f} | {idle / formula:.2f} |", flush=True)
+                  f"{idle * 1e3:.1f} | {closed * 1e3:.1f} | {simulated * 1e3:.1f} | {idle / simulated:.2f} |",
+                  flush=True)
         print(f"ZB-H1 idle / 1F1B idle at m = {m}: {idles['zb-h1'] / idles['1f1b']:.2f}", flush=True)
 
 

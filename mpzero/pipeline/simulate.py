@@ -119,8 +119,10 @@ def _check_pair(pipe: Pipeline, schedule: list[list[Step]], a: int, b: int) -> N
             raise ScheduleError(f"batch {i} between ranks {a} and {b}: {a} sends {sends}, {b} receives {y}")
 
 
-def simulate(pipe: Pipeline, schedule: list[list[Step]], times: Times = Times()) -> Simulation:
+def simulate(pipe: Pipeline, schedule: list[list[Step]], times: Times | list[Times] = Times()) -> Simulation:
+    """`times`: the compute times, one for every rank or each rank's own (stages of unequal cost)."""
     check(pipe, schedule)
+    per_rank = times if isinstance(times, list) else [times] * pipe.p
     clock, busy = [0.0] * pipe.p, [0.0] * pipe.p
     index = [0] * pipe.p
     sent: dict[tuple, float] = {}  # (kind sent, receiving vstage, micro-batch) -> when posted
@@ -145,7 +147,7 @@ def simulate(pipe: Pipeline, schedule: list[list[Step]], times: Times = Times())
                         if key not in sent:
                             break  # its sender has not got there yet
                         ready = sent[key]
-                    cost = getattr(times, action.kind)
+                    cost = getattr(per_rank[rank], action.kind)
                     clock[rank] = max(clock[rank], ready) + cost
                     busy[rank] += cost
                 index[rank] += 1
