@@ -22,9 +22,8 @@ MLP, biases, tied output and learned positions; the user says the heads, and RoP
 
 from __future__ import annotations
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_llama
@@ -78,20 +77,23 @@ class Plan:
         self.num_layers = 1 + max((int(n.split(".")[1]) for n in self.sources if n.startswith("layers.")), default=-1)
 
     def _add(self, key: str, size: tuple[int, ...]) -> None:
+        """Place stored tensor `key`: a top-level one, one layer's part, or a part of every layer (stacked)."""
         if key in TOP:
-            return self._place(TOP[key], key, None, size)
-        part = key[len(LAYERS):] if key.startswith(LAYERS) else None
-        index, _, rest = (part or "").partition(".")
+            self._place(TOP[key], key, None, size)
+            return
+        part = key[len(LAYERS):] if key.startswith(LAYERS) else ""
+        index, _, rest = part.partition(".")
         per_layer = index.isdigit()
         part = rest if per_layer else part
-        base = part[:-2] if part and part.endswith(HALVES) and part[:-2] in ("mlp.linear_fc1.weight",
-                                                                                "mlp.linear_fc1.bias") else part
+        base = part[:-2] if part.endswith(HALVES) and part[:-2] in ("mlp.linear_fc1.weight",
+                                                                      "mlp.linear_fc1.bias") else part
         if base not in PARTS:
             raise ConfigError(f"{self.source} holds {key}, which mpzero's GPT has no part for ({UNSUPPORTED})")
         if per_layer:
-            return self._place(f"layers.{int(index)}.{PARTS[base]}", key, None, size)
-        for layer in range(size[0] if size else 0):
-            self._place(f"layers.{layer}.{PARTS[base]}", key, layer, size[1:])
+            self._place(f"layers.{int(index)}.{PARTS[base]}", key, None, size)
+        else:
+            for layer in range(size[0] if size else 0):
+                self._place(f"layers.{layer}.{PARTS[base]}", key, layer, size[1:])
 
     def _place(self, name: str, key: str, layer: int | None, size: tuple[int, ...]) -> None:
         entries = self.sources.setdefault(name, [])
@@ -114,45 +116,24 @@ class Plan:
 def megatron_config(plan: Plan, given: dict) -> GPTConfig:
     """The GPT the tensors describe; `given`: the flags the user passed, by GPTConfig field name (num_attention_
     heads is required; the rest are checked against the tensors where these tell, else used)."""
-    vocab, hidden = plan.shapes["embedding.word_embeddings.weight"]
-    heads, layers, source = given["num_attention_heads"], plan.num_layers, plan.source
-    if layers < 1 or "layers.0.attention.qkv.weight" not in plan.shapes or "layers.0.mlp.fc2.weight" not in plan.shapes:
-        raise ConfigError(f"{source} has no decoder layers with linear_qkv and linear_fc2 weights: not a "
-                          f"megatron-core GPT checkpoint (or one whose pipeline stages did not all save)")
-    if hidden % heads:
-        raise ConfigError(f"--num-attention-heads {heads} does not divide the checkpoint's hidden size {hidden}: "
-                          f"pass the number the model was trained with")
-    rows, head_dim = plan.shapes["layers.0.attention.qkv.weight"][0], hidden // heads
-    groups = (rows - hidden) // (2 * head_dim)
-    if groups < 1 or rows != hidden + 2 * groups * head_dim or heads % groups:
-        raise ConfigError(f"{source}: linear_qkv has {rows} rows, not (heads + 2 x groups) x {head_dim} for "
-                          f"--num-attention-heads {heads} and any number of key/value groups: pass the heads it was "
-                          f"trained with (mpzero needs --kv-channels = hidden size / heads)")
-    fc1, ffn = plan.shapes["layers.0.mlp.fc1.weight"][0], plan.shapes["layers.0.mlp.fc2.weight"][1]
-    if fc1 not in (ffn, 2 * ffn):
-        raise ConfigError(f"{source}: linear_fc1 has {fc1} rows and linear_fc2 {ffn} columns: neither an MLP nor "
-                          f"a gated one (SwiGLU)")
-    learned = "embedding.position_embeddings.weight" in plan.shapes
-    seen = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_query_groups": groups,
-            "normalization": "LayerNorm" if "final_layernorm.bias" in plan.shapes else "RMSNorm",
-            "swiglu": fc1 == 2 * ffn, "add_bias_linear": "layers.0.attention.qkv.bias" in plan.shapes,
-            "untie_embeddings_and_output_weights": "output_layer.weight" in plan.shapes}
-    if learned:
-        seen["max_position_embeddings"] = plan.shapes["embedding.position_embeddings.weight"][0]
-    _check_given(given, seen, source)
+    seen = _seen(plan, given["num_attention_heads"])
+    _check_given(given, seen, plan.source)
+    learned = "max_position_embeddings" in seen
     position = given.get("position_embedding_type") or ("learned_absolute" if learned else None)
     if position is None:
-        raise ConfigError(f"{source} has no learned position embedding: pass --position-embedding-type rope (with "
-                          f"--rotary-base and --rotary-percent as trained) or none")
+        raise ConfigError(f"{plan.source} has no learned position embedding: pass --position-embedding-type rope "
+                          f"(with --rotary-base and --rotary-percent as trained) or none")
     if (position == "learned_absolute") != learned:
         raise ConfigError(f"--position-embedding-type {position} disagrees with the checkpoint, which "
                           f"{'holds' if learned else 'has no'} embedding.position_embeddings.weight")
     if not learned and not given.get("max_position_embeddings"):
         raise ConfigError("--max-position-embeddings is needed with RoPE or no position embedding: the longest "
                           "sequence the model is to run (Megatron's --max-position-embeddings)")
-    if given.get("vocab_size", vocab) > vocab:
-        raise ConfigError(f"--vocab-size {given['vocab_size']} is more than the checkpoint's {vocab} embedding rows")
-    config = GPTConfig(**{**seen, "vocab_size": given.get("vocab_size", vocab), "num_attention_heads": heads,
+    rows = plan.shapes["embedding.word_embeddings.weight"][0]
+    if given.get("vocab_size", rows) > rows:
+        raise ConfigError(f"--vocab-size {given['vocab_size']} is more than the checkpoint's {rows} embedding rows")
+    groups, heads = seen["num_query_groups"], given["num_attention_heads"]
+    config = GPTConfig(**{**seen, "num_attention_heads": heads, "vocab_size": given.get("vocab_size", rows),
                           "max_position_embeddings": seen.get("max_position_embeddings",
                                                               given.get("max_position_embeddings")),
                           "position_embedding_type": position, "add_position_embedding": learned,
@@ -163,8 +144,36 @@ def megatron_config(plan: Plan, given: dict) -> GPTConfig:
     try:
         config.validate(1)
     except ConfigError as error:
-        raise ConfigError(f"{source}: {error}") from None
+        raise ConfigError(f"{plan.source}: {error}") from None
     return config
+
+
+def _seen(plan: Plan, heads: int) -> dict:
+    """What the tensors say, by GPTConfig field, given the number of heads (which they cannot say)."""
+    hidden, source, shapes = plan.shapes["embedding.word_embeddings.weight"][1], plan.source, plan.shapes
+    if plan.num_layers < 1 or "layers.0.attention.qkv.weight" not in shapes or "layers.0.mlp.fc2.weight" not in shapes:
+        raise ConfigError(f"{source} has no decoder layers with linear_qkv and linear_fc2 weights: not a "
+                          f"megatron-core GPT checkpoint (or one whose pipeline stages did not all save)")
+    if hidden % heads:
+        raise ConfigError(f"--num-attention-heads {heads} does not divide the checkpoint's hidden size {hidden}: "
+                          f"pass the number the model was trained with")
+    rows, head_dim = shapes["layers.0.attention.qkv.weight"][0], hidden // heads
+    groups = (rows - hidden) // (2 * head_dim)
+    if groups < 1 or rows != hidden + 2 * groups * head_dim or heads % groups:
+        raise ConfigError(f"{source}: linear_qkv has {rows} rows, not (heads + 2 x groups) x {head_dim} for "
+                          f"--num-attention-heads {heads} and any number of key/value groups: pass the heads it was "
+                          f"trained with (mpzero needs --kv-channels = hidden size / heads)")
+    fc1, ffn = shapes["layers.0.mlp.fc1.weight"][0], shapes["layers.0.mlp.fc2.weight"][1]
+    if fc1 not in (ffn, 2 * ffn):
+        raise ConfigError(f"{source}: linear_fc1 has {fc1} rows and linear_fc2 {ffn} columns: neither an MLP nor "
+                          f"a gated one (SwiGLU)")
+    seen = {"num_layers": plan.num_layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_query_groups": groups,
+            "normalization": "LayerNorm" if "final_layernorm.bias" in shapes else "RMSNorm",
+            "swiglu": fc1 == 2 * ffn, "add_bias_linear": "layers.0.attention.qkv.bias" in shapes,
+            "untie_embeddings_and_output_weights": "output_layer.weight" in shapes}
+    if "embedding.position_embeddings.weight" in shapes:
+        seen["max_position_embeddings"] = shapes["embedding.position_embeddings.weight"][0]
+    return seen
 
 
 def _check_given(given: dict, seen: dict, source: str) -> None:
