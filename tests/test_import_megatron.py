@@ -1,9 +1,10 @@
 """tools/import_megatron.py against checkpoints the real megatron-core writes on this CPU (tests/megatron_core.py):
 a LLaMA-shaped GPT (RMSNorm, SwiGLU, RoPE theta 500000, 2 key/value groups, untied, no biases) saved at TP 2 x PP 2
 imports with megatron-core's own logits at mpzero TP 1 and 2 (1e-5), and trains on through pretrain_gpt.main from
-the loss of megatron-core's logits; so does a GPT-2-shaped one (LayerNorm, GELU, learned positions, biases, tied
-across the pipeline stages, norms under their own names). Per-layer keys with the SwiGLU halves stored apart
-(`singleton_local_shards`) are the `product` case (the same code paths but the key parsing). The run's common.pt
+the loss of megatron-core's logits; a GPT-2-shaped one (LayerNorm, GELU, learned positions, biases, the output
+tied to the embedding across the pipeline stages, norms under their own names) imports with its logits too.
+Per-layer keys with the SwiGLU halves stored apart (`singleton_local_shards`) are the `product` case (the same
+conversion, other key parsing). The run's common.pt
 is never opened (a pickle that would run code is left untouched); every bad input is one `error:` line, exit
 code 2, and nothing written."""
 
@@ -20,16 +21,12 @@ import torch.nn.functional as F
 
 from mpzero.checkpointing.reader import read_metadata
 from mpzero.errors import ConfigError
-from mpzero.inference import gpt_config_from_meta, load_full_weights
 from mpzero.inference.megatron import Plan
 from mpzero.inference.megatron_files import MEGATRON_ADMITTED
-from mpzero.models import GPTModel
-from mpzero.parallel import init_parallel
-from mpzero.tensor_parallel import gather_from_tp
 from mpzero.training.mock_data import MockGPTDataset
 from tests.cli import quiet_main, tool_result
 from tests.distributed import run_ranks
-from tests.trained_gpt import TOOLS
+from tests.trained_gpt import TOOLS, mpzero_logits
 from tools.checkpoint_util import read_consolidated
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' installs it)")
@@ -66,18 +63,9 @@ def _import(argv):
     return out.getvalue()
 
 
-def _mpzero_logits(checkpoint, tokens, tp):
-    bundle = read_consolidated(checkpoint, None)
-    groups = init_parallel(tp)
-    model = GPTModel(gpt_config_from_meta(bundle["meta"], checkpoint), groups.tp).eval()
-    load_full_weights(model, bundle["model"])
-    with torch.no_grad():
-        return gather_from_tp(model(tokens), groups.tp)[..., :model.config.vocab_size]
-
-
 def _assert_megatron_logits(checkpoint, megatron_logits):
     for tp in (1, 2):
-        ours = run_ranks(tp, _mpzero_logits, checkpoint, _batch()[:, :-1], tp)[0]
+        ours = torch.stack(run_ranks(tp, mpzero_logits, checkpoint, _batch()[:, :-1].tolist(), tp)[0])
         torch.testing.assert_close(ours, megatron_logits, rtol=0, atol=TOLERANCE)
 
 

@@ -7,8 +7,9 @@ directory: `metadata.json` (the format, plain JSON), DCP's `.metadata` and `__R_
 What is read here:
 - metadata.json, as JSON: it must say `"sharded_backend": "torch_dist"`;
 - `.metadata` through mpzero's restricted Unpickler (checkpointing/reader.py), which admits DCP's own record
-  classes plus the save-plan records megatron-core's writer keeps there (`Metadata.all_local_plans`): torch's
-  plain SavePlan/WriteItem dataclasses and the WriteItemType enum; any other name is refused before it is called;
+  classes plus the save-plan records megatron-core's writer keeps there (`Metadata.all_local_plans`, for reuse
+  at its next save): torch's plain SavePlan, WriteItem, TensorWriteData and BytesIOWriteData dataclasses and the
+  WriteItemType enum (calling it looks a member up); any other name is refused before it is called;
 - the tensors, each read whole by key (every TP and PP shard of it, whatever layout saved it) from the .distcp
   shards, which DCP reads with `torch.load(weights_only=True)`; byte items (`_extra_state`, RNG states) are never
   requested.
@@ -35,7 +36,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_FILE = "metadata.json"
 MEGATRON_ADMITTED = ADMITTED | frozenset(
     ("torch.distributed.checkpoint.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType",
-                                                               "TensorWriteData"))
+                                                               "TensorWriteData", "BytesIOWriteData"))
 CONVERT_ADVICE = ("re-save it in the torch_dist format with Megatron-LM (--ckpt-convert-format torch_dist "
                   "--ckpt-convert-save DIR)")
 
