@@ -36,9 +36,11 @@ COMMON = dict(num_layers=4, hidden_size=32, num_attention_heads=4, hidden_dropou
               init_method_std=0.1, use_cpu_initialization=True, bias_activation_fusion=False,
               masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
               apply_rope_fusion=False, gradient_accumulation_fusion=False, pipeline_dtype=torch.float32)
-# GPT-2 shaped: LayerNorm, exact GELU, biases, learned positions, tied output; norms stored under their own names
+# GPT-2 shaped: LayerNorm, exact GELU, biases, learned positions, tied output; norms stored under their own names,
+# and in bf16 as Megatron-LM's bf16 runs store them (its Float16Module holds the model in bf16)
 GPT2 = {"config": {}, "model": {"position_embedding_type": "learned_absolute",
-                                "share_embeddings_and_output_weights": True}, "fused_norm_names": False}
+                                "share_embeddings_and_output_weights": True}, "fused_norm_names": False,
+        "stored_dtype": torch.bfloat16}
 # LLaMA shaped: RMSNorm, SwiGLU, no biases, RoPE (theta 500000), 2 key/value groups, untied output
 LLAMA = {"config": {"num_query_groups": 2, "ffn_hidden_size": 48, "normalization": "RMSNorm",
                     "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False,
@@ -158,8 +160,10 @@ def _save_and_forward(spec: dict, tp: int, pp: int, save_root: str, tokens: torc
         model = build(spec, tp, pp)
         directory = os.path.join(save_root, f"iter_{iteration:07d}")
         os.makedirs(directory, exist_ok=True)
+        model.to(spec.get("stored_dtype", torch.float32))
         state = {"model": model.sharded_state_dict(metadata=sharded_metadata), "iteration": iteration}
         dist_checkpointing.save(state, directory, sharded_strategy=("torch_dist", 1))
+        model.float()  # the logits of the stored weights, in fp32 as mpzero computes them
         dist.barrier()
         if dist.get_rank() == 0:
             with open(os.path.join(save_root, "latest_checkpointed_iteration.txt"), "w") as f:

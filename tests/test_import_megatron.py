@@ -2,7 +2,8 @@
 a LLaMA-shaped GPT (RMSNorm, SwiGLU, RoPE theta 500000, 2 key/value groups, untied, no biases) saved at TP 2 x PP 2
 imports with megatron-core's own logits at mpzero TP 1 and 2 (1e-5), and trains on through pretrain_gpt.main from
 the loss of megatron-core's logits; a GPT-2-shaped one (LayerNorm, GELU, learned positions, biases, the output
-tied to the embedding across the pipeline stages, norms under their own names) imports with its logits too.
+tied to the embedding across the pipeline stages, norms under their own names, stored in bf16) imports with its
+logits too.
 Per-layer keys with the SwiGLU halves stored apart (`singleton_local_shards`) are the `product` case (the same
 conversion, other key parsing). The run's common.pt
 is never opened (a pickle that would run code is left untouched); every bad input is one `error:` line, exit
@@ -114,10 +115,12 @@ def test_the_imported_llama_trains_on_at_tp2_from_megatron_cores_loss(llama, tmp
 
 def test_a_tp2_pp2_gpt2_imports_with_megatron_cores_logits(tmp_path_factory, tmp_path):
     """LayerNorm, exact GELU, biases, learned positions, the output tied to the embedding across the stages (no
-    output_layer stored), norms under input_layernorm / pre_mlp_layernorm."""
+    output_layer stored), norms under input_layernorm / pre_mlp_layernorm, stored in bf16 (compared with
+    megatron-core's fp32 forward of those weights)."""
     root, logits = _saved(tmp_path_factory, GPT2, "gpt2")
-    _import(["--load", root, "--save", str(tmp_path / "imported"), "--num-attention-heads", "4",
-             "--vocab-size", str(VOCAB), "--normalization", "LayerNorm"])
+    out = _import(["--load", root, "--save", str(tmp_path / "imported"), "--num-attention-heads", "4",
+                   "--vocab-size", str(VOCAB), "--normalization", "LayerNorm"])
+    assert "parameters stored as bfloat16" in out and "fp32 master copies are not read" in out
     _assert_megatron_logits(str(tmp_path / "imported"), logits)
 
 

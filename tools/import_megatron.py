@@ -40,7 +40,7 @@ MODEL_FLAGS = {"num_layers": ("--num-layers", POSITIVE), "hidden_size": ("--hidd
 
 def import_megatron(args) -> str:
     """Writes the checkpoint under args.save; returns the lines to print. Everything is checked before writing."""
-    directory, iteration = megatron_files.checkpoint_directory(args.load, args.ckpt_step)
+    directory = megatron_files.checkpoint_directory(args.load, args.ckpt_step)
     source = f"--load {directory}"
     metadata = megatron_files.read_metadata(directory)
     plan = megatron.Plan(metadata, source)
@@ -52,9 +52,10 @@ def import_megatron(args) -> str:
     weights = megatron.weights_from(plan, stored, config)
     write_imported(args.save, weights, megatron.model_flags(config), {})
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in stored.values()})
+    masters = "" if dtypes == ["float32"] else "; the optimizer's fp32 master copies are not read"
     size = sum(t.numel() for t in weights.values())
-    return (f"imported {directory} ({iteration}, {size:,} parameters stored as {', '.join(dtypes)}) to {args.save} "
-            f"(iteration 0, weights only, fp32)\n"
+    return (f"imported {directory} ({size:,} parameters stored as {', '.join(dtypes)}) to {args.save} "
+            f"(iteration 0, weights only, fp32{masters})\n"
             f"train from it: pretrain_gpt.py --load {args.save} --finetune {' '.join(megatron.command_line(config))} "
             f"--seq-length N and the Megatron run's --tokenizer-* flags ...")
 

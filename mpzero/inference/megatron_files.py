@@ -41,16 +41,16 @@ CONVERT_ADVICE = ("re-save it in the torch_dist format with Megatron-LM (--ckpt-
                   "--ckpt-convert-save DIR)")
 
 
-def checkpoint_directory(load: str, step: int | None) -> tuple[str, str]:
-    """(directory of the DCP checkpoint, its iteration as text) under Megatron-LM's --save directory `load`:
-    iteration `step`, else the one its tracker file names; or `load` itself when it is one saved checkpoint."""
+def checkpoint_directory(load: str, step: int | None) -> str:
+    """The directory of the DCP checkpoint under Megatron-LM's --save directory `load`: iteration `step`, else the
+    one its tracker file names; or `load` itself when it is one saved checkpoint."""
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load}: no such directory")
     if os.path.isfile(os.path.join(load, FORMAT_FILE)) or os.path.isfile(os.path.join(load, ".metadata")):
         if step is not None:
             raise ConfigError(f"--load {load} is one saved checkpoint, not a --save directory of iterations: "
                               f"drop --ckpt-step or pass the directory above it")
-        return load, os.path.basename(os.path.normpath(load))
+        return load
     if step is None:
         tracker = os.path.join(load, TRACKER)
         if not os.path.isfile(tracker):
@@ -69,7 +69,7 @@ def checkpoint_directory(load: str, step: int | None) -> tuple[str, str]:
     if not os.path.isdir(directory):
         raise ConfigError(f"--load {load} has no {name} directory: pass --ckpt-step with an iteration it holds")
     _refuse_legacy(directory)
-    return directory, name
+    return directory
 
 
 def _refuse_legacy(directory: str) -> None:
