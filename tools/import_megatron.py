@@ -28,14 +28,26 @@ from mpzero.inference import megatron, megatron_files
 from mpzero.models import NORMALIZATIONS, POSITION_EMBEDDINGS
 
 POSITIVE = Number(int, low=1)
-# the model flags a user may pass (Megatron's names), by GPTConfig field: (flag, type); switches have no type
-MODEL_FLAGS = {"num_layers": ("--num-layers", POSITIVE), "hidden_size": ("--hidden-size", POSITIVE),
-               "ffn_hidden_size": ("--ffn-hidden-size", POSITIVE), "num_query_groups": ("--num-query-groups", POSITIVE),
-               "max_position_embeddings": ("--max-position-embeddings", POSITIVE),
-               "vocab_size": ("--vocab-size", POSITIVE), "normalization": ("--normalization", NORMALIZATIONS),
-               "position_embedding_type": ("--position-embedding-type", POSITION_EMBEDDINGS),
-               "swiglu": ("--swiglu", None), "openai_gelu": ("--openai-gelu", None),
-               "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", None)}
+CHECKED = "checked against the tensors (default: what they say)"
+# the model flags a user may pass (Megatron's names), by GPTConfig field: (flag, type or choices, help); a switch
+# has no type
+MODEL_FLAGS = {
+    "num_layers": ("--num-layers", POSITIVE, CHECKED), "hidden_size": ("--hidden-size", POSITIVE, CHECKED),
+    "ffn_hidden_size": ("--ffn-hidden-size", POSITIVE, CHECKED),
+    "num_query_groups": ("--num-query-groups", POSITIVE, CHECKED),
+    "normalization": ("--normalization", NORMALIZATIONS, CHECKED + ": a LayerNorm has a bias, an RMSNorm none"),
+    "swiglu": ("--swiglu", None, CHECKED + ": linear_fc1 twice linear_fc2's width"),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", None,
+                                            CHECKED + ": an output_layer.weight of its own"),
+    "position_embedding_type": ("--position-embedding-type", POSITION_EMBEDDINGS,
+                                "learned_absolute where the checkpoint holds a position table; rope or none, which "
+                                "the tensors cannot tell apart, must be given"),
+    "max_position_embeddings": ("--max-position-embeddings", POSITIVE,
+                                "learned positions: checked against the table; RoPE or none: required"),
+    "vocab_size": ("--vocab-size", POSITIVE, "the tokenizer's vocabulary: embedding rows past it (Megatron's "
+                                             "padding) are dropped; default: every stored row"),
+    "openai_gelu": ("--openai-gelu", None, "GELU's tanh form, if the model was trained with it (the tensors "
+                                           "cannot tell)")}
 
 
 def import_megatron(args) -> str:
@@ -78,16 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", type=Path("dir", exists=False, writable=True), required=True,
                    help="a new directory for the mpzero checkpoint")
     p.add_argument("--num-attention-heads", type=POSITIVE, required=True, help="as the model was trained")
-    for field, (flag, kind) in MODEL_FLAGS.items():
+    for field, (flag, kind, text) in MODEL_FLAGS.items():
         if kind is None:
-            p.add_argument(flag, dest=field, action="store_true", help="checked against the tensors")
+            p.add_argument(flag, dest=field, action="store_true", help=text)
         elif isinstance(kind, tuple):
-            p.add_argument(flag, dest=field, choices=kind, default=None, help="default: what the tensors say")
+            p.add_argument(flag, dest=field, choices=kind, default=None, help=text)
         else:
-            p.add_argument(flag, dest=field, type=kind, default=None, help="default: what the tensors say")
+            p.add_argument(flag, dest=field, type=kind, default=None, help=text)
     p.add_argument("--group-query-attention", action="store_true",
                    help="accepted as in Megatron; the key/value groups are read from linear_qkv's rows")
-    p.add_argument("--disable-bias-linear", action="store_true", help="checked against the tensors")
+    p.add_argument("--disable-bias-linear", action="store_true", help=CHECKED + ": no linear_qkv.bias")
     p.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=Number(float, low=0.0),
                    default=1e-5, help="the norms' epsilon (Megatron's default 1e-5)")
     p.add_argument("--rotary-base", type=POSITIVE, default=10000, help="RoPE's theta (Megatron's default 10000)")
