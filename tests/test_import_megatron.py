@@ -150,6 +150,7 @@ def _without(flags, flag):
     (lambda f: f + ["--vocab-size", "200"], "--vocab-size 200 is more than the checkpoint's 128 embedding rows"),
     (lambda f: _without(f, "--max-position-embeddings"), "--max-position-embeddings is needed with RoPE"),
     (lambda f: f + ["--ckpt-step", "5"], "has no iter_0000005 directory"),
+    (lambda f: f + ["--apply-layernorm-1p"], "--apply-layernorm-1p: mpzero's GPT does not compute zero-centered"),
 ])
 def test_bad_flags_are_one_line(llama, tmp_path, change, message):
     argv = change(["--load", llama[0], "--save", str(tmp_path / "out")] + LLAMA_FLAGS)

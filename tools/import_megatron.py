@@ -13,8 +13,9 @@ choices come from the tensors; --num-attention-heads, and for RoPE --max-positio
 the tensors. --vocab-size drops Megatron's padding rows. The run's common.pt (a pickle) is never opened.
 Writes a weights-only checkpoint (iteration 0) that `pretrain_gpt.py --load ... --finetune` continues at any
 TP x DP x ZeRO layout with the same logits, and that tools/generate.py and tools/export_hf.py read. Anything else
-(the legacy torch format, MoE, QK layernorm, MLA, a flag the tensors contradict) is one `error:` line and exit
-code 2; --save appears complete or not at all.
+(the legacy torch format, MoE, QK layernorm, MLA, a flag the tensors contradict, a Megatron flag mpzero's GPT does
+not compute such as --apply-layernorm-1p) is one `error:` line and exit code 2; --save appears complete or not at
+all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from mpzero.checkpointing.imported import check_import_destination, write_imported
 from mpzero.checkpointing.verify import single_process
 from mpzero.cli import INPUT_ERRORS, ITERATION, Number, Parser, Path, exit_code
+from mpzero.errors import ConfigError
 from mpzero.inference import megatron, megatron_files
 from mpzero.models import NORMALIZATIONS, POSITION_EMBEDDINGS
 
@@ -48,10 +50,20 @@ MODEL_FLAGS = {
                                              "padding) are dropped; default: every stored row"),
     "openai_gelu": ("--openai-gelu", None, "GELU's tanh form, if the model was trained with it (the tensors "
                                            "cannot tell)")}
+# Megatron's model flags that change what the weights mean, which mpzero's GPT does not compute and most of which
+# the tensors cannot show: refused by name, for a user who passes the flags the model was trained with
+REFUSED = {"--apply-layernorm-1p": "zero-centered norm weights (weight + 1)",
+           "--apply-residual-connection-post-layernorm": "the residual taken after the norm",
+           "--squared-relu": "a squared-ReLU MLP", "--rotary-interleaved": "interleaved RoPE",
+           "--qk-layernorm": "QK layernorm", "--add-qkv-bias": "a QKV bias without the other linears' biases"}
 
 
 def import_megatron(args) -> str:
     """Writes the checkpoint under args.save; returns the lines to print. Everything is checked before writing."""
+    for flag, what in REFUSED.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            raise ConfigError(f"{flag}: mpzero's GPT does not compute {what}, so a model trained with it does not "
+                              f"import")
     directory = megatron_files.checkpoint_directory(args.load, args.ckpt_step)
     source = f"--load {directory}"
     metadata = megatron_files.read_metadata(directory)
@@ -100,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-query-attention", action="store_true",
                    help="accepted as in Megatron; the key/value groups are read from linear_qkv's rows")
     p.add_argument("--disable-bias-linear", action="store_true", help=CHECKED + ": no linear_qkv.bias")
+    for flag, what in REFUSED.items():
+        p.add_argument(flag, action="store_true", help=f"refused: {what} (mpzero's GPT does not compute it)")
     p.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=Number(float, low=0.0),
                    default=1e-5, help="the norms' epsilon (Megatron's default 1e-5)")
     p.add_argument("--rotary-base", type=POSITIVE, default=10000, help="RoPE's theta (Megatron's default 10000)")
