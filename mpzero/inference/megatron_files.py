@@ -26,10 +26,8 @@ import os
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from mpzero.checkpointing.consolidated import load_whole
-from mpzero.checkpointing.meta import check_shard_files, read_dcp_metadata
-from mpzero.checkpointing.reader import ADMITTED, CheckpointReader
-from mpzero.checkpointing.sharding import ChunksLoadPlanner
+from mpzero.checkpointing import ADMITTED, CheckpointReader, ChunksLoadPlanner, check_shard_files, load_whole, \
+    read_dcp_metadata
 from mpzero.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
