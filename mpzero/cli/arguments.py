@@ -24,6 +24,7 @@ from mpzero.files import check_output_directory
 from mpzero.cli.checks import CheckError, Parser, Path, Text
 from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.cli.flags import SECTIONS
+from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
 from mpzero.optim import RULES
 from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
@@ -78,7 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     config_file = _config_file_from(argv)
     if config_file:
         parser.set_defaults(**drop_overridden(read_config_file(config_file, parser), parser, argv))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a Megatron-LM flag mpzero lacks gets its own line (mpzero/cli/megatron_flags.py)
+        raise ConfigError(unknown_arguments_message(unknown, [o for a in parser._actions for o in a.option_strings]))
     for name in REQUIRED:
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
@@ -238,6 +241,9 @@ def lr_schedule(args: argparse.Namespace) -> LRSchedule:
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        raise ConfigError("--use-distributed-optimizer shards the optimizer states over data parallelism (ZeRO-1), "
+                          "but --zero-stage 0 replicates them: drop one of them")
     if args.zero_units != "layer" and args.zero_stage != 3:
         raise ConfigError(f"--zero-units {args.zero_units} chooses what stage 3 gathers at once, but --zero-stage is "
                           f"{args.zero_stage}: drop it or use --zero-stage 3")

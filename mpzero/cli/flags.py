@@ -139,6 +139,9 @@ def parallel_flags(p: argparse.ArgumentParser) -> None:
                      default=ParallelConfig.distributed_timeout_minutes)
     par.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                      help="0 replicated (DDP), 1 optimizer states, 2 + gradients, 3 + parameters partitioned")
+    par.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="Megatron's distributed optimizer: optimizer states sharded over data parallelism, i.e. "
+                          "ZeRO-1 (the default stage); refused with --zero-stage 0, implied by stages 2-3")
     par.add_argument("--zero-bucket-numel", type=int, default=ZeroConfig.bucket_numel,
                      help="elements per gradient bucket (stages 0-2)")
     par.add_argument("--no-overlap-comm", dest="overlap_comm", action="store_false",
