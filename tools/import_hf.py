@@ -28,7 +28,7 @@ from mpzero.checkpointing.verify import single_process
 from mpzero.cli import INPUT_ERRORS, Parser, Path, exit_code
 from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
-from mpzero.files import directory_beside, replace_output_directory
+from mpzero.files import check_parents_creatable, directory_beside, make_parents, replace_output_directory
 from mpzero.inference.hf import adapter_for_hf
 from mpzero.checkpointing.consolidated import save_weights_only
 
@@ -53,10 +53,9 @@ def import_hf(input_dir: str, save: str) -> str:
     if os.path.lexists(save) and (not os.path.isdir(save) or os.path.islink(save) or os.listdir(save)):
         raise ConfigError(f"--save {save} already exists and is not empty: choose a new directory")
     check_apart_from_checkpoints(save, "--save", {"--input": input_dir})
-    parent = os.path.dirname(os.path.abspath(save))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--save {save}: its parent directory {parent} is missing or not writable")
+    check_parents_creatable(save, "--save")
 
+    make_parents(save)
     tmp = directory_beside(save)  # a fresh name: never a directory of the user's
     try:
         os.makedirs(os.path.join(tmp, "tokenizer"))

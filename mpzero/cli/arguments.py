@@ -175,7 +175,7 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
     except ImportError:
         raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
                           "pip install -e '.[wandb]', or drop --wandb-project") from None
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
+    save_dir = args.wandb_save_dir or args.save or "."  # wandb writes its runs into DIR/wandb/ (Megatron's dir=)
     if not args.dry_run:
         check_output_directory(save_dir, "--wandb-save-dir")
     return LoggingConfig(args.log_interval, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, save_dir,

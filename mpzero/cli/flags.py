@@ -259,7 +259,7 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
                                  "as well (pip install -e '.[wandb]'; WANDB_MODE=offline keeps them on the machine)")
     evaluation.add_argument("--wandb-exp-name", default=None, help="the wandb run's name (default: wandb's)")
     evaluation.add_argument("--wandb-save-dir", default=None,
-                            help="where wandb keeps its files (default: --save/wandb, else ./wandb)")
+                            help="the folder wandb makes its wandb/ runs folder in (default: --save, else .)")
     evaluation.add_argument("--wandb-entity", default=None, help="the wandb user or team (default: your login's)")
     evaluation.add_argument("--profile", action="store_true",
                             help="trace iterations (--profile-step-start, --profile-step-end] on --profile-ranks: "
