@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: quickstart test install gpu-check
+.PHONY: quickstart test install gpu-check docs
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,3 +33,8 @@ test: $(VENV)/.test-installed
 OUT ?= gpu-report
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m tests.gpu.check --out $(OUT)
+
+# The parts of README.md, docs/ and bench/README.md the code determines (sample outputs, flag defaults, the
+# Megatron-LM table), made again; tests/test_docs.py fails while one is stale.
+docs: $(VENV)/.test-installed
+	$(PY) -m tests.docs.update
