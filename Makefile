@@ -28,7 +28,7 @@ quickstart: install
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q tests
 
-# The CUDA checks and GPU benchmarks in one run (README.md, "On a GPU"): the machine's own python3 and torch,
+# The CUDA checks and GPU benchmarks in one run (docs/gpu.md): the machine's own python3 and torch,
 # nothing installed; report.md and raw logs in OUT. Without CUDA: one line, a validated all-skipped report, exit 0.
 OUT ?= gpu-report
 gpu-check:
