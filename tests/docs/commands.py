@@ -22,8 +22,9 @@ from tests.cli import ROOT
 
 PYTHONS = {"python", "python3", ".venv/bin/python", "$PY"}
 WRAPPERS = {"srun", "time", "nice"}  # run what follows: checked as the command itself
+# Programs not this repository's (pip: what it installs is checked only for mpzero's own extras).
 EXTERNAL = {"tensorboard", ".venv/bin/tensorboard", "source", "wandb", "nsys", "git", "cd", "scontrol", "head",
-            "mkdir", "ls", "uptime", "nvidia-smi", "sbatch", "export", "pip"}  # pip: packages other than mpzero's extras
+            "mkdir", "ls", "uptime", "nvidia-smi", "sbatch", "export", "pip"}
 NO_HELP = {"bench/structure.py"}  # takes a checkout's path as its one argument, no flags
 WITH_TRAINING_FLAGS = {"tools/plan_memory.py"}  # its own flags, and pretrain_gpt.py's for the job it plans
 SEPARATORS = re.compile(r"\s(?:&&|\|\||\||;)\s")
@@ -76,8 +77,7 @@ def parse(line: str) -> Command | None:
     tokens = [t.strip("[]") for t in shlex.split(PLACEHOLDER.sub(" ", line), comments=True)]
     tokens = [t for t in tokens if t and t != "..."]
     while tokens and (re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", tokens[0]) or tokens[0] in WRAPPERS):
-        tokens = tokens[1:] if tokens[0] not in ("nice",) else [t for t in tokens[1:] if not t.lstrip("-").isdigit()
-                                                                 and t != "-n"]
+        tokens = tokens[3:] if tokens[:2] == ["nice", "-n"] else tokens[1:]  # VAR=value, srun, time, nice -n 10
     if not tokens:
         return None
     first, rest = tokens[0], tokens[1:]
