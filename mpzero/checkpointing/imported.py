@@ -16,24 +16,24 @@ import torch
 from mpzero.checkpointing.consolidated import save_weights_only
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.errors import ConfigError
-from mpzero.files import directory_beside, replace_output_directory
+from mpzero.files import check_parents_creatable, directory_beside, make_parents, replace_output_directory
 
 
 def check_import_destination(save: str, inputs: dict[str, str]) -> None:
     """--save is new or an empty directory, apart from every checkpoint and from the `inputs` ({flag: path}), and
-    its parent is a directory this process can write; else one ConfigError line."""
+    its missing parents can be made; else one ConfigError line."""
     if os.path.lexists(save) and (not os.path.isdir(save) or os.path.islink(save) or os.listdir(save)):
         raise ConfigError(f"--save {save} already exists and is not empty: choose a new directory")
     check_apart_from_checkpoints(save, "--save", inputs)
-    parent = os.path.dirname(os.path.abspath(save))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--save {save}: its parent directory {parent} is missing or not writable")
+    check_parents_creatable(save, "--save")
 
 
 def write_imported(save: str, weights: dict[str, torch.Tensor], flags: dict, tokenizer_files: dict[str, str]) -> None:
     """A weights-only checkpoint (iteration 0) of `weights` (full tensors by mpzero parameter name) whose meta.json
     states `flags` (the model's pretrain_gpt.py flags by name), with `tokenizer_files` ({name: source path})
-    copied to SAVE/tokenizer/. Written beside --save under a fresh name and renamed into place."""
+    copied to SAVE/tokenizer/. Written beside --save under a fresh name (its missing parents made) and renamed into
+    place."""
+    make_parents(save)
     tmp = directory_beside(save)  # a fresh name: never a directory of the user's
     try:
         if tokenizer_files:
