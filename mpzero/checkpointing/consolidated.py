@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,7 +20,7 @@ from mpzero.checkpointing.reader import CheckpointReader, error_reason
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare
 from mpzero.checkpointing.verify import resolve_iteration
 from mpzero.errors import ConfigError
-from mpzero.files import replace_directory, write_atomically
+from mpzero.files import fresh_directory, replace_directory, write_atomically
 
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
@@ -76,8 +75,7 @@ def save_weights_only(bundle: dict, save: str) -> None:
     if os.path.exists(directory):
         raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
     tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
-    os.makedirs(tmp)
+    fresh_directory(tmp)  # what a crash during an earlier conversion left, or a link planted there, goes first
     planner = ChunksSavePlanner(checksums=True)
     dcp.save(_whole(tensors), checkpoint_id=tmp, planner=planner, no_dist=True)
     write_rank_checksums(tmp, 0, planner.written_checksums())

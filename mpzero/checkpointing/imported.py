@@ -16,7 +16,8 @@ import torch
 from mpzero.checkpointing.consolidated import save_weights_only
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.errors import ConfigError
-from mpzero.files import check_parents_creatable, directory_beside, make_parents, replace_output_directory
+from mpzero.files import (check_parents_creatable, copy_atomically, directory_beside, make_parents,
+                          replace_output_directory)
 
 
 def check_import_destination(save: str, inputs: dict[str, str]) -> None:
@@ -39,7 +40,7 @@ def write_imported(save: str, weights: dict[str, torch.Tensor], flags: dict, tok
         if tokenizer_files:
             os.makedirs(os.path.join(tmp, "tokenizer"))
         for name, source in tokenizer_files.items():
-            shutil.copyfile(source, os.path.join(tmp, "tokenizer", name))
+            copy_atomically(source, os.path.join(tmp, "tokenizer", name))
         save_weights_only({"model": weights, "meta": {"config": flags}}, tmp)
         replace_output_directory(tmp, save)
     except BaseException:
