@@ -7,6 +7,7 @@ tools/export_hf.py, tools/import_hf.py, tools/generate.py and bench/bench_genera
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -44,6 +45,7 @@ def read_consolidated(load: str, iteration: int | None) -> dict:
             raise ConfigError(f"checkpoint {directory}: meta.json is damaged (key {key!r}): {advice}") from None
         if state == MASTER:
             names[key] = name
+    _check_fits(directory, [meta["shapes"][key] for key in names], advice)
     model = {key: torch.zeros(meta["shapes"][key]) for key in names}
     # every stored chunk is read whole into its place, so each is checked against its checksum
     load_whole(model, CheckpointReader(directory), ChunksLoadPlanner(checksums, directory, advice),
@@ -65,6 +67,18 @@ def load_whole(tensors: dict[str, torch.Tensor], reader: CheckpointReader, plann
             raise error from None
         raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): "
                           f"{advice}") from None
+
+
+def _check_fits(directory: str, shapes: list, advice: str) -> None:
+    """The full fp32 weights meta.json describes fit in this machine's memory, checked before any is allocated:
+    a damaged (or hostile) shape of 10**12 elements is one line, not an allocator's traceback."""
+    from mpzero.planner.scale import machine_bytes
+
+    need, have = 4 * sum(math.prod(shape) for shape in shapes), machine_bytes("cpu", None)["host memory"]
+    if need > have:
+        raise ConfigError(f"checkpoint {directory}: meta.json's shapes hold {need // 4:,} fp32 weights "
+                          f"({need / 2 ** 30:,.1f} GiB), more than this machine's {have / 2 ** 30:,.1f} GiB of memory: "
+                          f"its meta.json is damaged, or read it on a larger machine; {advice}")
 
 
 def save_weights_only(bundle: dict, save: str) -> None:

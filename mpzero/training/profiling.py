@@ -4,8 +4,9 @@ names (`IterationProfiler`).
 With --use-pytorch-profiler, torch.profiler records them (the host's ops and, on a GPU, the CUDA kernels, with
 shapes and Python stacks, as Megatron records them) and each profiled rank writes one trace into --tensorboard-dir,
 `rank{N}.iterations-{first}-{last}.pt.trace.json` (TensorBoard's profiler plugin, Perfetto and chrome://tracing read
-it), exported into a private directory first and moved into place (a trace that cannot be written is a warning). Without it the window is marked for NVIDIA Nsight Systems, as Megatron does:
-the CUDA profiler API starts and stops the capture around it and NVTX ranges name every op (run under
+it), exported into a private directory first and moved into place (a trace that cannot be written is a warning:
+the run goes on). Without it the window is marked for NVIDIA Nsight Systems, as Megatron does: the CUDA profiler
+API starts and stops the capture around it and NVTX ranges name every op (run under
 `nsys profile --capture-range=cudaProfilerApi`); that needs CUDA.
 
 Iterations are numbered as the log numbers them: start 10 and end 12 trace iterations 11 and 12 (torch.profiler

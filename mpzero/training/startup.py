@@ -1,5 +1,6 @@
 """What a run does before its first iteration, before the model is built: the checks that fail first and on every
-rank (the nodes' shared --save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
+rank (every rank's view of --load, --save and --offload-path, sizes no machine holds, the nodes' shared
+--save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
 paths), and the lines a run prints at start. `start` is the one call the loop makes here."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mpzero.errors import ConfigError
 from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
+from mpzero.path_views import check_same_views
 from mpzero.training.config import RunConfig
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.peak_flops import mfu_note, mfu_peak
@@ -36,6 +38,8 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         raise ConfigError(f"--profile without --use-pytorch-profiler marks the window for Nsight Systems through the "
                           f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
+    check_same_views(groups.world, run.flags)
+    _check_scale(run, groups)
     attention_line = _check_fused_attention(run, groups)
     nodes_line = check_nodes(groups.world, groups.sizes, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
@@ -51,6 +55,29 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         for note in notes:
             print(note, flush=True)
     return datasets, data_tokenizers
+
+
+def _check_scale(run: RunConfig, groups: ParallelGroups) -> None:
+    """Sizes no machine holds (`--ffn-hidden-size 1000000000000`) are one line from the planner's arithmetic
+    (mpzero/planner/scale.py) before anything is built; every rank computes the same figure."""
+    from mpzero.planner.scale import check_scale, machine_bytes
+    from mpzero.planner.states import element_sizes
+
+    config, precision = run.model, run.precision
+    p, g = element_sizes(precision)
+
+    def activations() -> int:  # one micro-batch's, where the formula covers the setting (else counted as none)
+        from mpzero.activations.formula import activation_formula
+        try:
+            return activation_formula(config.activation_setting(
+                groups.tp_size, run.training.micro_batch_size, run.training.seq_length, precision.torch_dtype,
+                groups.device)).micro_batch_bytes
+        except (ValueError, ArithmeticError):
+            return 0
+
+    check_scale(config, groups.tp_size, groups.dp_size, run.zero.stage,
+                (p, g, 4 if p != 4 else 0, run.optimizer.rule.state_bytes_per_param), activations,
+                machine_bytes(groups.device.type, run.offload.path))
 
 
 def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None:
