@@ -59,12 +59,17 @@ class Number:
                 raise CheckError(f"invalid {self.kind.__name__} value: {excerpt(value)}") from None
         if self.kind is int and not isinstance(value, int):
             raise CheckError(f"{excerpt(value)} is not an integer")
-        return self.kind(value)
+        try:
+            return self.kind(value)
+        except OverflowError:  # an integer of thousands of digits for a float flag
+            raise CheckError(f"{excerpt(value)} must be a finite number") from None
 
     def check(self, value):
         """`value` (already of `kind`) if finite and within the bounds, else CheckError saying why."""
         if isinstance(value, float) and not math.isfinite(value):
             raise CheckError(f"{value} must be a finite number")  # nan, inf: short
+        if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:  # no count or size of a run is larger
+            raise CheckError(f"{excerpt(value)} is out of range: it must fit in 64 bits")
         too_low = self.low is not None and (value < self.low or (value == self.low and not self.low_ok))
         too_high = self.high is not None and (value > self.high or (value == self.high and not self.high_ok))
         if too_low or too_high:
