@@ -57,7 +57,7 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     adapter = adapter_for_config(config)
     flags = meta.get("config") or {}
     run_tok = run_tokenizer(flags, load, tokenizer_overrides)
-    tokenizer = run_tok.build(config.vocab_size)
+    tokenizer = run_tok.build(config.vocab_size, meta, directory)
     eod = tokenizer.eod if run_tok.tokenizer_type else None
     weights = read_consolidated(load, iteration)["model"]
     check_gpt_weights(weights, config, directory)

@@ -129,7 +129,8 @@ def _prepare(args):
     meta = read_meta_file(directory, previous_advice(args.load, iteration))
     config = gpt_config_from_meta(meta, directory)
     overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
-    tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size)
+    tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size, meta,
+                                                                                     directory)
     prompts = []
     for number, text in enumerate(_read_prompts(args), start=1):
         try:

@@ -83,7 +83,7 @@ def _check_fits(directory: str, shapes: list, advice: str) -> None:
 
 def save_weights_only(bundle: dict, save: str) -> None:
     """A weights-only checkpoint (iteration 0) under `save` from {"model": {name: full tensor}, "meta": {"config":
-    flags}} (tools/import_hf.py writes through it)."""
+    flags, "tokenizer": its record, if known}} (tools/import_hf.py writes through it)."""
     tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
     directory = checkpoint_dir(save, 0)
     if os.path.exists(directory):
@@ -93,9 +93,11 @@ def save_weights_only(bundle: dict, save: str) -> None:
     planner = ChunksSavePlanner(checksums=True)
     dcp.save(_whole(tensors), checkpoint_id=tmp, planner=planner, no_dist=True)
     write_rank_checksums(tmp, 0, planner.written_checksums())
+    given = bundle.get("meta") if isinstance(bundle.get("meta"), dict) else {}
     meta = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
-            "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
-            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM}
+            "config": given.get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
+            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM,
+            **({"tokenizer": given["tokenizer"]} if given.get("tokenizer") else {})}
     write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
     replace_directory(tmp, directory)
     write_atomically(os.path.join(save, LATEST), "0")
