@@ -78,3 +78,20 @@ def _check_consistency(args: argparse.Namespace) -> None:
     if args.lr_warmup_iters > args.train_iters:
         raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the run (--train-iters "
                           f"{args.train_iters}): the learning rate would never reach --lr")
+
+
+def check_rule_flags(args: argparse.Namespace) -> None:
+    """A hyperparameter of an update rule this run does not use, set to other than its default (--sgd-momentum
+    with --optimizer adam, --adam-beta1 or --adam-eps with sgd), is one line: the run would ignore it. Each rule's
+    flags are its own `add_flags`, so a new rule is covered without a list here."""
+    for name, rule in RULES.items():
+        if name == args.optimizer:
+            continue
+        own = argparse.ArgumentParser(add_help=False)
+        rule.add_flags(own.add_argument_group())
+        for action in own._actions:
+            value = getattr(args, action.dest, action.default)
+            if value != action.default:
+                raise ConfigError(f"{action.option_strings[0]} {value} is --optimizer {name}'s, and this run's "
+                                  f"--optimizer is {args.optimizer}, which would ignore it: drop it, or use "
+                                  f"--optimizer {name}")
