@@ -4,7 +4,8 @@ variable, where it used to be a ValueError or ZeroDivisionError traceback, or (R
 for peers that never come and a dead peer blamed.
 
 Every read of these variables goes through `launcher_env()` (tests/test_launcher_env.py fails on any other read
-in mpzero/, tools/ or pretrain_gpt.py); `VARIABLES` is the one table of their types and ranges.
+in mpzero/, tools/ or pretrain_gpt.py); `VARIABLES` is the one table of their types and ranges. (Checked here,
+not with mpzero/cli's types: the library below the command line reads them, and never imports it.)
 """
 
 from __future__ import annotations
@@ -12,14 +13,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mpzero.cli.checks import CheckError, Number, Text
 from mpzero.errors import ConfigError, excerpt
 
-VARIABLES = {  # name: its checked type (mpzero/cli/checks.py)
-    "WORLD_SIZE": Number(int, low=1), "RANK": Number(int, low=0),
-    "LOCAL_WORLD_SIZE": Number(int, low=1), "LOCAL_RANK": Number(int, low=0),
-    "GROUP_RANK": Number(int, low=0), "MASTER_PORT": Number(int, low=1, high=65535, high_ok=True),
-    "MASTER_ADDR": Text(),
+VARIABLES = {  # name: (lowest, highest) allowed integer, or None for a non-empty text
+    "WORLD_SIZE": (1, 2 ** 31), "RANK": (0, 2 ** 31), "LOCAL_WORLD_SIZE": (1, 2 ** 31), "LOCAL_RANK": (0, 2 ** 31),
+    "GROUP_RANK": (0, 2 ** 31), "MASTER_PORT": (1, 65535), "MASTER_ADDR": None,
 }
 NEEDED_WITH_WORLD_SIZE = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// rendezvous reads
 
@@ -60,11 +58,19 @@ def launcher_env(environ=None) -> LauncherEnv:
 
 
 def _value(name: str, text: str):
-    try:
-        return VARIABLES[name](text)
-    except CheckError as error:  # "invalid int value: 'abc'", "0 is out of range: ...", "is empty: ..."
-        reason = str(error)
-        reason = ("is not an integer" if reason.startswith("invalid") else "is empty" if reason.startswith("is empty")
-                  else reason.split(" ", 1)[1])
-        raise ConfigError(f"environment variable {name}={excerpt(text)} {reason} (the launcher sets it; unset it to "
-                          f"run as one process)") from None
+    bounds = VARIABLES[name]
+    if bounds is None:
+        if not text.strip():
+            raise _refused(name, text, "is empty")
+        return text
+    if not (text.strip().isascii() and text.strip().isdigit()):  # int() would take "٢", "+1", " 1_0 "
+        raise _refused(name, text, "is not a non-negative integer")
+    value = int(text.strip()) if len(text.strip()) <= 20 else None
+    if value is None or not bounds[0] <= value <= bounds[1]:
+        raise _refused(name, text, f"is out of range: it must be >= {bounds[0]} and <= {bounds[1]}")
+    return value
+
+
+def _refused(name: str, text: str, reason: str) -> ConfigError:
+    return ConfigError(f"environment variable {name}={excerpt(text)} {reason} (the launcher sets it; unset it to run "
+                       f"as one process)")

@@ -21,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from mpzero.cli.flag_ranges import RANGES
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_gpt2, hf_llama
+from mpzero.inference.hf import ADAPTERS
 from tests.cli import tool_result
 from tests.trained_gpt import TOOLS
 from tools.checkpoint_util import read_consolidated
@@ -31,6 +32,8 @@ FAMILIES = {"gpt2": (hf_gpt2, hf_gpt2.gpt_config_from_hf, {"model_type": "gpt2",
             "llama": (hf_llama, hf_llama.config_from_hf, {"model_type": "llama", "hidden_size": 32,
                                                           "intermediate_size": 48, "num_hidden_layers": 1,
                                                           "num_attention_heads": 4, "vocab_size": 300})}
+assert {name: module.HF_FLAGS for name, (module, _, _) in FAMILIES.items()} == {
+    name: adapter.hf_flags for name, adapter in ADAPTERS.items()}, "every adapter is tested here"
 
 
 def _outside(bounds, kind):
@@ -52,21 +55,27 @@ def test_every_numeric_key_names_its_flag():
         assert set(module.HF_FLAGS.values()) <= set(RANGES), name
 
 
-def test_every_value_outside_its_flags_range_is_one_line_naming_the_key():
+def test_every_value_outside_its_flags_range_is_one_line_naming_the_key(tmp_path):
     cases = 0
-    for name, (module, config_from_hf, base) in FAMILIES.items():
+    for name, (module, _, base) in FAMILIES.items():
         for key, dest in module.HF_FLAGS.items():
             kind = type(module.HF_DEFAULTS.get(key)) if module.HF_DEFAULTS.get(key) is not None else int
             for value in _outside(RANGES[dest], float if key == "rope_theta" else kind):
-                with pytest.raises(ConfigError) as error:
-                    config_from_hf({**base, key: value}, "config.json")
-                assert str(error.value).startswith(f"config.json: {key} ") and "\n" not in str(error.value), \
-                    (name, key, value, str(error.value))
+                source = tmp_path / f"{name}-{cases}"
+                source.mkdir()
+                (source / "config.json").write_text(json.dumps({**base, key: value}))
+                code, stderr = tool_result(import_main, ["--input", str(source), "--save", str(tmp_path / "out")])
+                assert code == 2 and stderr.count("\n") == 1, (name, key, value, stderr)
+                assert stderr.startswith(f"error: --input {source}: {key} {value} is out of range"), stderr
                 cases += 1
     print(f"HF config values out of range: {cases} cases")
-    with pytest.raises(ConfigError, match=r"layer_norm_epsilon -1.0 is out of range: it must be > 0.0 \(it "
-                                          r"becomes --layernorm-epsilon\)"):
-        hf_gpt2.gpt_config_from_hf({**FAMILIES["gpt2"][2], "layer_norm_epsilon": -1.0}, "config.json")
+    assert not (tmp_path / "out").exists()
+    source = tmp_path / "eps"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({**FAMILIES["gpt2"][2], "layer_norm_epsilon": -1.0}))
+    assert tool_result(import_main, ["--input", str(source), "--save", str(tmp_path / "out")]) == (
+        2, f"error: --input {source}: layer_norm_epsilon -1.0 is out of range: it must be > 0.0 (it becomes "
+           f"--layernorm-epsilon)\n")
 
 
 def _saved_with_another_head(directory, family, equal=False):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mpzero.cli.checks import Number, Text
+from mpzero.cli.checks import Number
 from mpzero.launcher_env import VARIABLES
 from tests.cli import ROOT, TINY, fuzz_outcome, tree_snapshot
 from tests.test_fuzz_flags import NUMBERS, _admits
@@ -33,11 +33,13 @@ DISAGREEING = {  # (variables, the one the line names)
 }
 
 
-def _bad_values(kind) -> list[str]:
-    if isinstance(kind, Number):
-        return [v for v in NUMBERS if not _admits(kind, v)]
-    assert isinstance(kind, Text), f"{kind!r}: give the test its bad values"
-    return ["", "   "]
+def _bad_values(bounds) -> list[str]:
+    """What the fuzz tests give an integer flag of this range (and one past each end), or an empty text."""
+    if bounds is None:
+        return ["", "   "]
+    kind = Number(int, low=bounds[0], high=bounds[1], high_ok=True)
+    return [v for v in NUMBERS + [str(bounds[0] - 1), str(bounds[1] + 1), "+1", "1_0"] if not _admits(kind, v)
+            or not v.isdigit()]
 
 
 def _cases():

@@ -25,6 +25,7 @@ from mpzero.checkpointing.checkpoint import error_reason
 from mpzero.checkpointing.imported import check_import_destination, write_imported
 from mpzero.checkpointing.verify import single_process
 from mpzero.cli import INPUT_ERRORS, Parser, Path, exit_code
+from mpzero.cli.flag_ranges import check_in_ranges
 from mpzero.data import build_tokenizer, tokenizer_identity
 from mpzero.errors import ConfigError
 from mpzero.inference.hf import adapter_for_hf, tying_as_loaded
@@ -44,6 +45,7 @@ def import_hf(input_dir: str, save: str) -> str:
     if not isinstance(hf, dict):
         raise ConfigError(f"{source}: config.json is not a JSON object")
     adapter = adapter_for_hf(hf, source)  # by model_type: gpt2 or llama
+    check_in_ranges(hf, adapter.hf_flags, source)  # each number within the range of the flag it becomes
     config = adapter.config_from_hf(hf, source)
     state = _read_state(input_dir, source)
     config, tying = tying_as_loaded(config, state, adapter)

@@ -22,6 +22,7 @@ from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePl
 from mpzero.checkpointing.verify import resolve_iteration
 from mpzero.errors import ConfigError
 from mpzero.files import fresh_directory, replace_directory, write_atomically
+from mpzero.scale import machine_bytes
 
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
@@ -72,8 +73,6 @@ def load_whole(tensors: dict[str, torch.Tensor], reader: CheckpointReader, plann
 def _check_fits(directory: str, shapes: list, advice: str) -> None:
     """The full fp32 weights meta.json describes fit in this machine's memory, checked before any is allocated:
     a damaged (or hostile) shape of 10**12 elements is one line, not an allocator's traceback."""
-    from mpzero.planner.scale import machine_bytes
-
     need, have = 4 * sum(math.prod(shape) for shape in shapes), machine_bytes("cpu", None)["host memory"]
     if need > have:
         raise ConfigError(f"checkpoint {directory}: meta.json's shapes hold {need // 4:,} fp32 weights "

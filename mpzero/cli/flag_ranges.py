@@ -95,3 +95,16 @@ def check_rule_flags(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{action.option_strings[0]} {value} is --optimizer {name}'s, and this run's "
                                   f"--optimizer is {args.optimizer}, which would ignore it: drop it, or use "
                                   f"--optimizer {name}")
+
+
+def check_in_ranges(values: dict, flags: dict[str, str], where: str) -> None:
+    """Each key of `flags` ({key: the flag's dest its value becomes}) that `values` sets to a number, within that
+    flag's range (a Hugging Face config.json's values, say): one line naming the key and the flag otherwise."""
+    for key, dest in flags.items():
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # unset, or another type: the reader's type check refuses that
+        try:
+            Number(type(value), *RANGES[dest]).check(value)
+        except CheckError as error:
+            raise ConfigError(f"{where}: {key} {error} (it becomes --{dest.replace('_', '-')})") from None

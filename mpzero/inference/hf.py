@@ -30,6 +30,7 @@ class HFAdapter:
     command_line: Callable[[GPTConfig], list[str]]
     describe: Callable[[GPTConfig], str]  # the choices beyond shapes, for the export's README
     embedding_keys: tuple[str, ...]  # the input embedding's name in a state dict (with and without a prefix)
+    hf_flags: dict[str, str]  # each numeric config.json key: the pretrain_gpt.py flag (dest) it becomes
 
 
 def _check_gpt2(config: GPTConfig) -> None:
@@ -46,13 +47,13 @@ GPT2 = HFAdapter("gpt2", "GPT2LMHeadModel", "# GPT-2 exported from mpzero", hf_g
                  hf_gpt2.to_hf_state_dict, hf_gpt2.from_hf_state_dict, hf_gpt2.hf_config, hf_gpt2.model_flags,
                  hf_gpt2.command_line,
                  lambda c: f"GELU {'tanh (--openai-gelu)' if c.openai_gelu else 'erf'}",
-                 ("transformer.wte.weight", "wte.weight"))
+                 ("transformer.wte.weight", "wte.weight"), hf_gpt2.HF_FLAGS)
 LLAMA = HFAdapter("llama", "LlamaForCausalLM", "# LLaMA exported from mpzero", hf_llama.config_from_hf,
                   hf_llama.check_exportable, hf_llama.to_hf_state_dict, hf_llama.from_hf_state_dict,
                   hf_llama.hf_config, hf_llama.model_flags, hf_llama.command_line,
                   lambda c: (f"{c.query_groups} key/value heads, SwiGLU width {c.ffn_size}, RoPE theta "
                              f"{c.rotary_base:g}, RMSNorm eps {c.layernorm_epsilon:g}"),
-                  ("model.embed_tokens.weight",))
+                  ("model.embed_tokens.weight",), hf_llama.HF_FLAGS)
 ADAPTERS = {adapter.model_type: adapter for adapter in (GPT2, LLAMA)}
 
 

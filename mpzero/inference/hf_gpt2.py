@@ -17,7 +17,7 @@ import re
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.inference.hf_values import check_value_ranges, check_value_types
+from mpzero.inference.hf_values import check_value_types
 from mpzero.inference.weights import expected_shapes
 from mpzero.models import GPTConfig
 
@@ -142,7 +142,6 @@ def gpt_config_from_hf(hf: dict, source: str) -> GPTConfig:
         raise ConfigError(f"{source} has model_type {hf.get('model_type')!r}, not 'gpt2': only GPT-2 models import")
     c = {**HF_DEFAULTS, **hf}
     check_value_types(c, HF_DEFAULTS, source)
-    check_value_ranges(c, HF_FLAGS, source)
     for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
         if not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1:
             raise ConfigError(f"{source}: {key} is {c[key]!r}, not a positive integer")

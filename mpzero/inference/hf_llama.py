@@ -22,7 +22,7 @@ import torch
 
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_gpt2
-from mpzero.inference.hf_values import check_value_ranges, check_value_types
+from mpzero.inference.hf_values import check_value_types
 from mpzero.inference.weights import expected_shapes
 from mpzero.models import GPTConfig
 
@@ -181,7 +181,6 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
     (activation, head size, scaled RoPE, pretraining_tp) is one ConfigError line."""
     c = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in HF_DEFAULTS}}
     check_value_types(c, HF_DEFAULTS, source)
-    check_value_ranges(c, HF_FLAGS, source)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "max_position_embeddings"):
         if not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1:

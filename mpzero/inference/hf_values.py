@@ -1,9 +1,9 @@
 """A Hugging Face config.json's values typed strictly before use: each key HF's defaults name holds a value of
 its default's type (an integer is no bool, a number is finite, a switch is true or false), so a damaged or
-foreign config.json is one ConfigError line naming the key instead of a TypeError deep in the import; and each
-numeric key within the range of the pretrain_gpt.py flag it becomes (mpzero/cli/flag_ranges.py, the one table of
-ranges): `layer_norm_epsilon: -1.0` is refused as `--layernorm-epsilon -1.0` would be. Each adapter names its keys'
-flags (`HF_FLAGS`); tests/test_hf_values.py fails on a numeric key of HF_DEFAULTS that names none."""
+foreign config.json is one ConfigError line naming the key instead of a TypeError deep in the import. Each adapter
+also names the pretrain_gpt.py flag each numeric key becomes (`HF_FLAGS`), so that tools/import_hf.py checks every
+value within that flag's range (mpzero/cli/flag_ranges.py, the one table of ranges): `layer_norm_epsilon: -1.0` is
+refused as `--layernorm-epsilon -1.0` would be; tests/test_hf_values.py fails on a numeric key that names none."""
 
 from __future__ import annotations
 
@@ -28,18 +28,3 @@ def check_value_types(values: dict, defaults: dict, source: str) -> None:
         if not ok:
             raise ConfigError(f"{source}: {key} is {value!r}, not {kind}")
 
-
-def check_value_ranges(values: dict, flags: dict[str, str], source: str) -> None:
-    """Each key of `flags` ({config.json key: the pretrain_gpt.py flag's dest it becomes}) that `values` sets
-    within that flag's range."""
-    from mpzero.cli.checks import CheckError, Number
-    from mpzero.cli.flag_ranges import RANGES
-
-    for key, dest in flags.items():
-        value = values.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue  # unset, or another type: check_value_types' (or the key's own check's) to refuse
-        try:
-            Number(type(value), *RANGES[dest]).check(value)
-        except CheckError as error:
-            raise ConfigError(f"{source}: {key} {error} (it becomes --{dest.replace('_', '-')})") from None

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mpzero.data import NullTokenizer, build_tokenizer, tokenizer_identity
-from mpzero.data.tokenizer_identity import describe, same_tokenizer
+from mpzero.data import NullTokenizer, build_tokenizer, describe_tokenizer, same_tokenizer, tokenizer_identity
 from mpzero.errors import ConfigError
 
 FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")
@@ -53,8 +52,8 @@ def _check_recorded(tokenizer, run_tok: RunTokenizer, recorded, directory: str) 
     if not isinstance(recorded, dict) or not recorded.get("sha256") or here["sha256"] is None:
         return  # a checkpoint from before the record, ids (mock data or NullTokenizer): nothing to compare
     if not same_tokenizer(recorded, here):
-        raise ConfigError(f"the tokenizer {run_tok.describe()} ({describe(here)}) is not the one checkpoint "
-                          f"{directory} was trained with ({describe(recorded)}): the file was replaced or another "
+        raise ConfigError(f"the tokenizer {run_tok.describe()} ({describe_tokenizer(here)}) is not the one checkpoint "
+                          f"{directory} was trained with ({describe_tokenizer(recorded)}): the file was replaced or another "
                           f"one given; pass the run's own with --tokenizer-model (or --vocab-file and --merge-file)")
 
 

@@ -23,7 +23,7 @@ import shutil
 
 import torch
 
-from mpzero.checkpointing.reader import error_reason
+from mpzero.errors import shorten
 from mpzero.files import private_directory, publish_file
 from mpzero.training.config import ProfileConfig
 
@@ -110,7 +110,7 @@ class IterationProfiler:
             publish_file(inside, path)
             self._written = path
         except (OSError, RuntimeError) as error:  # torch's exporter reports a failed write as a RuntimeError
-            print(f"warning: rank {self.rank} could not write its trace {path} ({error_reason(error)}); training goes "
+            print(f"warning: rank {self.rank} could not write its trace {path} ({error.strerror if isinstance(error, OSError) and error.strerror else shorten(str(error))}); training goes "
                   f"on without it", flush=True)
         finally:
             if private is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpzero.activations import activation_formula
 from mpzero.checkpointing import read_meta
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError
@@ -17,6 +18,7 @@ from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
 from mpzero.path_views import check_same_views
+from mpzero.scale import check_scale, machine_bytes
 from mpzero.training.config import RunConfig
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.peak_flops import mfu_note, mfu_peak
@@ -59,15 +61,13 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
 
 def _check_scale(run: RunConfig, groups: ParallelGroups) -> None:
     """Sizes no machine holds (`--ffn-hidden-size 1000000000000`) are one line from the planner's arithmetic
-    (mpzero/planner/scale.py) before anything is built; every rank computes the same figure."""
-    from mpzero.planner.scale import check_scale, machine_bytes
-    from mpzero.planner.states import element_sizes
-
+    (mpzero/scale.py) before anything is built; every rank computes the same figure."""
     config, precision = run.model, run.precision
-    p, g = element_sizes(precision)
+    p, g = precision.torch_dtype.itemsize, precision.grad_dtype.itemsize  # as ZeroOptimizer sizes its elements
 
     def activations() -> int:  # one micro-batch's, where the formula covers the setting (else counted as none)
-        from mpzero.activations.formula import activation_formula
+        if groups.pp_size > 1 or groups.cp.size > 1:
+            return 0  # the formula is the whole model's at full sequence length: no lower bound for one stage
         try:
             return activation_formula(config.activation_setting(
                 groups.tp_size, run.training.micro_batch_size, run.training.seq_length, precision.torch_dtype,
@@ -75,9 +75,9 @@ def _check_scale(run: RunConfig, groups: ParallelGroups) -> None:
         except (ValueError, ArithmeticError):
             return 0
 
-    check_scale(config, groups.tp_size, groups.dp_size, run.zero.stage,
+    check_scale(config, groups.tp_size, groups.dp_cp.size, run.zero.stage,
                 (p, g, 4 if p != 4 else 0, run.optimizer.rule.state_bytes_per_param), activations,
-                machine_bytes(groups.device.type, run.offload.path))
+                machine_bytes(groups.device.type, run.offload.path), groups.pp_size)
 
 
 def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None:

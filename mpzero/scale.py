@@ -20,15 +20,19 @@ from mpzero.zero import memory_formula
 LAYER_OBJECT_BYTES = 32 << 10  # Python objects of one transformer layer built on meta tensors (tracemalloc: ~33 KB)
 
 
-def parameters_per_rank(config, tp: int) -> dict[str, int]:
-    """Trainable parameters of one TP rank by part, from the shapes' arithmetic: the layers' weight matrices
-    (QKV, projection, MLP), the vocabulary's embedding (and untied output layer), learned positions."""
+def parameters_per_rank(config, tp: int, pp: int = 1) -> dict[str, int]:
+    """Trainable parameters of the most loaded rank by part, at least, from the shapes' arithmetic: the layers'
+    weight matrices (QKV, projection, MLP; some pipeline stage holds at least ceil(layers / pp) of them), the
+    vocabulary's embedding (and untied output layer) and learned positions (counted without pipeline stages: with
+    them, the first and last stage hold these beside fewer layers)."""
     h, heads, d = config.hidden_size, config.num_attention_heads, config.head_dim
     qkv = h * (heads + 2 * config.query_groups) * d
     layer = (qkv + heads * d * h + h * config.ffn_size * (3 if config.swiglu else 2)) // tp
     vocabulary = config.padded_vocab_size(tp) * h // tp * (2 if config.untie_embeddings_and_output_weights else 1)
     positions = config.max_position_embeddings * h if config.learned_positions else 0
-    return {"layers": config.num_layers * layer, "vocabulary": vocabulary, "positions": positions}
+    if pp > 1:
+        vocabulary = positions = 0
+    return {"layers": -(-config.num_layers // pp) * layer, "vocabulary": vocabulary, "positions": positions}
 
 
 def machine_bytes(device_type: str, offload_path: str | None) -> dict[str, int]:
@@ -44,15 +48,15 @@ def machine_bytes(device_type: str, offload_path: str | None) -> dict[str, int]:
 
 
 def check_scale(config, tp: int, dp: int, stage: int, bytes_per_param: tuple[int, int, int, int],
-                activation_bytes: Callable[[], int], have: dict[str, int]) -> None:
-    """A ConfigError when the run's least memory (see the module's docstring) exceeds all of `have`;
-    `bytes_per_param` is (p, g, master, states) as `memory_formula` takes them; `activation_bytes()` one
-    micro-batch's (asked only once the parameters fit: its formula walks every layer)."""
+                activation_bytes: Callable[[], int], have: dict[str, int], pp: int = 1) -> None:
+    """A ConfigError when the run's least memory (see the module's docstring) exceeds all of `have`; `dp` the
+    ranks ZeRO partitions over, `bytes_per_param` (p, g, master, states) as `memory_formula` takes them,
+    `activation_bytes()` one micro-batch's (asked only once the parameters fit: its formula walks every layer)."""
     replicated, partitioned = memory_formula(stage, *bytes_per_param)
     per_param = replicated + partitioned / dp
-    params = parameters_per_rank(config, tp)
+    params = parameters_per_rank(config, tp, pp)
     need = {name: count * per_param for name, count in params.items()}
-    need["layers"] += config.num_layers * LAYER_OBJECT_BYTES
+    need["layers"] += -(-config.num_layers // pp) * LAYER_OBJECT_BYTES
     if sum(need.values()) <= sum(have.values()):
         need["activations"] = activation_bytes()
         if sum(need.values()) <= sum(have.values()):
