@@ -61,8 +61,9 @@ def from_consolidated(input_path: str, save: str) -> None:
     if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
     for name, value in bundle["model"].items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            what = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else excerpt(value)
+        if not (isinstance(name, str) and isinstance(value, torch.Tensor) and value.is_floating_point()
+                and value.layout == torch.strided):  # a sparse tensor's indices are not checked by torch.load
+            what = f"a {value.dtype} {value.layout} tensor" if isinstance(value, torch.Tensor) else excerpt(value)
             raise ConfigError(f"--input {input_path} is not a consolidated checkpoint: its model[{excerpt(name)}] is "
                               f"{what}, not a tensor of weights")
     if not isinstance(bundle.get("meta", {}), dict):
