@@ -50,5 +50,6 @@ def test_every_floor_is_past_its_known_advisories():
         if fixed is None:
             continue
         floors = [Version(s.version) for s in requirement.specifier if s.operator in (">=", "==", "~=")]
-        assert floors and min(floors) >= Version(fixed[0]), f"{requirement} admits a release before {fixed[0]} ({fixed[1]})"
+        assert floors and min(floors) >= Version(fixed[0]), \
+            f"{requirement} admits a release before {fixed[0]} ({fixed[1]})"
         assert Version(fixed[0]) in requirement.specifier or min(floors) > Version(fixed[0]), requirement

@@ -99,8 +99,8 @@ def _check_some_text(args, documents: int, skipped: list[str]) -> None:
     """A tokenizer trained on no text has no merges and tokenizes everything to bytes: refused."""
     if not documents:
         why = f"all {len(skipped)} lines were malformed and skipped" if skipped else "it holds no documents"
-        raise ConfigError(f"--input {shorten(' '.join(args.input), 120)} gives no text to train on ({why}): give a corpus with "
-                          f"text under --json-keys {' '.join(args.json_keys)}")
+        raise ConfigError(f"--input {shorten(' '.join(args.input), 120)} gives no text to train on ({why}): give a "
+                          f"corpus with text under --json-keys {' '.join(args.json_keys)}")
 
 
 HF_EOD = "<|endoftext|>"

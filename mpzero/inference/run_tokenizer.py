@@ -53,8 +53,9 @@ def _check_recorded(tokenizer, run_tok: RunTokenizer, recorded, directory: str) 
         return  # a checkpoint from before the record, ids (mock data or NullTokenizer): nothing to compare
     if not same_tokenizer(recorded, here):
         raise ConfigError(f"the tokenizer {run_tok.describe()} ({describe_tokenizer(here)}) is not the one checkpoint "
-                          f"{directory} was trained with ({describe_tokenizer(recorded)}): the file was replaced or another "
-                          f"one given; pass the run's own with --tokenizer-model (or --vocab-file and --merge-file)")
+                          f"{directory} was trained with ({describe_tokenizer(recorded)}): the file was replaced or "
+                          f"another one given; pass the run's own with --tokenizer-model (or --vocab-file and "
+                          f"--merge-file)")
 
 
 def run_tokenizer(flags: dict, load: str, overrides: dict | None = None) -> RunTokenizer:

@@ -110,8 +110,9 @@ class IterationProfiler:
             publish_file(inside, path)
             self._written = path
         except (OSError, RuntimeError) as error:  # torch's exporter reports a failed write as a RuntimeError
-            print(f"warning: rank {self.rank} could not write its trace {path} ({error.strerror if isinstance(error, OSError) and error.strerror else shorten(str(error))}); training goes "
-                  f"on without it", flush=True)
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else shorten(str(error))
+            print(f"warning: rank {self.rank} could not write its trace {path} ({reason}); training goes on without it",
+                  flush=True)
         finally:
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
