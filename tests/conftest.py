@@ -88,3 +88,26 @@ def temp_folder_left_empty():
     _remove_caches()
     left = sorted(os.listdir(TEST_TEMP))
     assert not left, f"the tests left {len(left)} entries in {TEST_TEMP}: {', '.join(left[:5])}"
+
+
+@pytest.fixture(scope="session")
+def megatron_checkpoint(tmp_path_factory):
+    """A tiny LLaMA-shaped checkpoint the real megatron-core writes (tests/megatron_core.py, TP 1 x PP 1) and the
+    flags tools/import_megatron.py reads it with, made once for the tests that run every tool (~25 s); skipped
+    without megatron-core. megatron-core imports wandb, which makes temporary folders that only a normal exit
+    removes: its ranks (forked) make theirs in the fixture's own folder, not the temp folder."""
+    import importlib.util
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install -e '.[test]')")
+    from tests.megatron_core import LLAMA, megatron_world
+    base = tmp_path_factory.mktemp("megatron")
+    root, tempdir = base / "megatron", tempfile.tempdir
+    tempfile.tempdir = str(base)
+    try:
+        megatron_world(LLAMA, 1, 1, str(root), torch.randint(0, 100, (2, 16),
+                                                             generator=torch.Generator().manual_seed(0)))
+    finally:
+        tempfile.tempdir = tempdir
+    flags = ["--num-attention-heads", "4", "--position-embedding-type", "rope", "--max-position-embeddings", "32",
+             "--rotary-base", "500000", "--norm-epsilon", "1e-6", "--vocab-size", "100"]
+    return root, flags

@@ -17,6 +17,7 @@ import glob
 import itertools
 import json
 import os
+import pathlib
 import runpy
 import shutil
 
@@ -66,11 +67,16 @@ def _watched_run(script, argv):
     return code, stderr, log
 
 
+class _Sources(type(pathlib.Path())):  # the sources' folder, and the megatron-core checkpoint (from conftest.py)
+    megatron = None
+
+
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def sources(tmp_path_factory, request):
     """Inputs every scenario reads (never written by them): a token-id corpus and its dataset, a text corpus,
-    a checkpoint, its consolidated weights and its Hugging Face export."""
-    src = tmp_path_factory.mktemp("sources")
+    a checkpoint, its consolidated weights, its Hugging Face export, and a megatron-core checkpoint (the
+    import_megatron scenario is skipped without megatron-core)."""
+    src = _Sources(tmp_path_factory.mktemp("sources"))
     with open(src / "ids.jsonl", "w") as f:
         for k in range(40):
             f.write(json.dumps({"text": " ".join(str((k * 7 + i) % 250) for i in range(30))}) + "\n")
@@ -87,6 +93,10 @@ def sources(tmp_path_factory):
     assert tool_result(util, ["to-consolidated", "--load", str(src / "ckpt"), "--output", str(src / "w.pt")]) == (0, "")
     export = runpy.run_path(os.path.join(TOOLS, "export_hf.py"))["main"]
     assert tool_result(export, ["--load", str(src / "ckpt"), "--output", str(src / "hf")]) == (0, "")
+    try:
+        src.megatron = request.getfixturevalue("megatron_checkpoint")
+    except pytest.skip.Exception:
+        src.megatron = None
     return src
 
 
@@ -115,6 +125,8 @@ SCENARIOS = {
     "tools/export_hf.py": ("tools/export_hf.py", lambda s, o: [
         "--load", str(s / "ckpt"), "--output", str(o / "hf")]),
     "tools/import_hf.py": ("tools/import_hf.py", lambda s, o: ["--input", str(s / "hf"), "--save", str(o / "ckpt")]),
+    "tools/import_megatron.py": ("tools/import_megatron.py", lambda s, o: [
+        "--load", str(s.megatron[0]), "--save", str(o / "ckpt"), *s.megatron[1]]),
     "tools/generate.py": ("tools/generate.py", lambda s, o: [
         "--load", str(s / "ckpt"), "--prompt", "1 2", "--max-new-tokens", "2", "--tokenizer-type", "NullTokenizer",
         "--output", str(o / "generated.txt")]),
@@ -188,6 +200,8 @@ def _fresh(out, after, log, finals):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_no_write_of_any_entry_point_follows_a_link_planted_at_its_names(sources, tmp_path, scenario):
     script, argv_of = SCENARIOS[scenario]
+    if "megatron" in scenario and sources.megatron is None:
+        pytest.skip("megatron-core is not installed: no checkpoint of it to import")
     out = tmp_path / "out"
     out.mkdir()
     argv = argv_of(sources, out)
