@@ -14,6 +14,7 @@ import atexit
 import getpass
 import os
 import shutil
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,10 +84,12 @@ torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 def temp_folder_left_empty():
     """Every test cleans up what it makes in the temp folder: the run's own is empty at the end but for the
     caches this file made there (removed, with the folder, when the run ends; pytest's tmp_path folders live
-    under --basetemp)."""
+    under --basetemp) and the two folders importing wandb makes in this process (megatron-core imports it when
+    tests/test_import_megatron.py is collected; wandb removes them itself when the process ends)."""
     yield
     _remove_caches()
-    left = sorted(os.listdir(TEST_TEMP))
+    wandb_keeps = ("wandb-media", "wandb-artifacts") if "wandb" in sys.modules else ()
+    left = sorted(name for name in os.listdir(TEST_TEMP) if not (name.startswith("tmp") and name.endswith(wandb_keeps)))
     assert not left, f"the tests left {len(left)} entries in {TEST_TEMP}: {', '.join(left[:5])}"
 
 

@@ -26,10 +26,11 @@ def is_parquet(path: str) -> bool:
 
 def expand_inputs(paths: list[str]) -> list[str]:
     """--input as files: a directory is every .parquet file under it (sorted, recursively, as FineWeb's
-    data/CC-MAIN-*/000_00000.parquet), a pattern that names no file is a glob (`**` recursive), sorted. Each file
-    is read once, by its real path, however many names (links, a `latest -> snapshot` directory) lead to it; a
-    link back to a directory above it (a cycle) is one ConfigError line."""
-    files = []
+    data/CC-MAIN-*/000_00000.parquet), a pattern that names no file is a glob (`**` recursive), sorted. What a
+    directory or glob finds is read once, by its real path, however many names (links, a `latest -> snapshot`
+    directory, another --input) lead to it; a link back to a directory above it (a cycle) is one ConfigError line.
+    A file named itself is read as often as it is named."""
+    files, seen = [], set()
     for path in paths:
         if os.path.isdir(path):
             found = sorted(_files_under(path, path))
@@ -42,15 +43,14 @@ def expand_inputs(paths: list[str]) -> list[str]:
             if not found:
                 raise ConfigError(f"--input {path} matches no file")
         else:
-            found = [path]
-        files += found
-    seen, once = set(), []
-    for path in files:
-        real = os.path.realpath(path)
-        if real not in seen:
-            seen.add(real)
-            once.append(path)
-    return once
+            seen.add(os.path.realpath(path))
+            files.append(path)
+            continue
+        for file in found:
+            if os.path.realpath(file) not in seen:
+                seen.add(os.path.realpath(file))
+                files.append(file)
+    return files
 
 
 def _files_under(root: str, given: str) -> list[str]:
