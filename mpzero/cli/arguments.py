@@ -22,7 +22,7 @@ from mpzero.data import build_tokenizer, no_tokenizer, parse_data_path, parse_sp
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
 from mpzero.cli.checks import CheckError, Parser, Path, Text
-from mpzero.cli.flag_ranges import check_ranges, number
+from mpzero.cli.flag_ranges import check_ranges, check_rule_flags, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
     check_ranges(args)
+    check_rule_flags(args)
     if args.mock_data and args.vocab_size is None:
         raise ConfigError("--mock-data needs --vocab-size")
     if args.mock_data and args.data_path:

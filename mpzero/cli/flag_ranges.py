@@ -78,3 +78,33 @@ def _check_consistency(args: argparse.Namespace) -> None:
     if args.lr_warmup_iters > args.train_iters:
         raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the run (--train-iters "
                           f"{args.train_iters}): the learning rate would never reach --lr")
+
+
+def check_rule_flags(args: argparse.Namespace) -> None:
+    """A hyperparameter of an update rule this run does not use, set to other than its default (--sgd-momentum
+    with --optimizer adam, --adam-beta1 or --adam-eps with sgd), is one line: the run would ignore it. Each rule's
+    flags are its own `add_flags`, so a new rule is covered without a list here."""
+    for name, rule in RULES.items():
+        if name == args.optimizer:
+            continue
+        own = argparse.ArgumentParser(add_help=False)
+        rule.add_flags(own.add_argument_group())
+        for action in own._actions:
+            value = getattr(args, action.dest, action.default)
+            if value != action.default:
+                raise ConfigError(f"{action.option_strings[0]} {value} is --optimizer {name}'s, and this run's "
+                                  f"--optimizer is {args.optimizer}, which would ignore it: drop it, or use "
+                                  f"--optimizer {name}")
+
+
+def check_in_ranges(values: dict, flags: dict[str, str], where: str) -> None:
+    """Each key of `flags` ({key: the flag's dest its value becomes}) that `values` sets to a number, within that
+    flag's range (a Hugging Face config.json's values, say): one line naming the key and the flag otherwise."""
+    for key, dest in flags.items():
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # unset, or another type: the reader's type check refuses that
+        try:
+            Number(type(value), *RANGES[dest]).check(value)
+        except CheckError as error:
+            raise ConfigError(f"{where}: {key} {error} (it becomes --{dest.replace('_', '-')})") from None

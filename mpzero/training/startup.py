@@ -1,5 +1,6 @@
 """What a run does before its first iteration, before the model is built: the checks that fail first and on every
-rank (the nodes' shared --save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
+rank (every rank's view of --load, --save and --offload-path, sizes no machine holds, the nodes' shared
+--save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
 paths), and the lines a run prints at start. `start` is the one call the loop makes here."""
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpzero.activations import activation_formula
 from mpzero.checkpointing import read_meta
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
 from mpzero.errors import ConfigError
 from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
+from mpzero.path_views import check_same_views
+from mpzero.scale import check_scale, machine_bytes
 from mpzero.training.config import RunConfig
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.peak_flops import mfu_note, mfu_peak
@@ -36,6 +40,8 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         raise ConfigError(f"--profile without --use-pytorch-profiler marks the window for Nsight Systems through the "
                           f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
+    check_same_views(groups.world, run.flags)
+    _check_scale(run, groups)
     attention_line = _check_fused_attention(run, groups)
     nodes_line = check_nodes(groups.world, groups.sizes, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
@@ -51,6 +57,27 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         for note in notes:
             print(note, flush=True)
     return datasets, data_tokenizers
+
+
+def _check_scale(run: RunConfig, groups: ParallelGroups) -> None:
+    """Sizes no machine holds (`--ffn-hidden-size 1000000000000`) are one line from the planner's arithmetic
+    (mpzero/scale.py) before anything is built; every rank computes the same figure."""
+    config, precision = run.model, run.precision
+    p, g = precision.torch_dtype.itemsize, precision.grad_dtype.itemsize  # as ZeroOptimizer sizes its elements
+
+    def activations() -> int:  # one micro-batch's, where the formula covers the setting (else counted as none)
+        if groups.pp_size > 1 or groups.cp.size > 1:
+            return 0  # the formula is the whole model's at full sequence length: no lower bound for one stage
+        try:
+            return activation_formula(config.activation_setting(
+                groups.tp_size, run.training.micro_batch_size, run.training.seq_length, precision.torch_dtype,
+                groups.device)).micro_batch_bytes
+        except (ValueError, ArithmeticError):
+            return 0
+
+    check_scale(config, groups.tp_size, groups.dp_cp.size, run.zero.stage,
+                (p, g, 4 if p != 4 else 0, run.optimizer.rule.state_bytes_per_param), activations,
+                machine_bytes(groups.device.type, run.offload.path), groups.pp_size)
 
 
 def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None:

@@ -41,6 +41,7 @@ from torch import nn
 
 from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
+from mpzero.launcher_env import launcher_env
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
@@ -400,7 +401,7 @@ def _check_offload_space(offload: OffloadConfig, stage: int, directory: OffloadD
     from mpzero.zero.offload import readable
     per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
     per_param += g if offload.grads_tier(stage) == "disk" else 0
-    need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = per_param * -(-numel // dp_size) * launcher_env().local_world_size
     st = os.fstatvfs(directory.fd)
     free = st.f_bavail * st.f_frsize
     if free < need:
