@@ -36,7 +36,7 @@ def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracke
     token are those of a micro-batch of `micro_batch_size` sequences (the chunked loss recomputes all but the last
     chunk of one)."""
     family = family_of(config)
-    model = family.build(config, groups.tp, rng, device="meta")
+    model = family.build(config, groups.tp, rng, device="meta", cp=groups.cp)
     return BuiltModel(model, family.flops_per_token(config, groups.tp_size, micro_batch_size),
                       family.architecture(config))
 

@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
-    parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
+    parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
+                              context_parallel_size=args.context_parallel_size)
     parallel.sizes.check(world_size)
     tp, dp = parallel.tensor_model_parallel_size, parallel.sizes.dp(world_size)
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp

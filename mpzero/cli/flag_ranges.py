@@ -18,7 +18,7 @@ RANGES = {
     "max_position_embeddings": (1, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
     "hidden_dropout": (0.0, True, 1.0, False), "attention_dropout": (0.0, True, 1.0, False),
     "init_method_std": (0.0, False, None, False), "layernorm_epsilon": (0.0, False, None, False),
-    "tensor_model_parallel_size": (1, True, None, False), "distributed_timeout_minutes": (0.0, False, None, False),
+    "tensor_model_parallel_size": (1, True, None, False), "context_parallel_size": (1, True, None, False), "distributed_timeout_minutes": (0.0, False, None, False),
     "zero_bucket_numel": (1, True, None, False),
     "loss_scale": (0.0, False, None, False), "initial_loss_scale": (0.0, False, None, False),
     "min_loss_scale": (0.0, False, None, False), "loss_scale_window": (1, True, None, False),

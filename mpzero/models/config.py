@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
+from mpzero.context_parallel import CP_COMM_TYPES
 from mpzero.errors import ConfigError
 from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
                           resolve_attention_backend)
@@ -162,6 +163,15 @@ class GPTConfig(TransformerArchitecture):
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
     cross_entropy_impl: str = "auto"  # a chunk's arithmetic (mpzero.fused): --cross-entropy-loss-fusion: "compile"
+    context_parallel_size: int = 1  # --context-parallel-size: the sequence split over CP ranks (context_parallel)
+    cp_comm_type: str = "p2p"  # --cp-comm-type: p2p (ring), all_gather, a2a (all-to-all over heads, Ulysses)
+
+    @property
+    def cp_blockwise(self) -> bool:
+        """The attention runs mpzero's blockwise context-parallel core (p2p, all_gather: the local queries over
+        the whole sequence's keys block by block, on any device), not the attention backend's kernel; a2a runs
+        the backend on 1/CP of the heads."""
+        return self.context_parallel_size > 1 and self.cp_comm_type != "a2a"
 
     @property
     def granularity(self) -> str | None:
@@ -196,6 +206,40 @@ class GPTConfig(TransformerArchitecture):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
         self._validate_family(tp_size)
+        self._validate_context_parallel(tp_size)
+
+    def _validate_context_parallel(self, tp_size: int) -> None:
+        """Megatron's rules for --context-parallel-size and --cp-comm-type, and what mpzero's CP attention takes."""
+        cp, comm = self.context_parallel_size, self.cp_comm_type
+        if comm not in CP_COMM_TYPES:
+            raise ConfigError(f"--cp-comm-type {comm} is not one of {', '.join(CP_COMM_TYPES)}")
+        if cp < 1:
+            raise ConfigError(f"--context-parallel-size {cp} must be positive")
+        if cp == 1:
+            return
+        seq = self.seq_length or self.max_position_embeddings
+        if seq % (2 * cp):
+            raise ConfigError(f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}: "
+                              f"each CP rank holds two of 2·CP equal chunks (causal load balance)")
+        if self.sequence_parallel and (seq // cp) % tp_size:
+            raise ConfigError(f"--sequence-parallel: the {seq // cp} tokens of a CP rank (--seq-length {seq} / "
+                              f"--context-parallel-size {cp}) are not divisible by --tensor-model-parallel-size "
+                              f"{tp_size}")
+        heads, groups = self.num_attention_heads // tp_size, self.query_groups // tp_size
+        if comm == "a2a" and (heads % cp or groups % cp):
+            raise ConfigError(f"--cp-comm-type a2a splits each TP rank's {heads} heads and {groups} key/value groups "
+                              f"over --context-parallel-size {cp}: both must be divisible by it (use p2p or "
+                              f"all_gather)")
+        if self.attention_dropout > 0:
+            raise ConfigError(f"--context-parallel-size {cp}: the context-parallel attention has no attention "
+                              f"dropout: pass --attention-dropout 0")
+        if self.cp_blockwise and self.attention_backend_name in ("flash", "fused"):
+            raise ConfigError(f"--cp-comm-type {comm} runs mpzero's blockwise attention (explicit scores per block, "
+                              f"merged by log-sum-exp), not --attention-backend {self.attention_backend_name}'s "
+                              f"kernel: use --attention-backend auto or local, or --cp-comm-type a2a")
+        if self.torch_compile:
+            raise ConfigError(f"--context-parallel-size {cp} with --torch-compile is not supported yet (the CP "
+                              f"attention's exchanges run eagerly): drop --torch-compile")
 
     def trunk_eager_reason(self, tp_size: int) -> str | None:
         """Why the trunk (embedding, layers, final norm) cannot be one compiled region, or None where it can: what

@@ -48,6 +48,7 @@ from torch import nn
 
 from mpzero.activations import COMPILED_TRUNK, ActivationSetting, activation_region, host_offload
 from mpzero.comm import CommGroup
+from mpzero.context_parallel import ContextParallel
 from mpzero.deferred_init import deferred_parameter, materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.models.attention import AttentionConfig, SelfAttention
@@ -80,7 +81,7 @@ class TransformerLayer(nn.Module):
 
 
 def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
-                      rotary: RotaryEmbedding | None = None) -> TransformerLayer:
+                      rotary: RotaryEmbedding | None = None, context: ContextParallel | None = None) -> TransformerLayer:
     """The layer the config describes. Output projections (attention's dense, the MLP's fc2) start at
     std / sqrt(2 L), GPT-2's scaled residual init."""
     sp_group = tp if config.sequence_parallel else None
@@ -94,7 +95,7 @@ def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | 
     activation = F.silu if config.swiglu else gelu_tanh if config.openai_gelu else gelu
     mlp = MLP(h, config.ffn_size, tp, init, output_init, activation=activation, gated=config.swiglu,
               bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
-    return TransformerLayer(norm(*norm_args), SelfAttention(attention, tp, init, output_init, rng, rotary),
+    return TransformerLayer(norm(*norm_args), SelfAttention(attention, tp, init, output_init, rng, rotary, context),
                             norm(*norm_args), mlp, HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel))
 
 
@@ -105,10 +106,11 @@ class GPTEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, positions: int | None,
                  init_std: float, dropout: float, tp: CommGroup, rng: RNGStatesTracker | None = None,
-                 sequence_parallel: bool = False):
-        """`positions`: the learned position table's rows, None without one (RoPE, or no positions)."""
+                 sequence_parallel: bool = False, context: ContextParallel | None = None):
+        """`positions`: the learned position table's rows, None without one (RoPE, or no positions). `context`:
+        the tokens are a context-parallel rank's, at its layout's global positions."""
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.context = tp, sequence_parallel, context
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp,
                                                       vocab_rows_init(init_std, vocab_size))
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab_size)
@@ -125,7 +127,11 @@ class GPTEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(start, start + tokens.size(1), device=tokens.device))
+            if self.context is not None:
+                positions = self.context.layout(tokens.size(1)).positions(tokens.device)
+            else:
+                positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
+            x = x + self.position_embeddings(positions)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
         return self.dropout(x)
@@ -194,11 +200,19 @@ def _run_trunk(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
 
 class GPTModel(nn.Module):
     """`rng`: the dropout streams (`seed_everything`); may be None when the config has no dropout and no
-    recomputation. `tp`: the tensor-parallel group (`init_parallel(...).tp`)."""
+    recomputation. `tp`: the tensor-parallel group (`init_parallel(...).tp`). `cp`: the context-parallel group
+    (`init_parallel(...).cp`, of `config.context_parallel_size` ranks; None at CP 1): the model then takes each
+    rank's part of the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those tokens."""
 
-    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None):
+    def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None,
+                 cp: CommGroup | None = None):
         super().__init__()
         config.validate(tp.size)
+        cp_size = cp.size if cp is not None else 1
+        if cp_size != config.context_parallel_size:
+            raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
+                              f"group has {cp_size} rank(s): build it with the run's groups.cp")
+        self.context = ContextParallel(cp, config.cp_comm_type) if cp_size > 1 else None
         if rng is None and config.needs_rng:
             raise ConfigError(f"GPTModel needs an RNG tracker (rng=seed_everything(seed, tp_rank, device)) for "
                               f"hidden dropout {config.hidden_dropout}, attention dropout {config.attention_dropout}"
@@ -208,11 +222,12 @@ class GPTModel(nn.Module):
         self.embedding = GPTEmbedding(
             config.vocab_size, config.padded_vocab_size(tp.size), config.hidden_size,
             config.max_position_embeddings if config.learned_positions else None, config.init_method_std,
-            config.hidden_dropout, tp, rng, config.sequence_parallel)
+            config.hidden_dropout, tp, rng, config.sequence_parallel, self.context)
         self.rotary = None
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)
-        self.layers = nn.ModuleList(transformer_layer(config, tp, rng, self.rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(transformer_layer(config, tp, rng, self.rotary, self.context)
+                                    for _ in range(config.num_layers))
         self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
                                     config.layernorm_impl, tp if config.sequence_parallel else None)
         self._compiled_trunk = None
@@ -243,12 +258,12 @@ class GPTModel(nn.Module):
             return self._forward_cached(tokens, cache)
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
-        if tokens.size(1) > self.config.max_position_embeddings:
-            raise ConfigError(f"sequence length {tokens.size(1)} exceeds --max-position-embeddings "
-                              f"{self.config.max_position_embeddings}")
+        if tokens.size(1) * self.config.context_parallel_size > self.config.max_position_embeddings:
+            raise ConfigError(f"sequence length {tokens.size(1) * self.config.context_parallel_size} exceeds "
+                              f"--max-position-embeddings {self.config.max_position_embeddings}")
         if self.config.sequence_parallel and tokens.size(1) % self.tp.size:
-            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} is not divisible by "
-                              f"--tensor-model-parallel-size {self.tp.size}")
+            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} (per CP rank) is not "
+                              f"divisible by --tensor-model-parallel-size {self.tp.size}")
         x = self._trunk(tokens)  # sequence parallel: this rank's slice [b, s/tp, h]
         chunk = self.config.cross_entropy_chunk_size
         if labels is not None and chunk:  # the output projection fused with the loss: no [b, s, V/tp] logits
@@ -275,9 +290,9 @@ class GPTModel(nn.Module):
         if start + s > self.config.max_position_embeddings:
             raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
                               f"{self.config.max_position_embeddings}")
-        if self.config.sequence_parallel:
-            raise ConfigError("a KV cache needs the model without --sequence-parallel (inference holds whole "
-                              "sequences)")
+        if self.config.sequence_parallel or self.context is not None:
+            raise ConfigError("a KV cache needs the model without --sequence-parallel or --context-parallel-size "
+                              "(inference holds whole sequences)")
         x = self.embedding(tokens, start)  # learned positions from `start` (RoPE: in the attention)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache.layer(i), start)

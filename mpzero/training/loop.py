@@ -23,7 +23,7 @@ from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
-from mpzero.training.batches import load_batch, micro_batch_indices
+from mpzero.training.batches import inputs_and_labels, micro_batch_indices
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
@@ -174,7 +174,7 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
     # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
     check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
-    loss, terminated = check.read_with[0] / groups.dp_size, bool(check.read_with[1])
+    loss, terminated = check.read_with[0] / groups.dp_cp.size, bool(check.read_with[1])
     if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
         raise TrainingError(f"lm loss is {loss} at iteration {progress.iteration + 1} (rank {groups.world.rank}): "
                             f"stopped before the update, so the last checkpoint is intact; lower --lr or "
@@ -297,8 +297,8 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
 def forward_backward(state: TrainingState, dataset, consumed: int, training,
                       activations: SavedBytesCounter | None = None) -> torch.Tensor:
     """Forward and backward of every micro-batch of one global batch; returns the global batch's loss times the
-    DP size (the DP ranks' mean losses summed; the same on every rank) as a device scalar, not read here: the
-    caller divides it by the DP size on the host once it reads it. The optimizer step is the caller's.
+    DP x CP size (the DP and CP ranks' mean losses summed, each over as many tokens; the same on every rank) as a
+    device scalar, not read here: the caller divides it by the DP x CP size on the host once it reads it. The optimizer step is the caller's.
     `activations`: counts what the first micro-batch's forward saves for backward (it only looks)."""
     model, optimizer, groups = state.model.module, state.optimizer, state.groups
     model.train()
@@ -307,12 +307,12 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
                                         groups.dp_rank, groups.dp_size)
     total = torch.zeros((), device=groups.device)
     for i, indices in enumerate(micro_batches):
-        tokens = load_batch(dataset, indices, groups.device)
+        inputs, labels = inputs_and_labels(dataset, indices, groups.device, groups.cp)
         with activations.counting() if activations is not None and i == 0 else contextlib.nullcontext():
-            loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
+            loss = model(inputs, labels).mean() / len(micro_batches)
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
-    groups.dp.all_reduce(total)
+    groups.dp_cp.all_reduce(total)
     return total
 
 
@@ -328,12 +328,11 @@ def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
     for k in range(run.evaluation.eval_iters):
         for indices in micro_batch_indices(k * training.global_batch_size, training.global_batch_size,
                                            training.micro_batch_size, groups.dp_rank, groups.dp_size):
-            tokens = load_batch(dataset, indices, groups.device)
-            total += model(tokens[:, :-1], tokens[:, 1:]).mean()
+            total += model(*inputs_and_labels(dataset, indices, groups.device, groups.cp)).mean()
             batches += 1
-    groups.dp.all_reduce(total)
+    groups.dp_cp.all_reduce(total)
     model.train()
-    return total.item() / (batches * groups.dp_size)
+    return total.item() / (batches * groups.dp_cp.size)
 
 
 def _evaluate_and_log(state: TrainingState, dataset, where: str, iteration: int, run: RunConfig,

@@ -1,0 +1,14 @@
+"""Context parallelism (`--context-parallel-size`, `--cp-comm-type`): the sequence split over the CP ranks of the
+grid (`ParallelGroups.cp`), load-balanced for causal attention (`chunks.py`), and the attention that sees the
+whole sequence from its part: the ring or the all-gather of keys and values (`attention.py`, `transports.py`,
+`blocks.py`), or the all-to-all over heads (`ulysses.py`). Every other layer is per token and runs on the local
+tokens unchanged; parameters are replicated over CP and their gradients reduced over DP x CP (ZeRO's group)."""
+
+from mpzero.context_parallel.attention import ContextParallel, context_attention
+from mpzero.context_parallel.chunks import ZigzagChunks, split_batch
+from mpzero.context_parallel.ulysses import heads_to_sequence, sequence_to_heads
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+__all__ = ["CP_COMM_TYPES", "ContextParallel", "ZigzagChunks", "context_attention", "heads_to_sequence", "sequence_to_heads",
+           "split_batch"]
