@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from mpzero.activations import note_exchange
 from mpzero.comm import CommGroup
 from mpzero.context_parallel.blocks import schedule
 
@@ -45,8 +46,12 @@ class Ring:
     def stream(self, kv: torch.Tensor):
         """The K/V of sources rank, rank-1, ...: step i's arrive while step i-1 computes."""
         current = kv.contiguous()
+        del kv  # held as `current` only: freed once the next K/V have arrived
         for step in range(self.group.size):
-            pending = _post(current, self.group) if step < self.group.size - 1 else None
+            pending = None
+            if step < self.group.size - 1:
+                pending = _post(current, self.group)
+                note_exchange(2 * current.nbytes)  # the K/V in use and the next in flight
             yield current
             if pending is not None:
                 current = _wait(pending)
@@ -80,6 +85,8 @@ class AllGather:
     def stream(self, kv: torch.Tensor):
         gathered = torch.empty((self.group.size,) + tuple(kv.shape), dtype=kv.dtype, device=kv.device)
         self.group.all_gather_into(gathered.view(-1), kv.contiguous().view(-1))
+        note_exchange(kv.nbytes + gathered.nbytes)  # the local K/V and every rank's
+        del kv
         for source, _ in schedule(self.group.rank, self.group.size):
             yield gathered[source]
 

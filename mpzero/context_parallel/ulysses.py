@@ -44,9 +44,9 @@ def heads_to_sequence(qkv: torch.Tensor, group: CommGroup, layout: ZigzagChunks)
     cp, c = group.size, layout.chunk
     parts = qkv.view(b, length, cp, width // cp).permute(2, 0, 1, 3)  # [CP, b, L, W/CP]: part j goes to rank j
     received = _AllToAll.apply(parts.contiguous(), group)  # [CP (source rank), b, L, W/CP]
-    chunks = received.view(cp, b, 2, c, width // cp).permute(1, 0, 2, 3, 4).reshape(b, 2 * cp, c, width // cp)
-    natural = chunks.index_select(1, torch.tensor(layout.natural_chunk_order(), device=qkv.device))
-    return natural.view(b, layout.seq_length, width // cp)
+    chunks = received.view(cp, b, 2, c, width // cp)  # rank j's half h: chunks[j, :, h]
+    natural = [chunks[i // 2, :, i % 2] for i in layout.natural_chunk_order()]
+    return torch.cat(natural, dim=1)  # [b, s, W/CP]; a cat of views keeps no index for backward
 
 
 def sequence_to_heads(context: torch.Tensor, group: CommGroup, layout: ZigzagChunks) -> torch.Tensor:
@@ -54,7 +54,7 @@ def sequence_to_heads(context: torch.Tensor, group: CommGroup, layout: ZigzagChu
     b, _, width = context.shape
     cp, c = group.size, layout.chunk
     chunks = context.view(b, 2 * cp, c, width)
-    rank_major = chunks.index_select(1, torch.tensor(layout.rank_major_chunk_order(), device=context.device))
-    parts = rank_major.view(b, cp, 2 * c, width).transpose(0, 1)  # [CP (destination rank), b, L, H]
-    received = _AllToAll.apply(parts.contiguous(), group)  # [CP (source rank: its heads), b, L, H]
+    order = layout.rank_major_chunk_order()  # rank j's two chunks at 2j, 2j + 1
+    parts = torch.stack([torch.cat([chunks[:, order[2 * j]], chunks[:, order[2 * j + 1]]], dim=1) for j in range(cp)])
+    received = _AllToAll.apply(parts, group)  # [CP (source rank: its heads), b, L, H]
     return received.permute(1, 2, 0, 3).reshape(b, 2 * c, cp * width)

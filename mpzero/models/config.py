@@ -325,8 +325,9 @@ class GPTConfig(TransformerArchitecture):
 
     def attention_shape(self, tp_size: int, seq_length: int, dtype: torch.dtype) -> AttentionShape:
         """One TP rank's attention at `seq_length` in `dtype`: what a run asks torch's fused attention kernels
-        about at start (`mpzero.fused.fused_attention_refusal`)."""
-        return AttentionShape(self.num_attention_heads // tp_size, self.query_groups // tp_size, self.head_dim,
+        about at start (`mpzero.fused.fused_attention_refusal`); under --cp-comm-type a2a 1/CP of its heads."""
+        split = tp_size * (self.context_parallel_size if self.cp_comm_type == "a2a" else 1)
+        return AttentionShape(self.num_attention_heads // split, self.query_groups // split, self.head_dim,
                               seq_length, dtype, self.attention_dropout)
 
     @property
@@ -379,11 +380,12 @@ class GPTConfig(TransformerArchitecture):
                            rng_streams: int = 1) -> ActivationSetting:
         """The shape and modes `mpzero.activations.formula` needs for the activation bytes of TP rank `tp_rank`
         (only the vocabulary padding mask depends on it), with activations and parameters in `dtype`, on a
-        device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes)."""
+        device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes). Under
+        context parallelism a rank holds `seq_length` / CP tokens."""
         device = torch.device(device)
         attention = self.planned_attention(device)
         return ActivationSetting(
-            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
+            seq_length=seq_length // self.context_parallel_size, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab_size(tp_size), tp=tp_size, tp_rank=tp_rank,
             dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,
@@ -397,10 +399,11 @@ class GPTConfig(TransformerArchitecture):
                                         self.layernorm_impl),
             softmax_impl=("torch" if attention == "unfused"
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
-            flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
+            flash_attention=attention in ("flash", "fused") or self.cp_blockwise, compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
             rng_streams=rng_streams, cross_entropy_chunk_size=self.cross_entropy_chunk_size,
             ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
             rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
-            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions)
+            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions,
+            cp=self.context_parallel_size, cp_comm_type=self.cp_comm_type)
 

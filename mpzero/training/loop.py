@@ -20,10 +20,11 @@ from torch import nn
 
 from mpzero.activations import SavedBytesCounter, report_activation_memory
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
-from mpzero.training.batches import inputs_and_labels, micro_batch_indices
+from mpzero.training.batches import inputs_and_labels, micro_batch_indices, num_micro_batches
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
@@ -110,6 +111,7 @@ class StepResult:
     lr: float
     stats: StepStats
     terminated: bool  # SIGTERM reached some rank
+    cp_bytes: float = 0.0  # sent on the CP group by this rank's forward and backward
 
 
 def train(run: RunConfig, provider: ModelProvider) -> dict:
@@ -171,7 +173,9 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     training, groups = run.training, state.groups
     # as in Megatron, skipped (fp16 overflow) steps do not count
     lr = run.schedule.lr(progress.iteration - progress.skipped)
+    cp_mark = groups.cp.stats.total()
     loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
+    cp_bytes = groups.cp.stats.total() - cp_mark  # the CP attention's exchanges, forward and backward
     # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
     check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
     loss, terminated = check.read_with[0] / groups.dp_cp.size, bool(check.read_with[1])
@@ -182,7 +186,7 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     stats = state.optimizer.step(lr)
     progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
     progress.skipped += stats.skipped
-    return StepResult(loss, lr, stats, terminated)
+    return StepResult(loss, lr, stats, terminated, cp_bytes)
 
 
 def _should_evaluate(run: RunConfig, iteration: int) -> bool:
@@ -369,6 +373,10 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
                              training.global_batch_size, loss, stats.loss_scale, grad_norm, interval.skipped,
                              nan=0, extra=extra), flush=True)
         print(comm.line(), flush=True)
+        if groups.cp.size > 1:
+            micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
+            print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                               run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes), flush=True)
     applied = {"lm loss": loss} if interval.losses else {}  # no point plotted for an all-skipped interval
     model_states = state.optimizer.memory_report()
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,

@@ -24,7 +24,9 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
     """What `auto` runs on this device: each fused op's implementation; the model's attention backend and loss
     arithmetic as its flags choose them (--attention-backend, --cross-entropy-loss-fusion); the CUDA graphs it
     replays (--cuda-graph-impl)."""
-    return {**resolved_impls(device), "attention": run.model.attention(device),
+    attention = f"context parallel {run.model.cp_comm_type} (blockwise)" if run.model.cp_blockwise \
+        else run.model.attention(device)
+    return {**resolved_impls(device), "attention": attention,
             "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
             "cuda_graphs": run.model.cuda_graphs(device)}
 
@@ -59,6 +61,8 @@ def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None
     rank asks on its own device and the ranks share the answers. A GPU run then stops on torch's reasons. A CPU run
     gets a note instead: SDPA's CPU kernel has no dropout, so flash with dropout is the math path there, which a
     development run may mean to compare with local. Returns the note, or None."""
+    if run.model.cp_blockwise:  # mpzero's blockwise context-parallel attention: no torch kernel to ask
+        return None
     backend, device = run.model.attention(groups.device), groups.device
     shape = run.model.attention_shape(groups.tp_size, run.training.seq_length, run.precision.torch_dtype)
     refusals = [r for r in groups.world.all_gather_objects(fused_attention_refusal(backend, shape, device)) if r]
