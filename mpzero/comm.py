@@ -116,6 +116,8 @@ class CommGroup:
         for tensor, peer in sends:
             self.stats.record("send", _nbytes(_contiguous(tensor)))
             ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.pg))
+        if any(op.tensor.is_meta for op in ops) or any(tensor.is_meta for tensor, _ in recvs):
+            return []  # tensors without data (a dry run): counted, nothing to move (no backend takes meta p2p)
         ops += [dist.P2POp(dist.irecv, _contiguous(tensor), self.ranks[peer], group=self.pg) for tensor, peer in recvs]
         requests = dist.batch_isend_irecv(ops) if ops else []
         if async_op:

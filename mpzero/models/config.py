@@ -354,7 +354,7 @@ class GPTConfig(TransformerArchitecture):
         al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
         The chunked cross entropy (`cross_entropy_chunk_size` c) recomputes in backward the logits of every chunk
         but the last of a micro-batch of `micro_batch_size` b sequences: + 2 h V (sb - c')/(sb), c' the last
-        chunk's tokens (`kept_chunk_tokens`); none when sb <= c.
+        chunk's tokens (`kept_chunk_tokens`); none when sb <= c (s: a context-parallel rank's s/CP tokens).
         The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
         2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
@@ -371,7 +371,7 @@ class GPTConfig(TransformerArchitecture):
             recomputed = l * 4 * s * h
         logits = 3 * 2 * h * vocab
         if self.cross_entropy_chunk_size:
-            tokens = s * micro_batch_size
+            tokens = s // self.context_parallel_size * micro_batch_size  # a CP rank's loss: its s/CP tokens
             logits += 2 * h * vocab * (tokens - kept_chunk_tokens(tokens, self.cross_entropy_chunk_size)) / tokens
         return 3 * l * per_layer + recomputed + logits
 

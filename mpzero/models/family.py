@@ -88,11 +88,12 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
-    all times (t-1)/t."""
+    all times (t-1)/t. Under context parallelism a rank's activations hold its s/CP tokens."""
     if tp == 1:
         return 0.0
     r = (tp - 1) / tp
     h, L = config.hidden_size, config.num_layers
+    seq //= config.context_parallel_size
     B = micro_batch * seq * h * p
     sp = config.sequence_parallel
     recomputed = checkpoints = 0

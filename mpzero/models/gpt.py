@@ -201,18 +201,18 @@ def _run_trunk(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
 class GPTModel(nn.Module):
     """`rng`: the dropout streams (`seed_everything`); may be None when the config has no dropout and no
     recomputation. `tp`: the tensor-parallel group (`init_parallel(...).tp`). `cp`: the context-parallel group
-    (`init_parallel(...).cp`, of `config.context_parallel_size` ranks; None at CP 1): the model then takes each
-    rank's part of the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those tokens."""
+    (`init_parallel(...).cp`, of `config.context_parallel_size` ranks): the model then takes each rank's part of
+    the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those tokens; None: whole
+    sequences (inference, or a model built for its shapes)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None,
                  cp: CommGroup | None = None):
         super().__init__()
         config.validate(tp.size)
-        cp_size = cp.size if cp is not None else 1
-        if cp_size != config.context_parallel_size:
+        if cp is not None and cp.size != config.context_parallel_size:
             raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
-                              f"group has {cp_size} rank(s): build it with the run's groups.cp")
-        self.context = ContextParallel(cp, config.cp_comm_type) if cp_size > 1 else None
+                              f"group has {cp.size} rank(s): build it with the run's groups.cp")
+        self.context = ContextParallel(cp, config.cp_comm_type) if cp is not None and cp.size > 1 else None
         if rng is None and config.needs_rng:
             raise ConfigError(f"GPTModel needs an RNG tracker (rng=seed_everything(seed, tp_rank, device)) for "
                               f"hidden dropout {config.hidden_dropout}, attention dropout {config.attention_dropout}"
