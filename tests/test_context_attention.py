@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mpzero.context_parallel import ZigzagChunks, context_attention, heads_to_sequence, sequence_to_heads
+from mpzero.context_parallel import blocks
 from mpzero.context_parallel.blocks import block_backward, block_forward, merge
 from mpzero.parallel import init_parallel
 from tests.distributed import run_ranks
@@ -32,7 +33,8 @@ def _reference(q, k, v, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _errors(comm_type: str, cp: int, groups: int) -> list[float]:
+def _errors(comm_type: str, cp: int, groups: int, tile_rows: int) -> list[float]:
+    blocks.TILE_ROWS = tile_rows  # this forked rank's own module
     group = init_parallel(1, cp_size=cp).cp
     layout = ZigzagChunks(S, cp, group.rank)
     q, k, v, grad = _inputs(groups)
@@ -54,21 +56,25 @@ def _errors(comm_type: str, cp: int, groups: int) -> list[float]:
     return [(a - layout.take(e, dim=2)).abs().max().item() for a, e in zip(got, expected)]
 
 
-CASES = [(comm, cp, groups) for comm in ("p2p", "all_gather", "a2a") for cp, groups in ((2, 4), (2, 2), (4, 4), (4, 1))
-         if comm != "a2a" or groups % cp == 0]  # a2a splits the key/value groups over CP
+CASES = [(comm, cp, groups, tile) for comm in ("p2p", "all_gather", "a2a")
+         for cp, groups in ((2, 4), (2, 2), (4, 4), (4, 1)) for tile in (1024, 3)
+         if (comm != "a2a" or groups % cp == 0)  # a2a splits the key/value groups over CP
+         and (comm != "a2a" or tile == 1024)]  # and runs the attention backend, not the blocks
 
 
-@pytest.mark.parametrize("comm_type,cp,groups", CASES)
-def test_context_attention_matches_one_process_in_fp64(comm_type, cp, groups):
-    for errors in run_ranks(cp, _errors, comm_type, cp, groups):
+@pytest.mark.parametrize("comm_type,cp,groups,tile_rows", CASES)  # tile 3: several tiles per block, the last shorter
+def test_context_attention_matches_one_process_in_fp64(comm_type, cp, groups, tile_rows):
+    for errors in run_ranks(cp, _errors, comm_type, cp, groups, tile_rows):
         assert max(errors) < 1e-12, errors
 
 
-def test_blocks_merged_by_log_sum_exp_match_one_softmax():
+def test_blocks_merged_by_log_sum_exp_match_one_softmax(monkeypatch):
     """Two blocks of keys (the second causal, bottom-right aligned) merged = one softmax over the concatenation,
-    against a reference written here; the block backward from the merged output = autograd's."""
+    against a reference written here; the block backward from the merged output = autograd's. Tiles of 3 query
+    rows: the causal mask's diagonal follows each tile."""
+    monkeypatch.setattr(blocks, "TILE_ROWS", 3)
     torch.manual_seed(1)
-    q = torch.randn(1, 2, 3, 4, 5, dtype=torch.float64)  # [b, g, n, sq, d]
+    q = torch.randn(1, 2, 3, 4, 5, dtype=torch.float64)  # [b, g, n, sq, d]: two tiles of query rows
     k, v = (torch.randn(1, 2, 9, 5, dtype=torch.float64) for _ in range(2))
     out, lse = block_forward(q, k[:, :, :5], v[:, :, :5], 0.5, causal=False)
     part, part_lse = block_forward(q, k[:, :, 5:], v[:, :, 5:], 0.5, causal=True)

@@ -11,7 +11,8 @@ its lse and the output gradient dO, with D = rowsum(dO * O) and P = exp(S - lse)
 summed over blocks. Nothing [s, s] outlives a block: only q, k, v, the output and the lse are kept for backward.
 Scores, statistics and partial outputs are fp32; the matmuls run in the inputs' dtype.
 
-Shapes: queries grouped by their key/value head (grouped-query attention without repeating K and V), q
+Each block is computed `TILE_ROWS` query rows at a time (the statistics are per row), so its working tensors are
+[b, g, n, TILE_ROWS, keys] however long the chunks. Shapes: queries grouped by their key/value head (grouped-query attention without repeating K and V), q
 [b, g, n, sq, d] for g key/value heads serving n query heads each; k, v [b, g, sk, d].
 
 `schedule(rank, size)`: which block each step of the load-balanced ring computes (TransformerEngine's
@@ -51,27 +52,42 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """fp32 [b, g, n, sq, sk] scaled scores; causal: query i sees keys j <= i + sk - sq (bottom-right aligned)."""
-    b, g, n, sq, d = q.shape
-    sk = k.size(2)
-    scores = torch.matmul(q.reshape(b, g, n * sq, d), k.transpose(-1, -2)).view(b, g, n, sq, sk)
+TILE_ROWS = 1024  # query rows scored at once: a block's working tensors are [b, g, n, TILE_ROWS, keys] fp32
+
+
+def _tiles(rows: int) -> list[slice]:
+    return [slice(first, min(first + TILE_ROWS, rows)) for first in range(0, rows, TILE_ROWS)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, rows: slice, sq: int) -> torch.Tensor:
+    """fp32 [b, g, n, tile, sk] scaled scores of the query rows `rows` of a block of `sq`; causal: query i sees
+    keys j <= i + sk - sq (bottom-right aligned)."""
+    b, g, n, _, d = q.shape
+    tile, sk = rows.stop - rows.start, k.size(2)
+    scores = torch.matmul(q[..., rows, :].reshape(b, g, n * tile, d), k.transpose(-1, -2)).view(b, g, n, tile, sk)
     scores = scores.to(statistics_dtype(q.dtype)) * scale
     if causal:
-        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1)
+        future = torch.ones(tile, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1 + rows.start)
         scores.masked_fill_(future, float("-inf"))
     return scores
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out fp32 [b, g, n, sq, d], lse fp32 [b, g, n, sq]) of the queries over this block's keys."""
+    """(out fp32 [b, g, n, sq, d], lse fp32 [b, g, n, sq]) of the queries over this block's keys, `TILE_ROWS`
+    query rows at a time."""
     b, g, n, sq, _ = q.shape
-    scores = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores.sub_(lse.unsqueeze(-1)))
-    out = torch.matmul(probs.to(v.dtype).view(b, g, n * sq, -1), v).view(b, g, n, sq, -1)
-    return out.to(lse.dtype), lse
+    wide = statistics_dtype(q.dtype)
+    out = torch.empty(b, g, n, sq, v.size(-1), dtype=wide, device=q.device)
+    lse = torch.empty(b, g, n, sq, dtype=wide, device=q.device)
+    for rows in _tiles(sq):
+        scores = _scores(q, k, scale, causal, rows, sq)
+        tile_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores.sub_(tile_lse.unsqueeze(-1)))
+        tile = rows.stop - rows.start
+        out[..., rows, :] = torch.matmul(probs.to(v.dtype).view(b, g, n * tile, -1), v).view(b, g, n, tile, -1)
+        lse[..., rows] = tile_lse
+    return out, lse
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, part: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -89,14 +105,19 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch
     `delta` (rowsum(dO * O)) are the merged ones of these query rows, `dout` their output gradient."""
     b, g, n, sq, d = q.shape
     dtype, wide = q.dtype, lse.dtype
-    probs = torch.exp(_scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)))  # [b, g, n, sq, sk]
-    flat_probs = probs.view(b, g, n * sq, -1)
-    dout_flat = dout.reshape(b, g, n * sq, d).to(dtype)
-    dv = torch.matmul(flat_probs.to(dtype).transpose(-1, -2), dout_flat).to(wide)
-    dprobs = torch.matmul(dout_flat, v.transpose(-1, -2)).view(b, g, n, sq, -1).to(wide)
-    dscores = probs.mul_(dprobs.sub_(delta.unsqueeze(-1))).mul_(scale).view(b, g, n * sq, -1).to(dtype)
-    dq = torch.matmul(dscores, k).view(b, g, n, sq, d).to(wide)
-    dk = torch.matmul(dscores.transpose(-1, -2), q.reshape(b, g, n * sq, d)).to(wide)
+    dq = torch.empty(q.shape, dtype=wide, device=q.device)
+    dk = torch.zeros(k.shape, dtype=wide, device=k.device)
+    dv = torch.zeros(v.shape, dtype=wide, device=v.device)
+    for rows in _tiles(sq):
+        tile = rows.stop - rows.start
+        probs = torch.exp(_scores(q, k, scale, causal, rows, sq).sub_(lse[..., rows].unsqueeze(-1)))
+        dout_flat = dout[..., rows, :].reshape(b, g, n * tile, d).to(dtype)
+        dv += torch.matmul(probs.view(b, g, n * tile, -1).to(dtype).transpose(-1, -2), dout_flat).to(wide)
+        dprobs = torch.matmul(dout_flat, v.transpose(-1, -2)).view(b, g, n, tile, -1).to(wide)
+        dscores = probs.mul_(dprobs.sub_(delta[..., rows].unsqueeze(-1))).mul_(scale)
+        dscores = dscores.view(b, g, n * tile, -1).to(dtype)
+        dq[..., rows, :] = torch.matmul(dscores, k).view(b, g, n, tile, d)
+        dk += torch.matmul(dscores.transpose(-1, -2), q[..., rows, :].reshape(b, g, n * tile, d)).to(wide)
     return dq, dk, dv
 
 
