@@ -33,7 +33,7 @@ def _reference(q, k, v, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _errors(comm_type: str, cp: int, groups: int, tile_rows: int) -> list[float]:
+def _errors(comm_type: str, cp: int, groups: int, tile_rows: int, kernel: str) -> list[float]:
     blocks.TILE_ROWS = tile_rows  # this forked rank's own module
     group = init_parallel(1, cp_size=cp).cp
     layout = ZigzagChunks(S, cp, group.rank)
@@ -50,21 +50,23 @@ def _errors(comm_type: str, cp: int, groups: int, tile_rows: int) -> list[float]
         out = sequence_to_heads(context.transpose(1, 2).flatten(2), group, layout).view(B, S // cp, HEADS, D)
         out = out.transpose(1, 2)
     else:
-        out = context_attention(*mine, group, comm_type, 1 / math.sqrt(D))
+        out = context_attention(*mine, group, comm_type, 1 / math.sqrt(D), kernel)
     out.backward(layout.take(grad, dim=2))
     got = [out.detach()] + [t.grad for t in mine]
     return [(a - layout.take(e, dim=2)).abs().max().item() for a, e in zip(got, expected)]
 
 
-CASES = [(comm, cp, groups, tile) for comm in ("p2p", "all_gather", "a2a")
-         for cp, groups in ((2, 4), (2, 2), (4, 4), (4, 1)) for tile in (1024, 3)
+CASES = [(comm, cp, groups, tile, kernel) for comm in ("p2p", "all_gather", "a2a")
+         for cp, groups in ((2, 4), (2, 2), (4, 4), (4, 1)) for tile, kernel in ((1024, "local"), (3, "local"),
+                                                                                 (1024, "flash"))
          if (comm != "a2a" or groups % cp == 0)  # a2a splits the key/value groups over CP
-         and (comm != "a2a" or tile == 1024)]  # and runs the attention backend, not the blocks
+         and (comm != "a2a" or (tile, kernel) == (1024, "local"))]  # and runs the attention backend, not the blocks
 
 
-@pytest.mark.parametrize("comm_type,cp,groups,tile_rows", CASES)  # tile 3: several tiles per block, the last shorter
-def test_context_attention_matches_one_process_in_fp64(comm_type, cp, groups, tile_rows):
-    for errors in run_ranks(cp, _errors, comm_type, cp, groups, tile_rows):
+# tile 3: several tiles of query rows per block, the last shorter; flash: the CPU's kernel per block
+@pytest.mark.parametrize("comm_type,cp,groups,tile_rows,kernel", CASES)
+def test_context_attention_matches_one_process_in_fp64(comm_type, cp, groups, tile_rows, kernel):
+    for errors in run_ranks(cp, _errors, comm_type, cp, groups, tile_rows, kernel):
         assert max(errors) < 1e-12, errors
 
 

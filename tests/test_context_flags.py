@@ -5,6 +5,7 @@ DP, TP and CP bytes), at Llama-3 8B's shape in the planner; the planner lays out
 import pytest
 
 from mpzero.cli.arguments import parse_args, planner_sections, run_config
+from mpzero.context_parallel import block_kernel
 from mpzero.errors import ConfigError
 from mpzero.planner import Machine, Planner
 from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout
@@ -20,11 +21,9 @@ from tests.distributed import run_ranks
      "both must be divisible by it"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention"], 2,  # 1 group
      "--cp-comm-type a2a splits each TP rank's 4 heads and 1 key/value groups over --context-parallel-size 2"),
-    (["--context-parallel-size", "2", "--attention-backend", "flash"], 2,
-     "--cp-comm-type p2p runs mpzero's blockwise attention (explicit scores per block, merged by log-sum-exp), not "
-     "--attention-backend flash's kernel: use --attention-backend auto or local, or --cp-comm-type a2a"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--use-flash-attn"], 2,
-     "not --attention-backend flash's kernel"),
+    (["--context-parallel-size", "2", "--attention-backend", "fused"], 2,
+     "--cp-comm-type p2p runs its blocks with the CPU's flash kernel or explicit scores, not cuDNN's fused attention "
+     "(--attention-backend fused): use --attention-backend auto, flash or local, or --cp-comm-type a2a"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2,
      "the context-parallel attention has no attention dropout: pass --attention-dropout 0"),
     (["--context-parallel-size", "2", "--seq-length", "12", "--tensor-model-parallel-size", "4",
@@ -38,8 +37,15 @@ def test_each_bad_combination_is_one_line(flags, world, message):
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_a2a_takes_the_attention_backend_and_p2p_takes_auto_or_local():
-    for flags in (["--cp-comm-type", "a2a", "--attention-backend", "flash"], ["--attention-backend", "local"], []):
+def test_the_blocks_kernel_per_backend_and_device():
+    assert [block_kernel(asked, "cpu") for asked in ("auto", "flash", "local", "unfused")] == ["flash", "flash",
+                                                                                               "local", "local"]
+    assert [block_kernel(asked, "cuda") for asked in ("auto", "local", "unfused")] == ["local"] * 3
+    with pytest.raises(ConfigError, match=r"^--cp-comm-type p2p and all_gather run their blocks with the CPU's flash "
+                                          r"kernel or explicit scores \(local\), not --attention-backend flash on "
+                                          r"cuda: use --attention-backend local, or --cp-comm-type a2a"):
+        block_kernel("flash", "cuda")
+    for flags in (["--cp-comm-type", "a2a", "--attention-backend", "fused"], ["--attention-backend", "flash"], []):
         run = run_config(parse_args(TINY + ["--context-parallel-size", "2"] + flags), 2)
         assert run.model.context_parallel_size == 2 and run.parallel.context_parallel_size == 2
 

@@ -18,23 +18,25 @@ import torch
 from mpzero.comm import CommGroup
 from mpzero.context_parallel.chunks import ZigzagChunks
 from mpzero.context_parallel.blocks import backward_blocks, forward_blocks, schedule
+from mpzero.context_parallel.kernels import KERNELS
 from mpzero.context_parallel.transports import TRANSPORTS
 
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: CommGroup, comm_type: str, scale: float):
+    def forward(ctx, q, k, v, group: CommGroup, comm_type: str, scale: float, kernel: str):
         """q [b, heads, L, d], k, v [b, groups, L, d] (L local tokens, this rank's two chunks) -> [b, L, heads, d]."""
         b, heads, length, d = q.shape
         groups = k.size(1)
         steps = schedule(group.rank, group.size)
         transport = TRANSPORTS[comm_type](group)
         kv = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
-        out, lse = forward_blocks(q.unflatten(1, (groups, heads // groups)), transport.stream(kv), steps, scale)
+        out, lse = forward_blocks(q.unflatten(1, (groups, heads // groups)), transport.stream(kv), steps, scale,
+                                  KERNELS[kernel][0])
         result = torch.empty(b, length, heads, d, dtype=q.dtype, device=q.device)
         result.view(b, length, groups, heads // groups, d).copy_(out.permute(0, 3, 1, 2, 4))
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
+        ctx.group, ctx.comm_type, ctx.scale, ctx.kernel = group, comm_type, scale, kernel
         return result
 
     @staticmethod
@@ -48,21 +50,20 @@ class _ContextAttention(torch.autograd.Function):
 
         def grouped(x):  # [b, L, heads, d] -> [b, g, n, L, d]
             return x.view(b, length, groups, heads // groups, d).permute(0, 2, 3, 1, 4)
-        dout = grouped(dresult)
-        delta = (dout.to(lse.dtype) * grouped(result).to(lse.dtype)).sum(-1)  # rowsum(dO * O) [b, g, n, L]
         sink = transport.sink()
-        dq = backward_blocks(q.unflatten(1, (groups, heads // groups)), lse, dout, delta,
-                             transport.stream(torch.stack([k, v])), steps, ctx.scale, sink)
+        dq = backward_blocks(q.unflatten(1, (groups, heads // groups)), lse, grouped(dresult), grouped(result),
+                             transport.stream(torch.stack([k, v])), steps, ctx.scale, sink, KERNELS[ctx.kernel][1])
         dkv = sink.result()
-        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup, comm_type: str,
-                      scale: float) -> torch.Tensor:
+                      scale: float, kernel: str = "local") -> torch.Tensor:
     """Causal attention of the local queries q [b, heads, L, d] over every CP rank's keys and values (k, v
     [b, groups, L, d], grouped-query attention sent as it is) -> [b, heads, L, d], a view of a [b, L, heads, d]
-    tensor. `comm_type`: "p2p" (ring) or "all_gather"."""
-    return _ContextAttention.apply(q, k, v, group, comm_type, scale).transpose(1, 2)
+    tensor. `comm_type`: "p2p" (ring) or "all_gather"; `kernel`: how a block is computed, "local" or "flash"
+    (`kernels.block_kernel`)."""
+    return _ContextAttention.apply(q, k, v, group, comm_type, scale, kernel).transpose(1, 2)
 
 
 @dataclass(frozen=True)

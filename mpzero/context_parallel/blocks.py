@@ -121,14 +121,15 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch
     return dq, dk, dv
 
 
-def forward_blocks(q: torch.Tensor, kv_stream, steps: list[tuple[int, str]],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_blocks(q: torch.Tensor, kv_stream, steps: list[tuple[int, str]], scale: float,
+                   forward=block_forward) -> tuple[torch.Tensor, torch.Tensor]:
     """(out fp32, lse fp32) of the local queries q [b, g, n, L, d] over the keys and values `kv_stream` yields
-    ([2, b, g, L, d]: k and v of each step's source rank, in `steps` order), merged block by block."""
+    ([2, b, g, L, d]: k and v of each step's source rank, in `steps` order), merged block by block; `forward`
+    computes a block (`block_forward`, or a kernel's: `kernels.py`)."""
     out = lse = None
     for (_, kind), kv in zip(steps, kv_stream):
         rows, keys, causal = block_slices(kind, q.size(3))
-        part, part_lse = block_forward(q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], scale, causal)
+        part, part_lse = forward(q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], scale, causal)
         if out is None:  # the first step (the own chunks) covers every query row
             out, lse = part, part_lse
         else:
@@ -136,15 +137,16 @@ def forward_blocks(q: torch.Tensor, kv_stream, steps: list[tuple[int, str]],
     return out, lse
 
 
-def backward_blocks(q: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, kv_stream,
-                    steps: list[tuple[int, str]], scale: float, dkv_sink) -> torch.Tensor:
+def backward_blocks(q: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, kv_stream,
+                    steps: list[tuple[int, str]], scale: float, dkv_sink, backward) -> torch.Tensor:
     """dq fp32 [b, g, n, L, d]; each step's dk and dv ([2, b, g, L, d] fp32, zero outside the block's keys) go to
-    `dkv_sink.add(source, dkv)`, which sums them on the rank that holds those keys."""
+    `dkv_sink.add(source, dkv)`, which sums them on the rank that holds those keys. `backward(q, k, v, lse, dout,
+    out, scale, causal)` computes a block's gradients from the merged `out` and `lse` (`kernels.py`)."""
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     for (source, kind), kv in zip(steps, kv_stream):
         rows, keys, causal = block_slices(kind, q.size(3))
-        dq_part, dk, dv = block_backward(q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], lse[..., rows],
-                                         dout[..., rows, :], delta[..., rows], scale, causal)
+        dq_part, dk, dv = backward(q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], lse[..., rows],
+                                   dout[..., rows, :], out[..., rows, :], scale, causal)
         dq[..., rows, :] += dq_part
         dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
         dkv[0][:, :, keys], dkv[1][:, :, keys] = dk, dv

@@ -18,7 +18,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpzero.comm import CommGroup
-from mpzero.context_parallel import ContextParallel, context_attention, heads_to_sequence, sequence_to_heads
+from mpzero.context_parallel import (ContextParallel, block_kernel, context_attention, heads_to_sequence,
+                                     sequence_to_heads)
 from mpzero.fused import resolve_attention_backend, scaled_masked_softmax
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.tensor_parallel import ColumnParallelLinear, InitMethod, RNGStatesTracker, RowParallelLinear, recompute
@@ -153,7 +154,8 @@ class SelfAttention(nn.Module):
         layout = context.layout(length)
         if context.comm_type != "a2a":
             q, k, v = self.split_heads(qkv, layout)
-            return context_attention(q, k, v, context.group, context.comm_type, 1.0 / math.sqrt(self.head_dim))
+            kernel = block_kernel(self.config.backend, qkv.device.type)
+            return context_attention(q, k, v, context.group, context.comm_type, 1.0 / math.sqrt(self.head_dim), kernel)
         q, k, v = self.split_heads(heads_to_sequence(qkv, context.group, layout))  # [b, heads/CP, s, d]
         out = self.attend(q, k, v, 0.0, self.backend(qkv.device)).transpose(1, 2).reshape(b, layout.seq_length, -1)
         return sequence_to_heads(out, context.group, layout).view(b, length, -1, self.head_dim).transpose(1, 2)

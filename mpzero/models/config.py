@@ -169,8 +169,8 @@ class GPTConfig(TransformerArchitecture):
     @property
     def cp_blockwise(self) -> bool:
         """The attention runs mpzero's blockwise context-parallel core (p2p, all_gather: the local queries over
-        the whole sequence's keys block by block, on any device), not the attention backend's kernel; a2a runs
-        the backend on 1/CP of the heads."""
+        the whole sequence's keys block by block, each block on the CPU's flash kernel or in explicit scores:
+        `mpzero.context_parallel.block_kernel`); a2a runs the attention backend on 1/CP of the heads."""
         return self.context_parallel_size > 1 and self.cp_comm_type != "a2a"
 
     @property
@@ -233,10 +233,10 @@ class GPTConfig(TransformerArchitecture):
         if self.attention_dropout > 0:
             raise ConfigError(f"--context-parallel-size {cp}: the context-parallel attention has no attention "
                               f"dropout: pass --attention-dropout 0")
-        if self.cp_blockwise and self.attention_backend_name in ("flash", "fused"):
-            raise ConfigError(f"--cp-comm-type {comm} runs mpzero's blockwise attention (explicit scores per block, "
-                              f"merged by log-sum-exp), not --attention-backend {self.attention_backend_name}'s "
-                              f"kernel: use --attention-backend auto or local, or --cp-comm-type a2a")
+        if self.cp_blockwise and self.attention_backend_name == "fused":
+            raise ConfigError(f"--cp-comm-type {comm} runs its blocks with the CPU's flash kernel or explicit scores, "
+                              f"not cuDNN's fused attention (--attention-backend fused): use --attention-backend "
+                              f"auto, flash or local, or --cp-comm-type a2a")
         if self.torch_compile:
             raise ConfigError(f"--context-parallel-size {cp} with --torch-compile is not supported yet (the CP "
                               f"attention's exchanges run eagerly): drop --torch-compile")

@@ -16,9 +16,10 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   their sum, e x V/t x h each, held until the end of backward;
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
   flash attention: --attention-backend flash or fused, and auto on a GPU). Context parallelism: s is a rank's
-  s/CP tokens everywhere; the ring's and all-gather's blocks (`mpzero.context_parallel.blocks`) hold the same
-  three fp32 tensors per head for a tile of at most TILE_ROWS query rows over their largest block's s/CP keys (the
-  own chunks'); a2a's attention runs over all s tokens for a/CP heads;
+  s/CP tokens everywhere; the ring's and all-gather's blocks (`mpzero.context_parallel.blocks`) hold, in explicit
+  scores (on CUDA, or --attention-backend local), the same three fp32 tensors per head for a tile of at most
+  TILE_ROWS query rows over their largest block's s/CP keys (the own chunks'), none on the CPU's flash kernel;
+  a2a's attention runs over all s tokens for a/CP heads;
 - the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
   fp16's loss-scaled gradients; on a GPU, whose `sum_of_squares` kernel upcasts in registers, 8 bytes per 4096
   elements of the largest run), then, with gradients in the parameters' dtype (fp16, bf16 with
@@ -31,6 +32,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 from __future__ import annotations
 
 from mpzero.activations import kept_chunk_tokens
+from mpzero.context_parallel import block_kernel
 from mpzero.context_parallel.blocks import TILE_ROWS
 from mpzero.fused import planned_impl, sum_of_squares_bytes
 
@@ -48,8 +50,9 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     device = "cuda" if cuda else "cpu"
     flash = config.planned_attention(device) in ("flash", "fused")
     heads, rows, keys = config.num_attention_heads // tp, seq, seq  # the core's heads per rank, its scores' shape
-    if config.cp_blockwise:
-        flash, rows, keys = False, min(TILE_ROWS, local), local
+    if config.cp_blockwise:  # the CPU's flash kernel per block, or explicit scores a tile of rows at a time
+        flash = block_kernel(config.attention_backend_name, device) == "flash"
+        rows, keys = min(TILE_ROWS, local), local
     elif cp > 1:  # a2a: 1/CP of the heads over the whole sequence
         heads //= cp
     attention = 0 if flash else 3 * 4 * heads * rows * keys * micro_batch
