@@ -32,8 +32,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 from __future__ import annotations
 
 from mpzero.activations import kept_chunk_tokens
-from mpzero.context_parallel import block_kernel
-from mpzero.context_parallel.blocks import TILE_ROWS
+from mpzero.context_parallel import TILE_ROWS, block_kernel
 from mpzero.fused import planned_impl, sum_of_squares_bytes
 
 
