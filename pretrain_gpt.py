@@ -25,18 +25,21 @@ from mpzero.cli.arguments import parse_args, run_config
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import ParallelGroups
+from mpzero.pipeline import PipelineConfig, stage_layers
 from mpzero.tensor_parallel import RNGStatesTracker
-from mpzero.training.loop import BuiltModel, train
+from mpzero.training import BuiltModel, train
 
 
 def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracker,
-                 micro_batch_size: int = 1) -> BuiltModel:
+                 micro_batch_size: int = 1, pipeline: PipelineConfig = PipelineConfig()) -> BuiltModel:
     """The model without storage: ZeroOptimizer makes it one unit or bucket at a time, straight into this rank's
-    shard (streamed construction: no rank holds the fp32 model; the same weights as a whole build). Its FLOPs per
-    token are those of a micro-batch of `micro_batch_size` sequences (the chunked loss recomputes all but the last
-    chunk of one)."""
+    shard (streamed construction: no rank holds the fp32 model; the same weights as a whole build). A pipeline
+    rank builds its stage alone (`pipeline`'s layer split): the same names, so the same weights, as in one
+    process. Its FLOPs per token are the whole model's, of a micro-batch of `micro_batch_size` sequences (the
+    chunked loss recomputes all but the last chunk of one)."""
     family = family_of(config)
-    model = family.build(config, groups.tp, rng, device="meta", cp=groups.cp)
+    stage = stage_layers(pipeline, config.num_layers)[groups.pp_rank] if groups.pp_size > 1 else None
+    model = family.build(config, groups.tp, rng, device="meta", stage=stage, cp=groups.cp)
     return BuiltModel(model, family.flops_per_token(config, groups.tp_size, micro_batch_size),
                       family.architecture(config))
 
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _provider(run):
-    return functools.partial(gpt_provider, micro_batch_size=run.training.micro_batch_size)
+    return functools.partial(gpt_provider, micro_batch_size=run.training.micro_batch_size, pipeline=run.pipeline)
 
 
 def _validated_run(argv):

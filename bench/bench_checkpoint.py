@@ -31,7 +31,7 @@ from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.checkpointing.checksums import ALGORITHM, checksum
 from mpzero.checkpointing.verify import verify_checkpoint
 from mpzero.parallel import init_parallel
-from mpzero.training.loop import build_training_state
+from mpzero.training import build_training_state
 from pretrain_gpt import gpt_provider
 
 MODELS = {

@@ -108,17 +108,20 @@ class CommGroup:
         return dist.broadcast(tensor, src=self.ranks[src_group_rank], group=self.pg)
 
     @_eager
-    def exchange(self, sends=(), recvs=(), async_op=False) -> list:
+    def exchange(self, sends=(), recvs=(), async_op=False, tags=None) -> list:
         """Point-to-point: every (tensor, group rank) of `sends` sent there and every one of `recvs` received from
         there, all posted at once (torch's batch_isend_irecv, so a send and a receive between the same two ranks
-        never wait on each other). Returns the requests when `async_op`, else waits for them."""
+        never wait on each other). `tags`: one per send then receive (gloo matches by tag; NCCL in order). Returns
+        the requests when `async_op`, else waits for them."""
+        tags = list(tags) if tags is not None else [0] * (len(sends) + len(recvs))
         ops = []
-        for tensor, peer in sends:
+        for (tensor, peer), tag in zip(sends, tags):
             self.stats.record("send", _nbytes(_contiguous(tensor)))
-            ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.pg))
+            ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.pg, tag=tag))
         if any(op.tensor.is_meta for op in ops) or any(tensor.is_meta for tensor, _ in recvs):
             return []  # tensors without data (a dry run): counted, nothing to move (no backend takes meta p2p)
-        ops += [dist.P2POp(dist.irecv, _contiguous(tensor), self.ranks[peer], group=self.pg) for tensor, peer in recvs]
+        ops += [dist.P2POp(dist.irecv, _contiguous(tensor), self.ranks[peer], group=self.pg, tag=tag)
+                for (tensor, peer), tag in zip(recvs, tags[len(sends):])]
         requests = dist.batch_isend_irecv(ops) if ops else []
         if async_op:
             return requests

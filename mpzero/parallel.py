@@ -186,8 +186,9 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
 
     def make(groups: list[list[int]]) -> CommGroup:
         """This rank's group, with its own byte counter; a process group only for groups of two ranks or more,
-        made once per set of ranks (every rank enters every new_group call, in the same order)."""
-        mine = None
+        made once per set of ranks (every rank enters every new_group call, in the same order). A rank in no
+        group (a middle pipeline stage has no embedding group) is a group of itself."""
+        mine = CommGroup(None, (rank,), 0)
         for ranks in groups:
             key = tuple(ranks)
             if len(key) > 1 and key not in made:

@@ -31,7 +31,7 @@ from mpzero.cli.arguments import parse_args, run_config
 from mpzero.checkpointing import LATEST, latest_iteration, load_checkpoint, save_checkpoint
 from mpzero.checkpointing.verify import single_process, verify_checkpoint
 from mpzero.parallel import init_parallel
-from mpzero.training.loop import build_training_state
+from mpzero.training import build_training_state
 import pretrain_gpt
 from tests.cli import TINY, main_capturing_stdout
 from tests.save_steps import FileSystem

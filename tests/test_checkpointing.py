@@ -16,7 +16,7 @@ import torch
 from mpzero.cli.arguments import parse_args, run_config
 from mpzero.checkpointing import latest_iteration, save_checkpoint, write_unpublished
 from mpzero.parallel import init_parallel
-from mpzero.training.loop import build_training_state
+from mpzero.training import build_training_state
 from pretrain_gpt import gpt_provider
 from tests.cli import ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import RanksFailed, run_ranks

@@ -93,7 +93,7 @@ def _construction_reports(argv):
     import torch.distributed as dist
     from mpzero.cli.arguments import parse_args, run_config
     from mpzero.parallel import init_parallel
-    from mpzero.training.loop import build_training_state
+    from mpzero.training import build_training_state
     import pretrain_gpt
     run = run_config(parse_args(argv), dist.get_world_size())
     state = build_training_state(run, pretrain_gpt.gpt_provider, init_parallel(run.parallel.tensor_model_parallel_size))

@@ -23,7 +23,7 @@ from mpzero.models import GPTConfig, GPTModel
 from mpzero.models.gpt import transformer_layer
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_from_tp, gather_full, mark_replicated, seed_everything
-from mpzero.training.loop import overlap_note
+from mpzero.training import overlap_note
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from tests.cli import ROOT, TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main
 from tests.distributed import run_ranks

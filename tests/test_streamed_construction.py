@@ -20,7 +20,7 @@ from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_full
 from mpzero.tensor_parallel.placement import placement_of
-from mpzero.training.loop import BuiltModel, build_training_state, train
+from mpzero.training import BuiltModel, build_training_state, train
 from tests.cli import TINY
 from tests.distributed import run_ranks
 from tests.test_llama import LLAMA_FLAGS

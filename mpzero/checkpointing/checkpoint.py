@@ -57,7 +57,7 @@ from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, 
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.files import check_output_directory, fsync_directory, replace_directory, write_atomically
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, placements
+from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, is_pipeline_copy, placements
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesTracker, groups: ParallelGroups,
@@ -75,6 +75,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, rng: RNGStatesT
     return final
 
 
+def pipeline_copies(model) -> frozenset[str]:
+    """Names of the parameters this pipeline stage holds as copies of another stage's (the tied embedding)."""
+    return frozenset(name for name, param in model.named_parameters() if is_pipeline_copy(param))
+
+
 def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: ParallelGroups, meta: dict,
                       checksums: bool = True) -> str:
     """Everything but the publication: the complete checkpoint under its temporary name."""
@@ -84,8 +89,12 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
     if error:
         raise TrainingError(error)
     where = placements(model.named_parameters())
+    copies = pipeline_copies(model)
     optimizer_meta = optimizer.meta_state()
     states = (MASTER,) + optimizer.rule.state_names
+    shapes = {}  # every pipeline stage's parameters (rank 0 writes them into the meta)
+    for stage in groups.pp.all_gather_objects({n: list(p.global_shape(groups.tp_size)) for n, p in where.items()}):
+        shapes.update(stage)
 
     def make_directory():
         if groups.world.rank == 0:
@@ -102,17 +111,17 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
         if checksums:
             write_rank_checksums(tmp, groups.world.rank, planner.written_checksums())
         if groups.world.rank == 0:
-            shapes = {checkpoint_key(k, name): list(p.global_shape(groups.tp_size))
-                      for k in states for name, p in where.items()}
             full = {**meta, "format": FORMAT, "iteration": iteration,
                     "optimizer": optimizer_meta,
-                    "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size},
-                    "shapes": shapes, "checksums": ALGORITHM if checksums else None}
+                    "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size,
+                               "pp": groups.pp_size},
+                    "shapes": {checkpoint_key(k, name): shape for k in states for name, shape in shapes.items()},
+                    "checksums": ALGORITHM if checksums else None}
             write_atomically(os.path.join(tmp, "meta.json"), json.dumps(full, indent=1, sort_keys=True))
 
     _agreed(make_directory, tmp, root, groups)
     try:  # DCP gathers every rank's write result: a failure anywhere raises on every rank
-        dcp.save(_local_shares(optimizer, where, states, groups, writing=True), checkpoint_id=tmp,
+        dcp.save(_local_shares(optimizer, where, states, groups, writing=True, skip=copies), checkpoint_id=tmp,
                  planner=planner)
     except (OSError, dcp.CheckpointException) as error:  # DCP's exception carries every failed rank's error
         _fail_save(tmp, root, groups, _first_os_error(error))
@@ -187,8 +196,9 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     directory = published_dir(root, iteration)
     advice = previous_advice(root, iteration)
     where = placements(model.named_parameters())
+    everywhere = set().union(*groups.pp.all_gather_objects(sorted(where)))  # every pipeline stage's names
     prepared, error = groups.world.run_agreed(
-        lambda: _prepare_load(directory, advice, where, groups, load_optim, load_rng, architecture,
+        lambda: _prepare_load(directory, advice, where, everywhere, groups, load_optim, load_rng, architecture,
                               optimizer.rule.name), (ConfigError,))
     if error:
         raise ConfigError(error)
@@ -212,14 +222,14 @@ def load_checkpoint(root: str, model, optimizer, rng: RNGStatesTracker, groups: 
     return meta
 
 
-def _prepare_load(directory: str, advice: str, where: dict[str, TensorPlacement], groups: ParallelGroups,
-                  load_optim: bool, load_rng: bool, architecture: dict | None, rule: str):
+def _prepare_load(directory: str, advice: str, where: dict[str, TensorPlacement], everywhere: set[str],
+                  groups: ParallelGroups, load_optim: bool, load_rng: bool, architecture: dict | None, rule: str):
     """Everything a load checks and reads before the collective read of the shards: (meta, checksums, this
-    rank's RNG states or None, notes to print)."""
+    rank's RNG states or None, notes to print). `everywhere`: the parameter names of every pipeline stage."""
     meta = read_meta_file(directory, advice)
     if architecture:
         _check_same_architecture(meta, architecture, directory)
-    _check_same_model(meta, where, groups.tp_size, directory)
+    _check_same_model(meta, where, everywhere, groups.tp_size, directory)
     if load_optim and "optimizer" not in meta:
         raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
     saved_rule = meta.get("optimizer", {}).get("rule", RULE_BEFORE_NAMED) if load_optim else rule
@@ -263,7 +273,9 @@ def _read_rng(directory: str, meta: dict, groups: ParallelGroups, advice: str):
     ConfigError naming it."""
     path = os.path.join(directory, "rng", f"rank_{groups.world.rank:05d}.pt")
     name = os.path.relpath(path, directory)
-    if (meta["layout"].get("world"), meta["layout"].get("tp")) != (groups.world.size, groups.tp_size):
+    layout = meta["layout"]
+    if (layout.get("world"), layout.get("tp"), layout.get("pp", 1)) != (groups.world.size, groups.tp_size,
+                                                                        groups.pp_size):
         return None, f"note: checkpoint layout {meta['layout']} has no RNG states for this run's: not loaded"
     if not os.path.isdir(os.path.dirname(path)):  # made by tools/checkpoint_util.py from-consolidated
         return None, f"note: {directory} holds no RNG states: not loaded"
@@ -290,27 +302,32 @@ def _check_same_architecture(meta: dict, architecture: dict, directory: str) -> 
                               f"weights would mean something else; match the model flags or point --load elsewhere")
 
 
-def _check_same_model(meta: dict, where: dict[str, TensorPlacement], tp_size: int, directory: str) -> None:
+def _check_same_model(meta: dict, where: dict[str, TensorPlacement], everywhere: set[str], tp_size: int,
+                      directory: str) -> None:
+    """The checkpoint's parameters are the model's (every stage's names; this stage's shapes)."""
     saved = {}
     for key, shape in meta["shapes"].items():
         state, name = parse_checkpoint_key(key)
         if state == MASTER:
             saved[name] = tuple(shape)
     here = {name: p.global_shape(tp_size) for name, p in where.items()}
-    for name in sorted(set(saved) | set(here)):
+    for name in sorted(set(saved) | everywhere):
+        if name in everywhere and name not in here and name in saved:
+            continue  # another pipeline stage's: checked there
         if saved.get(name) != here.get(name):
             raise ConfigError(f"{directory} is from another model: {name} is {saved.get(name, 'absent')} there and "
                               f"{here.get(name, 'absent')} here; match the model flags or point --load elsewhere")
 
 
 def _local_shares(optimizer, where: dict[str, TensorPlacement], keys: tuple[str, ...], groups: ParallelGroups,
-                  writing: bool) -> dict[str, LocalShare]:
+                  writing: bool, skip: frozenset[str] = frozenset()) -> dict[str, LocalShare]:
     """{checkpoint key: this rank's chunks (views into the optimizer's state) of that global tensor} for `keys`
-    among master and the update rule's states. TP-replicated parameters are written by TP rank 0 alone."""
+    among master and the update rule's states. TP-replicated parameters are written by TP rank 0 alone, a
+    pipeline stage's copy of a tied parameter (`skip`) by the stage holding the original."""
     per_key: dict[str, LocalShare] = {}
     for piece in optimizer.owned_pieces():
         placement = where[piece.name]
-        if writing and placement.partition_dim is None and groups.tp_rank != 0:
+        if writing and (piece.name in skip or (placement.partition_dim is None and groups.tp_rank != 0)):
             continue
         for k in keys:
             share = per_key.setdefault(checkpoint_key(k, piece.name),

@@ -26,6 +26,7 @@ from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.models import GPTConfig, config_from_args
 from mpzero.optim import RULES
+from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
 from mpzero.planner import RunSections
 from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
                              ParallelConfig, ProfileConfig, RunConfig, TrainingConfig, num_micro_batches)
@@ -102,11 +103,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
     parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               context_parallel_size=args.context_parallel_size)
     parallel.sizes.check(world_size)
     tp, dp = parallel.tensor_model_parallel_size, parallel.sizes.dp(world_size)
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
-    num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
+    micro_batches = num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
+    pipeline = pipeline_config(args, micro_batches)
+    if parallel.pipeline_model_parallel_size > 1 and parallel.context_parallel_size > 1:
+        raise ConfigError("--context-parallel-size with --pipeline-model-parallel-size is not supported yet: "
+                          "use one of them")
     tokenizer = tokenizer_record(args)
     vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)
@@ -139,6 +145,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                                     overwrite=args.overwrite_checkpoints),
         logging=logging,
         schedule=lr_schedule(args), zero=sections[0], optimizer=sections[1], precision=sections[2], offload=offload,
+        pipeline=pipeline,
         profile=profile, dry_run=DryRunConfig(args.world_size or 1, args.rank or 0) if args.dry_run else None,
         flags={**vars(args), **resolved})
 
@@ -244,6 +251,21 @@ def zero_config(args: argparse.Namespace) -> ZeroConfig:
                       check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
     check_zero_units(zero, args.torch_compile, args.cuda_graph_impl)
     return zero
+
+
+def pipeline_config(args: argparse.Namespace, micro_batches: int) -> PipelineConfig:
+    """Megatron's pipeline flags (and the zero-bubble fork's), checked against the layers, the micro-batches per
+    iteration, the ZeRO stage and the CUDA graphs."""
+    size = args.pipeline_model_parallel_size
+    config = PipelineConfig(size, virtual_stages(size, args.num_layers, args.num_layers_per_virtual_pipeline_stage,
+                                                 args.num_virtual_stages_per_pipeline_rank),
+                            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                            args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+                            args.enable_zero_bubble)
+    check_composition(config, args.zero_stage, args.cuda_graph_impl)
+    if size > 1 or config != PipelineConfig():
+        config.validate(args.num_layers, micro_batches)
+    return config
 
 
 def planner_sections(args: argparse.Namespace, vocab_size: int) -> RunSections:

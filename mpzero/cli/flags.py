@@ -145,6 +145,26 @@ def parallel_flags(p: argparse.ArgumentParser) -> None:
                           "DeepSpeed-Ulysses: heads and query groups divisible by CP)")
     par.add_argument("--distributed-timeout-minutes", type=float,
                      default=ParallelConfig.distributed_timeout_minutes)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=ParallelConfig.pipeline_model_parallel_size,
+                     help="pipeline stages: the layers split over this many ranks (Megatron's order tp-cp-ep-dp-pp: "
+                          "stages outermost), run by 1F1B, interleaved 1F1B or ZB-H1")
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                     help="interleaved 1F1B: layers per virtual stage (model chunk); sets the virtual stages per "
+                          "rank to num-layers / (pipeline size x this)")
+    par.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                     help="interleaved 1F1B: model chunks per pipeline rank, placed round robin")
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                     help="layers on the first pipeline stage (the others split the rest evenly)")
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                     help="layers on the last pipeline stage (the others split the rest evenly)")
+    par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                     help="count the embedding as one layer of the first virtual stage when splitting evenly")
+    par.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                     help="count the output layer and loss as one layer of the last virtual stage")
+    par.add_argument("--enable-zero-bubble", action="store_true",
+                     help="ZB-H1 (Qi et al.; the flag of sail-sg's Megatron fork): each backward split into its "
+                          "input-gradient and weight-gradient parts, weight gradients held back into the pipeline's "
+                          "idle slots: a third of 1F1B's bubble at its activation memory")
     par.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                      help="0 replicated (DDP), 1 optimizer states, 2 + gradients, 3 + parameters partitioned")
     par.add_argument("--zero-bucket-numel", type=int, default=ZeroConfig.bucket_numel,

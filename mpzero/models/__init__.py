@@ -11,6 +11,8 @@ from mpzero.models.config import (CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMB
 from mpzero.models.family import FAMILIES, GPT2, LLAMA, ModelFamily, config_from_args, family_of
 from mpzero.models.gpt import GPTModel
 from mpzero.models.kv_cache import KVCache
+from mpzero.models.stage import LayerStack, ModelStage
 
 __all__ = ["CUDA_GRAPH_IMPLS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "GPTConfig", "GPTModel", "KVCache",
+           "LayerStack", "ModelStage",
            "TransformerArchitecture", "FAMILIES", "GPT2", "LLAMA", "ModelFamily", "config_from_args", "family_of"]

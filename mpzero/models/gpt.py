@@ -56,8 +56,9 @@ from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, norm
 from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
+from mpzero.models.stage import LayerStack, ModelStage
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
-                                    linear_with_sequence_gather, mark_tensor_parallel, recompute,
+                                    linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
 
@@ -140,7 +141,7 @@ class GPTEmbedding(nn.Module):
 REDUCTIONS = ("none", "mean")
 
 
-def compile_layers(layers: nn.ModuleList) -> None:
+def compile_layers(layers: LayerStack) -> None:
     """torchtitan's regional compilation: each layer's `forward` goes through torch.compile, not the whole model
     and not the module call, so ZeRO-3's gather/release hooks, activation counting and full recomputation stay
     in eager Python around it and parameter names do not change. The layers share one compiled graph (same code,
@@ -194,20 +195,29 @@ def _run_chunk(layers, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _run_trunk(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
-    return model.final_layernorm(_run_chunk(model.layers, model.embedding(tokens)))
+def _run_trunk(model: GPTModel, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """Embedding (where the chunk begins the model), the chunk's layers, final norm (where it ends the model)."""
+    stage = model.stage
+    x = model.embedding(x) if stage.begins(chunk) else x
+    x = _run_chunk(model.layers[stage.positions(chunk)], x)
+    return model.final_layernorm(x) if stage.ends(chunk) else x
 
 
 class GPTModel(nn.Module):
     """`rng`: the dropout streams (`seed_everything`); may be None when the config has no dropout and no
-    recomputation. `tp`: the tensor-parallel group (`init_parallel(...).tp`). `cp`: the context-parallel group
-    (`init_parallel(...).cp`, of `config.context_parallel_size` ranks): the model then takes each rank's part of
-    the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those tokens; None: whole
-    sequences (inference, or a model built for its shapes)."""
+    recomputation. `tp`: the tensor-parallel group (`init_parallel(...).tp`). `stage`: the part of the model to
+    build (`ModelStage`: a pipeline rank's layers by chunk; default the whole model). A stage that ends the model
+    but does not begin it, with the output layer tied to the embedding, holds its own copy of the word embedding
+    under the same name (Megatron's): its gradient is added to the first stage's before the step
+    (`mpzero.zero`'s `pipeline_copy` mark), so both copies stay equal and the norm counts one. `cp`: the
+    context-parallel group (`init_parallel(...).cp`, of `config.context_parallel_size` ranks): the model then takes
+    each rank's part of the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those
+    tokens; None: whole sequences (inference, or a model built for its shapes)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None,
-                 cp: CommGroup | None = None):
+                 stage: ModelStage | None = None, cp: CommGroup | None = None):
         super().__init__()
+        stage = stage or ModelStage.whole(config.num_layers)
         config.validate(tp.size)
         if cp is not None and cp.size != config.context_parallel_size:
             raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
@@ -218,27 +228,33 @@ class GPTModel(nn.Module):
                               f"hidden dropout {config.hidden_dropout}, attention dropout {config.attention_dropout}"
                               f" or recomputation {config.granularity}: pass one, or set both dropouts "
                               f"to 0 and no recomputation")
-        self.config, self.tp, self.rng = config, tp, rng
-        self.embedding = GPTEmbedding(
-            config.vocab_size, config.padded_vocab_size(tp.size), config.hidden_size,
-            config.max_position_embeddings if config.learned_positions else None, config.init_method_std,
-            config.hidden_dropout, tp, rng, config.sequence_parallel, self.context)
+        self.config, self.tp, self.rng, self.stage = config, tp, rng, stage
+        tied = not config.untie_embeddings_and_output_weights
+        self.embedding = self.final_layernorm = self.output_layer = None
+        if stage.first or (stage.last and tied):  # the last stage's copy: the word embedding alone
+            # (with tied output weights and more than one stage)
+            self.embedding = GPTEmbedding(
+                config.vocab_size, config.padded_vocab_size(tp.size), config.hidden_size,
+                config.max_position_embeddings if config.learned_positions and stage.first else None,
+                config.init_method_std, config.hidden_dropout, tp, rng, config.sequence_parallel, self.context)
+            if tied and stage.first != stage.last:  # tied across pipeline stages
+                mark_pipeline_tied(self.embedding.word_embeddings.weight, copy=not stage.first)
         self.rotary = None
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)
-        self.layers = nn.ModuleList(transformer_layer(config, tp, rng, self.rotary, self.context)
-                                    for _ in range(config.num_layers))
-        self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                                    config.layernorm_impl, tp if config.sequence_parallel else None)
+        self.layers = LayerStack({i: transformer_layer(config, tp, rng, self.rotary, self.context)
+                                  for chunk in stage.chunks for i in chunk})
+        if stage.last:
+            self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
+                                        config.layernorm_impl, tp if config.sequence_parallel else None)
         self._compiled_trunk = None
         if config.torch_compile:
             compile_layers(self.layers)
             if trunk_compilable(config, tp.size):  # the layers' compiled forwards are inlined into it
                 self._compiled_trunk = compile_trunk(partial(_run_trunk, self), config.cuda_graph_impl)
                 self._trunk_modules = [m for top in (self.embedding, self.layers, self.final_layernorm)
-                                       for m in top.modules()]
-        self.output_layer = None
-        if config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel, no bias
+                                       if top is not None for m in top.modules()]
+        if stage.last and config.untie_embeddings_and_output_weights:  # Megatron's output_layer: column-parallel
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size(tp.size), tp,
                 vocab_rows_init(config.init_method_std, config.vocab_size), bias=False,
@@ -249,22 +265,23 @@ class GPTModel(nn.Module):
             materialize_module(self, device)  # the whole build; on the meta device ZeroOptimizer streams it
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "none",
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, chunk: int = 0) -> torch.Tensor:
         """tokens [b, s] -> with labels: per-token losses [b, s] (`reduction="none"`, for a loss mask) or their
         mean (`reduction="mean"`); without labels: this rank's logits [b, s, V/tp]. With a `cache` (inference,
         `mpzero.models.KVCache`): tokens at positions [cache.length, cache.length + s), appended to the cache,
-        -> this rank's logits of the last position [b, 1, V/tp] (nanoGPT's inference forward)."""
+        -> this rank's logits of the last position [b, 1, V/tp] (nanoGPT's inference forward).
+        A pipeline stage runs its model chunk `chunk`: it takes the previous stage's hidden states [b, s, h]
+        (sequence parallel: [b, s/tp, h]) in place of tokens unless the chunk begins the model, and returns its
+        own unless the chunk ends it."""
         if cache is not None:
             return self._forward_cached(tokens, cache)
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
-        if tokens.size(1) * self.config.context_parallel_size > self.config.max_position_embeddings:
-            raise ConfigError(f"sequence length {tokens.size(1) * self.config.context_parallel_size} exceeds "
-                              f"--max-position-embeddings {self.config.max_position_embeddings}")
-        if self.config.sequence_parallel and tokens.size(1) % self.tp.size:
-            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} (per CP rank) is not "
-                              f"divisible by --tensor-model-parallel-size {self.tp.size}")
-        x = self._trunk(tokens)  # sequence parallel: this rank's slice [b, s/tp, h]
+        if self.stage.begins(chunk):
+            self._check_tokens(tokens)
+        x = self._trunk(tokens, chunk)  # sequence parallel: this rank's slice [b, s/tp, h]
+        if not self.stage.ends(chunk):
+            return x
         chunk = self.config.cross_entropy_chunk_size
         if labels is not None and chunk:  # the output projection fused with the loss: no [b, s, V/tp] logits
             weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
@@ -285,7 +302,18 @@ class GPTModel(nn.Module):
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp)
         return losses.mean() if reduction == "mean" else losses
 
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """tokens: this CP rank's part of the sequence (all of it at CP 1)."""
+        if tokens.size(1) * self.config.context_parallel_size > self.config.max_position_embeddings:
+            raise ConfigError(f"sequence length {tokens.size(1) * self.config.context_parallel_size} exceeds "
+                              f"--max-position-embeddings {self.config.max_position_embeddings}")
+        if self.config.sequence_parallel and tokens.size(1) % self.tp.size:
+            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} (per CP rank) is not "
+                              f"divisible by --tensor-model-parallel-size {self.tp.size}")
+
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if not self.stage.is_whole:
+            raise ConfigError("a KV cache (generation) runs the whole model: build it without a pipeline stage")
         start, s = cache.length, tokens.size(1)
         if start + s > self.config.max_position_embeddings:
             raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
@@ -304,28 +332,32 @@ class GPTModel(nn.Module):
             logits = self.output_layer(x)
         return self._mask_vocab_padding(logits)
 
-    def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has
-        forward hooks (ZeRO-3's, for any unit), else module by module."""
+    def _trunk(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Embedding, the chunk's layers, final norm (each where the stage has it): one compiled region where
+        `trunk_compilable` and no module in it has forward hooks (ZeRO-3's, for any unit), else module by
+        module."""
         compiled = self._compiled_trunk is not None
         if compiled and not _has_module_hooks(self._trunk_modules):
             if self.rotary is not None:
-                self.rotary.follow(tokens.device)
+                self.rotary.follow(x.device)
             with activation_region(COMPILED_TRUNK):
-                return self._compiled_trunk(tokens)
+                return self._compiled_trunk(x, chunk)
         if compiled and self.config.cuda_graph_impl != "none":
             raise ConfigError("--cuda-graph-impl local captures the trunk as one compiled region, but its modules "
                               "have forward hooks (ZeRO-3's gather and release) that must run around each: use "
                               "--zero-stage 0-2 or drop --cuda-graph-impl local")
-        return self.final_layernorm(self._layers(self.embedding(tokens)))
+        x = self.embedding(x) if self.stage.begins(chunk) else x
+        x = self._layers(x, chunk)
+        return self.final_layernorm(x) if self.stage.ends(chunk) else x
 
-    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """The transformer layers, each in its activation-counting region (`mpzero.activations`), with full
         recomputation as configured: uniform N cuts the layers into chunks of N and keeps each chunk's input;
-        block N recomputes the first N layers one by one and stores the rest (Megatron's per-stage rule; one
-        stage here). The host tier keeps the checkpoints (full) or every tensor the layers save in host
-        memory, through torch.autograd.graph.save_on_cpu."""
-        config, layers = self.config, self.layers
+        block N recomputes the first N layers one by one and stores the rest (Megatron's per-stage rule: the
+        first N of this model chunk). The host tier keeps the checkpoints (full) or every tensor the layers save in
+        host memory, through torch.autograd.graph.save_on_cpu. Regions are numbered by the layers' global index."""
+        config, layers = self.config, self.layers[self.stage.positions(chunk)]
+        first = self.stage.chunks[chunk][0] if layers else 0
         full = config.granularity == "full" and self.training
         method, n = config.resolved_recompute_method, config.resolved_recompute_num_layers
         distribute = self.tp if config.distribute_saved_activations else None
@@ -334,11 +366,11 @@ class GPTModel(nn.Module):
         while i < len(layers):
             if full and (method == "uniform" or i < n):
                 end = min(i + n, len(layers)) if method == "uniform" else i + 1
-                with activation_region(i), host_offload(host):
+                with activation_region(first + i), host_offload(host):
                     x = recompute(partial(_run_chunk, layers[i:end]), self.rng, x, distribute=distribute)
                 i = end
             else:
-                with activation_region(i), host_offload(host and not full):
+                with activation_region(first + i), host_offload(host and not full):
                     x = layers[i](x)
                 i += 1
         return x

@@ -4,12 +4,14 @@ and the per-parameter placement contract (`placement.py`) every parameter handed
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear, VocabParallelEmbedding,
                                            gather_full, linear_with_sequence_gather, ones_, sharded_parameter, zeros_)
-from mpzero.tensor_parallel.placement import (TensorPlacement, mark_replicated, mark_tensor_parallel, placement_of,
-                                              placements, tp_slice, tp_unslice)
+from mpzero.tensor_parallel.placement import (TensorPlacement, is_pipeline_copy, is_pipeline_tied, mark_pipeline_tied,
+                                              mark_replicated, mark_tensor_parallel, placement_of, placements,
+                                              tp_slice, tp_unslice)
 from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence_parallel, gather_from_tp,
                                              reduce_from_tp, reduce_scatter_to_sequence_parallel,
                                              scatter_to_sequence_parallel, scatter_to_tp)
 from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_everything
+from mpzero.tensor_parallel.weight_grad import WeightGradStore
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -18,5 +20,5 @@ __all__ = [
     "placement_of", "placements", "TensorPlacement", "sharded_parameter", "gather_full", "RNGStatesTracker",
     "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "gather_from_sequence_parallel", "linear_with_sequence_gather", "InitMethod", "ones_", "zeros_", "tp_slice",
-    "tp_unslice",
+    "tp_unslice", "WeightGradStore", "is_pipeline_copy", "is_pipeline_tied", "mark_pipeline_tied",
 ]

@@ -32,6 +32,7 @@ from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, gather_
                                              reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
                                              scatter_to_tp)
 from mpzero.tensor_parallel.placement import mark_tensor_parallel, tp_slice, tp_unslice
+from mpzero.tensor_parallel.weight_grad import WeightGradStore, deferring_linear, sequence_weight_grad
 
 InitMethod = Fill  # (full fp32 weight, its generator) -> None, in place
 
@@ -69,35 +70,45 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     input gradient along the sequence."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, store):
+        ctx.group, ctx.has_bias, ctx.store = group, bias is not None, store
         ctx.save_for_backward(x, weight)
         return F.linear(gather_sequence(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        full = gather_sequence(x, ctx.group)
         grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.group)
-        grad_2d = grad.reshape(-1, grad.size(-1))
-        grad_weight = grad_2d.t().matmul(full.reshape(-1, full.size(-1)))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        grad_bias = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
+        if ctx.store is not None and ctx.store.deferring is not None:  # zero bubble's W pass gathers x again
+            ctx.store.put(lambda: sequence_weight_grad(x, grad, ctx.group, gather_sequence), weight)
+            return grad_input, None, grad_bias, None, None
+        return grad_input, sequence_weight_grad(x, grad, ctx.group, gather_sequence), grad_bias, None, None
 
 
 def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                group: CommGroup) -> torch.Tensor:
-    """F.linear over the whole sequence from this rank's slice x [b, s/t, in] (sequence parallelism)."""
+                                group: CommGroup, store: WeightGradStore | None = None) -> torch.Tensor:
+    """F.linear over the whole sequence from this rank's slice x [b, s/t, in] (sequence parallelism). `store`:
+    zero bubble's split backward may defer the weight gradient (weight_grad.py)."""
     if group.size == 1:
-        return F.linear(x, weight, bias)
-    return _LinearWithSequenceGather.apply(x, weight, bias, group)
+        return _linear(x, weight, bias, store)
+    return _LinearWithSequenceGather.apply(x, weight, bias, group, store)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            store: WeightGradStore | None) -> torch.Tensor:
+    """F.linear, or with a store (zero bubble) the linear whose weight gradient the store may defer."""
+    return F.linear(x, weight, bias) if store is None else deferring_linear(x, weight, bias, store)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across the TP group; y stays sharded
     unless `gather_output` (`chunks` > 1: W is that many row blocks, each split across TP, see `TensorPlacement`).
     The input is replicated, so its gradient is all-reduced on the way back
-    (with `sequence_parallel` the input is this rank's sequence slice, gathered; its gradient reduce-scattered)."""
+    (with `sequence_parallel` the input is this rank's sequence slice, gathered; its gradient reduce-scattered).
+    `weight_grad_store` (set by a zero-bubble pipeline): the weight gradient may be deferred (weight_grad.py)."""
+
+    weight_grad_store: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
@@ -113,16 +124,20 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _bias(local_out, 0, chunks) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        store = self.weight_grad_store
         if self.sequence_parallel:
-            y = linear_with_sequence_gather(x, self.weight, self.bias, self.group)  # [b, s, out/tp]
+            y = linear_with_sequence_gather(x, self.weight, self.bias, self.group, store)  # [b, s, out/tp]
         else:
-            y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)  # [..., out/tp]
+            y = _linear(copy_to_tp(x, self.group), self.weight, self.bias, store)  # [..., out/tp]
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split across the TP group: each rank computes a
-    partial product from its input shard, the partials are all-reduced, then the replicated bias is added."""
+    partial product from its input shard, the partials are all-reduced, then the replicated bias is added.
+    `weight_grad_store`: as ColumnParallelLinear's."""
+
+    weight_grad_store: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, init_method: InitMethod,
                  bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False):
@@ -138,10 +153,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
+        product = _linear(x, self.weight, None, self.weight_grad_store)
         if self.sequence_parallel:  # [b, s, in/tp] -> this rank's summed sequence slice [b, s/tp, out]
-            y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.group)
+            y = reduce_scatter_to_sequence_parallel(product, self.group)
             return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)  # [..., out], full sum
+        y = reduce_from_tp(product, self.group)  # [..., out], full sum
         return y + self.bias if self.bias is not None else y
 
 

@@ -98,3 +98,19 @@ def placement_of(name: str, param: nn.Parameter) -> TensorPlacement:
 def placements(named_params) -> dict[str, TensorPlacement]:
     """{name: placement} for (name, parameter) pairs; the first unmarked parameter is a ConfigError."""
     return {name: placement_of(name, param) for name, param in named_params}
+
+
+def mark_pipeline_tied(param: nn.Parameter, copy: bool) -> nn.Parameter:
+    """A parameter held by two pipeline stages (GPT-2's word embedding: the first stage's input, the last stage's
+    output layer): its gradient is the sum of both stages' (ZeRO adds them before the step, so both copies take the
+    same update). `copy`: this is the second stage's, which the norm and checkpoints leave to the first."""
+    param.pipeline_tied, param.pipeline_copy = True, copy
+    return param
+
+
+def is_pipeline_tied(param: nn.Parameter) -> bool:
+    return getattr(param, "pipeline_tied", False)
+
+
+def is_pipeline_copy(param: nn.Parameter) -> bool:
+    return getattr(param, "pipeline_copy", False)

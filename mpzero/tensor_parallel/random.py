@@ -71,9 +71,12 @@ class RNGStatesTracker:
         self.set_states(snapshot["streams"])
 
 
-def seed_everything(seed: int, tp_rank: int, device: torch.device) -> RNGStatesTracker:
-    """Seed the default generator (same on every rank: replicated regions and initialization agree) and
-    return a tracker whose tensor-parallel stream differs per TP rank (Megatron's offsets)."""
+def seed_everything(seed: int, tp_rank: int, device: torch.device, pp_rank: int = 0) -> RNGStatesTracker:
+    """Seed the default generator (same on every rank of a pipeline stage: replicated regions agree) and
+    return a tracker whose tensor-parallel stream differs per TP rank (Megatron's offsets). Each pipeline stage's
+    seeds are 100 x its rank further on (Megatron's), so its layers do not draw the same dropout masks as the
+    other stages'. (Initial weights come from each parameter's own generator, not from these.)"""
+    seed += 100 * pp_rank
     torch.manual_seed(seed)
     tracker = RNGStatesTracker(device)
     tracker.add(RNGStatesTracker.TENSOR_PARALLEL, seed + 2718 + tp_rank)

@@ -47,3 +47,23 @@ def inputs_and_labels(dataset, indices: range, device: torch.device,
     of its two chunks (`mpzero.context_parallel.ZigzagChunks`); at CP 1 the views [:, :-1] and [:, 1:] of one
     batch."""
     return split_batch(load_batch(dataset, indices, device), cp.size, cp.rank)
+
+
+class MicroBatches:
+    """A global batch's micro-batches on this DP rank, each loaded once, when a pipeline stage first asks for its
+    inputs (the stage that begins the model) or labels (the stage that ends it); other stages load nothing."""
+
+    def __init__(self, dataset, indices: list[range], device: torch.device):
+        self.dataset, self.indices, self.device = dataset, indices, device
+        self._loaded: dict[int, torch.Tensor] = {}
+
+    def _rows(self, micro_batch: int) -> torch.Tensor:
+        if micro_batch not in self._loaded:
+            self._loaded[micro_batch] = load_batch(self.dataset, self.indices[micro_batch], self.device)
+        return self._loaded[micro_batch]
+
+    def tokens(self, micro_batch: int) -> torch.Tensor:
+        return self._rows(micro_batch)[:, :-1]
+
+    def labels(self, micro_batch: int) -> torch.Tensor:
+        return self._rows(micro_batch)[:, 1:]

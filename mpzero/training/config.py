@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpzero.parallel import GridSizes, ParallelGroups, init_parallel
+from mpzero.pipeline import PipelineConfig
 from mpzero.training.lr_schedule import LRSchedule
 from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
@@ -124,5 +125,6 @@ class RunConfig:
     precision: PrecisionConfig
     offload: OffloadConfig = OffloadConfig()
     profile: ProfileConfig = ProfileConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     dry_run: DryRunConfig | None = None  # None: a real run
     flags: dict = field(default_factory=dict, compare=False)

@@ -1,30 +1,21 @@
-"""The training loop, for any model: it takes a `RunConfig` (config.py) and a model provider, and never looks at
-command-line flags or inside the model's own config section.
-
-A model provider is one function, `provider(model_config, groups, rng) -> BuiltModel`: the module (its
-`forward(tokens, labels)` returns per-token losses [b, s]; every trainable parameter marked with its TP
-placement) and its FLOPs per trained token (for TFLOP/s). `pretrain_gpt.py` is this loop plus a GPT provider.
+"""The training loop, for any model: it takes a `RunConfig` (config.py) and a model provider (state.py), and never
+looks at command-line flags or inside the model's own config section. `pretrain_gpt.py` is this loop plus a GPT
+provider.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
-from torch import nn
+from functools import partial
 
 from mpzero.activations import SavedBytesCounter, report_activation_memory
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
-from mpzero.training.batches import inputs_and_labels, micro_batch_indices, num_micro_batches
 from mpzero.training.config import RunConfig
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
@@ -33,58 +24,9 @@ from mpzero.training.profiling import IterationProfiler
 from mpzero.training.signals import TerminationSignal
 from mpzero.training.startup import start
 from mpzero.training.metrics import MetricsLogger
+from mpzero.training.passes import evaluate, forward_backward
+from mpzero.training.state import ModelProvider, TrainingState, build_training_state, overlap_note, partition_note
 from mpzero.zero import StepStats, ZeroOptimizer
-
-
-@dataclass(frozen=True)
-class BuiltModel:
-    module: nn.Module
-    flops_per_token: float  # model FLOPs of forward + backward per trained token
-    architecture: dict = field(default_factory=dict)  # {flag name: value} that give the weights their meaning:
-    # saved with every checkpoint; loading one saved with other values is refused
-
-
-ModelProvider = Callable[[Any, ParallelGroups, RNGStatesTracker], BuiltModel]
-
-
-@dataclass
-class TrainingState:
-    """What the loop trains: built once per run by `build_training_state`."""
-    groups: ParallelGroups
-    model: BuiltModel
-    optimizer: ZeroOptimizer
-    rng: RNGStatesTracker
-
-
-def build_training_state(run: RunConfig, provider: ModelProvider, groups: ParallelGroups) -> TrainingState:
-    """Seeds every generator, builds the model through `provider` and its ZeRO optimizer."""
-    rng = seed_everything(run.training.seed, groups.tp_rank, groups.device)
-    built = provider(run.model, groups, rng)
-    optimizer = ZeroOptimizer(built.module, groups, run.zero, run.optimizer, run.precision, offload=run.offload)
-    return TrainingState(groups, built, optimizer, rng)
-
-
-def overlap_note(optimizer: ZeroOptimizer) -> str | None:
-    """A line saying that overlapping gradient reduction with backward cannot happen for this model, or None.
-    It cannot when every parameter sits in one gradient bucket (stages 0-2: the bucket is complete, and
-    reduced, only when backward is over) or in one stage-3 unit; with one DP rank nothing is reduced at all."""
-    zero, layouts, numel = optimizer.zero, optimizer.stage.layouts, optimizer.numel
-    if not zero.overlap_comm or optimizer.groups.dp_size == 1 or len(layouts) != 1:
-        return None
-    if zero.stage == 3:
-        return (f"note: ZeRO stage 3 found no units in this model (no nn.ModuleList; all {numel} parameters are "
-                f"one unit), so gathering and reducing cannot overlap with compute: pass units= to ZeroOptimizer")
-    return (f"note: --zero-bucket-numel {zero.bucket_numel} holds all {numel} trainable parameters of this rank "
-            f"in one gradient bucket, reduced only once backward is over: nothing overlaps with it; a bucket of "
-            f"about {max(numel // 4, 1)} elements reduces in 4 parts while backward runs")
-
-
-def partition_note(optimizer: ZeroOptimizer) -> str | None:
-    """At DP 1 a ZeRO stage above 0 partitions nothing: said once, so nobody reads its memory as savings."""
-    if optimizer.groups.dp_size > 1 or optimizer.zero.stage == 0:
-        return None
-    return (f"note: data-parallel size 1: ZeRO stage {optimizer.zero.stage} partitions nothing (every state is "
-            f"whole on this rank); run more data-parallel ranks to divide it")
 
 
 @dataclass
@@ -227,12 +169,24 @@ def _build_and_report(run: RunConfig, provider: ModelProvider, groups: ParallelG
     directory = state.optimizer.offload_directory
     if directory is not None and directory.note:  # this rank removed a dead run's swap files
         print(directory.note, flush=True)
+    lines = every_stage(groups, state.optimizer.memory_report().line())
     if groups.is_logging_rank:
-        print(state.optimizer.memory_report().line(), flush=True)
+        for line in lines:
+            print(line, flush=True)
         for note in (overlap_note(state.optimizer), partition_note(state.optimizer)):
             if note:
                 print(note, flush=True)
     return state
+
+
+def every_stage(groups: ParallelGroups, line: str) -> list[str]:
+    """A report line of this rank's, and under pipeline parallelism each stage's in its place, marked with the
+    stage (a collective over the pipeline group: every rank calls it)."""
+    if groups.pp_size == 1:
+        return [line]
+    head, rest = line.split(" | ", 1)
+    return [f"{head} | pipeline stage {stage} | {body}"
+            for stage, body in enumerate(groups.pp.all_gather_objects(rest))]
 
 
 def _load_or_close(run: RunConfig, state: TrainingState) -> Progress:
@@ -298,51 +252,11 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
 
 
-def forward_backward(state: TrainingState, dataset, consumed: int, training,
-                      activations: SavedBytesCounter | None = None) -> torch.Tensor:
-    """Forward and backward of every micro-batch of one global batch; returns the global batch's loss times the
-    DP x CP size (the DP and CP ranks' mean losses summed, each over as many tokens; the same on every rank) as a
-    device scalar, not read here: the caller divides it by the DP x CP size on the host once it reads it. The optimizer step is the caller's.
-    `activations`: counts what the first micro-batch's forward saves for backward (it only looks)."""
-    model, optimizer, groups = state.model.module, state.optimizer, state.groups
-    model.train()
-    optimizer.zero_grad()
-    micro_batches = micro_batch_indices(consumed, training.global_batch_size, training.micro_batch_size,
-                                        groups.dp_rank, groups.dp_size)
-    total = torch.zeros((), device=groups.device)
-    for i, indices in enumerate(micro_batches):
-        inputs, labels = inputs_and_labels(dataset, indices, groups.device, groups.cp)
-        with activations.counting() if activations is not None and i == 0 else contextlib.nullcontext():
-            loss = model(inputs, labels).mean() / len(micro_batches)
-        optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
-        total += loss.detach()
-    groups.dp_cp.all_reduce(total)
-    return total
-
-
-
-
-@torch.no_grad()
-def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
-    """Mean lm loss over the first `--eval-iters` global batches of `dataset` (the same batches at every
-    evaluation, so the curve shows the model changing, not the sample). Every rank runs every batch."""
-    model, groups, training = state.model.module, state.groups, run.training
-    model.eval()
-    total, batches = torch.zeros((), device=groups.device), 0
-    for k in range(run.evaluation.eval_iters):
-        for indices in micro_batch_indices(k * training.global_batch_size, training.global_batch_size,
-                                           training.micro_batch_size, groups.dp_rank, groups.dp_size):
-            total += model(*inputs_and_labels(dataset, indices, groups.device, groups.cp)).mean()
-            batches += 1
-    groups.dp_cp.all_reduce(total)
-    model.train()
-    return total.item() / (batches * groups.dp_cp.size)
-
-
 def _evaluate_and_log(state: TrainingState, dataset, where: str, iteration: int, run: RunConfig,
                       tensorboard) -> float:
     state.optimizer.finish_update()  # --offload-delayed-update-after: evaluate the updated parameters
-    loss = state.optimizer.uncounted(evaluate, state, dataset, run)  # the next `zero comm` line: training's bytes
+    evaluation = evaluate if state.pipeline is None else partial(state.pipeline.meter.uncounted, evaluate)
+    loss = state.optimizer.uncounted(evaluation, state, dataset, run)  # the next comm lines: training's bytes
     if state.groups.is_logging_rank:
         print(validation_line(where, loss), flush=True)
     if tensorboard is not None:
@@ -366,17 +280,21 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
     grad_norm = stats.grad_norm if stats.grad_norm is not None else float("nan")
     peak = mfu_peak(groups.device, run.precision.dtype)
     mfu = tflops / peak[1] if peak is not None and peak[1] is not None else None  # a known GPU, bf16/fp16
+    comm_lines = every_stage(groups, comm.line())
+    if state.pipeline is not None:
+        comm_lines += groups.pp.all_gather_objects(state.pipeline.meter.report(iteration).line())
+    if groups.cp.size > 1:  # the context-parallel attention's bytes of the last iteration, against theory
+        micro_batches = training.global_batch_size // (training.micro_batch_size * groups.dp_size)
+        comm_lines.append(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                                       run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes))
     if groups.is_logging_rank:
         extra = {"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}",
                  **({} if mfu is None else {"MFU": f"{mfu:.3f}"})}
         print(iteration_line(iteration, training.train_iters, consumed, seconds * 1000, lr,
                              training.global_batch_size, loss, stats.loss_scale, grad_norm, interval.skipped,
                              nan=0, extra=extra), flush=True)
-        print(comm.line(), flush=True)
-        if groups.cp.size > 1:
-            micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
-            print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                               run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes), flush=True)
+        for line in comm_lines:
+            print(line, flush=True)
     applied = {"lm loss": loss} if interval.losses else {}  # no point plotted for an all-skipped interval
     model_states = state.optimizer.memory_report()
     tensorboard.scalars({**applied, "learning-rate": lr, "grad-norm": grad_norm, "iteration-time": seconds,

@@ -107,6 +107,8 @@ class GradCollector:
 
     def _deliver(self, i: int, param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
+        if grad is None:  # its accumulator ran without a gradient (zero bubble's deferred weight gradient)
+            return
         bucket, run = self._bucket[i], self._run_of[i]
         if run is not None and not self._arrived[i] and self._waiting[bucket]:
             self._arrived[i] = True

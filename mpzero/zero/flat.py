@@ -24,6 +24,7 @@ from torch import nn
 
 from mpzero.deferred_init import bind, materialize
 from mpzero.errors import ConfigError
+from mpzero.tensor_parallel import is_pipeline_tied
 
 DecayRule = Callable[[str, nn.Parameter], bool]
 _DECAY_ATTR = "zero_weight_decay"  # set by mark_weight_decay: True / False
@@ -140,9 +141,15 @@ def build_layout(named_params: list[tuple[str, nn.Parameter]], parts: int, rank:
 def bucket_layouts(named_params: list[tuple[str, nn.Parameter]], bucket_numel: int, parts: int,
                    rank: int) -> list[FlatLayout]:
     """Buckets of about `bucket_numel` elements in reverse registration order, the order in which
-    backward usually produces gradients, so the first bucket fills (and can be reduced) first."""
+    backward usually produces gradients, so the first bucket fills (and can be reduced) first. A parameter tied
+    across pipeline stages (`is_pipeline_tied`) has a bucket of its own, partitioned the same on both stages, so
+    its reduced gradient slices can be added across them."""
     buckets, current, size = [], [], 0
     for name, param in reversed(named_params):
+        if is_pipeline_tied(param):
+            buckets += [current, [(name, param)]] if current else [[(name, param)]]
+            current, size = [], 0
+            continue
         current.append((name, param))
         size += param.numel()
         if size >= bucket_numel:

@@ -23,7 +23,7 @@ import torch
 
 from mpzero.fused import sum_of_squares
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import TensorPlacement
+from mpzero.tensor_parallel import TensorPlacement, is_pipeline_copy
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.step_grads import Fp32Buckets
 
@@ -32,12 +32,14 @@ def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement],
               dp_rank: int) -> list[tuple[int, int, int]]:
     """(bucket, start, end) slices of this rank's gradient shards that count towards the norm; parameters that lie
     side by side in a bucket make one slice (one fp64 pass, not one per parameter: a GPU launches a few kernels per
-    slice)."""
+    slice). A pipeline stage's copy of a tied parameter counts on the stage that holds the original."""
     runs = []
     for bucket, layout in enumerate(layouts):
         if layout.parts == 1 and dp_rank != 0:
             continue  # replicated over DP (stage 0): every DP rank holds the same reduced gradients
         for i, start, end in layout.owned_pieces():
+            if is_pipeline_copy(layout.params[i]):
+                continue
             if placements[layout.names[i]].is_sharded or tp_rank == 0:
                 if runs and runs[-1][0] == bucket and runs[-1][2] == start:
                     runs[-1] = (bucket, runs[-1][1], end)

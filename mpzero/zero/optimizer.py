@@ -6,6 +6,11 @@
         opt.backward(loss, last_micro_batch=(micro_batch == m - 1))
     stats = opt.step(lr)                                # StepStats(grad_norm, skipped, loss_scale)
 
+A pipeline stage without the loss runs its backward from the next stage's gradient inside the same window:
+
+    with opt.backward_window(last_micro_batch) as scale:  # the loss scale the last stage multiplied its loss by
+        torch.autograd.backward(output, grad_from_next_stage)
+
 Three owners, one job each, behind explicit contracts:
 - the stage (`stage_base.ZeroStage`: stages.py, stage3.py) owns parameter storage and gradient buffers,
   and spreads updated parameter slices to the model;
@@ -24,6 +29,7 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -37,7 +43,7 @@ from torch import nn
 from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
-from mpzero.tensor_parallel import placements
+from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
@@ -133,6 +139,14 @@ class ZeroOptimizer(OptimizerReports):
         self.scaler = make_loss_scaler(precision)
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
+        self._tied_buckets = [b for b, layout in enumerate(self.stage.layouts)
+                              if any(is_pipeline_tied(param) for param in layout.params)]
+        if self._tied_buckets and self.stage.gradient_file is not None:
+            self.close()
+            raise ConfigError("the output layer tied to the embedding across pipeline stages adds the two stages' "
+                              "gradients before the step, and --offload-optimizer disk at --zero-stage 2 keeps "
+                              "them on disk: use --untie-embeddings-and-output-weights, --offload-optimizer cpu or "
+                              "--zero-stage 1")
         self._arriving = None  # gradients on disk: the norm is taken as their final slices arrive in backward
         if self.stage.gradient_file is not None:
             self._arriving = ArrivingNorm(self._norm_runs, len(self.stage.layouts), precision.dtype == "fp16")
@@ -194,12 +208,41 @@ class ZeroOptimizer(OptimizerReports):
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Backward of one micro-batch's loss (already divided by the number of micro-batches).
         Stages 0-1 communicate only when `last_micro_batch`; stages 2-3 reduce every micro-batch."""
+        with self.backward_window(last_micro_batch) as scale:
+            (loss * scale if scale != 1.0 else loss).backward()
+
+    @contextlib.contextmanager
+    def backward_window(self, last_micro_batch: bool, micro_batch: bool = True):
+        """The gradients a backward produces inside are collected (and reduced as `backward` does); yields the
+        loss scale (fp16's dynamic scale, else 1), which the loss must be multiplied by. A pipeline stage runs its
+        backward from the next stage's (already scaled) gradient here. `micro_batch` False: the window adds to the
+        micro-batch before it (zero bubble's weight-gradient pass), not counted as one more."""
         self.stage.begin_backward(last_micro_batch)
-        scale = self.scaler.scale
-        (loss * scale if scale != 1.0 else loss).backward()
+        yield self.scaler.scale
         self.stage.end_backward()
-        self._micro_batches += 1
+        self._micro_batches += micro_batch
         self._reduced = last_micro_batch
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def tied_gradient_bytes(self) -> int:
+        """This rank's gradient slices of parameters tied across pipeline stages (all-reduced with the other
+        stage's once per step)."""
+        g = self.precision.grad_dtype.itemsize
+        return sum(self.stage.layouts[b].shard_numel * g for b in self._tied_buckets)
+
+    def _add_tied_gradients(self) -> None:
+        """A parameter tied across pipeline stages (its bucket alone, partitioned alike on both): each stage's
+        reduced slice becomes the sum of both stages' (Megatron's embedding-group all-reduce), so both copies
+        take the same update."""
+        for bucket in self._tied_buckets:
+            shard = self.stage.grad_shards[bucket]
+            on_device = shard if shard.device == self.groups.device else shard.to(self.groups.device)
+            self.groups.embedding.all_reduce(on_device)
+            if on_device is not shard:  # gradients streamed to host memory (an offloaded optimizer)
+                shard.copy_(on_device)
 
     def check_gradients(self, read_with: tuple[torch.Tensor, ...] = ()) -> GradientCheck:
         """The step's one device-to-host synchronisation, before anything is updated: unscales the gradients and
@@ -211,6 +254,7 @@ class ZeroOptimizer(OptimizerReports):
                                "this global batch have not been reduced across data-parallel ranks")
         if self._checked is not None:
             raise RuntimeError("check_gradients() runs once per step: its gradients are already unscaled")
+        self._add_tied_gradients()
         grads = self._fp32_grads()
         cast = isinstance(grads, Fp32Buckets)  # the norm then reads the low-precision shards themselves
         if isinstance(grads, FileGrads):  # on disk: summed as they arrived

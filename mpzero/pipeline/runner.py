@@ -1,0 +1,51 @@
+"""What the training loop holds for a pipeline rank: its `StageRun` and its steps for training and for evaluation,
+built once per run (the micro-batches per iteration are fixed), with the zero-bubble store given to the
+transformer layers' tensor-parallel linears when the schedule splits backwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mpzero.parallel import ParallelGroups
+from mpzero.pipeline.accounting import PipelineMeter
+from mpzero.pipeline.config import PipelineConfig
+from mpzero.pipeline.executor import StageRun
+from mpzero.pipeline.schedules import Step, build
+from mpzero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, WeightGradStore
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    run: StageRun
+    train_steps: list[Step]
+    eval_steps: list[Step]
+    rank: int
+    kind: str  # the schedule's name (schedules.SCHEDULES)
+    meter: PipelineMeter
+
+
+def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, micro_batch_size: int,
+                      seq_length: int, micro_batches: int, dtype: torch.dtype, tied_bytes: int = 0) -> PipelineSchedule:
+    """This rank's schedules for a model built from `config`'s stage (a GPTModel: its config gives the hidden
+    states' shape, [b, s, h], or [b, s/t, h] under sequence parallelism). `tied_bytes`: this rank's slice of the
+    tied embedding's gradient, all-reduced with the other end's (`ZeroOptimizer.tied_gradient_bytes`)."""
+    store = None
+    if config.zero_bubble:
+        store = WeightGradStore()
+        for module in model.layers.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.weight_grad_store = store
+    model_config = model.config
+    seq = seq_length // groups.tp_size if model_config.sequence_parallel else seq_length
+    pipe = config.pipe(micro_batches)
+    run = StageRun(model, groups.pp, pipe, (micro_batch_size, seq, model_config.hidden_size), dtype, groups.device,
+                   store)
+    rank = groups.pp_rank
+    # NCCL's batched point-to-point needs every rank of the group in the group's first collective
+    groups.pp.all_reduce(torch.zeros(1, device=groups.device))
+    activation_bytes = micro_batch_size * seq * model_config.hidden_size * dtype.itemsize
+    meter = PipelineMeter(groups.pp, groups.embedding, config.schedule, pipe, rank, activation_bytes, tied_bytes)
+    return PipelineSchedule(run, build(config.schedule, pipe)[rank], build("forward", pipe)[rank], rank,
+                            config.schedule, meter)

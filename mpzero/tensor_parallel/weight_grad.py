@@ -1,0 +1,100 @@
+"""Zero bubble's split backward (Qi et al., "Zero Bubble Pipeline Parallelism"): the backward of a micro-batch in
+two passes, I (every gradient but the linear layers' weight gradients, so the input gradient can travel on at
+once) and W (the weight gradients, computed later where a pipeline would idle).
+
+While a `WeightGradStore` is `deferring`, a tensor-parallel linear's backward computes its input (and bias)
+gradient and queues what its weight gradient needs (its input, the output gradient, the weight); `run(key)` then
+computes them, in the order queued, and hands each to its weight through autograd (`weight.backward(grad)`), so
+ZeRO's gradient hooks receive it as from any backward. The arithmetic is autograd's own for `F.linear`
+(dW = (x^T dy)^T over the flattened tokens; sequence parallelism: dy^T gather(x)), so a schedule that splits the
+backward trains the same numbers as one that does not.
+
+The deferring linear runs outside torch.compile (its backward has a side effect a compiled graph cannot hold): with
+`--torch-compile` each transformer layer compiles around its linears' matmuls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mpzero.comm import CommGroup
+
+
+class WeightGradStore:
+    def __init__(self):
+        self.deferring: Any = None  # the key (e.g. (chunk, micro-batch)) weight gradients are queued under
+        self._queued: dict[Any, list] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def defer(self, key):
+        """Queue the weight gradients of the backward run inside under `key`."""
+        self.deferring = key
+        try:
+            yield
+        finally:
+            self.deferring = None
+
+    def put(self, compute, weight: torch.Tensor) -> None:
+        self._queued[self.deferring].append((compute, weight))
+
+    def run(self, key) -> None:
+        """The W pass of `key`: each queued weight gradient computed and delivered, in the order queued."""
+        for compute, weight in self._queued.pop(key, ()):
+            with torch.no_grad():  # as inside autograd's backward, where it was queued
+                grad = compute()
+            weight.backward(grad)
+
+    def pending(self) -> list:
+        return list(self._queued)
+
+
+def _weight_grad_2d(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """autograd's weight gradient of F.linear: (x^T dy)^T over the flattened tokens."""
+    return x.reshape(-1, x.size(-1)).t().mm(grad.reshape(-1, grad.size(-1))).t()
+
+
+class _DeferringLinear(torch.autograd.Function):
+    """y = x W^T + b whose weight gradient the store may defer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.has_bias = store, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = grad.reshape(-1, grad.size(-1)).mm(weight).view(*grad.shape[:-1], weight.size(1))
+        grad_bias = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
+        if ctx.store.deferring is not None:
+            ctx.store.put(lambda: _weight_grad_2d(x, grad), weight)
+            return grad_input, None, grad_bias, None
+        return grad_input, _weight_grad_2d(x, grad), grad_bias, None
+
+
+def deferring_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     store: WeightGradStore) -> torch.Tensor:
+    return _eager(_DeferringLinear.apply)(x, weight, bias, store)
+
+
+_compiled_out = {}
+
+
+def _eager(fn):
+    """`fn` run eagerly under torch.compile (a graph break around it), made on first use: plain runs do not
+    import the compiler."""
+    if fn not in _compiled_out:
+        _compiled_out[fn] = torch.compiler.disable(fn)
+    return _compiled_out[fn]
+
+
+def sequence_weight_grad(x: torch.Tensor, grad: torch.Tensor, group: CommGroup, gather) -> torch.Tensor:
+    """The sequence-parallel linear's weight gradient: dy^T gather(x) (its input gathered again)."""
+    full = gather(x, group)
+    return grad.reshape(-1, grad.size(-1)).t().matmul(full.reshape(-1, full.size(-1)))
