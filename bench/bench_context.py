@@ -103,8 +103,8 @@ def main() -> None:
     base_bytes = results["1 process, 1 thread"][0]["saved"]
     print(f"LLaMA h {args.hidden_size}, {args.heads} heads, {args.groups} K/V groups, {args.num_layers} layers, "
           f"s {args.seq_length}, b 1, fp32; forward + backward of one micro-batch, rank 0's figures")
-    print("| variant | step s fastest (median) | vs 1 thread | CPU s/step | activations B/rank (formula) | vs 1 process "
-          "| K/V while attending (formula) | CP bytes/step (theory) |")
+    print("| variant | step s fastest (median) | vs 1 thread | CPU s/step | activations B/rank (formula) "
+          "| vs 1 process | K/V while attending (formula) | CP bytes/step (theory) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         fastest, median = min(r["wall"] for r in runs), statistics.median(r["wall"] for r in runs)

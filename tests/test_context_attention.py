@@ -45,7 +45,8 @@ def _errors(comm_type: str, cp: int, groups: int, tile_rows: int, kernel: str) -
         qkv = torch.cat([mine[0].unflatten(1, (groups, n)), mine[1].unsqueeze(2), mine[2].unsqueeze(2)], dim=2)
         full = heads_to_sequence(qkv.permute(0, 3, 1, 2, 4).flatten(2), group, layout)  # [b, s, W/cp]
         x = full.view(B, S, groups // cp, n + 2, D)
-        q_, k_, v_ = x[:, :, :, :n].flatten(2, 3).transpose(1, 2), x[:, :, :, n].transpose(1, 2), x[:, :, :, n + 1].transpose(1, 2)
+        q_ = x[:, :, :, :n].flatten(2, 3).transpose(1, 2)
+        k_, v_ = x[:, :, :, n].transpose(1, 2), x[:, :, :, n + 1].transpose(1, 2)
         context = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=n > 1)
         out = sequence_to_heads(context.transpose(1, 2).flatten(2), group, layout).view(B, S // cp, HEADS, D)
         out = out.transpose(1, 2)

@@ -6,12 +6,12 @@ tokens unchanged; parameters are replicated over CP and their gradients reduced 
 
 from mpzero.context_parallel.attention import ContextParallel, context_attention
 from mpzero.context_parallel.blocks import TILE_ROWS
+from mpzero.context_parallel.checks import CP_COMM_TYPES, check_context_parallel
 from mpzero.context_parallel.chunks import ZigzagChunks, split_batch
 from mpzero.context_parallel.kernels import block_kernel
 from mpzero.context_parallel.traffic import cp_comm_line, cp_comm_theory
 from mpzero.context_parallel.ulysses import heads_to_sequence, sequence_to_heads
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-
-__all__ = ["CP_COMM_TYPES", "TILE_ROWS", "ContextParallel", "ZigzagChunks", "block_kernel", "context_attention",
-           "cp_comm_line", "cp_comm_theory", "heads_to_sequence", "sequence_to_heads", "split_batch"]
+__all__ = ["CP_COMM_TYPES", "TILE_ROWS", "ContextParallel", "ZigzagChunks", "block_kernel", "check_context_parallel",
+           "context_attention", "cp_comm_line", "cp_comm_theory", "heads_to_sequence", "sequence_to_heads",
+           "split_batch"]

@@ -12,7 +12,8 @@ summed over blocks. Nothing [s, s] outlives a block: only q, k, v, the output an
 Scores, statistics and partial outputs are fp32; the matmuls run in the inputs' dtype.
 
 Each block is computed `TILE_ROWS` query rows at a time (the statistics are per row), so its working tensors are
-[b, g, n, TILE_ROWS, keys] however long the chunks. Shapes: queries grouped by their key/value head (grouped-query attention without repeating K and V), q
+[b, g, n, TILE_ROWS, keys] however long the chunks. Shapes: queries grouped by their key/value head
+(grouped-query attention without repeating K and V), q
 [b, g, n, sq, d] for g key/value heads serving n query heads each; k, v [b, g, sk, d].
 
 `schedule(rank, size)`: which block each step of the load-balanced ring computes (TransformerEngine's

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
-from mpzero.context_parallel import CP_COMM_TYPES
+from mpzero.context_parallel import check_context_parallel
 from mpzero.errors import ConfigError
 from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
                           resolve_attention_backend)
@@ -206,40 +206,7 @@ class GPTConfig(TransformerArchitecture):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
         self._validate_family(tp_size)
-        self._validate_context_parallel(tp_size)
-
-    def _validate_context_parallel(self, tp_size: int) -> None:
-        """Megatron's rules for --context-parallel-size and --cp-comm-type, and what mpzero's CP attention takes."""
-        cp, comm = self.context_parallel_size, self.cp_comm_type
-        if comm not in CP_COMM_TYPES:
-            raise ConfigError(f"--cp-comm-type {comm} is not one of {', '.join(CP_COMM_TYPES)}")
-        if cp < 1:
-            raise ConfigError(f"--context-parallel-size {cp} must be positive")
-        if cp == 1:
-            return
-        seq = self.seq_length or self.max_position_embeddings
-        if seq % (2 * cp):
-            raise ConfigError(f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}: "
-                              f"each CP rank holds two of 2·CP equal chunks (causal load balance)")
-        if self.sequence_parallel and (seq // cp) % tp_size:
-            raise ConfigError(f"--sequence-parallel: the {seq // cp} tokens of a CP rank (--seq-length {seq} / "
-                              f"--context-parallel-size {cp}) are not divisible by --tensor-model-parallel-size "
-                              f"{tp_size}")
-        heads, groups = self.num_attention_heads // tp_size, self.query_groups // tp_size
-        if comm == "a2a" and (heads % cp or groups % cp):
-            raise ConfigError(f"--cp-comm-type a2a splits each TP rank's {heads} heads and {groups} key/value groups "
-                              f"over --context-parallel-size {cp}: both must be divisible by it (use p2p or "
-                              f"all_gather)")
-        if self.attention_dropout > 0:
-            raise ConfigError(f"--context-parallel-size {cp}: the context-parallel attention has no attention "
-                              f"dropout: pass --attention-dropout 0")
-        if self.cp_blockwise and self.attention_backend_name == "fused":
-            raise ConfigError(f"--cp-comm-type {comm} runs its blocks with the CPU's flash kernel or explicit scores, "
-                              f"not cuDNN's fused attention (--attention-backend fused): use --attention-backend "
-                              f"auto, flash or local, or --cp-comm-type a2a")
-        if self.torch_compile:
-            raise ConfigError(f"--context-parallel-size {cp} with --torch-compile is not supported yet (the CP "
-                              f"attention's exchanges run eagerly): drop --torch-compile")
+        check_context_parallel(self, tp_size)
 
     def trunk_eager_reason(self, tp_size: int) -> str | None:
         """Why the trunk (embedding, layers, final norm) cannot be one compiled region, or None where it can: what
@@ -385,7 +352,8 @@ class GPTConfig(TransformerArchitecture):
         device = torch.device(device)
         attention = self.planned_attention(device)
         return ActivationSetting(
-            seq_length=seq_length // self.context_parallel_size, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
+            seq_length=seq_length // self.context_parallel_size, micro_batch_size=micro_batch_size,
+            hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab_size(tp_size), tp=tp_size, tp_rank=tp_rank,
             dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,

@@ -82,7 +82,8 @@ class TransformerLayer(nn.Module):
 
 
 def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
-                      rotary: RotaryEmbedding | None = None, context: ContextParallel | None = None) -> TransformerLayer:
+                      rotary: RotaryEmbedding | None = None,
+                      context: ContextParallel | None = None) -> TransformerLayer:
     """The layer the config describes. Output projections (attention's dense, the MLP's fc2) start at
     std / sqrt(2 L), GPT-2's scaled residual init."""
     sp_group = tp if config.sequence_parallel else None

@@ -92,8 +92,7 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
 
 class ZeroOptimizer(OptimizerReports):
     """An elementwise update rule (`optimizer.rule`: AdamW, SGD) over `model`'s trainable parameters,
-    partitioned across `groups.dp_cp` by `zero.stage`: the data- and context-parallel ranks, which hold the same
-    parameters (`groups.dp` itself at CP 1). Everywhere below, `self.groups.dp` is that group.
+    partitioned across `groups.dp_cp` (DP x CP: `self.groups.dp` below; `groups.dp` at CP 1) by `zero.stage`.
 
     Managed parameters are cast to `precision.dtype` and become views of flat buffers (stage 3:
     released between uses); cast the rest of the model (frozen parameters, buffers) yourself.
