@@ -3,6 +3,7 @@ process against CP 2 on two processes for each comm type: step time, activation 
 
     python -m bench.bench_context [--seq-length 4096 --hidden-size 256 --heads 8 --groups 2 --num-layers 2
                                    --rounds 5]
+    python -m bench.bench_context --planner     # the planner's long-context rows instead (seconds, no ranks)
 
 The model: mpzero's GPTModel as the LLaMA family builds it (RMSNorm, SwiGLU, RoPE, GQA), fp32, vocabulary 1024,
 no dropout, built from the same weights in every variant. Variants: one process on one thread (the baseline), one
@@ -16,6 +17,11 @@ Activations: the bytes a micro-batch's forward keeps for backward on a rank (sav
 parameters excluded), checked against mpzero.activations.formula, and the K/V buffers the exchange holds while a
 layer attends (`exchange_term`). CP bytes: what the rank sent on its CP group per step, against
 `cp_comm_theory`. The load average is printed before and after.
+
+--planner: Llama-3 8B and 70B at 131,072 tokens (global batch 8 sequences, bf16) on H100-80GB (989 TF/s dense bf16,
+the planner's other defaults: 50 % efficiency, NVLink 150 GB/s, 25 GB/s per rank across nodes), the fastest layout
+that fits without context parallelism (CP 1) and with it (CP 1, 2, 4, 8), ZeRO 1 or 3, no offload, micro-batch 1,
+every recomputation mode, TP up to 8: its device peak and the planner's tokens per second (mpzero.planner).
 """
 
 from __future__ import annotations
@@ -83,8 +89,42 @@ class _nothing:
         return False
 
 
+LLAMA3 = {"8B": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+                  "--num-query-groups", "8", "--ffn-hidden-size", "14336"],
+          "70B": ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+                  "--num-query-groups", "8", "--ffn-hidden-size", "28672"]}
+LLAMA3_COMMON = ["--group-query-attention", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
+                 "rope", "--no-position-embedding", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--rotary-base", "500000", "--seq-length", "131072", "--attention-dropout", "0", "--hidden-dropout",
+                 "0", "--bf16", "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr",
+                 "1e-4", "--mock-data", "--vocab-size", "128256"]
+
+
+def planner_rows() -> None:
+    from mpzero.cli.arguments import parse_args, planner_sections
+    from mpzero.planner import Machine, Planner, rank_plans
+    from mpzero.planner.cost import Hardware
+    print("| model | GPUs | CP sizes tried | best layout that fits | device peak GiB | tokens/s (per GPU) |")
+    print("|---|---:|---|---|---:|---:|")
+    for name, world in (("8B", 8), ("8B", 32), ("70B", 64), ("70B", 128)):
+        args = parse_args(LLAMA3[name] + LLAMA3_COMMON)
+        machine = Machine(world, 80 * 2 ** 30, device_reserve=2 * 2 ** 30, hardware=Hardware(device_tflops=989.0))
+        planner = Planner(planner_sections(args, 128256), machine)
+        for cps in ((1,), (1, 2, 4, 8)):
+            layouts = planner.layouts(tps=(1, 2, 4, 8), stages=(1, 3), tiers=("none",), micro_batches=(1,),
+                                      units=("layer",), cps=cps)
+            fitting = [plan for plan in rank_plans([planner.evaluate(lay) for lay in layouts]) if plan.fits]
+            best = fitting[0] if fitting else None
+            text = best.layout.describe() if best else ("nothing fits" if layouts else
+                                                         "no layout: DP = GPUs/(TP CP) exceeds the 8-sequence batch")
+            peak = f"{best.device_peak / 2 ** 30:.1f}" if best else "-"
+            speed = f"{best.cost.tokens_per_second:,.0f} ({best.cost.tokens_per_second / world:,.0f})" if best else "-"
+            print(f"| Llama-3 {name} | {world} | {','.join(map(str, cps))} | {text} | {peak} | {speed} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--planner", action="store_true", help="the planner's long-context rows instead")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -93,6 +133,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
+    if args.planner:
+        return planner_rows()
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
     results = {name: [] for name in VARIANTS}
     for _ in range(args.rounds):
