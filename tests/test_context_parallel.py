@@ -64,8 +64,8 @@ def test_context_parallel_matches_one_process(comm, cp, model):
     _assert_counted_equals_formula(stdout)
 
 
-COMPOSED = [  # (comm, tp, dp, stage, extra flags): TP + SP, DP x ZeRO, recomputation, offload tiers
-    ("p2p", 2, 1, 1, ("--sequence-parallel",)), ("all_gather", 1, 2, 3, ()),
+COMPOSED = [  # (comm, tp, dp, stage, extra flags): TP + SP, DP x ZeRO, the explicit blocks, recomputation, offload
+    ("p2p", 2, 1, 1, ("--sequence-parallel",)), ("all_gather", 1, 2, 3, ("--attention-backend", "local")),
     ("a2a", 1, 1, 1, ("--recompute-granularity", "full", "--recompute-method", "block",
                       "--recompute-num-layers", "1"))]
 COMPOSED_PRODUCT = [
