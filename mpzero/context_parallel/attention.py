@@ -30,9 +30,8 @@ class _ContextAttention(torch.autograd.Function):
         groups = k.size(1)
         steps = schedule(group.rank, group.size)
         transport = TRANSPORTS[comm_type](group)
-        kv = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
-        out, lse = forward_blocks(q.unflatten(1, (groups, heads // groups)), transport.stream(kv), steps, scale,
-                                  KERNELS[kernel][0])
+        kv = transport.stream(torch.stack([k, v]))  # [2, b, g, L, d]: one message per step, held by the stream alone
+        out, lse = forward_blocks(q.unflatten(1, (groups, heads // groups)), kv, steps, scale, KERNELS[kernel][0])
         result = torch.empty(b, length, heads, d, dtype=q.dtype, device=q.device)
         result.view(b, length, groups, heads // groups, d).copy_(out.permute(0, 3, 1, 2, 4))
         ctx.save_for_backward(q, k, v, result, lse)

@@ -128,13 +128,16 @@ def forward_blocks(q: torch.Tensor, kv_stream, steps: list[tuple[int, str]], sca
     ([2, b, g, L, d]: k and v of each step's source rank, in `steps` order), merged block by block; `forward`
     computes a block (`block_forward`, or a kernel's: `kernels.py`)."""
     out = lse = None
-    for (_, kind), kv in zip(steps, kv_stream):
+    stream = iter(kv_stream)
+    for _, kind in steps:
+        kv = next(stream)  # not zip's: its reused result tuple would hold the previous K/V while the next is posted
         rows, keys, causal = block_slices(kind, q.size(3))
         part, part_lse = forward(q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], scale, causal)
         if out is None:  # the first step (the own chunks) covers every query row
             out, lse = part, part_lse
         else:
             merge(out, lse, rows, part, part_lse)
+        del kv  # before the stream posts the next exchange: only the K/V in use and in flight are held
     return out, lse
 
 
@@ -144,7 +147,9 @@ def backward_blocks(q: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, out:
     `dkv_sink.add(source, dkv)`, which sums them on the rank that holds those keys. `backward(q, k, v, lse, dout,
     out, scale, causal)` computes a block's gradients from the merged `out` and `lse` (`kernels.py`)."""
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-    for (source, kind), kv in zip(steps, kv_stream):
+    stream = iter(kv_stream)
+    for source, kind in steps:
+        kv = next(stream)
         rows, keys, causal = block_slices(kind, q.size(3))
         dq_part, dk, dv = backward(q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], lse[..., rows],
                                    dout[..., rows, :], out[..., rows, :], scale, causal)
@@ -152,4 +157,5 @@ def backward_blocks(q: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, out:
         dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
         dkv[0][:, :, keys], dkv[1][:, :, keys] = dk, dv
         dkv_sink.add(source, dkv)
+        del kv, dkv
     return dq
