@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: quickstart test install gpu-check
+.PHONY: quickstart test install gpu-check docs
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,13 @@ quickstart: install
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q tests
 
-# The CUDA checks and GPU benchmarks in one run (README.md, "On a GPU"): the machine's own python3 and torch,
+# The CUDA checks and GPU benchmarks in one run (docs/gpu.md): the machine's own python3 and torch,
 # nothing installed; report.md and raw logs in OUT. Without CUDA: one line, a validated all-skipped report, exit 0.
 OUT ?= gpu-report
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m tests.gpu.check --out $(OUT)
+
+# The parts of README.md, docs/ and bench/README.md the code determines (sample outputs, flag defaults, the
+# Megatron-LM table), made again; tests/test_docs.py fails while one is stale.
+docs: $(VENV)/.test-installed
+	$(PY) -m tests.docs.update

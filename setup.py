@@ -19,8 +19,10 @@ setup(
     # hf: tools/export_hf.py, tools/import_hf.py (safetensors) and the tests that compare with transformers'
     # GPT2LMHeadModel; never needed for training. wandb: --wandb-project; pyarrow: parquet corpora in
     # tools/preprocess_data.py (never needed for training). The test extra has both: their tests run in `make test`.
+    # megatron-core (and psutil, which its checkpoint writer needs without declaring it): the tests of
+    # tools/import_megatron.py save real megatron-core checkpoints on the CPU; the tool itself never imports it.
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40", "safetensors>=0.4",
-                             "wandb>=0.17", "pyarrow>=14"],
+                             "wandb>=0.17", "pyarrow>=14", "megatron-core>=0.16", "psutil>=5.9"],
                     "triton": ["triton==3.7.1"], "hf": ["transformers>=4.40", "safetensors>=0.4"],
                     "wandb": ["wandb>=0.17"], "parquet": ["pyarrow>=14"]},
 )

@@ -1,6 +1,6 @@
 """gpu-check's GPT-2 step variants timed in interleaved rounds: what one 10-step window cannot rank. On an H100
-the host-bound step moved by up to 25% from one window to the next (bench/README.md, "On one H100, a third
-time"), so bench_gpt2's variant-after-variant figures rank nothing closer than that. bench_gpt2 itself ends with
+the host-bound step moved by up to 25% from one window to the next (bench/README.md at 5a79686, "On one H100, a
+third time"), so bench_gpt2's variant-after-variant figures rank nothing closer than that. bench_gpt2 itself ends with
 such rounds of variants 2-5 when its part has time left (gpt2_step.interleaved_rounds is the shared loop).
 
     python -m bench.bench_rounds [--variants 2 3 4 5] [--rounds 8] [--steps 10] [--micro-batch-size 8] [--list]

@@ -5,7 +5,7 @@
 #   3. train a small GPT with tensor parallelism 2 x ZeRO-2 data parallelism 2 (4 processes),
 #      evaluating as it goes, logging to TensorBoard (runs/quickstart) and checkpointing (checkpoints/quickstart),
 #   4. sample a few lines from the trained model with tools/generate.py (KV cache; loaded here at TP 1).
-# Sized to finish in about 3 minutes on 2 cores without AVX-512 (README.md, "What the quickstart shows"):
+# Sized to finish in about 3 minutes on 2 cores without AVX-512 (docs/quickstart.md):
 # 64-token windows in 2 micro-batches of 8 per rank, 150 iterations.
 # Usage: bash examples/quickstart.sh [python]
 set -euo pipefail
@@ -32,7 +32,7 @@ fi
     --tensorboard-dir runs/quickstart --save checkpoints/quickstart --save-interval 75 \
     --overwrite-checkpoints  # each quickstart trains from scratch, over the previous quickstart's checkpoints
 echo
-echo "Samples from the trained model (tools/generate.py; README.md, \"Using the trained model\"):"
+echo "Samples from the trained model (tools/generate.py; docs/trained-model.md):"
 echo
 "$PY" tools/generate.py --load checkpoints/quickstart --max-new-tokens 40 --temperature 0.8 --top-k 40 --seed 1234 \
     --prompt "In the beginning" --prompt "And the LORD said unto Moses," --prompt "Blessed are"

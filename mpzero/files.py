@@ -27,6 +27,38 @@ def check_output_directory(path: str, flag: str) -> None:
                           f"choose a directory this run can write") from None
 
 
+def check_parents_creatable(path: str, flag: str) -> None:
+    """At start: `path` can be made where it is: its nearest existing ancestor is a directory this process can write
+    (the missing ones between are made when it is written, by `make_parents`), else one ConfigError line."""
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path} cannot be created ({ancestor} is not a writable directory): choose a path "
+                          f"this run can write")
+
+
+def make_parents(path: str) -> None:
+    """The missing directories above `path` (an output's), with the user's usual permissions (umask)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def give_usual_mode(path: str) -> None:
+    """Give the file `path` the mode `open()` gives a new file (0666 less the umask), as every other file a tool
+    writes has: for files a library creates with a mode of its own (safetensors' 0600)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux states it; os.umask can only be read by setting it, which races with other threads
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
 def fsync_directory(path: str) -> None:
     """Make a rename or creation inside `path` durable (a no-op where directories cannot be opened)."""
     try:

@@ -1,5 +1,10 @@
-"""Shared test set-up: one intra-op thread (forked ranks deadlock otherwise) and lazy first-call
-costs paid once here, before any rank is forked.
+"""Shared test set-up: a private temp folder for the whole run, one intra-op thread (forked ranks deadlock
+otherwise) and lazy first-call costs paid once here, before any rank is forked.
+
+The run's temp folder is its own, `.pytest_tmp/tmp-PID` in the repository (ignored by git): TMPDIR, TEMP and TMP
+name it before anything else is imported, so this process, its forked ranks and every subprocess (torchrun's
+agents included) make their temp files there, and the suite asserts that it leaves that folder empty. Whatever else
+runs on the machine may write to the system's temp folder meanwhile; the suite neither reads nor judges it.
 
 Without a GPU, Triton kernels run under Triton's interpreter: TRITON_INTERPRET must be set before
 triton is first imported (its own library functions are decorated then), and the torch.optim warm-up
@@ -11,25 +16,57 @@ import os
 import shutil
 import tempfile
 
-import pytest
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEM_TEMP = tempfile.gettempdir()  # the machine's, before it is replaced: tests/test_clone_anywhere.py writes there
+_TEMP_PARENT = os.path.join(ROOT, ".pytest_tmp")  # pytest's own tmp_path folders: its base/ (pytest.ini)
+
+
+def _remove_dead_runs_folders() -> None:
+    """A run killed before its end leaves its tmp-PID folder: removed once its process is gone."""
+    for name in os.listdir(_TEMP_PARENT):
+        pid = name[len("tmp-"):]
+        if not (name.startswith("tmp-") and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(_TEMP_PARENT, name), ignore_errors=True)
+        except PermissionError:  # a live process of another user
+            pass
+
+
+os.makedirs(_TEMP_PARENT, exist_ok=True)
+_remove_dead_runs_folders()
+TEST_TEMP = os.path.join(_TEMP_PARENT, f"tmp-{os.getpid()}")
+shutil.rmtree(TEST_TEMP, ignore_errors=True)  # a dead run's that had this pid
+os.mkdir(TEST_TEMP)
+for _name in ("TMPDIR", "TEMP", "TMP"):
+    os.environ[_name] = TEST_TEMP
+tempfile.tempdir = None  # gettempdir() reads the variables again
+
+import pytest  # noqa: E402 - after the temp folder is set: both may make temp files on import
+import torch  # noqa: E402
 
 # One inductor cache for the whole run (torch.compile's tests and the fused ops' compile impls share it; forked
-# ranks inherit it), in the temp folder while the run lasts and removed after it.
+# ranks inherit it), in the run's temp folder, removed after it with the torchinductor_<user> folder that some of
+# inductor's caches make there whatever that variable says.
 INDUCTOR_CACHE = tempfile.mkdtemp(prefix="mpzero-tests-inductor-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE
-# Some of inductor's caches ignore that variable and use the temp folder's torchinductor_<user>: made by this run,
-# it goes with the run (atexit: also when every test was skipped and no fixture ran).
-TORCH_DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
-_MADE_HERE = [INDUCTOR_CACHE] + ([] if os.path.exists(TORCH_DEFAULT_CACHE) else [TORCH_DEFAULT_CACHE])
+_CACHES = (os.path.basename(INDUCTOR_CACHE), "torchinductor_" + getpass.getuser())
 
 
 def _remove_caches() -> None:
-    for folder in _MADE_HERE:
-        shutil.rmtree(folder, ignore_errors=True)
+    for name in _CACHES:
+        shutil.rmtree(os.path.join(TEST_TEMP, name), ignore_errors=True)
 
 
-atexit.register(_remove_caches)
+@atexit.register  # also when no test ran (the fixture below did not); a folder left with files is kept to be read
+def _remove_the_folder_if_empty() -> None:
+    _remove_caches()
+    if os.path.isdir(TEST_TEMP) and not os.listdir(TEST_TEMP):
+        os.rmdir(TEST_TEMP)
+
+
 # Inductor compiles in the calling process, never in a worker pool: ranks are forked, and a child forked after the
 # parent started the pool waits on it forever.
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
@@ -43,12 +80,11 @@ torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 
 
 @pytest.fixture(scope="session", autouse=True)
-def temp_folder_left_as_found():
-    """`make test` leaves nothing in the temp folder: every test cleans up what it makes there (pytest's own
-    tmp_path directories live under --basetemp, in the repository: pytest.ini)."""
-    folder = tempfile.gettempdir()
-    before = set(os.listdir(folder)) | {os.path.basename(INDUCTOR_CACHE)}
+def temp_folder_left_empty():
+    """Every test cleans up what it makes in the temp folder: the run's own is empty at the end but for the
+    caches this file made there (removed, with the folder, when the run ends; pytest's tmp_path folders live
+    under --basetemp)."""
     yield
     _remove_caches()
-    left = sorted(set(os.listdir(folder)) - before)
-    assert not left, f"the tests left {len(left)} entries in {folder}: {', '.join(left[:5])}"
+    left = sorted(os.listdir(TEST_TEMP))
+    assert not left, f"the tests left {len(left)} entries in {TEST_TEMP}: {', '.join(left[:5])}"

@@ -19,14 +19,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from mpzero.data import build_tokenizer
-from mpzero.inference import gpt_config_from_meta, load_full_weights
-from mpzero.models import GPTModel
-from mpzero.parallel import init_parallel
-from mpzero.tensor_parallel import gather_from_tp
 from mpzero.training.mock_data import MockGPTDataset
 from tests.cli import quiet_main
 from tests.distributed import run_ranks
-from tests.trained_gpt import MODEL, TOOLS, runs
+from tests.trained_gpt import MODEL, TOOLS, mpzero_logits, runs
 from tools.checkpoint_util import read_consolidated, save_weights_only
 
 export_main = runpy.run_path(os.path.join(TOOLS, "export_hf.py"))["main"]
@@ -65,17 +61,6 @@ def _token_ids(trained, name):
     return tokenizer, [tokenizer.tokenize(text)[:128] for text in trained.texts]
 
 
-def _mpzero_logits(checkpoint, id_lists, tp):
-    """Full-vocabulary logits of each token list, from the checkpoint loaded at TP `tp` (on every rank)."""
-    bundle = read_consolidated(checkpoint, None)
-    groups = init_parallel(tp)
-    model = GPTModel(gpt_config_from_meta(bundle["meta"], checkpoint), groups.tp).eval()
-    load_full_weights(model, bundle["model"])
-    with torch.no_grad():
-        return [gather_from_tp(model(torch.tensor([ids])), groups.tp)[0, :, :model.config.vocab_size]
-                for ids in id_lists]
-
-
 @pytest.mark.parametrize("name", ["bpe", "sp"])
 def test_exported_logits_match_mpzero_at_tp1_and_tp2(trained, exported, name):
     hf = _hf_model(exported[name])
@@ -84,7 +69,7 @@ def test_exported_logits_match_mpzero_at_tp1_and_tp2(trained, exported, name):
     with torch.no_grad():
         reference = [hf(torch.tensor([ids])).logits[0] for ids in id_lists]
     for tp in (1, 2):
-        ours = run_ranks(tp, _mpzero_logits, getattr(trained, name).checkpoint, id_lists, tp)[0]
+        ours = run_ranks(tp, mpzero_logits, getattr(trained, name).checkpoint, id_lists, tp)[0]
         for a, b in zip(ours, reference):
             assert (a - b).abs().max().item() <= LOGIT_TOLERANCE
 
@@ -100,7 +85,7 @@ def test_export_from_an_offloaded_zero3_checkpoint(tmp_path):
     ids = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         reference = _hf_model(str(tmp_path / "hf"))(torch.tensor([ids])).logits[0]
-    ours = run_ranks(1, _mpzero_logits, str(tmp_path / "ckpt"), [ids], 1)[0][0]
+    ours = run_ranks(1, mpzero_logits, str(tmp_path / "ckpt"), [ids], 1)[0][0]
     assert (ours - reference).abs().max().item() <= LOGIT_TOLERANCE
 
 

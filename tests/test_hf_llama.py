@@ -19,11 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mpzero.inference import SamplingConfig, generate, gpt_config_from_meta, load_full_weights
 from mpzero.models import GPTModel
 from mpzero.parallel import init_parallel
-from mpzero.tensor_parallel import gather_from_tp
 from tests.cli import TINY, quiet_main
 from tests.distributed import run_ranks
 from tests.test_llama import LLAMA
-from tests.trained_gpt import TOOLS
+from tests.trained_gpt import TOOLS, mpzero_logits
 from tools.checkpoint_util import read_consolidated
 
 export_main = runpy.run_path(os.path.join(TOOLS, "export_hf.py"))["main"]
@@ -44,16 +43,6 @@ def _hf_model(directory):
     return model.eval()
 
 
-def _mpzero_logits(checkpoint, id_lists, tp):
-    bundle = read_consolidated(checkpoint, None)
-    groups = init_parallel(tp)
-    model = GPTModel(gpt_config_from_meta(bundle["meta"], checkpoint), groups.tp).eval()
-    load_full_weights(model, bundle["model"])
-    with torch.no_grad():
-        return [gather_from_tp(model(torch.tensor([ids])), groups.tp)[0, :, :model.config.vocab_size]
-                for ids in id_lists]
-
-
 def test_a_tp2_zero3_llama_exports_to_llama_for_causal_lm(tmp_path):
     checkpoint, output = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     run_ranks(4, quiet_main, LLAMA + ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "--train-iters", "4",
@@ -65,7 +54,7 @@ def test_a_tp2_zero3_llama_exports_to_llama_for_causal_lm(tmp_path):
     with torch.no_grad():
         theirs = _hf_model(output)(torch.tensor(IDS)).logits[0]
     for tp in (1, 2):
-        ours = run_ranks(tp, _mpzero_logits, checkpoint, IDS, tp)[0][0]
+        ours = run_ranks(tp, mpzero_logits, checkpoint, IDS, tp)[0][0]
         torch.testing.assert_close(ours, theirs, rtol=0, atol=LOGIT_TOLERANCE)
 
 
@@ -103,7 +92,7 @@ def test_a_random_hf_llama_imports_with_its_logits_and_greedy_generation(tmp_pat
     with torch.no_grad():
         theirs = hf_model(torch.tensor(IDS)).logits[0]
     for tp in (1, 2):
-        ours = run_ranks(tp, _mpzero_logits, checkpoint, IDS, tp)[0][0]
+        ours = run_ranks(tp, mpzero_logits, checkpoint, IDS, tp)[0][0]
         torch.testing.assert_close(ours, theirs, rtol=0, atol=LOGIT_TOLERANCE)
     prompts = [IDS[0][:5], IDS[0][3:12]]
     expected = []

@@ -179,3 +179,34 @@ def test_generate_never_writes_into_the_run(run):
                                             "--output", str(run[0] / "iter_0000002" / "meta.json")])[0]
     assert code == 2 and stderr.count("\n") == 1 and "lies inside --load" in stderr, stderr
     assert _snapshot(run[0]) == before
+
+
+def test_every_output_gets_its_missing_parent_directories_and_an_existing_one_is_still_refused(run, tmp_path):
+    ckpt, hf = run
+    new = tmp_path / "a" / "b"
+    assert tool_result(export_main, ["--load", str(ckpt), "--output", str(new / "hf")]) == (0, "")
+    assert tool_result(import_main, ["--input", str(hf), "--save", str(new / "imported")])[0] == 0
+    assert tool_result(checkpoint_util_main, ["to-consolidated", "--load", str(ckpt), "--output",
+                                              str(new / "c" / "w.pt")]) == (0, "")
+    assert tool_result(checkpoint_util_main, ["from-consolidated", "--input", str(new / "c" / "w.pt"), "--save",
+                                              str(new / "d" / "ckpt")]) == (0, "")
+    assert tool_result(generate_main, ["--load", str(ckpt), "--prompt", "", "--max-new-tokens", "2", "--output",
+                                       str(new / "e" / "out.txt")])[1] == ""  # its main returns the samples
+    for path in ("hf/config.json", "imported/latest_checkpointed_iteration.txt", "c/w.pt",
+                 "d/ckpt/latest_checkpointed_iteration.txt", "e/out.txt"):
+        assert (new / path).is_file(), path
+    _refused(export_main, ["--load", str(ckpt), "--output", str(new / "hf")], new / "hf", says="already exists")
+    _refused(import_main, ["--input", str(hf), "--save", str(new / "imported")], new / "imported",
+             says="already exists")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_files_a_tool_writes_share_the_mode_the_umask_gives(run, tmp_path, umask):
+    ckpt, _ = run
+    before = os.umask(umask)
+    try:
+        assert tool_result(export_main, ["--load", str(ckpt), "--output", str(tmp_path / "hf")]) == (0, "")
+    finally:
+        os.umask(before)
+    modes = {name: os.stat(tmp_path / "hf" / name).st_mode & 0o777 for name in os.listdir(tmp_path / "hf")}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes

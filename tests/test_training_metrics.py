@@ -1,6 +1,7 @@
 """The run's scalars to TensorBoard and Weights & Biases (mpzero/training/metrics.py): wandb runs offline
 (WANDB_MODE=offline, nothing leaves the machine) and its logged history is read back from the run directory."""
 
+import os
 import sys
 import tempfile
 
@@ -27,9 +28,11 @@ def offline_wandb(tmp_path, monkeypatch):
 def test_wandb_logs_the_tensorboard_scalars_and_the_flags(tmp_path, offline_wandb):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     argv = TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "mpzero-test",
-                   "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / "wb"), "--zero-stage", "2"]
+                   "--wandb-exp-name", "tiny", "--save", str(tmp_path / "ckpt"), "--zero-stage", "2"]
     history = run_ranks(2, quiet_main, argv)[0]
-    run = offline_run(str(tmp_path / "wb"))
+    # --wandb-save-dir's default is --save, where wandb makes its own wandb/ folder (not --save/wandb/wandb/)
+    assert os.listdir(tmp_path / "ckpt" / "wandb") and not os.path.exists(tmp_path / "ckpt" / "wandb" / "wandb")
+    run = offline_run(str(tmp_path / "ckpt"))
     assert (run["project"], run["name"]) == ("mpzero-test", "tiny")
     assert run["config"]["num_layers"] == 2 and run["config"]["zero_stage"] == 2
     assert run["config"]["global_batch_size"] == 8, "the resolved flags, as saved with checkpoints"

@@ -5,7 +5,8 @@
 - `sp`: a SentencePiece tokenizer (tools/train_tokenizer.py), TP 2 x DP 2 under ZeRO-3, erf GELU, tied output
   weights, Megatron's default dropout.
 Both: 2 layers, hidden 64, 4 heads, trained on 64-token windows with 128 positions, so prompts plus 32 new tokens
-fit. Built once per test session (`runs(tmp_path_factory)`), about 10 s on 2 cores.
+fit. Built once per test session (`runs(tmp_path_factory)`), about 10 s on 2 cores. `mpzero_logits` reads any
+checkpoint's logits at a TP size, as the export and import tests compare them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import os
 import runpy
 from dataclasses import dataclass
 
+import torch
+
+from mpzero.checkpointing.consolidated import read_consolidated
+from mpzero.inference import gpt_config_from_meta, load_full_weights
+from mpzero.models import GPTModel
+from mpzero.parallel import init_parallel
+from mpzero.tensor_parallel import gather_from_tp
 from tests.cli import ROOT, quiet_main
 from tests.distributed import run_ranks
 
@@ -40,6 +48,17 @@ class Runs:
     bpe: Run
     sp: Run
     texts: tuple[str, ...]  # held-out real text (not in the training documents)
+
+
+def mpzero_logits(checkpoint: str, id_lists, tp: int) -> list[torch.Tensor]:
+    """Full-vocabulary logits [s, V] of each token list, from the checkpoint loaded at TP `tp` (on every rank)."""
+    bundle = read_consolidated(checkpoint, None)
+    groups = init_parallel(tp)
+    model = GPTModel(gpt_config_from_meta(bundle["meta"], checkpoint), groups.tp).eval()
+    load_full_weights(model, bundle["model"])
+    with torch.no_grad():
+        return [gather_from_tp(model(torch.tensor([ids])), groups.tp)[0, :, :model.config.vocab_size]
+                for ids in id_lists]
 
 
 def corpus_texts(n: int, skip: int = 0) -> list[str]:

@@ -25,7 +25,7 @@ from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_rep
 from mpzero.checkpointing.verify import single_process, verify_checkpoint
 from mpzero.cli import ITERATION, Parser, Path, run_or_exit
 from mpzero.errors import ConfigError
-from mpzero.files import write_atomically
+from mpzero.files import check_parents_creatable, make_parents, write_atomically
 
 
 def to_consolidated(load: str, iteration: int | None, output: str, overwrite: bool = False) -> None:
@@ -33,7 +33,9 @@ def to_consolidated(load: str, iteration: int | None, output: str, overwrite: bo
     if os.path.isdir(output):
         raise ConfigError(f"--output {output} is a directory: name the file to write")
     check_replaceable(output, "--output", "checkpoint_util.py to-consolidated", overwrite, _not_consolidated)
+    check_parents_creatable(output, "--output")
     bundle = read_consolidated(load, iteration)
+    make_parents(output)
     write_atomically(output, lambda f: torch.save(bundle, f))
 
 

@@ -31,7 +31,8 @@ from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_re
 from mpzero.checkpointing.verify import resolve_iteration, single_process
 from mpzero.cli import INPUT_ERRORS, ITERATION, Parser, Path, add_tokenizer_flags, exit_code
 from mpzero.errors import ConfigError
-from mpzero.files import directory_beside, replace_output_directory
+from mpzero.files import (check_parents_creatable, directory_beside, give_usual_mode, make_parents,
+                          replace_output_directory)
 from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
 from mpzero.inference.hf import ADAPTERS, adapter_for_config
 from mpzero.checkpointing.consolidated import read_consolidated
@@ -63,9 +64,11 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     torch_dtype, dtype_name = DTYPES[dtype]
     state = adapter.to_hf_state_dict(weights, config, torch_dtype)
 
+    make_parents(output)
     tmp = directory_beside(output)  # a fresh name: never a directory of the user's
     try:
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        give_usual_mode(os.path.join(tmp, "model.safetensors"))  # safetensors makes it 0600
         _write_json(tmp, "config.json", adapter.hf_config(config, flags, eod, dtype_name))
         _write_json(tmp, "generation_config.json", {"bos_token_id": eod, "eos_token_id": eod})
         note = _write_tokenizer(tmp, output, run_tok, tokenizer, config.max_position_embeddings)
@@ -93,9 +96,7 @@ def _check_output(output: str, overwrite: bool, load: str) -> None:
     --overwrite, and only when it is an earlier export (the files this tool writes, its README)."""
     check_apart_from_checkpoints(output, "--output", {"--load": load})
     check_replaceable(output, "--output", "tools/export_hf.py", overwrite, _not_an_export)
-    parent = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--output {output}: its parent directory {parent} is missing or not writable")
+    check_parents_creatable(output, "--output")
 
 
 def _not_an_export(output: str) -> str | None:

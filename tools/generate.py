@@ -34,7 +34,7 @@ from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.checkpointing.verify import resolve_iteration, single_process
 from mpzero.cli import ITERATION, SEED, Number, Parser, Path, Text, add_tokenizer_flags, print_error
 from mpzero.errors import ConfigError
-from mpzero.files import write_atomically
+from mpzero.files import check_parents_creatable, make_parents, write_atomically
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
 from mpzero.models import family_of
@@ -121,9 +121,9 @@ def _prepare(args):
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.output:
-        parent = os.path.dirname(os.path.abspath(args.output))
-        if os.path.isdir(args.output) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ConfigError(f"--output {args.output} is not a file this command can write")
+        if os.path.isdir(args.output):
+            raise ConfigError(f"--output {args.output} is a directory: name the file to write")
+        check_parents_creatable(args.output, "--output")
         check_apart_from_checkpoints(args.output, "--output", {"--load": args.load})
     directory, iteration = resolve_iteration(args.load, args.iteration)
     meta = read_meta_file(directory, previous_advice(args.load, iteration))
@@ -191,6 +191,7 @@ def _write(results: list[dict], args) -> None:
         else:
             out.write(f"{r['prompt']}{r['text']}\n\n")
     if args.output:
+        make_parents(args.output)
         write_atomically(args.output, out.getvalue())
     else:
         sys.stdout.write(out.getvalue())

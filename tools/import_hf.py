@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import torch
 
 from mpzero.checkpointing.checkpoint import error_reason
-from mpzero.checkpointing.outputs import check_apart_from_checkpoints
+from mpzero.checkpointing.imported import check_import_destination, write_imported
 from mpzero.checkpointing.verify import single_process
 from mpzero.cli import INPUT_ERRORS, Parser, Path, exit_code
 from mpzero.data import build_tokenizer
 from mpzero.errors import ConfigError
-from mpzero.files import directory_beside, replace_output_directory
 from mpzero.inference.hf import adapter_for_hf
-from mpzero.checkpointing.consolidated import save_weights_only
 
 
 def import_hf(input_dir: str, save: str) -> str:
@@ -50,24 +47,9 @@ def import_hf(input_dir: str, save: str) -> str:
     config = adapter.config_from_hf(hf, source)
     weights = adapter.from_hf_state_dict(_read_state(input_dir, source), config, source)
     tokenizer_files, tokenizer_flags, note = _tokenizer(input_dir, config.vocab_size, save)
-    if os.path.lexists(save) and (not os.path.isdir(save) or os.path.islink(save) or os.listdir(save)):
-        raise ConfigError(f"--save {save} already exists and is not empty: choose a new directory")
-    check_apart_from_checkpoints(save, "--save", {"--input": input_dir})
-    parent = os.path.dirname(os.path.abspath(save))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--save {save}: its parent directory {parent} is missing or not writable")
-
-    tmp = directory_beside(save)  # a fresh name: never a directory of the user's
-    try:
-        os.makedirs(os.path.join(tmp, "tokenizer"))
-        for name in tokenizer_files:
-            shutil.copyfile(os.path.join(input_dir, name), os.path.join(tmp, "tokenizer", name))
-        flags = {**adapter.model_flags(config), **tokenizer_flags}
-        save_weights_only({"model": weights, "meta": {"config": flags}}, tmp)
-        replace_output_directory(tmp, save)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    check_import_destination(save, {"--input": input_dir})
+    write_imported(save, weights, {**adapter.model_flags(config), **tokenizer_flags},
+                   {name: os.path.join(input_dir, name) for name in tokenizer_files})
     tokenizer_args = [f"--{k.replace('_', '-')} {v}" for k, v in tokenizer_flags.items() if k != "vocab_size"]
     size = sum(t.numel() for t in weights.values())
     return (f"imported {input_dir} ({size:,} parameters) to {save} (iteration 0, weights only){note}\n"

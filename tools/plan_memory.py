@@ -118,6 +118,9 @@ def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[di
         if dest in present:
             fixed[attribute] = getattr(args, dest)
             said.append(f"{LAYOUT_FLAGS[dest]} {getattr(args, dest)}")
+    if "use_distributed_optimizer" in present and "zero_stage" not in present:  # Megatron's words for ZeRO-1
+        fixed["stage"] = 1
+        said.append("--use-distributed-optimizer (ZeRO-1)")
     if present & {"offload_optimizer", "optimizer_cpu_offload"}:
         fixed["offload_optimizer"] = "cpu" if args.optimizer_cpu_offload else args.offload_optimizer
         said.append(f"--offload-optimizer {fixed['offload_optimizer']}")

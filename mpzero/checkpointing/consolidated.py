@@ -1,7 +1,8 @@
 """A checkpoint as one bundle of full fp32 weights, and back: `read_consolidated` gives every parameter whole by
 name whatever layout saved it (every chunk checked against its checksum); `save_weights_only` writes such a
 bundle as a weights-only checkpoint (iteration 0) loadable at any layout. tools/checkpoint_util.py,
-tools/export_hf.py, tools/import_hf.py, tools/generate.py and bench/bench_generate.py go through these."""
+tools/export_hf.py, tools/import_hf.py, tools/generate.py and bench/bench_generate.py go through these;
+`load_whole` reads whole tensors by key from any DCP checkpoint (tools/import_megatron.py's too)."""
 
 from __future__ import annotations
 
@@ -45,17 +46,26 @@ def read_consolidated(load: str, iteration: int | None) -> dict:
         if state == MASTER:
             names[key] = name
     model = {key: torch.zeros(meta["shapes"][key]) for key in names}
-    try:  # every stored chunk is read whole into its place, so each is checked against its checksum
-        dcp.load(_whole(model), checkpoint_id=directory, storage_reader=CheckpointReader(directory),
-                 planner=ChunksLoadPlanner(checksums, directory, advice), no_dist=True)
+    # every stored chunk is read whole into its place, so each is checked against its checksum
+    load_whole(model, CheckpointReader(directory), ChunksLoadPlanner(checksums, directory, advice),
+               f"{advice}; `verify` names the damaged file")
+    return {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
+
+
+def load_whole(tensors: dict[str, torch.Tensor], reader: CheckpointReader, planner: ChunksLoadPlanner,
+               advice: str) -> None:
+    """Fill each tensor of `tensors` (by stored key, at its global shape) from the checkpoint `reader` reads, in
+    one process; a shard that cannot be read is one ConfigError line naming the checkpoint and ending in `advice`."""
+    directory = str(reader.path)
+    try:
+        dcp.load(_whole(tensors), checkpoint_id=directory, storage_reader=reader, planner=planner, no_dist=True)
     except dcp.CheckpointException as failure:
         error = next(iter(failure.failures.values()), (failure,))
         error = error[0] if isinstance(error, tuple) else error
         if isinstance(error, ConfigError):
             raise error from None
-        raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): {advice}; "
-                          f"`verify` names the damaged file") from None
-    return {"model": {names[key]: t for key, t in model.items()}, "meta": meta}
+        raise ConfigError(f"checkpoint {directory}: reading its shards failed ({error_reason(error)}): "
+                          f"{advice}") from None
 
 
 def save_weights_only(bundle: dict, save: str) -> None:

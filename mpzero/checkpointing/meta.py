@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from mpzero.checkpointing.checksums import ALGORITHMS
 from mpzero.checkpointing.format import FORMAT, LATEST, checkpoint_dir, published_dir
-from mpzero.checkpointing.reader import ForeignClassError, error_reason, read_metadata
+from mpzero.checkpointing.reader import ADMITTED, ForeignClassError, error_reason, read_metadata
 from mpzero.errors import ConfigError
 
 
@@ -129,11 +129,12 @@ def _meta_problem(meta: dict) -> str | None:
 _KIND_NAMES = {int: "a non-negative integer", dict: "a JSON object", str: "a string"}
 
 
-def read_dcp_metadata(directory: str, advice: str) -> Metadata:
+def read_dcp_metadata(directory: str, advice: str, admitted: frozenset[tuple[str, str]] = ADMITTED) -> Metadata:
     """DCP's .metadata (the stored chunks and where they lie), read without running anything it names (see
-    reader.py); missing, damaged or naming a foreign class: one ConfigError line."""
+    reader.py; `admitted`: the classes it may name); missing, damaged or naming a foreign class: one ConfigError
+    line."""
     try:
-        metadata = read_metadata(directory)
+        metadata = read_metadata(directory, admitted)
     except FileNotFoundError:
         raise ConfigError(f"checkpoint {directory}: .metadata is missing: {advice}") from None
     except ForeignClassError as error:

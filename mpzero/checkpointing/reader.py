@@ -79,8 +79,12 @@ def error_reason(error: BaseException) -> str:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f: BinaryIO, admitted: frozenset[tuple[str, str]]) -> None:
+        super().__init__(f)
+        self.admitted = admitted
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ADMITTED:
+        if (module, name) in self.admitted:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)  # torch pickles a dtype as the module attribute (torch.float32)
@@ -90,26 +94,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent reference, which checkpoint metadata never does")
 
 
-def load_metadata(f: BinaryIO) -> Any:
+def load_metadata(f: BinaryIO, admitted: frozenset[tuple[str, str]] = ADMITTED) -> Any:
     """The object pickled in `f`, built from admitted classes only (ForeignClassError otherwise)."""
-    return _MetadataUnpickler(f).load()
+    return _MetadataUnpickler(f, admitted).load()
 
 
-def read_metadata(directory: str | os.PathLike) -> Metadata:
+def read_metadata(directory: str | os.PathLike, admitted: frozenset[tuple[str, str]] = ADMITTED) -> Metadata:
     """The DCP metadata of the checkpoint in `directory`; ForeignClassError for a file that names anything else,
     FileNotFoundError, or another exception for a damaged pickle."""
-    return CheckpointReader(directory).read_metadata()
+    return CheckpointReader(directory, admitted).read_metadata()
 
 
 class CheckpointReader(FileSystemReader):
     """DCP's FileSystemReader with the metadata read through the restricted Unpickler: pass it as `dcp.load`'s
-    `storage_reader` for every checkpoint that may come from someone else."""
+    `storage_reader` for every checkpoint that may come from someone else. `admitted`: the classes its
+    .metadata may name (another writer's records added to mpzero's own: mpzero/inference/megatron_files.py)."""
+
+    def __init__(self, path: str | os.PathLike, admitted: frozenset[tuple[str, str]] = ADMITTED) -> None:
+        super().__init__(path)
+        self.admitted = admitted
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
         with open(os.path.join(os.fspath(self.path), name), "rb") as f:
-            metadata = load_metadata(f)
+            metadata = load_metadata(f, self.admitted)
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does

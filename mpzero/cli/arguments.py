@@ -24,6 +24,7 @@ from mpzero.files import check_output_directory
 from mpzero.cli.checks import CheckError, Parser, Path, Text
 from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.cli.flags import SECTIONS
+from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
 from mpzero.optim import RULES
 from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
@@ -80,7 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     config_file = _config_file_from(argv)
     if config_file:
         parser.set_defaults(**drop_overridden(read_config_file(config_file, parser), parser, argv))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a Megatron-LM flag mpzero lacks gets its own line (mpzero/cli/megatron_flags.py)
+        raise ConfigError(unknown_arguments_message(unknown, [o for a in parser._actions for o in a.option_strings]))
     for name in REQUIRED:
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
@@ -180,7 +183,7 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
     except ImportError:
         raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
                           "pip install -e '.[wandb]', or drop --wandb-project") from None
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
+    save_dir = args.wandb_save_dir or args.save or "."  # wandb writes its runs into DIR/wandb/ (Megatron's dir=)
     if not args.dry_run:
         check_output_directory(save_dir, "--wandb-save-dir")
     return LoggingConfig(args.log_interval, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, save_dir,
@@ -246,6 +249,9 @@ def lr_schedule(args: argparse.Namespace) -> LRSchedule:
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        raise ConfigError("--use-distributed-optimizer shards the optimizer states over data parallelism (ZeRO-1), "
+                          "but --zero-stage 0 replicates them: drop one of them")
     zero = ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
                       prefetch=args.zero_prefetch, units=args.zero_units,
                       check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)

@@ -13,6 +13,7 @@ import json
 import os
 
 from mpzero.cli.checks import CheckError, Number, error_reason
+from mpzero.cli.megatron_flags import NOT_IN_MPZERO
 from mpzero.errors import ConfigError
 
 
@@ -31,6 +32,10 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
         name = str(key).lstrip("-").replace("-", "_")
         action = by_option.get(name) or by_dest.get(name)
         if action is None:
+            megatron = "--" + name.replace("_", "-")
+            if megatron in NOT_IN_MPZERO:
+                raise ConfigError(f"--config {path}: {key}: a Megatron-LM flag that mpzero does not have; "
+                                  f"{NOT_IN_MPZERO[megatron]}")
             near = difflib.get_close_matches(name, list(by_option), n=1)
             hint = f": did you mean {_flag(near[0])!r}?" if near else ""
             raise ConfigError(f"--config {path}: unknown flag {key!r}{hint}")

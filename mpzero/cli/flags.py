@@ -167,6 +167,9 @@ def parallel_flags(p: argparse.ArgumentParser) -> None:
                           "idle slots: a third of 1F1B's bubble at its activation memory")
     par.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                      help="0 replicated (DDP), 1 optimizer states, 2 + gradients, 3 + parameters partitioned")
+    par.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="Megatron's distributed optimizer: optimizer states sharded over data parallelism, i.e. "
+                          "ZeRO-1 (the default stage); refused with --zero-stage 0, implied by stages 2-3")
     par.add_argument("--zero-bucket-numel", type=int, default=ZeroConfig.bucket_numel,
                      help="elements per gradient bucket (stages 0-2)")
     par.add_argument("--no-overlap-comm", dest="overlap_comm", action="store_false",
@@ -284,7 +287,7 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
                                  "as well (pip install -e '.[wandb]'; WANDB_MODE=offline keeps them on the machine)")
     evaluation.add_argument("--wandb-exp-name", default=None, help="the wandb run's name (default: wandb's)")
     evaluation.add_argument("--wandb-save-dir", default=None,
-                            help="where wandb keeps its files (default: --save/wandb, else ./wandb)")
+                            help="the folder wandb makes its wandb/ runs folder in (default: --save, else .)")
     evaluation.add_argument("--wandb-entity", default=None, help="the wandb user or team (default: your login's)")
     evaluation.add_argument("--profile", action="store_true",
                             help="trace iterations (--profile-step-start, --profile-step-end] on --profile-ranks: "

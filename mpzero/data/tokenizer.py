@@ -80,7 +80,7 @@ class GPTSentencePieceTokenizer:
 
     def tokenize_batch(self, texts: list[str]) -> list[np.ndarray]:
         # One C++ call for many texts, returning int32 arrays: ~4% faster than tokenize() per text
-        # plus list -> array (bench/README.md). One thread: preprocessing's workers are the parallelism.
+        # plus list -> array (bench/README.md at 5a79686). One thread: preprocessing's workers are the parallelism.
         return self._sp.encode(texts, out_type="numpy", num_threads=1)
 
     def detokenize(self, ids) -> str:

@@ -4,7 +4,7 @@ Each op has a plain PyTorch reference ("torch"), the same reference under `torch
 a Triton kernel ("triton"; CUDA tensors, or CPU tensors under Triton's interpreter) and, for AdamW,
 torch's own fused AdamW ("torch_fused"). `auto` resolves from the device alone, to the implementation measured
 fastest on that device: `CPU_CHOICE` by bench/bench_fused_cpu.py, `CUDA_CHOICE` by bench/bench_fused_gpu.py on
-an H100 (`make gpu-check`; figures in bench/README.md, "On one H100"). Resolution is a pure function of
+an H100 (`make gpu-check`; figures in bench/README.md, "On one H100", and its history). Resolution is a pure function of
 (op, device, installed triton), so callers resolve once at start and log `resolved_impls(device)`. Asking for
 something that cannot run raises `ConfigError`.
 
@@ -55,7 +55,7 @@ IMPLS = {
 CPU_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "torch", "adamw_step": "torch_fused",
               "cross_entropy": "torch", "sum_of_squares": "torch"}
 # The CUDA winner per op at GPT-2 shapes, measured on an H100 by bench/bench_fused_gpu.py (triton.testing.do_bench
-# medians, bench/README.md "On one H100", 2026-11-22):
+# medians, bench/README.md at 5a79686, "On one H100", 2026-11-22):
 # - layer_norm: torch's F.layer_norm, 0.201 ms fwd+bwd at [8192, 768] bf16 against 0.582 for the Triton kernel
 #   (and 0.581 compiled): the kernel held one row per program with a serial dweight/dbias pass, 2.9x slower.
 #   With its dweight/dbias partials spread over the SMs (2026-11-27, H100): torch 0.221, the kernel 0.338,
@@ -87,7 +87,8 @@ CUDA_CHOICE = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softma
 # - local: Megatron's own core attention: explicit [s, s] scores, the fused scale + causal mask + softmax op
 #   (`scaled_masked_softmax`, Triton on CUDA), dropout, the matmul with the values;
 # - unfused: the same explicit path with the PyTorch reference softmax (Transformer Engine's unfused attention);
-# - auto: flash on CUDA (GPT-2 124M bf16 on an H100: 53.3 ms per step against 61.2 for local, bench/README.md).
+# - auto: flash on CUDA (GPT-2 124M bf16 on an H100: 53.3 ms per step against 61.2 for local, bench/README.md at
+#   5a79686).
 #   On a CPU, flash without attention dropout (LLaMA's setting, examples/llama_tiny.yaml): SDPA's CPU flash kernel,
 #   whose logsumexp the activation formula counts, at 464-470 ms per LLaMA step against local's 591 (bench/
 #   bench_llama.py, h 256, 4 layers, seq 256, batch 8, 2 threads, 2026-11-25: 1.05x and 1.34x eager PyTorch) and

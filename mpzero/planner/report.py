@@ -122,7 +122,7 @@ def components_text(plan: LayoutPlan) -> list[str]:
             lines.append(f"  {t.name:<17} {t.theory / 1e9:>9.3f} GB per rank per iteration ({t.theory_text})")
     cost = plan.cost
     lines.append(f"  cost              {cost.seconds:.3f} s/iteration = max(compute {cost.compute:.3f}, DP "
-                 f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f} + CP {cost.cp:.3f} + offloaded step "
-                 f"{cost.offload:.3f}; "
+                 f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f}"
+                 + (f" + CP {cost.cp:.3f}" if plan.layout.cp > 1 else "") + f" + offloaded step {cost.offload:.3f}; "
                  f"{cost.tokens_per_second:.0f} tokens/s")
     return lines

@@ -36,9 +36,9 @@ ADAM_SIZES = [124_475_904, 1, 1023, 1025]
 
 
 def test_auto_on_cuda_is_the_measured_h100_choice():
-    # bench/README.md "On one H100": torch's LayerNorm beats the kernel 2.9x, the Triton softmax and AdamW win;
-    # RMSNorm's reference (the activation formula's), the cross entropy compiled 2.9x, the norm's one-pass kernel
-    # (mpzero/fused/impl.py)
+    # bench/README.md at 5a79686, "On one H100": torch's LayerNorm beats the kernel 2.9x, the Triton softmax and
+    # AdamW win; RMSNorm's reference (the activation formula's), the cross entropy compiled 2.9x, the norm's
+    # one-pass kernel (mpzero/fused/impl.py)
     assert resolved_impls("cuda") == {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_softmax": "triton",
                                       "adamw_step": "triton", "cross_entropy": "compile", "sum_of_squares": "triton"}
 

@@ -22,7 +22,7 @@ def test_auto_resolves_to_the_measured_cpu_choice():
 
 
 def test_auto_on_cuda_resolves_to_the_measured_h100_choice_or_says_to_install_triton():
-    # bench/README.md "On one H100": torch's LayerNorm 0.20 ms against the kernel's 0.58; the Triton softmax
+    # bench/README.md at 5a79686, "On one H100": torch's LayerNorm 0.20 ms against the kernel's 0.58; the Triton softmax
     # 9.0x torch's; the Triton AdamW 1.25 ms against torch's fused 1.64.
     assert planned_impl("layer_norm", "cuda") == resolve_impl("layer_norm", "cuda") == "torch"
     assert planned_impl("adamw_step", "cuda") == planned_impl("scaled_masked_softmax", "cuda") == "triton"
