@@ -8,7 +8,8 @@ layout that fits, with its torchrun command.
 Takes pretrain_gpt.py's model and training flags (or --config FILE); --train-iters, --lr and --micro-batch-size
 may be left out, data flags too (--vocab-size, default 50257, stands for the tokenizer). The layout flags
 (TP size, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses: each is enumerated unless
-restricted (--tp-sizes, --zero-stages, --offload-tiers, --recompute-modes, --micro-batch-sizes), and one given
+restricted (--tp-sizes, --zero-stages, --offload-tiers, --recompute-modes, --micro-batch-sizes; context
+parallelism only where asked: --cp-sizes 1,2,4, --context-parallel-size, --cp-comm-type), and one given
 as pretrain_gpt.py's own flag (--tensor-model-parallel-size 8, --zero-stage 3, --offload-optimizer cpu,
 --recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only the layouts with that value
 (said in a note); the global batch is kept when given. Sizes take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB; a bare number
@@ -67,6 +68,8 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="parameters per second per rank AdamW updates on the CPU")
     e = p.add_argument_group("layouts")
     e.add_argument("--tp-sizes", type=Items(Number(int, low=1)), default=None)
+    e.add_argument("--cp-sizes", type=Items(Number(int, low=1)), default=None,
+                   help="context-parallel sizes to try (default 1, or --context-parallel-size's)")
     e.add_argument("--zero-stages", type=Items(Number(int, low=0, high=3, high_ok=True)), default=None)
     e.add_argument("--offload-tiers", type=Items(Choice(("none", "cpu", "disk"))), default=None,
                    help="subset of none,cpu,disk")
@@ -101,13 +104,15 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "z
                 "micro_batch_size": "--micro-batch-size", "offload_optimizer": "--offload-optimizer",
                 "optimizer_cpu_offload": "--optimizer-cpu-offload", "offload_params": "--offload-params",
                 "sequence_parallel": "--sequence-parallel", "recompute_activations": "--recompute-activations",
-                "recompute_granularity": "--recompute-granularity", "zero_units": "--zero-units"}
+                "recompute_granularity": "--recompute-granularity", "zero_units": "--zero-units",
+                "context_parallel_size": "--context-parallel-size"}
 
 
 def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[dict, str | None]:
     """({layout attribute: the value the given layout flags fix}, the note saying so, or None)."""
     fixed, said = {}, []
-    for dest, attribute in (("tensor_model_parallel_size", "tp"), ("zero_stage", "stage"),
+    for dest, attribute in (("tensor_model_parallel_size", "tp"), ("context_parallel_size", "cp"),
+                            ("zero_stage", "stage"),
                             ("micro_batch_size", "micro_batch"), ("offload_params", "offload_params"),
                             ("sequence_parallel", "sequence_parallel"), ("zero_units", "units")):
         if dest in present:
@@ -150,9 +155,10 @@ def plan(argv: list[str]) -> dict:
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
     planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine)
-    layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
-                              opts.micro_batch_sizes, opts.max_micro_batch_size)
     fixed, note = layout_restrictions(args, given_flags(rest))
+    layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
+                              opts.micro_batch_sizes, opts.max_micro_batch_size,
+                              cps=opts.cp_sizes or (fixed.get("cp", 1),))
     layouts = [layout for layout in layouts if all(getattr(layout, k) == v for k, v in fixed.items())]
     if not layouts:
         raise ConfigError("no layout to evaluate: the head count, the world size, the global batch and the "

@@ -2,9 +2,10 @@
 `setting.py` and the terms outside the layers in `outside.py`: one source of truth for the training line and for
 planners) and counted (`count.py`, saved-tensor hooks), and the line that puts the two side by side (`report.py`)."""
 
-from mpzero.activations.count import COMPILED_TRUNK, SavedBytesCounter, activation_region, host_offload
-from mpzero.activations.formula import (ActivationFormula, LayerFormula, activation_formula, layer_formula,
-                                        layer_kinds, mode_name, modeled, paper_row)
+from mpzero.activations.count import (COMPILED_TRUNK, SavedBytesCounter, activation_region, host_offload,
+                                      note_exchange)
+from mpzero.activations.formula import (ActivationFormula, LayerFormula, activation_formula, exchange_term,
+                                        layer_formula, layer_kinds, mode_name, modeled, paper_row)
 from mpzero.activations.outside import kept_chunk_tokens, outside_terms
 from mpzero.activations.report import activation_line, rank_report, report_activation_memory
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
@@ -12,6 +13,6 @@ from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTE
 
 __all__ = ["COMPILED_TRUNK", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS",
            "ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula",
-           "activation_line", "activation_region", "check_setting", "host_offload", "kept_chunk_tokens",
-           "layer_formula", "layer_kinds", "mode_name", "modeled", "outside_terms", "paper_row", "rank_report",
-           "report_activation_memory"]
+           "activation_line", "activation_region", "check_setting", "exchange_term", "host_offload",
+           "kept_chunk_tokens", "layer_formula", "layer_kinds", "mode_name", "modeled", "note_exchange",
+           "outside_terms", "paper_row", "rank_report", "report_activation_memory"]

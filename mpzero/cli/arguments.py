@@ -107,12 +107,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
     parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
-                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                              context_parallel_size=args.context_parallel_size)
     parallel.sizes.check(world_size)
     tp, dp = parallel.tensor_model_parallel_size, parallel.sizes.dp(world_size)
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
     micro_batches = num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
     pipeline = pipeline_config(args, micro_batches)
+    if parallel.pipeline_model_parallel_size > 1 and parallel.context_parallel_size > 1:
+        raise ConfigError("--context-parallel-size with --pipeline-model-parallel-size is not supported yet: "
+                          "use one of them")
     tokenizer = tokenizer_record(args)
     vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)

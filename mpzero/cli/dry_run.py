@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mpzero.activations import SavedBytesCounter, activation_line, rank_report
+from mpzero.context_parallel import cp_comm_line, cp_comm_theory
 from mpzero.errors import ConfigError
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
                             full_recompute_chunks, model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
@@ -76,13 +77,19 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     groups = run.parallel.join()
     training = run.training
     micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
-    print(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size} x DP {groups.dp_size}: TP rank "
-          f"{groups.tp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
+    cp = f" x CP {groups.cp.size}" if groups.cp.size > 1 else ""
+    cp_rank = f", CP rank {groups.cp.rank}" if groups.cp.size > 1 else ""
+    print(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size}{cp} x DP {groups.dp_size}: TP rank "
+          f"{groups.tp_rank}{cp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
           f"{training.micro_batch_size} x {training.seq_length} tokens, on {engine} tensors and a fake process group",
           flush=True)
-    state, at_start, memory, comm, tp_comm, counter = _two_iterations(run, provider, groups, engine)
+    state, at_start, memory, comm, (tp_comm, cp_comm), counter = _two_iterations(run, provider, groups, engine)
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
+    p = element_sizes(run.precision)[0]
+    if groups.cp.size > 1:
+        print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
+                           micro_batches, cp_comm), flush=True)
     dtype = run.precision.torch_dtype  # the line training prints after its first iteration, here for this rank
     setting = state.model.module.activation_setting(training.micro_batch_size, training.seq_length, dtype,
                                                     groups.device)
@@ -91,6 +98,10 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
 
     plan, plan_tp, plan_acts = _planned(run, groups, micro_batches)
     checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts)
+    if groups.cp.size > 1:
+        plan_cp = cp_comm_theory(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
+                                 micro_batches)[0]
+        checks.append(("CP bytes/iter", cp_comm, plan_cp))
     equal = all(_same(a, b) for _, a, b in checks)
     print("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
           + f" | {'equal' if equal else 'DIFFERENT'}", flush=True)
@@ -105,7 +116,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
 def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
     """The training state built on tensors without data and two iterations, the second measured (stage 3 prefetches
     from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, TP
-    bytes, the second iteration's SavedBytesCounter)."""
+    and CP bytes, the second iteration's SavedBytesCounter)."""
     training = run.training
     with no_data(engine):
         state = _build(run, provider, groups, engine)
@@ -120,21 +131,23 @@ def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
         forward_backward(state, data, 0, training)
         optimizer.step(run.schedule.lr(0))
         optimizer.comm_report()  # count from the second iteration on
-        tp_mark = groups.tp.stats.total()
+        tp_mark, cp_mark = groups.tp.stats.total(), groups.cp.stats.total()
         counter = SavedBytesCounter(state.model.module)
         forward_backward(state, data, 1, training, activations=counter)
+        cp_comm = groups.cp.stats.total() - cp_mark
         optimizer.step(run.schedule.lr(1))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
         optimizer.close()
-    return state, at_start, memory, comm, tp_comm, counter
+    return state, at_start, memory, comm, (tp_comm, cp_comm), counter
 
 
 def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
     """The planner's figures for this rank, from the flags alone: (model states plan, TP bytes, activation plan)."""
     training = run.training
+    zero_group = groups.dp_cp  # ZeRO partitions over DP x CP
     plan = plan_states(PlanInputs(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision,
-                                  groups.dp_size, groups.dp_rank, run.offload, micro_batches, cuda=False,
+                                  zero_group.size, zero_group.rank, run.offload, micro_batches, cuda=False,
                                   rule=run.optimizer.rule, recomputed=full_recompute_chunks(run.model)))
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                             element_sizes(run.precision)[0], micro_batches)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from mpzero.context_parallel import CP_COMM_TYPES
 from mpzero.data import TOKENIZER_TYPES
 from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
@@ -135,6 +136,13 @@ def parallel_flags(p: argparse.ArgumentParser) -> None:
     """ParallelConfig and ZeroConfig: the TP size, the ZeRO stage and its buckets."""
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=ParallelConfig.tensor_model_parallel_size)
+    par.add_argument("--context-parallel-size", type=int, default=ParallelConfig.context_parallel_size,
+                     help="CP ranks the sequence is split over (2·CP load-balanced chunks; --seq-length divisible "
+                          "by 2·CP); parameters replicated, gradients reduced over DP x CP")
+    par.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=GPTConfig.cp_comm_type,
+                     help="how attention sees the other CP ranks' tokens: p2p (a ring of keys and values, the next "
+                          "in flight), all_gather (all keys and values gathered), a2a (all-to-all over heads, "
+                          "DeepSpeed-Ulysses: heads and query groups divisible by CP)")
     par.add_argument("--distributed-timeout-minutes", type=float,
                      default=ParallelConfig.distributed_timeout_minutes)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=ParallelConfig.pipeline_model_parallel_size,

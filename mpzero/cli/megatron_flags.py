@@ -13,8 +13,6 @@ import difflib
 _LAYOUT = ("an explicit stage layout string is not supported: mpzero splits the layers evenly, with "
            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or with "
            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
-_CONTEXT = ("context parallelism is not in mpzero yet: for long sequences use --sequence-parallel with "
-            "--tensor-model-parallel-size, and --recompute-activations")
 _EXPERTS = "mixture-of-experts models are not in mpzero yet (dense GPT-2 and LLaMA-shaped models only)"
 _FP8 = "FP8 training is not in mpzero yet: use --bf16"
 _FUSION = "mpzero has no such fused kernel to turn off (its fused ops are listed on the run's 'fused ops' line)"
@@ -33,8 +31,8 @@ _NOT_YET = "not supported by mpzero yet"
 NOT_IN_MPZERO: dict[str, str] = {
     # parallelism
     "--pipeline-model-parallel-layout": _LAYOUT,
-    "--context-parallel-size": _CONTEXT,
-    "--cp-comm-type": _CONTEXT,
+    "--hierarchical-context-parallel-sizes": ("hierarchical context parallelism (a2a+p2p) is not in mpzero: "
+                                              "use --cp-comm-type p2p, all_gather or a2a"),
     "--expert-model-parallel-size": _EXPERTS,
     "--expert-tensor-parallel-size": _EXPERTS,
     "--num-experts": _EXPERTS,

@@ -31,7 +31,7 @@ class ModelFamily:
     name: str
     config_cls: type
     config_from_args: Callable[[argparse.Namespace, int], Any]  # the parsed flags and the vocabulary -> its config
-    build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None) -> the model (device "meta": no storage)
+    build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None, cp=None) -> the model ("meta": no storage)
     flops_per_token: Callable[..., float]  # (config, tp_size, micro_batch_size=1) -> matmul FLOPs per token, fwd+bwd
     activation_setting: Callable | None  # (config, tp, micro_batch, seq, dtype, device, tp_rank, rng_streams)
     tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches) -> TP bytes per iteration
@@ -67,7 +67,8 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      position_embedding_type=args.position_embedding_type,
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
                      rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
-                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear)
+                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
+                     context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type)
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,
@@ -87,11 +88,12 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
-    all times (t-1)/t."""
+    all times (t-1)/t. Under context parallelism a rank's activations hold its s/CP tokens."""
     if tp == 1:
         return 0.0
     r = (tp - 1) / tp
     h, L = config.hidden_size, config.num_layers
+    seq //= config.context_parallel_size
     B = micro_batch * seq * h * p
     sp = config.sequence_parallel
     recomputed = checkpoints = 0

@@ -27,6 +27,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpzero.context_parallel import cp_comm_theory
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import full_recompute_chunks, model_shapes
@@ -63,6 +64,7 @@ class Layout:
     recompute: str = "none"  # none, selective, full
     sequence_parallel: bool = False
     units: str = "layer"  # stage 3's units (--zero-units): layer, or linear (each linear layer gathered alone)
+    cp: int = 1  # context-parallel ranks (--context-parallel-size): ZeRO partitions over DP x CP
 
     @property
     def micro_batches(self) -> int:
@@ -74,7 +76,8 @@ class Layout:
         model = dataclasses.replace(run.model, recompute_activations=False,
                                     recompute_granularity=None if self.recompute == "none" else self.recompute,
                                     recompute_method="uniform" if full else None,
-                                    recompute_num_layers=1 if full else None, sequence_parallel=self.sequence_parallel)
+                                    recompute_num_layers=1 if full else None, sequence_parallel=self.sequence_parallel,
+                                    context_parallel_size=self.cp)
         zero = dataclasses.replace(run.zero, stage=self.stage, units=self.units)
         offload = dataclasses.replace(run.offload, optimizer=self.offload_optimizer, params=self.offload_params)
         if offload.uses_disk and not offload.path:  # the path only matters to a run; checked there
@@ -91,7 +94,8 @@ class Layout:
                                                           if self.offload_params != "none" else ""))
         sp = " + SP" if self.sequence_parallel else ""
         units = ", linear units" if self.units == "linear" else ""
-        return (f"TP {self.tp} x DP {self.dp}, ZeRO-{self.stage}{units}{offload}, recompute {self.recompute}{sp}, "
+        cp = f" x CP {self.cp}" if self.cp > 1 else ""
+        return (f"TP {self.tp}{cp} x DP {self.dp}, ZeRO-{self.stage}{units}{offload}, recompute {self.recompute}{sp}, "
                 f"micro-batch {self.micro_batch} x {self.micro_batches}")
 
 
@@ -125,6 +129,7 @@ class LayoutPlan:
     disk_per_node: int
     fits: bool
     why: str  # what does not fit ("" when it fits)
+    cp_comm: float = 0.0  # bytes per rank per iteration on the CP group (mpzero.context_parallel.cp_comm_theory)
 
     @property
     def backward_peak(self) -> int:
@@ -162,11 +167,11 @@ class LayoutPlan:
                 "host_per_node": self.host_per_node, "disk_per_node": self.disk_per_node,
                 "model_state_formula": s.report.formula_text, "model_state_formula_bytes": s.report.formula,
                 "dp_bytes_per_iter": s.comm_bytes, "dp_theory_bytes_per_iter": s.comm.theory,
-                "tp_bytes_per_iter": self.tp_comm,
+                "tp_bytes_per_iter": self.tp_comm, "cp_bytes_per_iter": self.cp_comm,
                 "transfers_per_iter": {t.name: t.theory for t in s.comm.transfers},
                 "seconds_per_iter": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_second,
                 "cost": {"compute": self.cost.compute, "dp": self.cost.dp, "fetch": self.cost.fetch,
-                         "tp": self.cost.tp, "offload": self.cost.offload},
+                         "tp": self.cost.tp, "cp": self.cost.cp, "offload": self.cost.offload},
                 "zero_memory_line": s.report.line(), "zero_comm_line": s.comm.line()}
 
 
@@ -191,13 +196,15 @@ class Planner:
         run = layout.apply(self.run)
         config, zero, offload, rule = run.model, run.zero, run.offload, run.optimizer.rule
         shapes = model_shapes(normalized(config), layout.tp)
-        states = plan_states(PlanInputs(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
+        zero_ranks = layout.dp * layout.cp  # parameters replicated over CP: ZeRO partitions over DP x CP
+        states = plan_states(PlanInputs(shapes, zero, self.precision, zero_ranks, 0, offload, layout.micro_batches,
                                         cuda=self.machine.cuda, rule=rule,
                                         recomputed=full_recompute_chunks(config)))
         acts = self._activations(config, layout.tp, layout.micro_batch)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
-        cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda)
-        layouts = shapes.layouts(zero.stage, layout.dp, 0, zero.bucket_numel, zero.units)
+        cp_comm = cp_comm_theory(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)[0]
+        cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda, cp_comm)
+        layouts = shapes.layouts(zero.stage, zero_ranks, 0, zero.bucket_numel, zero.units)
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         largest_shard = max((lay.shard_numel for lay in layouts), default=0)  # Fp32Buckets: a bucket, or sub-groups
@@ -219,16 +226,17 @@ class Planner:
         if states.disk and (machine.disk_space is None or disk_per_node > machine.disk_space):
             why.append("disk")
         return LayoutPlan(layout, states, acts, tp_comm, cost, construction, transients, device_peak, host_per_rank,
-                          host_per_node, disk_per_node, not why, ",".join(why))
+                          host_per_node, disk_per_node, not why, ",".join(why), cp_comm)
 
     def layouts(self, tps=None, stages=None, tiers=None, recompute=None, micro_batches=None,
-                max_micro_batch: int = 64, units=None) -> list[Layout]:
+                max_micro_batch: int = 64, units=None, cps=(1,)) -> list[Layout]:
         """Every layout of the world: TP in the divisors of the head count that divide the world, ZeRO stages,
         offload tiers allowed at each stage (disk only with disk space), stage 3's units (`units`, default
         both), recomputation modes, micro-batch sizes (powers of two, or the given ones) that divide the global
         batch's share of a DP rank (without --global-batch-size: the global batch is micro-batch x DP, as in
         pretrain_gpt.py). What the run's own checks refuse is left out: linear units with --torch-compile, stage 3
-        with CUDA graphs."""
+        with CUDA graphs. `cps`: the context-parallel sizes to try (the sequence must divide by 2·CP; a2a
+        splits each TP rank's heads and groups over CP)."""
         model = self.run.model
         world, heads = self.machine.world_size, model.num_attention_heads
         tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
@@ -239,15 +247,25 @@ class Planner:
         sizes = micro_batches or [1 << k for k in range(max_micro_batch.bit_length()) if 1 << k <= max_micro_batch]
         unit_kinds = units or (("layer",) if model.torch_compile else ZERO_UNITS)
         out = []
-        for tp, stage in itertools.product(tps, stages):
-            dp = world // tp
-            sps = (False, True) if tp > 1 and self.seq % tp == 0 else (False,)
+        for tp, cp, stage in itertools.product(tps, cps, stages):
+            if world % (tp * cp) or not _context_fits(model, self.seq, tp, cp):
+                continue
+            dp = world // (tp * cp)
+            sps = (False, True) if tp > 1 and (self.seq // cp) % tp == 0 else (False,)
             for (optimizer, params), kind, mode, sp, mbs in itertools.product(
                     _offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes):
                 gbs = self.run.global_batch_size or mbs * dp
                 if gbs % (mbs * dp) == 0:
-                    out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind))
+                    out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind, cp))
         return out
+
+
+def _context_fits(model, seq: int, tp: int, cp: int) -> bool:
+    """Whether CP `cp` can split this run: 2·CP chunks of the sequence; a2a's heads and groups per TP rank."""
+    if cp == 1:
+        return True
+    heads, groups = model.num_attention_heads // tp, model.query_groups // tp
+    return seq % (2 * cp) == 0 and (model.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0))
 
 
 def _offloads(stage: int, tiers) -> list[tuple[str, str]]:

@@ -13,7 +13,8 @@ GIB = 2 ** 30
 LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--zero-stage": 1, "--micro-batch-size": 1,
                 "--global-batch-size": 1, "--offload-optimizer": 1, "--optimizer-cpu-offload": 0,
                 "--offload-params": 1, "--recompute-activations": 0, "--recompute-granularity": 1,
-                "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0, "--zero-units": 1}
+                "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0, "--zero-units": 1,
+                "--context-parallel-size": 1}
 
 
 def gib(nbytes: float | None) -> str:
@@ -21,7 +22,8 @@ def gib(nbytes: float | None) -> str:
 
 
 def layout_argv(layout: Layout, offload_path: str | None) -> list[str]:
-    argv = ["--tensor-model-parallel-size", str(layout.tp), "--zero-stage", str(layout.stage),
+    argv = ["--tensor-model-parallel-size", str(layout.tp)] + (
+        ["--context-parallel-size", str(layout.cp)] if layout.cp > 1 else []) + ["--zero-stage", str(layout.stage),
             "--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(layout.global_batch)]
     if layout.recompute == "full":  # (--recompute-activations is Megatron's selective recomputation)
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -67,20 +69,21 @@ def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, off
     return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
 
 
-HEADER = ("  #  TP   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ   work  "
-          "build | device peak  host/node   disk/node | DP GB/it  TP GB/it |   s/iter  tokens/s  fits")
+HEADER = ("  #  TP CP   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ   work  "
+          "build | device peak  host/node   disk/node | DP GB/it  TP GB/it  CP GB/it |   s/iter  tokens/s  fits")
 
 
 def row(i: int, plan: LayoutPlan) -> str:
     lay, c = plan.layout, plan.components()
     recompute = lay.recompute + ("+SP" if lay.sequence_parallel else "")
     offload = f"{lay.offload_optimizer}/{lay.offload_params}"
-    return (f"{i:>3}  {lay.tp:>2} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
+    return (f"{i:>3}  {lay.tp:>2} {lay.cp:>2} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
             f"{lay.micro_batch:>3} x {lay.micro_batches:<3} {gib(c['parameters']):>7} {gib(c['gradients']):>6} "
             f"{gib(c['optimizer states']):>6} {gib(c['gathered/buckets (in step)']):>8} "
             f"{gib(c['activations']):>6} {gib(c['working tensors']):>6} {gib(c['construction']):>6} "
             f"| {gib(plan.device_peak):>11} {gib(plan.host_per_node):>10} "
-            f"{gib(plan.disk_per_node):>11} | {plan.states.comm_bytes / 1e9:>8.2f} {plan.tp_comm / 1e9:>9.2f} | "
+            f"{gib(plan.disk_per_node):>11} | {plan.states.comm_bytes / 1e9:>8.2f} {plan.tp_comm / 1e9:>9.2f} "
+            f"{plan.cp_comm / 1e9:>9.2f} | "
             f"{plan.cost.seconds:>8.3f} {plan.cost.tokens_per_second:>9.0f}  "
             f"{'yes' if plan.fits else 'no: ' + plan.why}")
 
@@ -112,11 +115,14 @@ def components_text(plan: LayoutPlan) -> list[str]:
               f"  DP traffic        {s.comm_bytes / 1e9:>9.3f} GB per rank per iteration (theory "
               f"{s.comm.theory_text} = {s.comm.theory / 1e9:.3f} GB)",
               f"  TP traffic        {plan.tp_comm / 1e9:>9.3f} GB per rank per iteration"]
+    if plan.layout.cp > 1:
+        lines.append(f"  CP traffic        {plan.cp_comm / 1e9:>9.3f} GB per rank per iteration (CP {plan.layout.cp})")
     for t in s.comm.transfers:
         if t.theory:
             lines.append(f"  {t.name:<17} {t.theory / 1e9:>9.3f} GB per rank per iteration ({t.theory_text})")
     cost = plan.cost
     lines.append(f"  cost              {cost.seconds:.3f} s/iteration = max(compute {cost.compute:.3f}, DP "
-                 f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f} + offloaded step {cost.offload:.3f}; "
+                 f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f}"
+                 + (f" + CP {cost.cp:.3f}" if plan.layout.cp > 1 else "") + f" + offloaded step {cost.offload:.3f}; "
                  f"{cost.tokens_per_second:.0f} tokens/s")
     return lines

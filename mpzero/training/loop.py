@@ -13,6 +13,7 @@ from functools import partial
 
 from mpzero.activations import SavedBytesCounter, report_activation_memory
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.training.config import RunConfig
@@ -52,6 +53,7 @@ class StepResult:
     lr: float
     stats: StepStats
     terminated: bool  # SIGTERM reached some rank
+    cp_bytes: float = 0.0  # sent on the CP group by this rank's forward and backward
 
 
 def train(run: RunConfig, provider: ModelProvider) -> dict:
@@ -113,10 +115,12 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     training, groups = run.training, state.groups
     # as in Megatron, skipped (fp16 overflow) steps do not count
     lr = run.schedule.lr(progress.iteration - progress.skipped)
+    cp_mark = groups.cp.stats.total()
     loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
+    cp_bytes = groups.cp.stats.total() - cp_mark  # the CP attention's exchanges, forward and backward
     # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
     check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
-    loss, terminated = check.read_with[0] / groups.dp_size, bool(check.read_with[1])
+    loss, terminated = check.read_with[0] / groups.dp_cp.size, bool(check.read_with[1])
     if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
         raise TrainingError(f"lm loss is {loss} at iteration {progress.iteration + 1} (rank {groups.world.rank}): "
                             f"stopped before the update, so the last checkpoint is intact; lower --lr or "
@@ -124,7 +128,7 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     stats = state.optimizer.step(lr)
     progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
     progress.skipped += stats.skipped
-    return StepResult(loss, lr, stats, terminated)
+    return StepResult(loss, lr, stats, terminated, cp_bytes)
 
 
 def _should_evaluate(run: RunConfig, iteration: int) -> bool:
@@ -279,6 +283,10 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
     comm_lines = every_stage(groups, comm.line())
     if state.pipeline is not None:
         comm_lines += groups.pp.all_gather_objects(state.pipeline.meter.report(iteration).line())
+    if groups.cp.size > 1:  # the context-parallel attention's bytes of the last iteration, against theory
+        micro_batches = training.global_batch_size // (training.micro_batch_size * groups.dp_size)
+        comm_lines.append(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                                       run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes))
     if groups.is_logging_rank:
         extra = {"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}",
                  **({} if mfu is None else {"MFU": f"{mfu:.3f}"})}

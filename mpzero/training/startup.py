@@ -13,6 +13,7 @@ import torch
 from mpzero.activations import activation_formula
 from mpzero.checkpointing import read_meta
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
+from mpzero.context_parallel import block_kernel
 from mpzero.errors import ConfigError
 from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
@@ -28,7 +29,11 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
     """What `auto` runs on this device: each fused op's implementation; the model's attention backend and loss
     arithmetic as its flags choose them (--attention-backend, --cross-entropy-loss-fusion); the CUDA graphs it
     replays (--cuda-graph-impl)."""
-    return {**resolved_impls(device), "attention": run.model.attention(device),
+    attention = run.model.attention(device)
+    if run.model.cp_blockwise:
+        kernel = block_kernel(run.model.attention_backend_name, torch.device(device).type)
+        attention = f"context parallel {run.model.cp_comm_type}, {kernel} blocks"
+    return {**resolved_impls(device), "attention": attention,
             "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
             "cuda_graphs": run.model.cuda_graphs(device)}
 
@@ -86,6 +91,9 @@ def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None
     rank asks on its own device and the ranks share the answers. A GPU run then stops on torch's reasons. A CPU run
     gets a note instead: SDPA's CPU kernel has no dropout, so flash with dropout is the math path there, which a
     development run may mean to compare with local. Returns the note, or None."""
+    if run.model.cp_blockwise:  # the blocks' kernel, or one line saying this device has none
+        block_kernel(run.model.attention_backend_name, groups.device.type)
+        return None
     backend, device = run.model.attention(groups.device), groups.device
     shape = run.model.attention_shape(groups.tp_size, run.training.seq_length, run.precision.torch_dtype)
     refusals = [r for r in groups.world.all_gather_objects(fused_attention_refusal(backend, shape, device)) if r]

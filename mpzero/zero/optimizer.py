@@ -30,6 +30,7 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Collection
@@ -92,7 +93,7 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
 
 class ZeroOptimizer(OptimizerReports):
     """An elementwise update rule (`optimizer.rule`: AdamW, SGD) over `model`'s trainable parameters,
-    partitioned across `groups.dp` by `zero.stage`.
+    partitioned across `groups.dp_cp` (DP x CP: `self.groups.dp` below; `groups.dp` at CP 1) by `zero.stage`.
 
     Managed parameters are cast to `precision.dtype` and become views of flat buffers (stage 3:
     released between uses); cast the rest of the model (frozen parameters, buffers) yourself.
@@ -114,6 +115,7 @@ class ZeroOptimizer(OptimizerReports):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+        groups = dataclasses.replace(groups, dp=groups.dp_cp)  # parameters replicated over CP: reduced over DP x CP
         self.model, self.groups, self.zero, self.config, self.precision = model, groups, zero, optimizer, precision
         self.rule = optimizer.rule
         self.offload = offload
