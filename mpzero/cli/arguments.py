@@ -113,6 +113,9 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), optimizer_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    if model.fp8_format is not None and sections[2].dtype != "bf16":
+        raise ConfigError(f"--fp8-format runs the matmuls in FP8 from bf16 weights and activations (torchao's float8 "
+                          f"training), but the run is {sections[2].dtype}: add --bf16")
     offload = offload_config(args)
     offload.validate(args.zero_stage)
     if args.data_path:  # the strings alone, before any file is opened

@@ -67,7 +67,12 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      position_embedding_type=args.position_embedding_type,
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
                      rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
-                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear)
+                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
+                     fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                     fp8_auto_filter_small_kn=args.fp8_auto_filter_small_kn,
+                     first_last_layers_bf16=args.first_last_layers_bf16,
+                     num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+                     num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,

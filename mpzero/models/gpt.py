@@ -55,6 +55,7 @@ from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, norm
 from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
+from mpzero.tensor_parallel.fp8 import convert_to_fp8
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
                                     linear_with_sequence_gather, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
@@ -229,6 +230,8 @@ class GPTModel(nn.Module):
                 vocab_rows_init(config.init_method_std, config.vocab_size), bias=False,
                 sequence_parallel=config.sequence_parallel)
             mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
+        if config.fp8 is not None:  # the layers' linears (never the output layer), as torchao's filters choose
+            self.fp8_linears = convert_to_fp8(self, config.fp8, config.bf16_layers())
         name_parameters(self, config.init_seed)
         if torch.device(device if device is not None else "cpu").type != "meta":
             materialize_module(self, device)  # the whole build; on the meta device ZeroOptimizer streams it

@@ -26,7 +26,8 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
     replays (--cuda-graph-impl)."""
     return {**resolved_impls(device), "attention": run.model.attention(device),
             "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
-            "cuda_graphs": run.model.cuda_graphs(device)}
+            "cuda_graphs": run.model.cuda_graphs(device),
+            "fp8": run.model.fp8.describe() if run.model.fp8 is not None else "none"}
 
 
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
@@ -36,6 +37,10 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         raise ConfigError(f"--profile without --use-pytorch-profiler marks the window for Nsight Systems through the "
                           f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
+    if run.model.fp8 is not None and groups.device.type == "cuda" and torch.cuda.get_device_capability(
+            groups.device) < (8, 9):
+        raise ConfigError(f"--fp8-format: {torch.cuda.get_device_name(groups.device)} has no FP8 matmuls (they need "
+                          f"compute capability 8.9 or newer: Ada, Hopper, Blackwell): drop --fp8-format")
     attention_line = _check_fused_attention(run, groups)
     nodes_line = check_nodes(groups.world, groups.sizes, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
