@@ -16,78 +16,19 @@ on the host), and a CUDA stream or event synchronise has no CPU counterpart. Tho
 `make gpu-check`; everything the loop and the optimizer read through the calls above fails here.
 """
 
-import os
-import traceback
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.cli import TINY, quiet_main
 from tests.distributed import run_ranks
-
-aten = torch.ops.aten
-_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__,
-          torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
-_READING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-                aten.repeat_interleave.Tensor, aten.is_nonzero.default, aten.equal.default}
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class HostSyncs:
-    """Records every host synchronisation as (what, where): `where` is the innermost frame in this repository."""
-
-    def __init__(self):
-        self.events, self._inside_read = [], 0
-
-    def record(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_HERE)
-                  and not f.filename.endswith(__file__)]
-        where = f"{os.path.relpath(frames[-1].filename, _HERE)}:{frames[-1].lineno}" if frames else "?"
-        self.events.append((what, where))
-
-
-class _CountReads(TorchFunctionMode):
-    def __init__(self, syncs: HostSyncs):
-        super().__init__()
-        self.syncs = syncs
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in _READS:
-            return func(*args, **(kwargs or {}))
-        self.syncs.record(func.__name__)
-        self.syncs._inside_read += 1  # the aten op it ends in is the same synchronisation
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.syncs._inside_read -= 1
-
-
-class _CountReadingOps(TorchDispatchMode):
-    def __init__(self, syncs: HostSyncs):
-        super().__init__()
-        self.syncs = syncs
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (func in _READING_OPS or _masked_index(func, args)) and not self.syncs._inside_read:
-            self.syncs.record(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _masked_index(func, args) -> bool:
-    """x[mask] and x[mask] = v: a boolean index becomes a nonzero() inside the op (seen as such on CUDA only)."""
-    if func not in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
-        return False
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+from tests.host_syncs import counting
 
 
 def _syncs_per_iteration(argv) -> dict[int, list]:
     """Train with `argv`, counting; {iteration: its syncs}, an iteration running from the start of its
     forward-backward to the start of the next one's (so its step, checks and logging are all in it)."""
     import mpzero.training.loop as loop
-    syncs, starts = HostSyncs(), []
+    starts = []
     forward_backward = loop.forward_backward
 
     def marked(*args, **kwargs):
@@ -95,7 +36,7 @@ def _syncs_per_iteration(argv) -> dict[int, list]:
         return forward_backward(*args, **kwargs)
 
     loop.forward_backward = marked  # this forked rank's own copy of the module
-    with _CountReads(syncs), _CountReadingOps(syncs):
+    with counting() as syncs:
         quiet_main(argv)
     bounds = starts + [len(syncs.events)]
     return {i + 1: syncs.events[bounds[i]:bounds[i + 1]] for i in range(len(starts))}
@@ -135,8 +76,8 @@ def test_an_iteration_syncs_with_the_host_at_most_once_at_tp2():
 
 
 def test_the_counter_sees_scalar_reads_and_data_dependent_shapes():
-    syncs, x = HostSyncs(), torch.tensor([1.0, 0.0, 2.0])
-    with _CountReads(syncs), _CountReadingOps(syncs):
+    x = torch.tensor([1.0, 0.0, 2.0])
+    with counting() as syncs:
         x.sum().item(), x.tolist(), bool(x[0]), float(x[1]), x.nonzero(), x[x > 0], x.cpu()
         x[x > 1] = 0
         x.mul(2).add_(1)  # no read
