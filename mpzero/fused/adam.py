@@ -74,13 +74,17 @@ def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, bet
                (1 - beta2 ** step) ** 0.5, eps)
     n = params.numel()
     copy_arg = params if model_copy is None else model_copy  # never written when HAS_COPY is False
-    in_memory = isinstance(grad_scale, torch.Tensor)
+    in_memory = isinstance(grad_scale, torch.Tensor) or skip is not None  # both in memory or neither: one variant
+    if in_memory and not isinstance(grad_scale, torch.Tensor):  # a fill on the device, no host-to-device copy
+        grad_scale = torch.full((), grad_scale, dtype=torch.float32, device=params.device)
+    if in_memory and skip is None:
+        skip = torch.zeros((), dtype=torch.bool, device=params.device)
     scale_arg, host_scale = (grad_scale, 1.0) if in_memory else (params, grad_scale)  # unread where not flagged
     with launch_device(params):
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, host_scale, *scalars,
                                                 scale_arg, params if skip is None else skip,
                                                 HAS_COPY=model_copy is not None, SCALE_IN_MEMORY=in_memory,
-                                                HAS_SKIP=skip is not None, BLOCK=BLOCK, num_warps=8)
+                                                HAS_SKIP=in_memory, BLOCK=BLOCK, num_warps=8)
 
 
 def _torch_fused_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
@@ -146,12 +150,14 @@ def triton_kernel_specs() -> list[KernelSpec]:
     """Compile-only variants: fp32 master weights with each gradient dtype and model-copy dtype."""
     floats = {n: "fp32" for n in ("decay", "w1", "beta2", "w2", "step_size", "bc2_sqrt", "eps")}
     specs = []
-    for grad_dt, copy_dt in (("fp32", None), ("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "bf16"), ("fp16", "fp16")):
-        for on_device in (False, True):  # the clipping coefficient and skip flag as arguments, or in memory
-            types = {"P": "*fp32", "G": f"*{grad_dt}", "M": "*fp32", "V": "*fp32", "Copy": f"*{copy_dt or 'fp32'}",
-                     "n": "i32", "grad_scale": "fp32", **floats, "Scale": "*fp32",
-                     "Skip": "*i1" if on_device else "*fp32"}
-            specs.append(KernelSpec(f"adamw_grad_{grad_dt}_copy_{copy_dt or 'none'}{'_on_device' if on_device else ''}",
-                                    _adamw_kernel, types, {"HAS_COPY": copy_dt is not None, "SCALE_IN_MEMORY": on_device,
-                                                           "HAS_SKIP": on_device, "BLOCK": BLOCK}, 8))
+    variants = [(g, c, False) for g, c in (("fp32", None), ("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "bf16"),
+                                           ("fp16", "fp16"))]
+    variants += [("fp32", None, True), ("fp32", "bf16", True)]  # the launched step's (fp32, bf16): coefficient in memory
+    for grad_dt, copy_dt, on_device in variants:
+        types = {"P": "*fp32", "G": f"*{grad_dt}", "M": "*fp32", "V": "*fp32", "Copy": f"*{copy_dt or 'fp32'}",
+                 "n": "i32", "grad_scale": "fp32", **floats, "Scale": "*fp32",
+                 "Skip": "*i1" if on_device else "*fp32"}
+        specs.append(KernelSpec(f"adamw_grad_{grad_dt}_copy_{copy_dt or 'none'}{'_on_device' if on_device else ''}",
+                                _adamw_kernel, types, {"HAS_COPY": copy_dt is not None, "SCALE_IN_MEMORY": on_device,
+                                                       "HAS_SKIP": on_device, "BLOCK": BLOCK}, 8))
     return specs

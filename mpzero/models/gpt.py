@@ -292,6 +292,12 @@ class GPTModel(nn.Module):
             logits = self.output_layer(x)
         return self._mask_vocab_padding(logits)
 
+    def compiled_backward_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one
+        compiled region): ZeroOptimizer writes them into its buffers bucket by bucket (zero/collector.py)."""
+        return [p for m in (self.embedding, self.layers, self.final_layernorm) for p in m.parameters()
+                ] if self._compiled_trunk is not None else []
+
     def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has
         forward hooks (ZeRO-3's, for any unit), else module by module."""

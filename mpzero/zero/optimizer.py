@@ -130,6 +130,7 @@ class ZeroOptimizer(OptimizerReports):
             self.close()
             raise
         self.scaler = make_loss_scaler(precision)
+        self.stage.write_gradients_together(set(getattr(model, "compiled_backward_parameters", lambda: ())()))
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self._arriving = None  # gradients on disk: the norm is taken as their final slices arrive in backward
