@@ -24,6 +24,7 @@ from torch import nn
 from mpzero.errors import ConfigError
 from mpzero.models.config import GPTConfig
 from mpzero.models.gpt import GPTModel
+from mpzero.tensor_parallel.fp8 import amax_reduced_elements
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
+      FP8            each FP8 linear's fp32 amaxes of split tensors, all-reduced (`_fp8_amax_elements`)
     all times (t-1)/t."""
     if tp == 1:
         return 0.0
@@ -111,8 +113,21 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
     if config.distribute_saved_activations:
         total += checkpoints * B
     total += (3 * B + 8 * norm_params * h + 3 * B) if sp else (2 * B + 2 * B)
-    total += 24 * micro_batch * seq
+    total += 24 * micro_batch * seq + 8 * _fp8_amax_elements(config, tp, micro_batch * seq)
     return total * r * micro_batches
+
+
+def _fp8_amax_elements(config: GPTConfig, tp: int, tokens: int) -> int:
+    """--fp8-format: the fp32 amaxes one micro-batch all-reduces over TP (each FP8 linear's casts of split tensors,
+    `tensor_parallel.fp8.amax_reduced_elements`; an all-reduce of n moves 8n(t-1)/t bytes per rank)."""
+    if config.fp8 is None:
+        return 0
+    h, ffn = config.hidden_size, config.ffn_size
+    linears = (("column", h, (config.num_attention_heads + 2 * config.query_groups) * config.head_dim),
+               ("row", h, h), ("column", h, 2 * ffn if config.swiglu else ffn), ("row", ffn, h))
+    per_layer = sum(amax_reduced_elements(config.fp8, kind, k, n, tp, tokens) for kind, k, n in linears
+                    if config.fp8.chooses(n, k))
+    return per_layer * (config.num_layers - len(config.bf16_layers()))
 
 
 def is_llama(config: GPTConfig) -> bool:

@@ -146,6 +146,42 @@ SHARDED_DIMS = {"column": {"input": None, "weight": 1, "grad_output": -1},
                 "row": {"input": -1, "weight": 0, "grad_output": None}}
 
 
+def _spans_split(granularity, dim: int | None, ndim: int, split: int | None) -> bool:
+    """Whether a cast's amax (over the whole tensor, or along `dim`) reduces over the TP-split dimension `split`."""
+    from torchao.float8.config import ScalingGranularity
+    if split is None:
+        return False
+    return granularity is ScalingGranularity.TENSORWISE or dim % ndim == split % ndim
+
+
+def _casts(config) -> list[tuple[str, object, int]]:
+    """(operand, torchao cast config, axiswise dim) of the six casts of a linear's forward and backward, in order."""
+    return [("input", config.cast_config_input, -1), ("weight", config.cast_config_weight, 0),
+            ("grad_output", config.cast_config_grad_output, -1),
+            ("weight", config.cast_config_weight_for_grad_input, -1),
+            ("grad_output", config.cast_config_grad_output_for_grad_weight, 0),
+            ("input", config.cast_config_input_for_grad_weight, 0)]
+
+
+def amax_reduced_elements(recipe: Fp8Recipe, kind: str, in_features: int, out_features: int, tp: int,
+                          tokens: int) -> int:
+    """fp32 elements a TP rank's FP8 linear (full weight [out, in]) all-reduces per forward and backward of `tokens`
+    tokens: the amaxes of its casts that span a split dimension (`Fp8Linear.cast`); 0 at TP 1."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    if tp == 1:
+        return 0
+    k, n = (in_features, out_features // tp) if kind == "column" else (in_features // tp, out_features)
+    shapes = {"input": (tokens, k), "weight": (k, n), "grad_output": (tokens, n)}  # 2-D, weight as weight.t()
+    total = 0
+    for operand, cast, dim in _casts(recipe.config):
+        if cast.scaling_type is ScalingType.DISABLED:
+            continue
+        axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+        if _spans_split(cast.scaling_granularity, dim, 2, SHARDED_DIMS[kind][operand]):
+            total += shapes[operand][1 if dim % 2 == 0 else 0] if axiswise else 1
+    return total
+
+
 @dataclass(frozen=True, eq=False)
 class Fp8Linear:
     """What a tensor-parallel linear in FP8 needs at each call: the recipe, its TP group and its kind."""
@@ -157,7 +193,7 @@ class Fp8Linear:
     def cast(self, hp: torch.Tensor, cast_config, axiswise_dim: int, operand: str, role):
         """`hp` as torchao's Float8TrainingTensor (or itself where the recipe keeps it in high precision), its
         amax MAX-reduced over the TP group where it reduces over a split dimension."""
-        from torchao.float8.config import ScalingGranularity, ScalingType
+        from torchao.float8.config import ScalingType
         from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
@@ -166,9 +202,7 @@ class Fp8Linear:
         granularity = cast_config.scaling_granularity
         dim = get_maybe_axiswise_dim(axiswise_dim, granularity)
         amax = tensor_to_amax(hp, False, None, granularity, dim)
-        split = SHARDED_DIMS[self.kind][operand]
-        if self.group.size > 1 and split is not None and (
-                granularity is ScalingGranularity.TENSORWISE or dim % hp.dim() == split % hp.dim()):
+        if self.group.size > 1 and _spans_split(granularity, dim, hp.dim(), SHARDED_DIMS[self.kind][operand]):
             amax = amax.float().contiguous()  # exact: a bf16 amax widened (amax_to_scale widens it to fp64)
             self.group.all_reduce(amax, op=dist.ReduceOp.MAX)
         scale = amax_to_scale(amax, cast_config.target_dtype, self.recipe.config.round_scales_to_power_of_2)
