@@ -13,7 +13,7 @@ from mpzero.data import TOKENIZER_TYPES
 from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
-from mpzero.tensor_parallel.fp8 import FP8_FORMATS, FP8_RECIPES
+from mpzero.tensor_parallel import FP8_FORMATS, FP8_RECIPES
 from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, ProfileConfig, TrainingConfig
 from mpzero.zero import (OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig,
                          ZeroConfig)

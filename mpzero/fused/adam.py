@@ -121,7 +121,7 @@ def _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step) -> None:
         raise ConfigError(f"adamw_step: step counts from 1 (torch's convention), got {step}")
 
 
-SKIPS_ON_DEVICE = ("triton", "torch_fused")  # the implementations that take `skip` (and a device `grad_scale`)
+ADAMW_DEVICE_SKIP_IMPLS = ("triton", "torch_fused")  # the implementations that take `skip` (and a device `grad_scale`)
 
 
 def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -130,12 +130,12 @@ def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
                skip: torch.Tensor | None = None) -> None:
     """AdamW step `step` (from 1) in place on a flat fp32 partition with the gradients times `grad_scale` (a float,
     or a 0-dim fp32 tensor on the partition's device); optionally writes `model_copy`. `skip`: a 0-dim device
-    flag; when set, nothing is written (implementations `SKIPS_ON_DEVICE`)."""
+    flag; when set, nothing is written (implementations `ADAMW_DEVICE_SKIP_IMPLS`)."""
     _check_inputs(params, grads, exp_avg, exp_avg_sq, model_copy, step)
     fn = dispatch("adamw_step", params.device, impl,
                   {"torch": adamw_reference, "triton": _triton_adamw, "torch_fused": _torch_fused_adamw})
     if skip is not None and fn not in (_triton_adamw, _torch_fused_adamw):
-        raise ConfigError(f"adamw_step: impl {impl!r} cannot skip on a device flag: use one of {SKIPS_ON_DEVICE}")
+        raise ConfigError(f"adamw_step: impl {impl!r} cannot skip on a device flag: use one of {ADAMW_DEVICE_SKIP_IMPLS}")
     skipping = {} if skip is None else {"skip": skip}
     if fn is _triton_adamw:
         fn(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay, step, grad_scale,

@@ -22,7 +22,7 @@ from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, Activa
 from mpzero.errors import ConfigError
 from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
                           resolve_attention_backend)
-from mpzero.tensor_parallel.fp8 import Fp8Recipe, check_fp8_flags
+from mpzero.tensor_parallel import Fp8Recipe, check_fp8_flags
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")

@@ -24,7 +24,7 @@ from torch import nn
 from mpzero.errors import ConfigError
 from mpzero.models.config import GPTConfig
 from mpzero.models.gpt import GPTModel
-from mpzero.tensor_parallel.fp8 import amax_reduced_elements
+from mpzero.tensor_parallel import amax_reduced_elements
 
 
 @dataclass(frozen=True)

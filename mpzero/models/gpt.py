@@ -55,9 +55,8 @@ from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, norm
 from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
-from mpzero.tensor_parallel.fp8 import convert_to_fp8
-from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
-                                    linear_with_sequence_gather, mark_tensor_parallel, recompute,
+from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, convert_to_fp8,
+                                    copy_to_tp, linear_with_sequence_gather, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
 

@@ -10,8 +10,7 @@ from typing import ClassVar
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.fused import adamw_step, resolve_impl
-from mpzero.fused.adam import SKIPS_ON_DEVICE
+from mpzero.fused import ADAMW_DEVICE_SKIP_IMPLS, adamw_step, resolve_impl
 from mpzero.optim.rule import UpdateRule
 
 
@@ -40,7 +39,7 @@ class AdamW(UpdateRule):
         return impl == "triton"  # the kernel multiplies as it reads the gradient
 
     def skips_on_device(self, impl: str) -> bool:
-        return impl in SKIPS_ON_DEVICE  # Triton's kernel and torch's fused one (its found_inf)
+        return impl in ADAMW_DEVICE_SKIP_IMPLS  # Triton's kernel and torch's fused one (its found_inf)
 
     def step(self, master, grad, states, *, lr, weight_decay, step, impl, model_copy=None, grad_scale=1.0,
              skip=None) -> None:

@@ -1,6 +1,9 @@
 """Megatron-style tensor parallelism: region collectives, parallel layers, vocab-parallel cross entropy, RNG,
-and the per-parameter placement contract (`placement.py`) every parameter handed to ZeRO must satisfy."""
+and the per-parameter placement contract (`placement.py`) every parameter handed to ZeRO must satisfy; FP8 matmuls
+in the parallel linears through torchao (`fp8.py`)."""
 
+from mpzero.tensor_parallel.fp8 import (FP8_FORMATS, FP8_RECIPES, Fp8Recipe, amax_reduced_elements, check_fp8_flags,
+                                        convert_to_fp8)
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear, VocabParallelEmbedding,
                                            gather_full, linear_with_sequence_gather, ones_, sharded_parameter, zeros_)
@@ -18,5 +21,6 @@ __all__ = [
     "placement_of", "placements", "TensorPlacement", "sharded_parameter", "gather_full", "RNGStatesTracker",
     "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "gather_from_sequence_parallel", "linear_with_sequence_gather", "InitMethod", "ones_", "zeros_", "tp_slice",
-    "tp_unslice",
+    "tp_unslice", "FP8_FORMATS", "FP8_RECIPES", "Fp8Recipe", "amax_reduced_elements", "check_fp8_flags",
+    "convert_to_fp8",
 ]

@@ -22,9 +22,7 @@ import torch
 
 from mpzero.errors import TrainingError
 from mpzero.training.config import RunConfig
-from mpzero.zero import StepStats
-from mpzero.zero.device_step import DeviceStep
-from mpzero.zero.norm import read_to_host
+from mpzero.zero import DeviceStep, StepStats, read_to_host
 
 
 @dataclass(frozen=True)
