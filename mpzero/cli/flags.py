@@ -335,5 +335,5 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 
 
 # In the order --help lists them.
-SECTIONS = (gpt_flags, kernel_flags, fp8_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags, precision_flags,
-            training_flags, logging_flags, checkpoint_flags, data_flags)
+SECTIONS = (gpt_flags, kernel_flags, fp8_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags,
+            precision_flags, training_flags, logging_flags, checkpoint_flags, data_flags)

@@ -15,7 +15,8 @@ from mpzero.fused.squares import sum_of_squares, sum_of_squares_reference
 from mpzero.fused.squares import working_bytes as sum_of_squares_bytes
 
 __all__ = [
-    "ADAMW_DEVICE_SKIP_IMPLS", "ATTENTION_BACKENDS", "IMPLS", "adamw_reference", "adamw_step", "AttentionShape", "chunked_forward",
+    "ADAMW_DEVICE_SKIP_IMPLS", "ATTENTION_BACKENDS", "IMPLS", "adamw_reference", "adamw_step", "AttentionShape",
+    "chunked_forward",
     "cross_entropy_math", "CrossEntropyMath", "fused_attention_refusal", "fused_softmax_supported", "layer_norm",
     "layer_norm_reference", "planned_attention_backend", "planned_impl", "resolve_attention_backend", "resolve_impl",
     "resolved_impls", "rms_norm", "rms_norm_reference", "scaled_masked_softmax", "scaled_masked_softmax_reference",

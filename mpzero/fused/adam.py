@@ -135,7 +135,8 @@ def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
     fn = dispatch("adamw_step", params.device, impl,
                   {"torch": adamw_reference, "triton": _triton_adamw, "torch_fused": _torch_fused_adamw})
     if skip is not None and fn not in (_triton_adamw, _torch_fused_adamw):
-        raise ConfigError(f"adamw_step: impl {impl!r} cannot skip on a device flag: use one of {ADAMW_DEVICE_SKIP_IMPLS}")
+        raise ConfigError(f"adamw_step: impl {impl!r} cannot skip on a device flag: use one of "
+                          f"{ADAMW_DEVICE_SKIP_IMPLS}")
     skipping = {} if skip is None else {"skip": skip}
     if fn is _triton_adamw:
         fn(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
@@ -152,7 +153,7 @@ def triton_kernel_specs() -> list[KernelSpec]:
     specs = []
     variants = [(g, c, False) for g, c in (("fp32", None), ("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "bf16"),
                                            ("fp16", "fp16"))]
-    variants += [("fp32", None, True), ("fp32", "bf16", True)]  # the launched step's (fp32, bf16): coefficient in memory
+    variants += [("fp32", None, True), ("fp32", "bf16", True)]  # the launched step's: the coefficient in memory
     for grad_dt, copy_dt, on_device in variants:
         types = {"P": "*fp32", "G": f"*{grad_dt}", "M": "*fp32", "V": "*fp32", "Copy": f"*{copy_dt or 'fp32'}",
                  "n": "i32", "grad_scale": "fp32", **floats, "Scale": "*fp32",

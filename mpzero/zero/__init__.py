@@ -31,5 +31,5 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Devi
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
            "build_layout", "check_zero_units", "comm_theory", "construction_working_set", "default_units", "layer_units",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
-           "predicted_trace", "read_to_host", "recompute_chunks", "stage3_working_set", "state_terms", "step_fp32_bytes",
-           "streamed_grad_bytes", "transfer_theory"]
+           "predicted_trace", "read_to_host", "recompute_chunks", "stage3_working_set", "state_terms",
+           "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]

@@ -158,7 +158,8 @@ def test_a_device_coefficient_and_skip_flag_step_as_the_host_values_do(impl, dev
     coef = torch.tensor(SCALE, dtype=torch.float64).float().to(device)
     host = _run_adamw_step(p0, [g.clone() for g in grads], impl, device, torch.bfloat16, grad_scale=SCALE)
     for flag in (False, True):
-        params, exp_avg, exp_avg_sq = p0.clone().to(device), torch.zeros(N, device=device), torch.zeros(N, device=device)
+        params = p0.clone().to(device)
+        exp_avg, exp_avg_sq = torch.zeros(N, device=device), torch.zeros(N, device=device)
         copy = torch.full((N,), 7.0, dtype=torch.bfloat16, device=device)
         skip = torch.full((), flag, dtype=torch.bool, device=device)
         for step, g in enumerate(grads, start=1):
