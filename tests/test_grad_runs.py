@@ -93,14 +93,18 @@ def _bf16_model():
     return make_batches(1, 2, 1)[0], model, _layouts(model, bucket_numel=300)
 
 
+def _grads(layouts, sharded: bool):
+    """Stage 2-3's gradient buckets (`sharded`) or stage 0-1's, fp32, at DP 1."""
+    dp = init_parallel(1).dp
+    if sharded:
+        return ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
+    return ReplicatedGrads(layouts, dp, torch.float32, "cpu", True, "all_reduce")
+
+
 def _bitwise_at_stages_0_to_3():  # stages 2-3 (ShardedGrads) deliver each parameter: the same sums
     for sharded in (False, True):
         batches, model, layouts = _bf16_model()
-        dp = init_parallel(1).dp
-        if sharded:
-            grads = ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
-        else:
-            grads = ReplicatedGrads(layouts, dp, torch.float32, "cpu", True, "all_reduce")
+        grads = _grads(layouts, sharded)
         adds = _collect(model, layouts, grads, batches)
         got = grads.shards if sharded else grads.flats
         assert all(torch.equal(g, w) for g, w in zip(got, _per_parameter_sums(model, layouts, batches)))
@@ -218,11 +222,7 @@ def test_gradients_delivered_together_are_written_a_bucket_at_a_time():
 def _together():
     for sharded in (False, True):
         batches, model, layouts = _bf16_model()
-        dp = init_parallel(1).dp
-        if sharded:
-            grads = ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
-        else:
-            grads = ReplicatedGrads(layouts, dp, torch.float32, "cpu", True, "all_reduce")
+        grads = _grads(layouts, sharded)
         grads.collector.write_together(set(model.parameters()))
         writes = []
         _collect(model, layouts, grads, batches)  # fresh zeroed buffers (stages 0-1) are added to

@@ -24,7 +24,7 @@ from torch import nn
 from mpzero.errors import ConfigError
 from mpzero.models.config import GPTConfig
 from mpzero.models.gpt import GPTModel
-from mpzero.tensor_parallel import amax_reduced_elements
+from mpzero.tensor_parallel import amax_reduced_elements, layer_linears
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,7 @@ def _fp8_amax_elements(config: GPTConfig, tp: int, tokens: int) -> int:
     `tensor_parallel.fp8.amax_reduced_elements`; an all-reduce of n moves 8n(t-1)/t bytes per rank)."""
     if config.fp8 is None:
         return 0
-    h, ffn = config.hidden_size, config.ffn_size
-    linears = (("column", h, (config.num_attention_heads + 2 * config.query_groups) * config.head_dim),
-               ("row", h, h), ("column", h, 2 * ffn if config.swiglu else ffn), ("row", ffn, h))
-    per_layer = sum(amax_reduced_elements(config.fp8, kind, k, n, tp, tokens) for kind, k, n in linears
+    per_layer = sum(amax_reduced_elements(config.fp8, kind, k, n, tp, tokens) for kind, k, n in layer_linears(config)
                     if config.fp8.chooses(n, k))
     return per_layer * (config.num_layers - len(config.bf16_layers()))
 

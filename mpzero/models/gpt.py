@@ -294,8 +294,9 @@ class GPTModel(nn.Module):
     def compiled_backward_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one
         compiled region): ZeroOptimizer writes them into its buffers bucket by bucket (zero/collector.py)."""
-        return [p for m in (self.embedding, self.layers, self.final_layernorm) for p in m.parameters()
-                ] if self._compiled_trunk is not None else []
+        if self._compiled_trunk is None:
+            return []
+        return [p for module in self._trunk_modules for p in module.parameters(recurse=False)]
 
     def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has

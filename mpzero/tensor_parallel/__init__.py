@@ -3,7 +3,7 @@ and the per-parameter placement contract (`placement.py`) every parameter handed
 in the parallel linears through torchao (`fp8.py`)."""
 
 from mpzero.tensor_parallel.fp8 import (FP8_FORMATS, FP8_RECIPES, Fp8Recipe, amax_reduced_elements, check_fp8_flags,
-                                        convert_to_fp8)
+                                        convert_to_fp8, layer_linears)
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear, VocabParallelEmbedding,
                                            gather_full, linear_with_sequence_gather, ones_, sharded_parameter, zeros_)
@@ -22,5 +22,5 @@ __all__ = [
     "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "gather_from_sequence_parallel", "linear_with_sequence_gather", "InitMethod", "ones_", "zeros_", "tp_slice",
     "tp_unslice", "FP8_FORMATS", "FP8_RECIPES", "Fp8Recipe", "amax_reduced_elements", "check_fp8_flags",
-    "convert_to_fp8",
+    "convert_to_fp8", "layer_linears",
 ]

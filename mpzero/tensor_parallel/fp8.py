@@ -117,6 +117,10 @@ def check_fp8_flags(config) -> None:
                               f"hybrid (or e4m3), or drop {given[0]}")
         return
     config.fp8.validate()
+    if not any(config.fp8.chooses(n, k) for _, k, n in layer_linears(config)):
+        raise ConfigError(f"--fp8-format {config.fp8_format}: no linear of the transformer layers qualifies for FP8 "
+                          f"(both dimensions multiples of {FP8_MULTIPLE}, and with --fp8-auto-filter-small-kn large "
+                          f"enough): drop --fp8-format, or change the sizes")
     start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
     if config.first_last_layers_bf16 and (min(start, end) < 0 or start + end >= config.num_layers):
         raise ConfigError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} must be "
@@ -254,10 +258,11 @@ class _TensorParallelFp8Matmul(torch.autograd.Function):
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, bf16_layers: set[int]) -> list[str]:
     """Puts the tensor-parallel linears of `model.layers` that the recipe chooses (`Fp8Recipe.chooses`), outside the
-    layer indices `bf16_layers`, in FP8; returns their names. The output layer is never converted."""
+    global layer indices `bf16_layers`, in FP8; returns their names. The output layer is never converted. (A pipeline
+    stage's layers are numbered globally: `layers.indices`.)"""
     from mpzero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     converted = []
-    for index, layer in enumerate(model.layers):
+    for index, layer in zip(getattr(model.layers, "indices", range(len(model.layers))), model.layers):
         if index in bf16_layers:
             continue
         for name, module in layer.named_modules():
@@ -265,8 +270,12 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, bf16_layers: set[int]) -
                     module.out_features, module.in_features):
                 module.use_fp8(recipe)
                 converted.append(f"layers.{index}.{name}")
-    if not converted:
-        raise ConfigError(f"--fp8-format {recipe.format}: no linear of the transformer layers qualifies for FP8 (both "
-                          f"dimensions multiples of {FP8_MULTIPLE}, outside --first-last-layers-bf16, and with "
-                          f"--fp8-auto-filter-small-kn large enough): drop --fp8-format, or change the sizes")
     return converted
+
+
+def layer_linears(config) -> list[tuple[str, int, int]]:
+    """(kind, in features, out features) of a transformer layer's tensor-parallel linears, full weights, from its
+    config (`GPTConfig`): QKV and fc1 column-parallel, the attention output and fc2 row-parallel."""
+    h, ffn = config.hidden_size, config.ffn_size
+    return [("column", h, (config.num_attention_heads + 2 * config.query_groups) * config.head_dim),
+            ("row", h, h), ("column", h, 2 * ffn if config.swiglu else ffn), ("row", ffn, h)]
