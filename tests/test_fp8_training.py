@@ -99,3 +99,16 @@ def test_checkpoints_of_fp8_load_in_bf16_and_back(tmp_path):
     back = fp8 + ["--train-iters", "8", "--load", str(tmp_path / "bf16")]
     assert latest_iteration(str(tmp_path / "bf16")) == 6
     assert len(run_ranks(1, quiet_main, back)[0]["losses"]) == 2
+
+
+def test_fp8_keeps_the_bf16_runs_memory_communication_and_activation_lines():
+    """Weights, gradients and optimizer states keep their dtypes (the `zero memory` and `zero comm` lines, counted
+    against their formulas, are the bf16 run's byte for byte), and torchao's matmul saves what F.linear saves."""
+    from tests.cli import main_capturing_stdout
+    argv = SMALL + ["--train-iters", "3", "--log-interval", "1"]
+    lines = []
+    for extra in ([], RECIPES["rowwise_with_gw_hp"]):
+        stdout = run_ranks(2, main_capturing_stdout, argv + extra)[0][1]
+        lines.append([line for line in stdout.splitlines() if line.startswith(("zero memory", "zero comm",
+                                                                                 "activation memory"))])
+    assert lines[0] == lines[1] and len(lines[0]) >= 5
