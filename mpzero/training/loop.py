@@ -322,6 +322,8 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
     return total
 
 
+
+
 @torch.no_grad()
 def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
     """Mean lm loss over the first `--eval-iters` global batches of `dataset` (the same batches at every
