@@ -55,10 +55,11 @@ from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, norm
 from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
 from mpzero.models.rotary import RotaryEmbedding
-from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, convert_to_fp8,
-                                    copy_to_tp, linear_with_sequence_gather, mark_tensor_parallel, recompute,
+from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
+                                    linear_with_sequence_gather, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
+from mpzero.tensor_parallel import convert_to_fp8  # FP8 (fp8.py): the layers' linears
 
 
 class TransformerLayer(nn.Module):
@@ -291,13 +292,6 @@ class GPTModel(nn.Module):
             logits = self.output_layer(x)
         return self._mask_vocab_padding(logits)
 
-    def compiled_backward_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one
-        compiled region): ZeroOptimizer writes them into its buffers bucket by bucket (zero/collector.py)."""
-        if self._compiled_trunk is None:
-            return []
-        return [p for module in self._trunk_modules for p in module.parameters(recurse=False)]
-
     def _trunk(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding, layers, final norm: one compiled region where `trunk_compilable` and no module in it has
         forward hooks (ZeRO-3's, for any unit), else module by module."""
@@ -343,6 +337,13 @@ class GPTModel(nn.Module):
         return self.config.activation_setting(self.tp.size, micro_batch_size, seq_length, dtype, device,
                                               tp_rank=self.tp.rank,
                                               rng_streams=len(self.rng.states) if self.rng is not None else 1)
+
+    def compiled_backward_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one
+        compiled region): ZeroOptimizer writes them into its buffers bucket by bucket (zero/collector.py)."""
+        if self._compiled_trunk is None:
+            return []
+        return [p for module in self._trunk_modules for p in module.parameters(recurse=False)]
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding ids get -inf logits, so the padded vocabulary never changes the loss."""
