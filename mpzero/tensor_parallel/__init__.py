@@ -15,6 +15,8 @@ from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence_pa
 from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_everything
 
 __all__ = [
+    "FP8_FORMATS", "FP8_RECIPES", "Fp8Recipe", "amax_reduced_elements", "check_fp8_flags", "convert_to_fp8",
+    "layer_linears",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
     "mark_tensor_parallel", "mark_replicated",
@@ -23,5 +25,3 @@ __all__ = [
     "gather_from_sequence_parallel", "linear_with_sequence_gather", "InitMethod", "ones_", "zeros_", "tp_slice",
     "tp_unslice",
 ]
-__all__ += ["FP8_FORMATS", "FP8_RECIPES", "Fp8Recipe", "amax_reduced_elements", "check_fp8_flags", "convert_to_fp8",
-            "layer_linears"]  # FP8 (fp8.py)
