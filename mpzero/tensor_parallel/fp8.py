@@ -158,6 +158,14 @@ def _spans_split(granularity, dim: int | None, ndim: int, split: int | None) -> 
     return granularity is ScalingGranularity.TENSORWISE or dim % ndim == split % ndim
 
 
+def _amax_key(operand: str, granularity, dim: int | None, ndim: int) -> tuple:
+    """What identifies a reduced amax within one linear's forward and backward: a tensorwise amax is the operand's
+    whatever its shape (torchao casts the weight again in backward, and the output gradient for both backward
+    GEMMs: the same values, so one all-reduce serves), an axiswise one its axis."""
+    from torchao.float8.config import ScalingGranularity
+    return (operand,) if granularity is ScalingGranularity.TENSORWISE else (operand, dim % ndim, ndim)
+
+
 def _casts(config) -> list[tuple[str, object, int]]:
     """(operand, torchao cast config, axiswise dim) of the six casts of a linear's forward and backward, in order."""
     return [("input", config.cast_config_input, -1), ("weight", config.cast_config_weight, 0),
@@ -170,20 +178,21 @@ def _casts(config) -> list[tuple[str, object, int]]:
 def amax_reduced_elements(recipe: Fp8Recipe, kind: str, in_features: int, out_features: int, tp: int,
                           tokens: int) -> int:
     """fp32 elements a TP rank's FP8 linear (full weight [out, in]) all-reduces per forward and backward of `tokens`
-    tokens: the amaxes of its casts that span a split dimension (`Fp8Linear.cast`); 0 at TP 1."""
+    tokens: the amaxes of its casts that span a split dimension (`Fp8Linear.cast`), each once; 0 at TP 1."""
     from torchao.float8.config import ScalingGranularity, ScalingType
     if tp == 1:
         return 0
     k, n = (in_features, out_features // tp) if kind == "column" else (in_features // tp, out_features)
     shapes = {"input": (tokens, k), "weight": (k, n), "grad_output": (tokens, n)}  # 2-D, weight as weight.t()
-    total = 0
+    reduced = {}
     for operand, cast, dim in _casts(recipe.config):
         if cast.scaling_type is ScalingType.DISABLED:
             continue
         axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
         if _spans_split(cast.scaling_granularity, dim, 2, SHARDED_DIMS[kind][operand]):
-            total += shapes[operand][1 if dim % 2 == 0 else 0] if axiswise else 1
-    return total
+            elements = shapes[operand][1 if dim % 2 == 0 else 0] if axiswise else 1
+            reduced[_amax_key(operand, cast.scaling_granularity, dim, 2)] = elements
+    return sum(reduced.values())
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,9 +203,10 @@ class Fp8Linear:
     kind: str  # "column" or "row"
     gather_sequence: bool = False  # column-parallel under sequence parallelism: the input is this rank's slice
 
-    def cast(self, hp: torch.Tensor, cast_config, axiswise_dim: int, operand: str, role):
+    def cast(self, hp: torch.Tensor, cast_config, axiswise_dim: int, operand: str, role, reduced: dict):
         """`hp` as torchao's Float8TrainingTensor (or itself where the recipe keeps it in high precision), its
-        amax MAX-reduced over the TP group where it reduces over a split dimension."""
+        amax MAX-reduced over the TP group where it reduces over a split dimension; `reduced` keeps the call's
+        reduced amaxes (`_amax_key`), so an amax torchao takes twice is all-reduced once."""
         from torchao.float8.config import ScalingType
         from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
@@ -205,10 +215,14 @@ class Fp8Linear:
             return hp
         granularity = cast_config.scaling_granularity
         dim = get_maybe_axiswise_dim(axiswise_dim, granularity)
-        amax = tensor_to_amax(hp, False, None, granularity, dim)
         if self.group.size > 1 and _spans_split(granularity, dim, hp.dim(), SHARDED_DIMS[self.kind][operand]):
-            amax = amax.float().contiguous()  # exact: a bf16 amax widened (amax_to_scale widens it to fp64)
-            self.group.all_reduce(amax, op=dist.ReduceOp.MAX)
+            key = _amax_key(operand, granularity, dim, hp.dim())
+            if key not in reduced:  # exact: a bf16 amax widened (amax_to_scale widens it to fp64)
+                reduced[key] = tensor_to_amax(hp, False, None, granularity, dim).float().contiguous()
+                self.group.all_reduce(reduced[key], op=dist.ReduceOp.MAX)
+            amax = reduced[key]
+        else:
+            amax = tensor_to_amax(hp, False, None, granularity, dim)
         scale = amax_to_scale(amax, cast_config.target_dtype, self.recipe.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.recipe.mm_config, role, dim)
 
@@ -228,11 +242,11 @@ class _TensorParallelFp8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, linear: Fp8Linear):
         from torchao.float8.float8_training_tensor import GemmInputRole
         ctx.save_for_backward(x, weight)
-        ctx.linear = linear
+        ctx.linear, ctx.reduced = linear, {}  # the weight's tensorwise amax serves backward's cast too
         c = linear.recipe.config
         full = gather_sequence(x, linear.group) if linear.gather_sequence else x
-        x8 = linear.cast(full, c.cast_config_input, -1, "input", GemmInputRole.INPUT)
-        w8 = linear.cast(weight.t(), c.cast_config_weight, 0, "weight", GemmInputRole.WEIGHT)
+        x8 = linear.cast(full, c.cast_config_input, -1, "input", GemmInputRole.INPUT, ctx.reduced)
+        w8 = linear.cast(weight.t(), c.cast_config_weight, 0, "weight", GemmInputRole.WEIGHT, ctx.reduced)
         out = torch.mm(x8.reshape(-1, x8.shape[-1]), w8)
         return out.reshape(*x8.shape[:-1], out.shape[-1])
 
@@ -240,19 +254,20 @@ class _TensorParallelFp8Matmul(torch.autograd.Function):
     def backward(ctx, grad_output):
         from torchao.float8.float8_training_tensor import GemmInputRole
         x, weight = ctx.saved_tensors
-        linear = ctx.linear
+        linear, reduced = ctx.linear, ctx.reduced
         c = linear.recipe.config
         full = gather_sequence(x, linear.group) if linear.gather_sequence else x
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        g8 = linear.cast(grad_2d, c.cast_config_grad_output, -1, "grad_output", GemmInputRole.GRAD_OUTPUT)
-        w8 = linear.cast(weight.t(), c.cast_config_weight_for_grad_input, -1, "weight", GemmInputRole.WEIGHT)
+        g8 = linear.cast(grad_2d, c.cast_config_grad_output, -1, "grad_output", GemmInputRole.GRAD_OUTPUT, reduced)
+        w8 = linear.cast(weight.t(), c.cast_config_weight_for_grad_input, -1, "weight", GemmInputRole.WEIGHT,
+                         reduced)
         grad_input = torch.mm(g8, w8.t()).reshape(*grad_output.shape[:-1], -1)
         if linear.gather_sequence:
             grad_input = reduce_scatter_sequence(grad_input, linear.group)
         full_2d = full.reshape(-1, full.shape[-1])
         g8 = linear.cast(grad_2d, c.cast_config_grad_output_for_grad_weight, 0, "grad_output",
-                         GemmInputRole.GRAD_OUTPUT)
-        x8 = linear.cast(full_2d, c.cast_config_input_for_grad_weight, 0, "input", GemmInputRole.INPUT)
+                         GemmInputRole.GRAD_OUTPUT, reduced)
+        x8 = linear.cast(full_2d, c.cast_config_input_for_grad_weight, 0, "input", GemmInputRole.INPUT, reduced)
         return grad_input, torch.mm(g8.t(), x8), None
 
 
