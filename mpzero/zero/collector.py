@@ -82,7 +82,7 @@ class GradCollector:
     def write_together(self, params: set) -> None:
         """Hold the gradients of `params` (those a compiled backward delivers together) until all of a bucket's
         have arrived, and write them with one foreach copy and add (see the module docstring)."""
-        self._together = [any(p is q for q in params) for p in self._params]
+        self._together = [p in params for p in self._params]  # a tensor hashes by identity
         self.together = any(self._together)
         self.reset()
 
