@@ -1,5 +1,5 @@
 """Install mpzero: `pip install -e .` (add `[test]` for the test suite, `[hf]` for the Hugging Face tools, `[wandb]`
-for --wandb-project, `[parquet]` for parquet input to tools/preprocess_data.py)."""
+for --wandb-project, `[parquet]` for parquet input to tools/preprocess_data.py, `[fp8]` for --fp8-format)."""
 from setuptools import find_packages, setup
 
 setup(
@@ -23,7 +23,9 @@ setup(
     # triton: the fused kernels (mpzero.fused); pinned to the release torch 2.13's CUDA wheel pins.
     # hf: tools/export_hf.py, tools/import_hf.py (safetensors) and the tests that compare with transformers'
     # GPT2LMHeadModel; never needed for training. wandb: --wandb-project; pyarrow: parquet corpora in
-    # tools/preprocess_data.py (never needed for training). The test extra has both: their tests run in `make test`.
+    # tools/preprocess_data.py (never needed for training); torchao: --fp8-format's float8 casts and GEMMs (0.18: the
+    # release tested, pure Python for float8 training, its casts run on CPUs too). The test extra has them all: their
+    # tests run in `make test`.
     # megatron-core (and psutil, which its checkpoint writer needs without declaring it): the tests of
     # tools/import_megatron.py save real megatron-core checkpoints on the CPU; the tool itself never imports it.
     # Floors past the advisories: pyarrow 14.0.1 (CVE-2023-47248: 14.0.0 unpickles a parquet file's extension-type
@@ -33,7 +35,8 @@ setup(
     # before 0.17.1 (CVE-2026-65110/65180), and the index this project installs from has no release past 0.16.1; the
     # tests only save checkpoints of their own models with it and never load one: raise it to 0.17.1 once there is.
     extras_require={"test": ["pytest>=9.0.3", "pytest-timeout>=2", "transformers>=4.53.0", "safetensors>=0.4",
-                             "wandb>=0.17", "pyarrow>=14.0.1", "megatron-core>=0.16", "psutil>=5.9"],
+                             "wandb>=0.17", "pyarrow>=14.0.1", "megatron-core>=0.16", "psutil>=5.9", "torchao>=0.18"],
+                    "fp8": ["torchao>=0.18"],
                     "triton": ["triton==3.7.1"], "hf": ["transformers>=4.53.0", "safetensors>=0.4"],
                     "wandb": ["wandb>=0.17"], "parquet": ["pyarrow>=14.0.1"]},
 )

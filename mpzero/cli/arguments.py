@@ -124,6 +124,9 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), optimizer_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    if model.fp8_format is not None and sections[2].dtype != "bf16":
+        raise ConfigError(f"--fp8-format runs the matmuls in FP8 from bf16 weights and activations (torchao's float8 "
+                          f"training), but the run is {sections[2].dtype}: add --bf16")
     offload = offload_config(args)
     offload.validate(args.zero_stage)
     if args.data_path:  # the strings alone, before any file is opened
@@ -139,7 +142,8 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         model=model,
         parallel=parallel,
         training=TrainingConfig(args.micro_batch_size, global_batch, args.train_iters, args.seq_length, args.seed,
-                                args.exit_interval, args.check_for_nan_in_loss_and_grad),
+                                args.exit_interval, args.check_for_nan_in_loss_and_grad,
+                                sync_every_iteration=args.sync_every_iteration),
         evaluation=EvalConfig(args.eval_interval, args.eval_iters),
         data=DataConfig(args.mock_data, tuple(args.data_path) if args.data_path else None, args.split,
                         args.data_cache_path, vocab_size, tokenizer, args.override_tokenizer_check),
@@ -270,6 +274,9 @@ def pipeline_config(args: argparse.Namespace, micro_batches: int) -> PipelineCon
                             args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
                             args.enable_zero_bubble)
     check_composition(config, args.zero_stage, args.cuda_graph_impl)
+    if config.zero_bubble and args.fp8_format:
+        raise ConfigError("--fp8-format with --enable-zero-bubble: the FP8 linears compute their weight gradients in "
+                          "the backward pass and cannot defer them to zero bubble's W pass: drop one of them")
     if size > 1 or config != PipelineConfig():
         config.validate(args.num_layers, micro_batches)
     return config

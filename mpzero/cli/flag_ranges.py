@@ -45,6 +45,7 @@ RANGES = {
     "world_size": (1, True, None, False), "rank": (0, True, None, False),
     "profile_step_start": (0, True, None, False), "profile_step_end": (1, True, None, False),
     "profile_ranks": (0, True, None, False),  # each of them
+    "num_layers_at_start_in_bf16": (0, True, None, False), "num_layers_at_end_in_bf16": (0, True, None, False),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 

@@ -14,7 +14,6 @@ _LAYOUT = ("an explicit stage layout string is not supported: mpzero splits the 
            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or with "
            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
 _EXPERTS = "mixture-of-experts models are not in mpzero yet (dense GPT-2 and LLaMA-shaped models only)"
-_FP8 = "FP8 training is not in mpzero yet: use --bf16"
 _FUSION = "mpzero has no such fused kernel to turn off (its fused ops are listed on the run's 'fused ops' line)"
 _FSDP = ("mpzero's ZeRO is its data parallelism: --zero-stage 3 shards parameters, gradients and optimizer states "
          "over data-parallel ranks, as FSDP does")
@@ -53,9 +52,7 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--use-cpu-initialization": ("not needed: every parameter is drawn on the CPU from its own generator, the same "
                                  "weights at any layout, and built one bucket at a time"),
     # precision
-    "--fp8-format": _FP8,
-    "--fp8-recipe": _FP8,
-    "--fp8-param-gather": _FP8,
+    "--fp8-param-gather": "gathering ZeRO-3's weights in FP8 is " + _NOT_YET + ": they are gathered in bf16",
     "--fp16-lm-cross-entropy": "the loss is computed in fp32 (in chunks: --cross-entropy-chunk-size); drop it",
     "--use-precision-aware-optimizer": _MASTER_DTYPES,
     "--main-grads-dtype": "gradients are reduced in fp32, or in bf16 with --grad-reduce-in-bf16",

@@ -23,6 +23,7 @@ from mpzero.context_parallel import check_context_parallel
 from mpzero.errors import ConfigError
 from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
                           resolve_attention_backend)
+from mpzero.tensor_parallel import Fp8Recipe, check_fp8_flags
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -173,6 +174,29 @@ class GPTConfig(TransformerArchitecture):
         `mpzero.context_parallel.block_kernel`); a2a runs the attention backend on 1/CP of the heads."""
         return self.context_parallel_size > 1 and self.cp_comm_type != "a2a"
 
+    # FP8 matmuls in the transformer layers' linears (mpzero/tensor_parallel/fp8.py, through torchao); compute only:
+    # the weights and checkpoints are the bf16 run's. Megatron's flags, and torchtitan's small-GEMM filter.
+    fp8_format: str | None = None  # --fp8-format: e4m3 or hybrid; None: no FP8
+    fp8_recipe: str = "tensorwise"  # --fp8-recipe: torchao's tensorwise, rowwise or rowwise_with_gw_hp
+    fp8_auto_filter_small_kn: bool = False  # --fp8-auto-filter-small-kn: GEMMs torchao finds slower in FP8 stay bf16
+    first_last_layers_bf16: bool = False  # --first-last-layers-bf16: the first and last layers' linears stay bf16
+    num_layers_at_start_in_bf16: int = 1  # --num-layers-at-start-in-bf16 (with --first-last-layers-bf16)
+    num_layers_at_end_in_bf16: int = 1  # --num-layers-at-end-in-bf16
+
+    @property
+    def fp8(self) -> Fp8Recipe | None:
+        """The FP8 recipe of the layers' linears, or None without --fp8-format."""
+        if self.fp8_format is None:
+            return None
+        return Fp8Recipe(self.fp8_format, self.fp8_recipe, self.fp8_auto_filter_small_kn)
+
+    def bf16_layers(self) -> set[int]:
+        """Layer indices whose linears stay in bf16 under FP8 (--first-last-layers-bf16, Megatron's)."""
+        if not self.first_last_layers_bf16:
+            return set()
+        start, end = self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+        return set(range(start)) | set(range(self.num_layers - end, self.num_layers))
+
     @property
     def granularity(self) -> str | None:
         """The recomputation in effect: --recompute-activations is Megatron's selective recomputation."""
@@ -207,6 +231,7 @@ class GPTConfig(TransformerArchitecture):
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
         self._validate_family(tp_size)
         check_context_parallel(self, tp_size)
+        check_fp8_flags(self)
 
     def trunk_eager_reason(self, tp_size: int) -> str | None:
         """Why the trunk (embedding, layers, final norm) cannot be one compiled region, or None where it can: what

@@ -24,6 +24,7 @@ from torch import nn
 from mpzero.errors import ConfigError
 from mpzero.models.config import GPTConfig
 from mpzero.models.gpt import GPTModel
+from mpzero.tensor_parallel import amax_reduced_elements, layer_linears
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,12 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
                      rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
                      num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
-                     context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type)
+                     context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+                     fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                     fp8_auto_filter_small_kn=args.fp8_auto_filter_small_kn,
+                     first_last_layers_bf16=args.first_last_layers_bf16,
+                     num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+                     num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,
@@ -88,6 +94,7 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
+      FP8            each FP8 linear's fp32 amaxes of split tensors, all-reduced (`_fp8_amax_elements`)
     all times (t-1)/t. Under context parallelism a rank's activations hold its s/CP tokens."""
     if tp == 1:
         return 0.0
@@ -108,8 +115,18 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
     if config.distribute_saved_activations:
         total += checkpoints * B
     total += (3 * B + 8 * norm_params * h + 3 * B) if sp else (2 * B + 2 * B)
-    total += 24 * micro_batch * seq
+    total += 24 * micro_batch * seq + 8 * _fp8_amax_elements(config, tp, micro_batch * seq)
     return total * r * micro_batches
+
+
+def _fp8_amax_elements(config: GPTConfig, tp: int, tokens: int) -> int:
+    """--fp8-format: the fp32 amaxes one micro-batch all-reduces over TP (each FP8 linear's casts of split tensors,
+    `tensor_parallel.fp8.amax_reduced_elements`; an all-reduce of n moves 8n(t-1)/t bytes per rank)."""
+    if config.fp8 is None:
+        return 0
+    per_layer = sum(amax_reduced_elements(config.fp8, kind, k, n, tp, tokens) for kind, k, n in layer_linears(config)
+                    if config.fp8.chooses(n, k))
+    return per_layer * (config.num_layers - len(config.bf16_layers()))
 
 
 def is_llama(config: GPTConfig) -> bool:

@@ -61,6 +61,7 @@ from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, Voca
                                     linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
+from mpzero.tensor_parallel import convert_to_fp8  # FP8 (fp8.py): the layers' linears
 
 
 class TransformerLayer(nn.Module):
@@ -261,6 +262,8 @@ class GPTModel(nn.Module):
                 vocab_rows_init(config.init_method_std, config.vocab_size), bias=False,
                 sequence_parallel=config.sequence_parallel)
             mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
+        if config.fp8 is not None:  # the layers' linears (never the output layer), as torchao's filters choose
+            self.fp8_linears = convert_to_fp8(self, config.fp8, config.bf16_layers())
         name_parameters(self, config.init_seed)
         if torch.device(device if device is not None else "cpu").type != "meta":
             materialize_module(self, device)  # the whole build; on the meta device ZeroOptimizer streams it
@@ -382,6 +385,13 @@ class GPTModel(nn.Module):
         return self.config.activation_setting(self.tp.size, micro_batch_size, seq_length, dtype, device,
                                               tp_rank=self.tp.rank,
                                               rng_streams=len(self.rng.states) if self.rng is not None else 1)
+
+    def compiled_backward_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one
+        compiled region): ZeroOptimizer writes them into its buffers bucket by bucket (zero/collector.py)."""
+        if self._compiled_trunk is None:
+            return []
+        return [p for module in self._trunk_modules for p in module.parameters(recurse=False)]
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding ids get -inf logits, so the padded vocabulary never changes the loss."""

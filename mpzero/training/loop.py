@@ -17,6 +17,7 @@ from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.training.config import RunConfig
+from mpzero.training.deferred import LaunchedSteps, launched_steps
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
 from mpzero.training.peak_flops import mfu_peak
@@ -71,17 +72,18 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                                  groups.device.type == "cuda")
     profiler.note_resumed(progress.iteration)
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
-    interval, terminated = Interval(), False
+    interval, terminated, first, launched = Interval(), False, True, launched_steps(run, state.optimizer)
     try:
         while progress.iteration < run.training.train_iters:
-            first = not history["losses"]
             profiler.before(progress.iteration)
-            step = train_step(run, state, train_data, progress, termination, activations if first else None)
+            step = train_step(run, state, train_data, progress, termination, activations if first else None, launched)
             profiler.after(progress.iteration)
-            terminated, iteration = step.terminated, progress.iteration
-            _record(history, interval, step)
+            iteration = progress.iteration
+            for step in [step] if launched is None else launched.results_after(run, iteration, StepResult):
+                terminated = _record(history, interval, step)
             if first:
                 _report_first_iteration(run, state, activations, tensorboard, iteration)
+                first = False
             if iteration % run.logging.log_interval == 0:
                 _log_interval(interval, progress, step, run, state, tensorboard)
                 interval = Interval()
@@ -109,7 +111,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
 
 
 def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress, termination: TerminationSignal,
-               activations: SavedBytesCounter | None = None) -> StepResult:
+               activations: SavedBytesCounter | None = None, pending: LaunchedSteps | None = None) -> StepResult | None:
     """One iteration: forward and backward of one global batch, the gradient check, the optimizer step; advances
     `progress`. Stops before the update, with the last checkpoint intact, on a non-finite loss (--check-for-nan)."""
     training, groups = run.training, state.groups
@@ -118,6 +120,10 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     cp_mark = groups.cp.stats.total()
     loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
     cp_bytes = groups.cp.stats.total() - cp_mark  # the CP attention's exchanges, forward and backward
+    if pending is not None:  # launched with no host synchronisation, its result left for a later read
+        progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
+        return pending.launch(state.optimizer, progress.iteration, lr, loss_sum, termination.received_anywhere(),
+                              cp_bytes)
     # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
     check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
     loss, terminated = check.read_with[0] / groups.dp_cp.size, bool(check.read_with[1])
@@ -197,13 +203,14 @@ def _load_or_close(run: RunConfig, state: TrainingState) -> Progress:
         raise
 
 
-def _record(history: dict, interval: Interval, step: StepResult) -> None:
+def _record(history: dict, interval: Interval, step: StepResult) -> bool:  # whether SIGTERM reached some rank
     for key, value in (("losses", step.loss), ("grad_norms", step.stats.grad_norm), ("lrs", step.lr)):
         history[key].append(value)
     interval.iterations += 1
     interval.skipped += step.stats.skipped
     if not step.stats.skipped:
         interval.losses.append(step.loss)
+    return step.terminated
 
 
 def _report_first_iteration(run: RunConfig, state: TrainingState, activations: SavedBytesCounter, tensorboard,

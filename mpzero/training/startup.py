@@ -35,7 +35,8 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
         attention = f"context parallel {run.model.cp_comm_type}, {kernel} blocks"
     return {**resolved_impls(device), "attention": attention,
             "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
-            "cuda_graphs": run.model.cuda_graphs(device)}
+            "cuda_graphs": run.model.cuda_graphs(device),
+            "fp8": run.model.fp8.describe() if run.model.fp8 is not None else "none"}
 
 
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
@@ -47,6 +48,10 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
     check_same_views(groups.world, run.flags)
     _check_scale(run, groups)
+    if run.model.fp8 is not None and groups.device.type == "cuda" and torch.cuda.get_device_capability(
+            groups.device) < (8, 9):
+        raise ConfigError(f"--fp8-format: {torch.cuda.get_device_name(groups.device)} has no FP8 matmuls (they need "
+                          f"compute capability 8.9 or newer: Ada, Hopper, Blackwell): drop --fp8-format")
     attention_line = _check_fused_attention(run, groups)
     nodes_line = check_nodes(groups.world, groups.sizes, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
