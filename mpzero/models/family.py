@@ -34,7 +34,7 @@ class ModelFamily:
     build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None) -> the model (device "meta": no storage)
     flops_per_token: Callable[..., float]  # (config, tp_size, micro_batch_size=1) -> matmul FLOPs per token, fwd+bwd
     activation_setting: Callable | None  # (config, tp, micro_batch, seq, dtype, device, tp_rank, rng_streams)
-    tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches) -> TP bytes per iteration
+    tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches, stage=None) -> TP bytes/iter
     hf_model_type: str | None  # its key in inference.hf.ADAPTERS (config.json's model_type); None: no HF class
     architecture: Callable[[Any], dict]  # {flag name: value} a checkpoint must agree with to load
     matches: Callable[[Any], bool]  # whether a config is of this family
@@ -71,7 +71,7 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,
-                              micro_batches: int) -> float:
+                              micro_batches: int, stage=None) -> float:
     """Bytes per rank per iteration on the TP group (ring model: an all-reduce of B bytes moves 2B(t-1)/t, an
     all-gather or reduce-scatter of a B-byte whole B(t-1)/t), for the transformer `config` (its recomputation and
     sequence-parallel settings), B = b s h p the bytes of one [b, s, h] activation. Per micro-batch:
@@ -87,26 +87,32 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
-    all times (t-1)/t."""
+    all times (t-1)/t. A pipeline stage (`stage`, a `ModelStage`) counts its own layers (recomputation's rules per
+    model chunk), the embedding's terms where it begins the model and the rest of the outside terms where it ends
+    it."""
     if tp == 1:
         return 0.0
     r = (tp - 1) / tp
-    h, L = config.hidden_size, config.num_layers
+    h = config.hidden_size
+    chunks = [config.num_layers] if stage is None else [len(chunk) for chunk in stage.chunks]
+    first, last = (True, True) if stage is None else (stage.first, stage.last)
     B = micro_batch * seq * h * p
     sp = config.sequence_parallel
     recomputed = checkpoints = 0
     if config.granularity == "full":
         method, n = config.resolved_recompute_method, config.resolved_recompute_num_layers
-        recomputed = L if method == "uniform" else n
-        checkpoints = -(-L // n) if method == "uniform" else n
+        recomputed = sum(c if method == "uniform" else min(n, c) for c in chunks)
+        checkpoints = sum(-(-c // n) if method == "uniform" else min(n, c) for c in chunks)
     norm_params = 1 if config.normalization == "RMSNorm" else 2  # RMSNorm: no bias
     biases = 4 * h * p if config.add_bias_linear else 0
     layer = (10 * B + 16 * norm_params * h + biases) if sp else 8 * B
-    total = L * layer + recomputed * 4 * B
+    total = sum(chunks) * layer + recomputed * 4 * B
     if config.distribute_saved_activations:
         total += checkpoints * B
-    total += (3 * B + 8 * norm_params * h + 3 * B) if sp else (2 * B + 2 * B)
-    total += 24 * micro_batch * seq
+    if first:
+        total += 3 * B if sp else 2 * B
+    if last:
+        total += (3 * B + 8 * norm_params * h if sp else 2 * B) + 24 * micro_batch * seq
     return total * r * micro_batches
 
 
