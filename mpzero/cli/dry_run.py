@@ -36,9 +36,8 @@ from mpzero.activations import SavedBytesCounter, activation_formula, activation
 from mpzero.errors import ConfigError
 from mpzero.pipeline import in_flight_report, pipeline_schedule
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
-                            full_recompute_chunks, model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
-from mpzero.planner.pipeline import (hidden_state_bytes, in_flight_bytes, pipeline_comm_bytes, pipeline_stages,
-                                     tied_bytes)
+                            full_recompute_chunks, hidden_state_bytes, in_flight_bytes, model_shapes, no_data,
+                            normalized, pipeline_comm_bytes, pipeline_stages, plan_states, tied_bytes, tp_comm_bytes)
 from mpzero.tensor_parallel import seed_everything
 from mpzero.training import (MockGPTDataset, RunConfig, TrainingState, build_training_state, forward_backward,
                              num_micro_batches, overlap_note, partition_note)

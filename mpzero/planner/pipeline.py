@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from mpzero.pipeline import PipelineConfig, build, held_formula, stage_layers
-from mpzero.pipeline.accounting import p2p_theory
-from mpzero.pipeline.in_flight import formula_bytes
+from mpzero.pipeline import PipelineConfig, build, formula_bytes, held_formula, p2p_theory, stage_layers
 from mpzero.tensor_parallel import is_pipeline_tied
 
 LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (p-1)/p) of the fp32 loss the loop all-reduces over the pipeline group

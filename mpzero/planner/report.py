@@ -75,8 +75,9 @@ def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, off
     return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
 
 
-HEADER = ("  #  TP  PP(sched)   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ   "
-          "work  build | device peak  host/node   disk/node | DP GB/it  TP GB/it  PP GB/it |   s/iter  tokens/s  fits")
+HEADER = ("  #  TP  PP(sched)   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  "
+          "activ   work  build | device peak  host/node   disk/node | DP GB/it  TP GB/it  PP GB/it |   s/iter  "
+          "tokens/s  fits")
 _SCHEDULE = {"1f1b": "", "interleaved": "i", "zb-h1": "zb"}
 
 
