@@ -158,13 +158,16 @@ THREE_D = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", 
 def test_a_3d_dry_run_prints_the_lines_of_the_real_run():
     """TP 2 x PP 2 x DP 2, bf16, sequence parallel, selective recomputation, ZeRO-1: a dry run of the first stage's
     rank 1 and the last stage's rank 6 prints the activation line (its stage's layers and micro-batches in flight)
-    of the 8-rank gloo run character for character, and the planner's figures equal it, pipeline bytes included."""
+    and the `pipeline comm` line of the 8-rank gloo run character for character, and the planner's figures equal
+    them."""
     argv = THREE_D + ["--bf16", "--sequence-parallel", "--recompute-activations", "--zero-stage", "1"]
     real = "".join(out for _, out in run_ranks(8, main_capturing_stdout, argv))  # the logging rank's lines
     for rank in (1, 6):
         _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "8", "--rank", str(rank)])
         kind = f"activation memory rank {rank} "
         assert _lines(dry, kind) == _lines(real, kind) and "in flight (1f1b" in _lines(real, kind)[0]
+        (pipeline,) = _lines(dry, "pipeline comm")  # the run prints every stage's at each log interval
+        assert pipeline in _lines(real, "pipeline comm") and pipeline.endswith("ratio 1.0000")
         checks = _lines(dry, "planner |")[0]
         assert checks.endswith("| equal") and "pipeline bytes/iter" in checks and "in-flight activation" in checks
 

@@ -10,7 +10,8 @@ what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the sam
 figure is equal: model states, the peak, DP and TP communication, and the activation bytes (the `activation
 memory` line's count, from the activation-memory module). A pipeline rank builds its own stage and runs two
 iterations of its schedule (its transfers posted to the fake group: nothing arrives, the buffers stay without
-data); it adds the micro-batches it held at once and its pipeline bytes (pipeline and embedding groups).
+data); it adds the micro-batches it held at once and the `pipeline comm` line (its point-to-point bytes and the
+tied embedding's all-reduce).
 
 How: `torch.distributed.init_process_group("fake", rank=R, world_size=N)` (torch's fake backend: collectives
 return at once and move nothing; the bytes `CommGroup` counts are the real ones) and tensors without data
@@ -85,9 +86,13 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
           f"{groups.tp_rank}{f', pipeline rank {groups.pp_rank}' if pipeline else ''}, DP rank {groups.dp_rank}), "
           f"{micro_batches} micro-batch(es) of {training.micro_batch_size} x {training.seq_length} tokens, on "
           f"{engine} tensors and a fake process group", flush=True)
-    state, at_start, memory, comm, tp_comm, pp_comm, counter = _two_iterations(run, provider, groups, engine)
+    state, at_start, memory, comm, tp_comm, pipeline_comm, counter = _two_iterations(run, provider, groups, engine)
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
+    pp_comm = 0.0
+    if pipeline_comm is not None:
+        print(pipeline_comm.line(), flush=True)
+        pp_comm = pipeline_comm.measured
     dtype = run.precision.torch_dtype  # the line training prints after its first iteration, here for this rank
     setting = state.model.module.activation_setting(training.micro_batch_size, training.seq_length, dtype,
                                                     groups.device)
@@ -113,7 +118,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
 def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
     """The training state built on tensors without data and two iterations, the second measured (stage 3 prefetches
     from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, TP
-    bytes, pipeline bytes (the pipeline and embedding groups'), the second iteration's SavedBytesCounter)."""
+    bytes, the `pipeline comm` report (None without a pipeline), the second iteration's SavedBytesCounter)."""
     training = run.training
     with no_data(engine):
         state = _build(run, provider, groups, engine)
@@ -128,21 +133,18 @@ def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
         forward_backward(state, data, 0, training)
         optimizer.step(run.schedule.lr(0))
         optimizer.comm_report()  # count from the second iteration on
-        tp_mark, pp_mark = groups.tp.stats.total(), _pipeline_bytes(groups)
+        meter = state.pipeline.meter if state.pipeline is not None else None
+        if meter is not None:
+            meter.report(1)
+        tp_mark = groups.tp.stats.total()
         counter = SavedBytesCounter(state.model.module)
         forward_backward(state, data, 1, training, activations=counter)
         optimizer.step(run.schedule.lr(1))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
-        tp_comm, pp_comm = groups.tp.stats.total() - tp_mark, _pipeline_bytes(groups) - pp_mark
+        tp_comm = groups.tp.stats.total() - tp_mark
+        pipeline_comm = meter.report(2) if meter is not None else None
         optimizer.close()
-    return state, at_start, memory, comm, tp_comm, pp_comm, counter
-
-
-def _pipeline_bytes(groups) -> float:
-    """What this rank has sent on the pipeline group and the (tied) embedding group (a middle stage's group of one:
-    nothing), as CommGroup counts it."""
-    embedding = groups.embedding.stats.total() if groups.embedding is not groups.pp else 0.0
-    return groups.pp.stats.total() + embedding
+    return state, at_start, memory, comm, tp_comm, pipeline_comm, counter
 
 
 def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
@@ -186,7 +188,7 @@ def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
         schedule = pipeline_schedule(run.pipeline, groups, built.module, training.micro_batch_size,
                                      training.seq_length, num_micro_batches(training.global_batch_size,
                                                                             training.micro_batch_size, groups.dp_size),
-                                     run.precision.torch_dtype)
+                                     run.precision.torch_dtype, optimizer.tied_gradient_bytes())
     return TrainingState(groups, built, optimizer, rng, schedule)
 
 

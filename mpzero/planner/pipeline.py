@@ -8,11 +8,11 @@ ZB-H1 (p - 1)/m x (T_F + T_I - T_W)/(T_F + T_I + T_W) (Qi et al.: its bubble (p 
 (p - 1)(T_F + T_I + T_W)), with their per-layer FLOPs F = sbh(24h + 4s), I = sbh(24h + 8s), W = 24sbh^2:
 (24h + 12s)/(72h + 12s), a third when s << h.
 
-Point-to-point bytes per rank per iteration (`pipeline.accounting.p2p_theory`): (F + B) m A, A = b s' h e the
-hidden states a stage sends (s' = s/t under sequence parallelism, e the model dtype's bytes), F and B the chunks
-that send forward and back; GPT-2's tied embedding: its gradient slice S all-reduced between the first and last
-stage, 2S(N-1)/N = S; and the loss the training loop sums over the pipeline group for its log, an fp32 scalar
-all-reduced: 8(p - 1)/p.
+Point-to-point bytes per rank per iteration, the `pipeline comm` line's theory (`pipeline.accounting.p2p_theory`):
+(F + B) m A, A = b s' h e the hidden states a stage sends (s' = s/t under sequence parallelism, e the model dtype's
+bytes), F and B the chunks that send forward and back; GPT-2's tied embedding: its gradient slice S all-reduced
+between the first and last stage, 2S(N-1)/N = S (the loss's fp32 all-reduce over the stages, for the log, is left
+out, as the line leaves it).
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ import functools
 
 from mpzero.pipeline import PipelineConfig, build, formula_bytes, held_formula, p2p_theory, stage_layers
 from mpzero.tensor_parallel import is_pipeline_tied
-
-LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (p-1)/p) of the fp32 loss the loop all-reduces over the pipeline group
-
 
 def pipeline_stages(pipeline: PipelineConfig, num_layers: int) -> list:
     """Each pipeline rank's `ModelStage`; [None] without a pipeline (the whole model)."""
@@ -72,11 +69,9 @@ def tied_bytes(layouts, g: int) -> int:
 
 
 def pipeline_comm_bytes(pipe, rank: int, activation_bytes: int, tied: int) -> float:
-    """Bytes per rank per iteration on the pipeline and embedding groups (module docstring)."""
-    if pipe.p == 1:
-        return 0.0
-    p2p, _ = p2p_theory(pipe, rank, activation_bytes, tied, 2 if tied else 1)
-    return p2p + LOSS_ALL_REDUCE * (pipe.p - 1) / pipe.p
+    """Bytes per rank per iteration sent on the pipeline group and all-reduced on the embedding group (module
+    docstring)."""
+    return 0.0 if pipe.p == 1 else p2p_theory(pipe, rank, activation_bytes, tied, 2 if tied else 1)[0]
 
 
 def hidden_state_bytes(config, tp: int, micro_batch: int, seq: int, e: int) -> int:
