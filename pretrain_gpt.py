@@ -16,13 +16,13 @@ model-agnostic. A second model family is another provider (and its flags), not a
 from __future__ import annotations
 
 import functools
-import os
 
 import torch.distributed as dist
 
 from mpzero.cli import print_error, run_or_exit
 from mpzero.cli.arguments import parse_args, run_config
 from mpzero.errors import ConfigError, TrainingError
+from mpzero.launcher_env import launcher_env
 from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import ParallelGroups
 from mpzero.pipeline import PipelineConfig, stage_layers
@@ -39,7 +39,7 @@ def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracke
     chunked loss recomputes all but the last chunk of one)."""
     family = family_of(config)
     stage = stage_layers(pipeline, config.num_layers)[groups.pp_rank] if groups.pp_size > 1 else None
-    model = family.build(config, groups.tp, rng, device="meta", stage=stage)
+    model = family.build(config, groups.tp, rng, device="meta", stage=stage, cp=groups.cp)
     return BuiltModel(model, family.flops_per_token(config, groups.tp_size, micro_batch_size),
                       family.architecture(config))
 
@@ -64,8 +64,13 @@ def _provider(run):
 def _validated_run(argv):
     """The checked RunConfig, before any output. A bad flag is the same error on every rank: only global
     rank 0 prints it, once; every rank exits 2."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (
-        int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    try:  # the launcher's variables first: each process has its own, so each says what is wrong with its own
+        env = launcher_env()
+    except ConfigError as error:
+        print_error(error)
+        raise SystemExit(2) from None
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (env.rank,
+                                                                                                env.world_size)
     try:
         args = parse_args(argv)
         if args.dry_run or args.world_size is not None or args.rank is not None:

@@ -1,17 +1,18 @@
 """gpu-check's GPT-2 step variants timed in interleaved rounds: what one 10-step window cannot rank. On an H100
 the host-bound step moved by up to 25% from one window to the next (bench/README.md at 5a79686, "On one H100, a
 third time"), so bench_gpt2's variant-after-variant figures rank nothing closer than that. bench_gpt2 itself ends with
-such rounds of variants 2-5 when its part has time left (gpt2_step.interleaved_rounds is the shared loop).
+such rounds of variants 2-5 and 11 when its part has time left (gpt2_step.interleaved_rounds is the shared loop).
 
-    python -m bench.bench_rounds [--variants 2 3 4 5] [--rounds 8] [--steps 10] [--micro-batch-size 8] [--list]
+    python -m bench.bench_rounds [--variants 2 3 4 5 11] [--rounds 8] [--steps 10] [--micro-batch-size 8] [--list]
 
 Variants by their index in tests/gpu/check/gpt2_step.variants (`--list` prints them; the default, bench_gpt2's:
-eager + torch.compile, mpzero --torch-compile, the same with --cuda-graph-impl local, and that with the loss in one
-chunk). Each is built and warmed up (3 steps) once; then every round runs `--steps` steps of each in turn, timed
-with the device synchronised at both ends. Printed: the median (min-max) of the rounds' ms/step, the first
-variant's median over each one's (above 1: faster than the first), and on a GPU MFU against the bf16 matmul peak
-measured in the same run (in brackets: against the GPU's datasheet peak, mpzero.training.peak_flops). Without CUDA
-it runs at a tiny shape on the CPU: the variants build and train before a GPU is lent.
+eager + torch.compile, mpzero --torch-compile, the same with --cuda-graph-impl local, that with the loss in one
+chunk, and with the step launched without a host synchronisation). Each is built and warmed up (3 steps) once;
+then every round runs `--steps` steps of each in turn, timed with the device synchronised at both ends. Printed:
+the median (min-max) of the rounds' ms/step, the first variant's median over each one's (above 1: faster than the
+first), and on a GPU MFU against the bf16 matmul peak measured in the same run (in brackets: against the GPU's
+datasheet peak, mpzero.training.peak_flops). Without CUDA it runs at a tiny shape on the CPU: the variants build
+and train before a GPU is lent.
 """
 
 from __future__ import annotations

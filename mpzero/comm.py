@@ -118,6 +118,8 @@ class CommGroup:
         for (tensor, peer), tag in zip(sends, tags):
             self.stats.record("send", _nbytes(_contiguous(tensor)))
             ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.pg, tag=tag))
+        if any(op.tensor.is_meta for op in ops) or any(tensor.is_meta for tensor, _ in recvs):
+            return []  # tensors without data (a dry run): counted, nothing to move (no backend takes meta p2p)
         ops += [dist.P2POp(dist.irecv, _contiguous(tensor), self.ranks[peer], group=self.pg, tag=tag)
                 for (tensor, peer), tag in zip(recvs, tags[len(sends):])]
         requests = dist.batch_isend_irecv(ops) if ops else []

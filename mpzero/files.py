@@ -1,11 +1,20 @@
-"""Files that are either complete or absent: write to a temporary name beside the target, flush and fsync,
-then rename over the target (atomic on POSIX) and fsync the directory so the rename itself is durable.
-A crash at any moment leaves the old file (or none) and at most a `*.tmp*` file, never a half-written target.
+"""The one writer of files: every file mpzero and its tools write goes through here (tests/test_files.py fails on
+a bare open(..., "w") anywhere else). A file is complete or absent: it is written under a temporary name beside
+the target, flushed and fsynced, renamed over the target (atomic on POSIX), and the directory fsynced so the
+rename itself is durable. A crash at any moment leaves the old file (or none) and at most a `*.tmp*.RANDOM` file,
+never a half-written target.
+
+No write follows a link someone planted: a temporary file gets a name nobody can predict (64 random bits) and
+is created exclusively (O_CREAT|O_EXCL|O_NOFOLLOW), the target is renamed over (a link there is replaced, not
+followed), directories are made with os.mkdir (which fails on a name already taken), and a library that writes by
+fixed names of its own (torch.profiler) writes into a private directory made here, the file then moved into
+place (tests/test_planted_links.py plants a link at every name each entry point's writes can use).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -13,6 +22,10 @@ import tempfile
 from typing import BinaryIO, Callable, Iterator
 
 from mpzero.errors import ConfigError
+
+_NOFOLLOW, _CLOEXEC = getattr(os, "O_NOFOLLOW", 0), getattr(os, "O_CLOEXEC", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+_ATTEMPTS = 100  # fresh names drawn before giving up: 64 random bits each, so only a planted name is ever taken
 
 
 def check_output_directory(path: str, flag: str) -> None:
@@ -43,22 +56,6 @@ def make_parents(path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
-def give_usual_mode(path: str) -> None:
-    """Give the file `path` the mode `open()` gives a new file (0666 less the umask), as every other file a tool
-    writes has: for files a library creates with a mode of its own (safetensors' 0600)."""
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    try:  # Linux states it; os.umask can only be read by setting it, which races with other threads
-        with open("/proc/self/status", encoding="ascii") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask
-
-
 def fsync_directory(path: str) -> None:
     """Make a rename or creation inside `path` durable (a no-op where directories cannot be opened)."""
     try:
@@ -74,20 +71,72 @@ def fsync_directory(path: str) -> None:
 
 
 def publish_file(tmp: str, path: str) -> None:
-    """Rename the complete, closed file `tmp` to `path`, its bytes and the rename made durable."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    """Rename the complete, closed file `tmp` (made by `create_beside`) to `path`, its bytes and the rename made
+    durable. A link planted at `path` is replaced, never followed."""
+    fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def temporary_name(path: str, label: str = ".tmp") -> str:
+    """A name in `path`'s directory that nobody can predict: `NAME{label}` and `random_suffix()`."""
+    return f"{os.path.abspath(path)}{label}{random_suffix()}"
+
+
+def random_suffix() -> str:
+    """`.` and 16 random hex digits (64 bits): what makes a name nobody can guess in advance."""
+    return "." + _token()
+
+
+def _token() -> str:
+    return secrets.token_hex(8)
+
+
+def remove_temporaries(path: str, label: str = ".tmp") -> None:
+    """Delete the temporary files `create_beside(path, label)` made for `path` that a killed writer left (call it
+    only where no other writer of `path` can be running). Links are removed, never followed."""
+    parent, name = os.path.split(os.path.abspath(path))
+    stem = name + label + "."
+    for entry in os.listdir(parent):
+        random = entry[len(stem):]
+        if entry.startswith(stem) and len(random) == 16 and all(c in "0123456789abcdef" for c in random):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(parent, entry))
+
+
+def create_beside(path: str, label: str = ".tmp") -> tuple[int, str]:
+    """(fd open for writing, its name): a new empty file in `path`'s directory under `temporary_name`, created
+    exclusively (O_CREAT|O_EXCL|O_NOFOLLOW: a link or file already at the name, planted or not, is never opened;
+    another name is drawn) with the permissions the user's umask gives a new file."""
+    for _ in range(_ATTEMPTS):
+        name = temporary_name(path, label)
+        try:
+            return os.open(name, _CREATE, 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"{_ATTEMPTS} fresh temporary names in a row were taken", path)
+
+
+def open_beside(path: str, label: str = ".tmp") -> tuple[BinaryIO, str]:
+    """(binary file open for writing, its name): `create_beside`'s new file, for a writer that publishes it
+    itself (`publish_file`) once complete."""
+    fd, name = create_beside(path, label)
+    return open(fd, "wb"), name
 
 
 @contextlib.contextmanager
 def atomic_open(path: str, suffix: str = ".tmp") -> Iterator[BinaryIO]:
     """`with atomic_open(path) as f: f.write(...)`: `path` appears complete when the block ends without an
-    exception; on one, the temporary file is removed and `path` is untouched."""
-    tmp = path + suffix
+    exception; on one, the temporary file is removed and `path` is untouched. The temporary file is
+    `create_beside(path, suffix)`'s; `path` itself is renamed over (a link planted there is replaced, never
+    followed)."""
+    file, tmp = open_beside(path, suffix)
     try:
-        with open(tmp, "wb") as f:
+        with file as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -106,6 +155,37 @@ def write_atomically(path: str, data: bytes | str | Callable[[BinaryIO], None]) 
             data(f)
         else:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def copy_atomically(source: str, path: str) -> None:
+    """The bytes of the file `source` as `path`, written atomically (`write_atomically`)."""
+    with open(source, "rb") as src:
+        write_atomically(path, lambda f: shutil.copyfileobj(src, f, 1 << 24))
+
+
+def fresh_directory(path: str) -> None:
+    """`path` as a new, empty directory this process made: a directory left there (a killed earlier run's) is
+    deleted, a link or file planted there is removed, never followed, and os.mkdir then fails rather than reuse
+    anything that appeared at the name meanwhile. Missing parents are made."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    os.mkdir(path)
+
+
+def private_directory(parent: str, label: str) -> str:
+    """A new directory inside `parent` that only this user can enter (0700) under a fresh unpredictable name, for
+    a library that writes files by fixed names of its own (torch.profiler's trace): nothing can be planted there."""
+    for _ in range(_ATTEMPTS):
+        name = temporary_name(os.path.join(parent, "." + label), "")
+        try:
+            os.mkdir(name, 0o700)
+            return name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"{_ATTEMPTS} fresh directory names in a row were taken", parent)
 
 
 def replace_directory(tmp: str, final: str) -> None:
@@ -128,10 +208,10 @@ def replace_directory(tmp: str, final: str) -> None:
 
 def directory_beside(path: str, label: str = "tmp") -> str:
     """A new, empty, uniquely named directory next to `path` (same file system, so it renames into place), that
-    no earlier run and no user file can already hold: `.NAME.tmp-XXXXXXXX`."""
+    no earlier run and no user file can already hold: `.NAME.tmp-` and 16 random hex digits."""
     parent, name = os.path.split(os.path.abspath(path))
     while True:  # os.mkdir, not mkdtemp: the directory gets the user's usual permissions (umask), not 0700
-        candidate = os.path.join(parent, f".{name}.{label}-{secrets.token_hex(4)}")
+        candidate = os.path.join(parent, f".{name}.{label}-{_token()}")
         try:
             os.mkdir(candidate)
             return candidate

@@ -22,11 +22,12 @@ import socket
 import uuid
 
 from mpzero.errors import ConfigError
+from mpzero.launcher_env import launcher_env
 
 
 def this_node() -> str:
     """'host' or 'host/node-rank' when torchrun runs several agents (GROUP_RANK is the agent's node rank)."""
-    host, group_rank = socket.gethostname(), os.environ.get("GROUP_RANK")
+    host, group_rank = socket.gethostname(), launcher_env().group_rank
     return host if group_rank is None else f"{host}/{group_rank}"
 
 

@@ -13,7 +13,6 @@ whose collectives are identities, so a run without PP, CP or EP takes the same c
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
+from mpzero.launcher_env import launcher_env
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
         backend = backend or default_backend()
         # NCCL binds each rank to its GPU before the first communicator exists (and barriers use it)
         device_id = _device_for_backend(backend) if backend == "nccl" else None
-        if "WORLD_SIZE" in os.environ:
+        if launcher_env().launched:  # the launcher's variables checked (one line each), never a traceback
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
@@ -198,6 +198,8 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
         return mine
 
     mine = {name: make(groups) for name, groups in grid.items()}
+    if mine["dp_cp"].ranks == mine["dp"].ranks:  # CP 1: ZeRO's group is the DP group itself (one byte counter)
+        mine["dp_cp"] = mine["dp"]
     world = CommGroup(dist.group.WORLD, tuple(range(world_size)), rank)
     return ParallelGroups(world=world, device=device, **mine)
 
@@ -206,6 +208,6 @@ def _device_for_backend(backend: str) -> torch.device:
     """NCCL ranks compute on their local GPU (made current); gloo ranks on the CPU, even on a GPU host."""
     if "nccl" not in backend:  # also "cpu:gloo,cuda:nccl"
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", launcher_env().local_rank)
     torch.cuda.set_device(device)
     return device

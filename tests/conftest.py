@@ -14,6 +14,7 @@ import atexit
 import getpass
 import os
 import shutil
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,8 +84,33 @@ torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 def temp_folder_left_empty():
     """Every test cleans up what it makes in the temp folder: the run's own is empty at the end but for the
     caches this file made there (removed, with the folder, when the run ends; pytest's tmp_path folders live
-    under --basetemp)."""
+    under --basetemp) and the two folders importing wandb makes in this process (megatron-core imports it when
+    tests/test_import_megatron.py is collected; wandb removes them itself when the process ends)."""
     yield
     _remove_caches()
-    left = sorted(os.listdir(TEST_TEMP))
+    wandb_keeps = ("wandb-media", "wandb-artifacts") if "wandb" in sys.modules else ()
+    left = sorted(name for name in os.listdir(TEST_TEMP) if not (name.startswith("tmp") and name.endswith(wandb_keeps)))
     assert not left, f"the tests left {len(left)} entries in {TEST_TEMP}: {', '.join(left[:5])}"
+
+
+@pytest.fixture(scope="session")
+def megatron_checkpoint(tmp_path_factory):
+    """A tiny LLaMA-shaped checkpoint the real megatron-core writes (tests/megatron_core.py, TP 1 x PP 1) and the
+    flags tools/import_megatron.py reads it with, made once for the tests that run every tool (~25 s); skipped
+    without megatron-core. megatron-core imports wandb, which makes temporary folders that only a normal exit
+    removes: its ranks (forked) make theirs in the fixture's own folder, not the temp folder."""
+    import importlib.util
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install -e '.[test]')")
+    from tests.megatron_core import LLAMA, megatron_world
+    base = tmp_path_factory.mktemp("megatron")
+    root, tempdir = base / "megatron", tempfile.tempdir
+    tempfile.tempdir = str(base)
+    try:
+        megatron_world(LLAMA, 1, 1, str(root), torch.randint(0, 100, (2, 16),
+                                                             generator=torch.Generator().manual_seed(0)))
+    finally:
+        tempfile.tempdir = tempdir
+    flags = ["--num-attention-heads", "4", "--position-embedding-type", "rope", "--max-position-embeddings", "32",
+             "--rotary-base", "500000", "--norm-epsilon", "1e-6", "--vocab-size", "100"]
+    return root, flags

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import zlib
 from datetime import timedelta
@@ -140,6 +141,9 @@ def megatron_world(spec: dict, tp: int, pp: int, save_root: str, tokens: torch.T
 def _rank(rank: int, tp: int, pp: int, store: str, spec: dict, save_root: str, tokens: torch.Tensor, iteration: int,
           sharded_metadata: dict | None, result: str, deadline: float) -> None:
     torch.set_num_threads(1)  # a forked child starting an OpenMP pool its parent used can deadlock
+    # megatron-core imports wandb if it can, whose import makes temporary folders removed at interpreter exit,
+    # which a multiprocessing child never reaches: without it (megatron-core runs on) nothing is left behind
+    sys.modules.setdefault("wandb", None)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp * pp,
                             timeout=timedelta(seconds=deadline - 10))
     logits = _save_and_forward(spec, tp, pp, save_root, tokens, iteration, sharded_metadata)

@@ -24,7 +24,7 @@ class FileSystem:
         self.root, self.crash_at, self.steps, self.kinds, self.trace = root, crash_at, 0, Counter(), []
         self.dirty_entries, self.dirty_files, self.unsynced_publications = set(), set(), []
         real = {name: getattr(os, name) for name in ("replace", "rename", "mkdir", "unlink", "remove", "rmdir",
-                                                      "fsync")}
+                                                      "fsync", "open")}
         real_open = builtins.open
 
         def step(kind, *paths):
@@ -68,11 +68,18 @@ class FileSystem:
             return real["fsync"](fd)
 
         def open_(file, mode="r", *args, **kwargs):
-            writing = isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+")
-            if not writing or not os.path.abspath(file).startswith(self.root):
+            writing = any(c in mode for c in "wax+")
+            if writing and isinstance(file, int) and self._inside(os.readlink(f"/proc/self/fd/{file}")):
+                return Written(real_open(file, mode, *args, **kwargs), step, self.dirty_files)  # os_open's step
+            if not writing or not isinstance(file, (str, os.PathLike)) or not self._inside(file):
                 return real_open(file, mode, *args, **kwargs)
             step("open", file)
             return Written(real_open(file, mode, *args, **kwargs), step, self.dirty_files)
+
+        def os_open(path, flags, *args, **kwargs):  # mpzero's writer creates its temporary files so
+            if flags & os.O_CREAT and kwargs.get("dir_fd") is None and self._inside(path):
+                step("open", path)
+            return real["open"](path, flags, *args, **kwargs)
 
         for kind in ("replace", "rename"):
             monkeypatch.setattr(os, kind, rename(kind))
@@ -80,8 +87,12 @@ class FileSystem:
             monkeypatch.setattr(os, kind, deleting(kind))
         monkeypatch.setattr(os, "mkdir", mkdir)
         monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "open", os_open)
         monkeypatch.setattr(builtins, "open", open_)
         monkeypatch.setattr(io, "open", open_)  # pathlib's, DCP's
+
+    def _inside(self, path) -> bool:
+        return os.path.abspath(path).startswith(self.root)
 
     def _unsynced(self, pointer_tmp):
         """What a power cut right after the pointer's rename could lose of the checkpoint it will name."""

@@ -4,7 +4,8 @@ replays when each bucket's full buffer is made). The buffers hold bitwise what o
 whose member got no gradient is flushed at the end of backward; a GPU launches 2 kernels per run instead of one per
 parameter (counted here as the adds into the fp32 buffers). After a step (`zero_()`), the buffers are not zeroed:
 the next backward copies each first gradient over the stale values and zeroes the places nobody wrote; at stages
-2-3 a bucket's full buffer is made uninitialised and overwritten the same way."""
+2-3 a bucket's full buffer is made uninitialised and overwritten the same way. Gradients a compiled backward delivers
+together (`write_together`) are written a bucket at a time: one foreach copy, or add, per bucket, the same values."""
 
 import torch
 from torch import nn
@@ -44,7 +45,9 @@ class _WritesIntoFp32(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in ("add_", "copy_", "zero_", "fill_") and args[0].dtype == torch.float32:
+        target = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # a foreach op's first tensor
+        if name in ("add_", "copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_add_") and (
+                target.dtype == torch.float32):
             self.writes[name] = self.writes.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -90,14 +93,18 @@ def _bf16_model():
     return make_batches(1, 2, 1)[0], model, _layouts(model, bucket_numel=300)
 
 
+def _grads(layouts, sharded: bool):
+    """Stage 2-3's gradient buckets (`sharded`) or stage 0-1's, fp32, at DP 1."""
+    dp = init_parallel(1).dp
+    if sharded:
+        return ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
+    return ReplicatedGrads(layouts, dp, torch.float32, "cpu", True, "all_reduce")
+
+
 def _bitwise_at_stages_0_to_3():  # stages 2-3 (ShardedGrads) deliver each parameter: the same sums
     for sharded in (False, True):
         batches, model, layouts = _bf16_model()
-        dp = init_parallel(1).dp
-        if sharded:
-            grads = ShardedGrads(layouts, dp, torch.float32, "cpu", True, TransientMeter())
-        else:
-            grads = ReplicatedGrads(layouts, dp, torch.float32, "cpu", True, "all_reduce")
+        grads = _grads(layouts, sharded)
         adds = _collect(model, layouts, grads, batches)
         got = grads.shards if sharded else grads.flats
         assert all(torch.equal(g, w) for g, w in zip(got, _per_parameter_sums(model, layouts, batches)))
@@ -206,3 +213,26 @@ def _flushed():
     assert torch.equal(layout.param_view(grads.flats[0], index["unused"]), torch.zeros(4))
     (weight_grad,) = torch.autograd.grad(model(x), model.weight)
     assert torch.equal(layout.param_view(grads.flats[0], index["weight"]), weight_grad)
+
+
+def test_gradients_delivered_together_are_written_a_bucket_at_a_time():
+    run_ranks(1, _together)
+
+
+def _together():
+    for sharded in (False, True):
+        batches, model, layouts = _bf16_model()
+        grads = _grads(layouts, sharded)
+        grads.collector.write_together(set(model.parameters()))
+        writes = []
+        _collect(model, layouts, grads, batches)  # fresh zeroed buffers (stages 0-1) are added to
+        grads.zero_()
+        _collect(model, layouts, grads, batches, writes)
+        got = grads.shards if sharded else grads.flats
+        assert all(torch.equal(g, w) for g, w in zip(got, _per_parameter_sums(model, layouts, batches)))
+        buckets = len(layouts)
+        if sharded:  # each micro-batch's full buffers are new: copied into, then each reduction copies (and adds)
+            assert writes == [{"_foreach_copy_": buckets, "copy_": buckets},
+                              {"_foreach_copy_": buckets, "copy_": buckets, "add_": buckets}]
+        else:  # after a step the first micro-batch copies over the stale values, the second adds
+            assert writes == [{"_foreach_copy_": buckets}, {"_foreach_add_": buckets}]

@@ -8,6 +8,7 @@ bad inputs are one line, exit code 2, nothing written.
 """
 
 import contextlib
+import glob
 import io
 import json
 import os
@@ -162,7 +163,7 @@ def _one_error_line(main, argv, capsys, *absent):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
     for path in absent:
-        assert not os.path.exists(path) and not os.path.exists(str(path) + ".tmp")
+        assert not os.path.exists(path) and not glob.glob(glob.escape(str(path)) + ".tmp*")
     return err
 
 

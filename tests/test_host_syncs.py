@@ -1,7 +1,10 @@
-"""A training iteration reads the device at most once (issue 26): the step's finite check and gradient norm,
-with fp16's overflow check, the loss-scale update, the NaN checks, the loss and the SIGTERM flag riding
-along in the same read. Logging iterations read more and are not counted; nor is the first iteration (its
-one-off memory and activation reports).
+"""A bf16 or fp32 training iteration does not read the device at all between log lines (issue 46): its step is
+launched with the gradient norm, the clipping coefficient and the non-finite check on the device, and the loss,
+norm and SIGTERM flag are read at the next log line (mpzero/training/deferred.py), with the same results bit for bit
+as the synchronising step's. An fp16 iteration, and any with --sync-every-iteration, reads it at most once (issue
+26): the step's finite check and gradient norm, with fp16's overflow check, the loss-scale update, the NaN checks,
+the loss and the SIGTERM flag riding along in the same read. Logging iterations read more and are not counted; nor
+is the first iteration (its one-off memory and activation reports).
 
 A host synchronisation is counted where the host must wait for a device value:
 - Python-level reads, seen by a `TorchFunctionMode`: `.item()`, `.tolist()`, `.numpy()`, `.cpu()`,
@@ -16,78 +19,19 @@ on the host), and a CUDA stream or event synchronise has no CPU counterpart. Tho
 `make gpu-check`; everything the loop and the optimizer read through the calls above fails here.
 """
 
-import os
-import traceback
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.cli import TINY, quiet_main
 from tests.distributed import run_ranks
-
-aten = torch.ops.aten
-_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__,
-          torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
-_READING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-                aten.repeat_interleave.Tensor, aten.is_nonzero.default, aten.equal.default}
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.host_syncs import counting
 
 
-class HostSyncs:
-    """Records every host synchronisation as (what, where): `where` is the innermost frame in this repository."""
-
-    def __init__(self):
-        self.events, self._inside_read = [], 0
-
-    def record(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_HERE)
-                  and not f.filename.endswith(__file__)]
-        where = f"{os.path.relpath(frames[-1].filename, _HERE)}:{frames[-1].lineno}" if frames else "?"
-        self.events.append((what, where))
-
-
-class _CountReads(TorchFunctionMode):
-    def __init__(self, syncs: HostSyncs):
-        super().__init__()
-        self.syncs = syncs
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in _READS:
-            return func(*args, **(kwargs or {}))
-        self.syncs.record(func.__name__)
-        self.syncs._inside_read += 1  # the aten op it ends in is the same synchronisation
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.syncs._inside_read -= 1
-
-
-class _CountReadingOps(TorchDispatchMode):
-    def __init__(self, syncs: HostSyncs):
-        super().__init__()
-        self.syncs = syncs
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (func in _READING_OPS or _masked_index(func, args)) and not self.syncs._inside_read:
-            self.syncs.record(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _masked_index(func, args) -> bool:
-    """x[mask] and x[mask] = v: a boolean index becomes a nonzero() inside the op (seen as such on CUDA only)."""
-    if func not in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
-        return False
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
-
-
-def _syncs_per_iteration(argv) -> dict[int, list]:
-    """Train with `argv`, counting; {iteration: its syncs}, an iteration running from the start of its
-    forward-backward to the start of the next one's (so its step, checks and logging are all in it)."""
+def _syncs_per_iteration(argv) -> tuple[dict[int, list], dict]:
+    """Train with `argv`, counting; ({iteration: its syncs}, the run's history), an iteration running from the start
+    of its forward-backward to the start of the next one's (so its step, checks and logging are all in it)."""
     import mpzero.training.loop as loop
-    syncs, starts = HostSyncs(), []
+    starts = []
     forward_backward = loop.forward_backward
 
     def marked(*args, **kwargs):
@@ -95,10 +39,10 @@ def _syncs_per_iteration(argv) -> dict[int, list]:
         return forward_backward(*args, **kwargs)
 
     loop.forward_backward = marked  # this forked rank's own copy of the module
-    with _CountReads(syncs), _CountReadingOps(syncs):
-        quiet_main(argv)
+    with counting() as syncs:
+        history = quiet_main(argv)
     bounds = starts + [len(syncs.events)]
-    return {i + 1: syncs.events[bounds[i]:bounds[i + 1]] for i in range(len(starts))}
+    return {i + 1: syncs.events[bounds[i]:bounds[i + 1]] for i in range(len(starts))}, history
 
 
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"],
@@ -107,36 +51,48 @@ RUN = TINY + ["--train-iters", "7", "--log-interval", "3", "--eval-iters", "0"]
 COUNTED = (2, 4, 5)  # not the first, not a logging iteration (3, 6), not the last (it runs to the exit)
 
 
-def _assert_at_most_one_sync(per_rank: list[dict]) -> None:
-    for rank, per_iteration in enumerate(per_rank):
+def _assert_at_most_one_sync(per_rank: list[dict], most: int = 1) -> None:
+    for rank, (per_iteration, _) in enumerate(per_rank):
         for iteration in COUNTED:
             events = per_iteration[iteration]
-            assert len(events) <= 1, (f"rank {rank}, iteration {iteration}: {len(events)} host syncs\n  "
-                                      + "\n  ".join(f"{what} at {where}" for what, where in events))
+            assert len(events) <= most, (f"rank {rank}, iteration {iteration}: {len(events)} host syncs\n  "
+                                         + "\n  ".join(f"{what} at {where}" for what, where in events))
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_an_iteration_syncs_with_the_host_at_most_once_at_dp2(stage, precision):
-    argv = RUN + ["--zero-stage", str(stage)] + PRECISIONS[precision]
+def test_a_launched_iteration_does_not_sync_and_trains_as_the_synchronising_one_at_dp2(stage, precision):
+    argv = RUN + ["--zero-stage", str(stage), "--clip-grad", "0.05"] + PRECISIONS[precision]
+    launched = run_ranks(2, _syncs_per_iteration, argv)
+    _assert_at_most_one_sync(launched, most=0)
+    synchronising = run_ranks(2, _syncs_per_iteration, argv + ["--sync-every-iteration"])
+    _assert_at_most_one_sync(synchronising)
+    for (_, got), (_, want) in zip(launched, synchronising):
+        assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"]  # bit for bit
+
+
+def test_fp16_syncs_at_most_once_at_dp2():
+    argv = RUN + ["--zero-stage", "2"] + PRECISIONS["fp16"]
     _assert_at_most_one_sync(run_ranks(2, _syncs_per_iteration, argv))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_an_iteration_syncs_with_the_host_at_most_once_in_one_process(precision):
     argv = RUN + ["--zero-stage", "3"] + PRECISIONS[precision]
-    _assert_at_most_one_sync(run_ranks(1, _syncs_per_iteration, argv))
+    _assert_at_most_one_sync(run_ranks(1, _syncs_per_iteration, argv), most=1 if precision == "fp16" else 0)
 
 
 def test_an_iteration_syncs_with_the_host_at_most_once_at_tp2():
     argv = RUN + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1",
                   "--fp16", "--initial-loss-scale", "1048576"]
     _assert_at_most_one_sync(run_ranks(2, _syncs_per_iteration, argv))
+    bf16 = RUN + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1", "--bf16"]
+    _assert_at_most_one_sync(run_ranks(2, _syncs_per_iteration, bf16), most=0)
 
 
 def test_the_counter_sees_scalar_reads_and_data_dependent_shapes():
-    syncs, x = HostSyncs(), torch.tensor([1.0, 0.0, 2.0])
-    with _CountReads(syncs), _CountReadingOps(syncs):
+    x = torch.tensor([1.0, 0.0, 2.0])
+    with counting() as syncs:
         x.sum().item(), x.tolist(), bool(x[0]), float(x[1]), x.nonzero(), x[x > 0], x.cpu()
         x[x > 1] = 0
         x.mul(2).add_(1)  # no read

@@ -44,10 +44,10 @@ def test_an_unknown_flag_outside_the_table_names_the_nearest_flag():
 
 def test_a_megatron_key_in_a_config_file_gets_the_same_line(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("num-layers: 2\ncontext-parallel-size: 2\n")
+    config.write_text("num-layers: 2\nhierarchical-context-parallel-sizes: 2\n")
     code, err = exit_code_and_stderr(TINY + ["--config", str(config)])
-    assert code == 2 and f"--config {config}: context-parallel-size: a Megatron-LM flag that mpzero does not have; " \
-                         "context parallelism is not in mpzero yet" in err, err
+    assert code == 2 and f"--config {config}: hierarchical-context-parallel-sizes: a Megatron-LM flag that mpzero " \
+                         "does not have; hierarchical context parallelism (a2a+p2p) is not in mpzero" in err, err
 
 
 @pytest.mark.parametrize("stage, expected", [(None, 1), ("1", 1), ("2", 2), ("3", 3)])

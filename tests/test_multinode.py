@@ -29,17 +29,17 @@ def _env(tmp_path):  # TMPDIR: torchrun's agents keep their log folders there
     return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONPATH": ROOT}
 
 
-def _agents(tmp_path, argvs, name):
-    """Start one torchrun agent per argv (its node's own pretrain_gpt.py flags); returns the Popen objects,
-    each writing tmp_path/{name}{node}.out/.err."""
+def _agents(tmp_path, argvs, name, cwds=None):
+    """Start one torchrun agent per argv (its node's own pretrain_gpt.py flags), in `cwds[node]` (default the
+    repository); returns the Popen objects, each writing tmp_path/{name}{node}.out/.err."""
     endpoint = f"localhost:{_free_port()}"
     procs = []
     for node, argv in enumerate(argvs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name,
-               "pretrain_gpt.py"] + argv
+               os.path.join(ROOT, "pretrain_gpt.py")] + argv
         out, err = (open(tmp_path / f"{name}{node}.{kind}", "w") for kind in ("out", "err"))
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=_env(tmp_path),
+        procs.append(subprocess.Popen(cmd, cwd=cwds[node] if cwds else ROOT, stdout=out, stderr=err, env=_env(tmp_path),
                                       start_new_session=True))
     return procs
 
@@ -48,9 +48,9 @@ def _outputs(tmp_path, name):
     return [((tmp_path / f"{name}{n}.out").read_text(), (tmp_path / f"{name}{n}.err").read_text()) for n in (0, 1)]
 
 
-def two_nodes(tmp_path, argv, name, argvs=None):
+def two_nodes(tmp_path, argv, name, argvs=None, cwds=None):
     """(exit codes, [(stdout, stderr) per agent]) of a 2-node job; every agent gets `argv` unless `argvs`."""
-    procs = _agents(tmp_path, argvs or [argv, argv], name)
+    procs = _agents(tmp_path, argvs or [argv, argv], name, cwds)
     codes = [p.wait(timeout=240) for p in procs]
     return codes, _outputs(tmp_path, name)
 
@@ -106,6 +106,24 @@ def test_a_save_directory_not_shared_by_the_nodes_is_refused_at_start(tmp_path):
     for line in errors:
         assert re.search(r"--save \S+local[01] is not one directory for every rank: rank [23] \(node \S+/1\) "
                          r"does not see", line), line
+    assert not any("lm loss" in out for out, _ in outs), "refused before training"
+
+
+def test_a_load_path_that_only_one_node_has_is_one_line_on_every_rank_within_seconds(tmp_path):
+    """--load ckpt, relative: the first node's working directory holds a checkpoint, the second's nothing (as a copy
+    on one machine only): one line per rank naming --load and what each side sees, not the distributed timeout."""
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+    one_node(tmp_path, TINY + ["--train-iters", "2", "--save", str(tmp_path / "node0" / "ckpt")], processes=1)
+    start = time.monotonic()
+    codes, outs = two_nodes(tmp_path, TP2 + TINY + ["--load", "ckpt"], "load", cwds=[tmp_path / "node0",
+                                                                                      tmp_path / "node1"])
+    assert all(code != 0 for code in codes) and time.monotonic() - start < 90, outs
+    per_node = [[line for line in err.splitlines() if line.startswith("error: ")] for _, err in outs]
+    assert all(1 <= len(lines) <= 2 for lines in per_node), outs  # a rank may be stopped by its agent first
+    for line in per_node[0] + per_node[1]:  # which node joined first (ranks 0-1) is the rendezvous' choice
+        assert re.fullmatch(r"error: --load ckpt is not the same for every rank: ranks (0-1|2-3) sees? checkpoints "
+                            r"up to iteration 2; ranks (0-1|2-3) sees? no such path\. .*", line), line
     assert not any("lm loss" in out for out, _ in outs), "refused before training"
 
 

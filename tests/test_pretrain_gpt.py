@@ -32,7 +32,7 @@ def test_console_lines_follow_megatron_format(single_process):
     assert re.search(r"\| tokens/s: \d+ \| TFLOP/s/rank: [0-9.]+ \|$", lines[0].string)
     assert re.search(r"^zero memory \| stage 1 \| dp 1 \| .* \| ratio 1\.0\d+ \|", stdout, re.M)
     assert re.search(r'^fused ops \(auto\): \{"adamw_step": "\w+", "attention": "flash", "cross_entropy": "torch", '
-                     r'"cuda_graphs": "none", "layer_norm"', stdout, re.M)
+                     r'"cuda_graphs": "none", "fp8": "none", "layer_norm"', stdout, re.M)
     assert len(re.findall(r"^zero comm \| stage 1 .* \| ratio \S+$", stdout, re.M)) == 10
     assert [int(m.group(3)) for m in lines] == [8 * i for i in range(1, 11)]
     assert_close_lists([float(m.group(4)) for m in lines], history["losses"], rel=1e-6)

@@ -1,7 +1,8 @@
 """Megatron's --profile with --use-pytorch-profiler on the CPU (mpzero/training/profiling.py): the profiled ranks write
 one torch.profiler trace each into --tensorboard-dir, of iterations (--profile-step-start, --profile-step-end] in
 the log's numbering, and nothing else changes; a run that stops inside the window or resumes past it writes no
-trace and says so, and no temporary file stays; every inconsistent combination is one line at start. Nsight
+trace and says so, and no temporary file stays; a trace that cannot be written is one warning and the run goes on;
+every inconsistent combination is one line at start. Nsight
 Systems' mode (no --use-pytorch-profiler) needs CUDA: refused here, run on a GPU by tests/gpu/test_mixed_precision.py.
 """
 
@@ -71,6 +72,18 @@ def test_a_run_resumed_past_the_window_traces_nothing(tmp_path):
     assert "note: rank 0 traces nothing: this run starts after iteration 2, past --profile-step-end 1" in stdout
     assert _traces(traces) == [] and "profile: " not in stdout
 
+
+def test_a_trace_that_cannot_be_written_is_one_warning_and_the_run_goes_on(tmp_path):
+    """A directory at the trace's name (as a full disk would, the move into place fails): one warning, the same
+    losses as without the profiler, no temporary file or private directory left."""
+    plain = run_ranks(1, main_capturing_stdout, TINY)[0][0]
+    (tmp_path / "rank0.iterations-2-3.pt.trace.json").mkdir()
+    history, stdout = run_ranks(1, main_capturing_stdout, TINY + PYTORCH + ["--tensorboard-dir", str(tmp_path)])[0]
+    assert history["losses"] == plain["losses"] and len(history["losses"]) == 10
+    warnings = [line for line in stdout.splitlines() if line.startswith("warning: rank 0 could not write its trace")]
+    assert len(warnings) == 1 and warnings[0].endswith("training goes on without it"), stdout
+    assert _traces(tmp_path) == ["rank0.iterations-2-3.pt.trace.json"]  # the directory, as it was
+    assert os.listdir(tmp_path / "rank0.iterations-2-3.pt.trace.json") == []
 
 
 WINDOW = ["--profile-step-start", "0", "--profile-step-end", "2"]

@@ -210,3 +210,12 @@ def test_the_files_a_tool_writes_share_the_mode_the_umask_gives(run, tmp_path, u
         os.umask(before)
     modes = {name: os.stat(tmp_path / "hf" / name).st_mode & 0o777 for name in os.listdir(tmp_path / "hf")}
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
+@pytest.mark.parametrize("model", [{"w": "a string"}, {"w": 3}, {"w": torch.zeros(2, dtype=torch.int64)},
+                                   {7: torch.zeros(2)}, {"w": [torch.zeros(2)]}])
+def test_from_consolidated_refuses_a_bundle_holding_what_is_no_weight_in_one_line(tmp_path, model):
+    bundle = tmp_path / "w.pt"
+    torch.save({"model": model, "meta": {}}, bundle)
+    _refused(checkpoint_util_main, ["from-consolidated", "--input", str(bundle), "--save", str(tmp_path / "ckpt")],
+             tmp_path, says="not a tensor of weights")

@@ -50,3 +50,17 @@ def test_train_tokenizer_errors(tmp_path, corpus, capsys):
     assert train_main(["--input", corpus[0], "--vocab-size", "90000", "--output-prefix", str(tmp_path / "t")]) == 2
     assert capsys.readouterr().err.startswith("error: SentencePiece training failed")
     assert os.listdir(tmp_path) == ["bad.jsonl"]
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("lines,why", [("", "it holds no documents"), ("\n\n", "it holds no documents"),
+                                        ('{"text": ""}\n', "it holds no documents"),
+                                        ('{"text": null}\n{"text": null}\n', "all 2 lines were malformed")])
+def test_a_corpus_with_no_text_is_one_line_and_writes_nothing(tmp_path, capsys, tokenizer_type, lines, why):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(lines)
+    assert train_main(["--input", str(empty), "--vocab-size", "300", "--output-prefix", str(tmp_path / "t"),
+                       "--tokenizer-type", tokenizer_type, "--skip-malformed"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --input {empty} gives no text to train on ({why}"), err
+    assert os.listdir(tmp_path) == ["empty.jsonl"]

@@ -104,3 +104,34 @@ def test_data_arguments_are_checked_before_any_file_is_opened(tmp_path, data, sp
                                                      "--data-path", *data]
     code, stderr = run_ranks(1, exit_code_and_stderr, argv)[0]
     assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
+
+
+def _rule_flags():
+    """(rule name, flag, a value other than its default) for every update rule's own flags (their add_flags)."""
+    import argparse
+    from mpzero.optim import RULES
+    found = []
+    for name, rule in RULES.items():
+        own = argparse.ArgumentParser(add_help=False)
+        rule.add_flags(own.add_argument_group())
+        found += [(name, action.option_strings[0], str(action.default / 2)) for action in own._actions]
+    return found
+
+
+def test_a_flag_of_an_update_rule_the_run_does_not_use_is_one_line():
+    """Every rule's flag, given a value other than its default under every other --optimizer: one line naming the
+    flag and both rules (the run would ignore it); under its own rule it is taken."""
+    from mpzero.optim import RULES
+    cases = 0
+    for rule, flag, value in _rule_flags():
+        for chosen in RULES:
+            argv = RUN + ["--optimizer", chosen, flag, value]
+            if chosen == rule:
+                parse_args(argv)
+                continue
+            with pytest.raises(ConfigError) as error:
+                parse_args(argv)
+            assert str(error.value).startswith(f"{flag} {float(value)} is --optimizer {rule}'s, and this run's "
+                                               f"--optimizer is {chosen}"), str(error.value)
+            cases += 1
+    assert cases >= 4  # --adam-beta1, --adam-beta2, --adam-eps with sgd; --sgd-momentum with adam

@@ -23,8 +23,8 @@ from mpzero.checkpointing.checkpoint import error_reason
 from mpzero.checkpointing.consolidated import read_consolidated, save_weights_only
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints, check_replaceable
 from mpzero.checkpointing.verify import single_process, verify_checkpoint
-from mpzero.cli import ITERATION, Parser, Path, run_or_exit
-from mpzero.errors import ConfigError
+from mpzero.cli import INPUT_ERRORS, ITERATION, Parser, Path, run_or_exit
+from mpzero.errors import ConfigError, excerpt
 from mpzero.files import check_parents_creatable, make_parents, write_atomically
 
 
@@ -60,6 +60,15 @@ def from_consolidated(input_path: str, save: str) -> None:
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint ({error_reason(error)})") from None
     if not isinstance(bundle, dict) or not isinstance(bundle.get("model"), dict):
         raise ConfigError(f"--input {input_path} is not a consolidated checkpoint (expected a dict with 'model')")
+    for name, value in bundle["model"].items():
+        if not (isinstance(name, str) and isinstance(value, torch.Tensor) and value.is_floating_point()
+                and value.layout == torch.strided):  # a sparse tensor's indices are not checked by torch.load
+            what = f"a {value.dtype} {value.layout} tensor" if isinstance(value, torch.Tensor) else excerpt(value)
+            raise ConfigError(f"--input {input_path} is not a consolidated checkpoint: its model[{excerpt(name)}] is "
+                              f"{what}, not a tensor of weights")
+    if not isinstance(bundle.get("meta", {}), dict):
+        raise ConfigError(f"--input {input_path} is not a consolidated checkpoint: its meta is "
+                          f"{excerpt(bundle['meta'])}, not a dict")
     save_weights_only(bundle, save)
 
 
@@ -96,11 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with single_process():  # no process group here: DCP's warning about that says nothing
         if args.command == "to-consolidated":
-            run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output, args.overwrite))
+            run_or_exit(lambda: to_consolidated(args.load, args.iteration, args.output, args.overwrite), INPUT_ERRORS)
         elif args.command == "verify":
             print(run_or_exit(lambda: verify_checkpoint(args.load, args.iteration)), flush=True)
         else:
-            run_or_exit(lambda: from_consolidated(args.input, args.save))
+            run_or_exit(lambda: from_consolidated(args.input, args.save), INPUT_ERRORS)
 
 
 if __name__ == "__main__":

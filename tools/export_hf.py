@@ -31,8 +31,8 @@ from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_re
 from mpzero.checkpointing.verify import resolve_iteration, single_process
 from mpzero.cli import INPUT_ERRORS, ITERATION, Parser, Path, add_tokenizer_flags, exit_code
 from mpzero.errors import ConfigError
-from mpzero.files import (check_parents_creatable, directory_beside, give_usual_mode, make_parents,
-                          replace_output_directory)
+from mpzero.files import (check_parents_creatable, copy_atomically, directory_beside, make_parents,
+                          replace_output_directory, write_atomically)
 from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
 from mpzero.inference.hf import ADAPTERS, adapter_for_config
 from mpzero.checkpointing.consolidated import read_consolidated
@@ -49,7 +49,7 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", overwrite: bool = False,
            tokenizer_overrides: dict | None = None) -> str:
     """Writes the HF directory `output`; returns the line to print. Everything is checked before writing."""
-    save_file = _safetensors_writer()
+    serialize = _safetensors_writer()
     _check_output(output, overwrite, load)
     directory, iteration = resolve_iteration(load, iteration)
     meta = read_meta_file(directory, previous_advice(load, iteration))
@@ -57,7 +57,7 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     adapter = adapter_for_config(config)
     flags = meta.get("config") or {}
     run_tok = run_tokenizer(flags, load, tokenizer_overrides)
-    tokenizer = run_tok.build(config.vocab_size)
+    tokenizer = run_tok.build(config.vocab_size, meta, directory)
     eod = tokenizer.eod if run_tok.tokenizer_type else None
     weights = read_consolidated(load, iteration)["model"]
     check_gpt_weights(weights, config, directory)
@@ -67,13 +67,13 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     make_parents(output)
     tmp = directory_beside(output)  # a fresh name: never a directory of the user's
     try:
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        give_usual_mode(os.path.join(tmp, "model.safetensors"))  # safetensors makes it 0600
+        # the bytes in memory, then through mpzero's writer (safetensors' own save_file opens the name itself)
+        write_atomically(os.path.join(tmp, "model.safetensors"), serialize(state, metadata={"format": "pt"}))
         _write_json(tmp, "config.json", adapter.hf_config(config, flags, eod, dtype_name))
         _write_json(tmp, "generation_config.json", {"bos_token_id": eod, "eos_token_id": eod})
         note = _write_tokenizer(tmp, output, run_tok, tokenizer, config.max_position_embeddings)
-        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(_readme(directory, iteration, meta, config, note, output, adapter))
+        write_atomically(os.path.join(tmp, "README.md"), _readme(directory, iteration, meta, config, note, output,
+                                                                 adapter))
         replace_output_directory(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -85,10 +85,10 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
 
 def _safetensors_writer():
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError:
         raise ConfigError("tools/export_hf.py needs safetensors: pip install -e '.[hf]'") from None
-    return save_file
+    return save
 
 
 def _check_output(output: str, overwrite: bool, load: str) -> None:
@@ -113,16 +113,15 @@ def _not_an_export(output: str) -> str | None:
 
 
 def _write_json(directory: str, name: str, content: dict) -> None:
-    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-        f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    write_atomically(os.path.join(directory, name), json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
 def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: int) -> str:
     """Copy the run's tokenizer files; returns the README's paragraph on loading the tokenizer."""
     kind = run_tok.tokenizer_type
     if kind == "GPT2BPETokenizer":
-        shutil.copyfile(run_tok.vocab_file, os.path.join(directory, "vocab.json"))
-        shutil.copyfile(run_tok.merge_file, os.path.join(directory, "merges.txt"))
+        copy_atomically(run_tok.vocab_file, os.path.join(directory, "vocab.json"))
+        copy_atomically(run_tok.merge_file, os.path.join(directory, "merges.txt"))
         special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
         _write_json(directory, "special_tokens_map.json", special)
         _write_json(directory, "tokenizer_config.json", {**special, "tokenizer_class": "GPT2Tokenizer",
@@ -131,7 +130,7 @@ def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: 
                 "encodes text as mpzero's GPT2BPETokenizer does. End of document: `<|endoftext|>` "
                 f"(id {tokenizer.eod}).")
     if kind == "HuggingFaceTokenizer":
-        shutil.copyfile(tokenizer.files[0], os.path.join(directory, "tokenizer.json"))
+        copy_atomically(tokenizer.files[0], os.path.join(directory, "tokenizer.json"))
         special = {"eos_token": tokenizer.eod_token}
         _write_json(directory, "special_tokens_map.json", special)
         _write_json(directory, "tokenizer_config.json", {**special, "tokenizer_class": "PreTrainedTokenizerFast",
@@ -140,7 +139,7 @@ def _write_tokenizer(directory: str, final: str, run_tok, tokenizer, positions: 
                 "`tok(text, add_special_tokens=False)` encodes as mpzero's HuggingFaceTokenizer does (mpzero adds no "
                 f"BOS). End of document: `{tokenizer.eod_token}` (id {tokenizer.eod}).")
     if kind == "GPTSentencePieceTokenizer":
-        shutil.copyfile(run_tok.tokenizer_model, os.path.join(directory, "sentencepiece.model"))
+        copy_atomically(run_tok.tokenizer_model, os.path.join(directory, "sentencepiece.model"))
         path = os.path.join(final, "sentencepiece.model")
         return ("The run's SentencePiece model is `sentencepiece.model`; transformers has no GPT-2 tokenizer for it. "
                 "Load it with `sentencepiece`:\n\n"

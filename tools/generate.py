@@ -35,6 +35,7 @@ from mpzero.checkpointing.verify import resolve_iteration, single_process
 from mpzero.cli import ITERATION, SEED, Number, Parser, Path, Text, add_tokenizer_flags, print_error
 from mpzero.errors import ConfigError
 from mpzero.files import check_parents_creatable, make_parents, write_atomically
+from mpzero.launcher_env import launcher_env
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
 from mpzero.models import family_of
@@ -78,7 +79,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """The whole command; returns [{"prompt", "text", "tokens", "stop"}] (every rank) for tests and notebooks."""
     args = build_parser().parse_args(argv)
     owns_world = not dist.is_initialized()  # else the caller (a test) owns the process group
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # each process checks its own launcher variables and says what is wrong with them
+        env = launcher_env()
+    except ConfigError as error:
+        print_error(error)
+        raise SystemExit(2) from None
+    world_size = dist.get_world_size() if dist.is_initialized() else env.world_size
     tp_size = args.tensor_model_parallel_size or world_size
     try:
         if tp_size != world_size:
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _fail(message: str) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    rank = dist.get_rank() if dist.is_initialized() else launcher_env().rank
     if rank == 0:
         print_error(message)
     raise SystemExit(2)
@@ -129,7 +135,8 @@ def _prepare(args):
     meta = read_meta_file(directory, previous_advice(args.load, iteration))
     config = gpt_config_from_meta(meta, directory)
     overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
-    tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size)
+    tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size, meta,
+                                                                                     directory)
     prompts = []
     for number, text in enumerate(_read_prompts(args), start=1):
         try:

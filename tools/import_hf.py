@@ -25,9 +25,10 @@ from mpzero.checkpointing.checkpoint import error_reason
 from mpzero.checkpointing.imported import check_import_destination, write_imported
 from mpzero.checkpointing.verify import single_process
 from mpzero.cli import INPUT_ERRORS, Parser, Path, exit_code
-from mpzero.data import build_tokenizer
+from mpzero.cli.flag_ranges import check_in_ranges
+from mpzero.data import build_tokenizer, tokenizer_identity
 from mpzero.errors import ConfigError
-from mpzero.inference.hf import adapter_for_hf
+from mpzero.inference.hf import adapter_for_hf, tying_as_loaded
 
 
 def import_hf(input_dir: str, save: str) -> str:
@@ -44,12 +45,17 @@ def import_hf(input_dir: str, save: str) -> str:
     if not isinstance(hf, dict):
         raise ConfigError(f"{source}: config.json is not a JSON object")
     adapter = adapter_for_hf(hf, source)  # by model_type: gpt2 or llama
+    check_in_ranges(hf, adapter.hf_flags, source)  # each number within the range of the flag it becomes
     config = adapter.config_from_hf(hf, source)
-    weights = adapter.from_hf_state_dict(_read_state(input_dir, source), config, source)
+    state = _read_state(input_dir, source)
+    config, tying = tying_as_loaded(config, state, adapter)
+    weights = adapter.from_hf_state_dict(state, config, source)
     tokenizer_files, tokenizer_flags, note = _tokenizer(input_dir, config.vocab_size, save)
+    record = tokenizer_flags.pop("tokenizer", None)  # its files' sha256, recorded as a trained checkpoint's are
+    note += tying
     check_import_destination(save, {"--input": input_dir})
     write_imported(save, weights, {**adapter.model_flags(config), **tokenizer_flags},
-                   {name: os.path.join(input_dir, name) for name in tokenizer_files})
+                   {name: os.path.join(input_dir, name) for name in tokenizer_files}, record)
     tokenizer_args = [f"--{k.replace('_', '-')} {v}" for k, v in tokenizer_flags.items() if k != "vocab_size"]
     size = sum(t.numel() for t in weights.values())
     return (f"imported {input_dir} ({size:,} parameters) to {save} (iteration 0, weights only){note}\n"
@@ -119,7 +125,7 @@ def _tokenizer(input_dir: str, vocab_size: int, save: str) -> tuple[list[str], d
     if tokenizer.vocab_size != vocab_size:
         return [], {}, (f"; its tokenizer has {tokenizer.vocab_size} tokens and the model {vocab_size}, so it is "
                         f"not recorded: pass a tokenizer of {vocab_size} tokens")
-    return files, flags, ""
+    return files, {**flags, "tokenizer": tokenizer_identity(tokenizer)}, ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,11 @@ def input_prefixes(inputs: list[str]) -> list[str]:
             found = sorted(os.path.join(item, f[:-4]) for f in os.listdir(item) if f.endswith(".idx"))
             if not found:
                 raise ConfigError(f"--input directory {item} holds no .idx files")
-            prefixes += found
+            seen = set()  # a link beside its dataset (latest.idx -> v2.idx) is that dataset: merged once
+            for prefix in found:
+                if os.path.realpath(prefix + ".idx") not in seen:
+                    seen.add(os.path.realpath(prefix + ".idx"))
+                    prefixes.append(prefix)
         else:
             prefixes.append(item[:-4] if item.endswith((".bin", ".idx")) else item)
     return prefixes

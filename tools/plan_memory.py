@@ -9,7 +9,8 @@ Takes pretrain_gpt.py's model and training flags (or --config FILE); --train-ite
 may be left out, data flags too (--vocab-size, default 50257, stands for the tokenizer). The layout flags
 (TP size, pipeline size and schedule, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses:
 each is enumerated unless restricted (--tp-sizes, --pp-sizes, --virtual-stages, --zero-bubble, --zero-stages,
---offload-tiers, --recompute-modes, --micro-batch-sizes), and one given as pretrain_gpt.py's own flag
+--offload-tiers, --recompute-modes, --micro-batch-sizes; context parallelism only where asked: --cp-sizes 1,2,4,
+--context-parallel-size, --cp-comm-type), and one given as pretrain_gpt.py's own flag
 (--tensor-model-parallel-size 8, --pipeline-model-parallel-size 8, --enable-zero-bubble, --zero-stage 3,
 --offload-optimizer cpu, --recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only
 the layouts with that value
@@ -72,6 +73,8 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="parameters per second per rank AdamW updates on the CPU")
     e = p.add_argument_group("layouts")
     e.add_argument("--tp-sizes", type=Items(Number(int, low=1)), default=None)
+    e.add_argument("--cp-sizes", type=Items(Number(int, low=1)), default=None,
+                   help="context-parallel sizes to try (default 1, or --context-parallel-size's)")
     e.add_argument("--pp-sizes", type=Items(Number(int, low=1)), default=None,
                    help="pipeline sizes (default: every one that divides the world over TP and the layers)")
     e.add_argument("--virtual-stages", type=Items(Number(int, low=2)), default=None,
@@ -113,6 +116,7 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "z
                 "optimizer_cpu_offload": "--optimizer-cpu-offload", "offload_params": "--offload-params",
                 "sequence_parallel": "--sequence-parallel", "recompute_activations": "--recompute-activations",
                 "recompute_granularity": "--recompute-granularity", "zero_units": "--zero-units",
+                "context_parallel_size": "--context-parallel-size",
                 "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
                 "num_virtual_stages_per_pipeline_rank": "--num-virtual-stages-per-pipeline-rank",
                 "num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
@@ -122,7 +126,8 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "z
 def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[dict, str | None]:
     """({layout attribute: the value the given layout flags fix}, the note saying so, or None)."""
     fixed, said = {}, []
-    for dest, attribute in (("tensor_model_parallel_size", "tp"), ("zero_stage", "stage"),
+    for dest, attribute in (("tensor_model_parallel_size", "tp"), ("context_parallel_size", "cp"),
+                            ("zero_stage", "stage"),
                             ("micro_batch_size", "micro_batch"), ("offload_params", "offload_params"),
                             ("sequence_parallel", "sequence_parallel"), ("zero_units", "units")):
         if dest in present:
@@ -177,10 +182,11 @@ def plan(argv: list[str]) -> dict:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
     planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine)
     zero_bubble = None if opts.zero_bubble is None else tuple(choice == "yes" for choice in opts.zero_bubble)
+    fixed, note = layout_restrictions(args, given_flags(rest))
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
                               opts.micro_batch_sizes, opts.max_micro_batch_size, pps=opts.pp_sizes,
-                              virtual=opts.virtual_stages, zero_bubble=zero_bubble)
-    fixed, note = layout_restrictions(args, given_flags(rest))
+                              virtual=opts.virtual_stages, zero_bubble=zero_bubble,
+                              cps=opts.cp_sizes or (fixed.get("cp", 1),))
     layouts = [layout for layout in layouts if all(getattr(layout, k) == v for k, v in fixed.items())]
     if not layouts:
         raise ConfigError("no layout to evaluate: the head count, the world size, the global batch and the "

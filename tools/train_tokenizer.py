@@ -27,7 +27,7 @@ import sys
 
 from mpzero.data.jsonl import check_inputs, iter_texts
 from mpzero.cli import INPUT_ERRORS, OUTPUT_PREFIX, Number, Parser, Text, exit_code
-from mpzero.errors import ConfigError
+from mpzero.errors import ConfigError, shorten
 from mpzero.files import write_atomically
 
 _MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are left out of training (SentencePiece's own limit is 4 KB)
@@ -63,9 +63,11 @@ def train(args) -> tuple[bytes, int]:
     skipped: list[str] = []
     failures: list[ConfigError] = []
 
+    counted = [0]
+
     def texts():  # SentencePiece would wrap our error in its own: keep it, end the input early
         try:
-            yield from iter_texts(args.input, args.json_keys, args.skip_malformed, skipped)
+            yield from _counted(iter_texts(args.input, args.json_keys, args.skip_malformed, skipped), counted)
         except ConfigError as exc:
             failures.append(exc)
 
@@ -78,11 +80,27 @@ def train(args) -> tuple[bytes, int]:
             max_sentence_length=_MAX_DOCUMENT_BYTES, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             input_sentence_size=0, minloglevel=2)  # input_sentence_size=0: every document, no sampling
     except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
-        if not failures:
+        if not failures and counted[0]:
             raise ConfigError(f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}") from None
     if failures:
         raise failures[0]
+    _check_some_text(args, counted[0], skipped)
     return model.getvalue(), len(skipped)
+
+
+def _counted(texts, counted: list[int]):
+    """The texts, counting those that are not empty into counted[0]."""
+    for text in texts:
+        counted[0] += bool(text)
+        yield text
+
+
+def _check_some_text(args, documents: int, skipped: list[str]) -> None:
+    """A tokenizer trained on no text has no merges and tokenizes everything to bytes: refused."""
+    if not documents:
+        why = f"all {len(skipped)} lines were malformed and skipped" if skipped else "it holds no documents"
+        raise ConfigError(f"--input {shorten(' '.join(args.input), 120)} gives no text to train on ({why}): give a "
+                          f"corpus with text under --json-keys {' '.join(args.json_keys)}")
 
 
 HF_EOD = "<|endoftext|>"
@@ -102,7 +120,10 @@ def train_hf(args) -> tuple[str, int]:
     trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=[HF_EOD], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     skipped: list[str] = []
-    tokenizer.train_from_iterator(iter_texts(args.input, args.json_keys, args.skip_malformed, skipped), trainer)
+    counted = [0]
+    tokenizer.train_from_iterator(_counted(iter_texts(args.input, args.json_keys, args.skip_malformed, skipped),
+                                           counted), trainer)
+    _check_some_text(args, counted[0], skipped)
     return tokenizer.to_str(), len(skipped)
 
 

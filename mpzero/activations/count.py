@@ -17,6 +17,9 @@ tensor itself: counting changes nothing in the computation.
 `host_offload(enabled)`: torch's `save_on_cpu(pin_memory=True)` (pinned host memory on CUDA runs; on a CPU
 run a copy within host memory), its packed copies reported to the active counter. Nested saved-tensor hooks
 replace the outer ones, so what the host tier packs is not on the device and not in `device_bytes`.
+
+`note_exchange(nbytes)`: what a context-parallel attention holds for a moment to exchange keys and values (the
+ring's two stacked K/V, the all-gather's), reported to the active counter, which keeps the largest.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class SavedBytesCounter:
         self.device_bytes: dict = defaultdict(int)
         self.host_bytes: dict = defaultdict(int)
         self.saved_tensors = 0
+        self.exchange_peak = 0  # the most K/V exchange buffers a context-parallel attention held (`note_exchange`)
         self._seen: set = set()
         self._params: set | None = None
 
@@ -90,6 +94,13 @@ class SavedBytesCounter:
     @property
     def total_bytes(self) -> int:
         return sum(self.device_bytes.values())
+
+
+def note_exchange(nbytes: int) -> None:
+    """Reported by a context-parallel attention: the bytes of the K/V buffers it holds at once to exchange them
+    (freed once the layer has attended: not saved for backward); the counter counting now keeps the largest."""
+    if _ACTIVE:
+        _ACTIVE[-1].exchange_peak = max(_ACTIVE[-1].exchange_peak, nbytes)
 
 
 def host_offload(enabled: bool):

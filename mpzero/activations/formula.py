@@ -34,6 +34,13 @@ from what the code saves (never fitted to a count):
 
 Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
 With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
+
+Context parallelism (CP ranks, `mpzero.context_parallel`): s is the rank's s/CP tokens in every term. p2p and
+all_gather keep what flash attention keeps (q, k, v, the output, an fp32 logsumexp); a2a runs the attention
+backend on a/CP heads over CP·s tokens (the [s, s] terms become a·CP s²b/t), and keeps the output before its
+all-to-all back where flash keeps it (es bh/t). While a layer's forward attends, the ring holds two of the
+stacked local K/V (KV = 2 s b g/a h e/t bytes: the one in use, the next in flight) and the all-gather CP + 1 (the
+local one and every rank's): `exchange_term`, beside the line, not part of what is kept.
 """
 
 from __future__ import annotations
@@ -231,7 +238,7 @@ def _table2_term(st: ActivationSetting, core: bool) -> Term:
     attn = Fraction(sum(c for _, c in attn_items))
     if core and not flash and not attn_drop:  # Table 2 without dropout: the softmax output serves the value matmul too
         attn -= e
-    sbh, as2b = s * b * h, a * s * s * b
+    sbh, as2b = s * b * h, a * s * s * b * _a2a(st)
     paper_bytes = Fraction(sbh) * rep / rep_div + Fraction(sbh) * shard / t + Fraction(as2b) * attn / t
     paper_text = _sbh_text(rep, shard, attn, t, sp)  # Table 2's row when e = 2 and dropout is on
     return Term("Table 2 items", paper_text, _exact(paper_bytes), paper=True)
@@ -243,7 +250,7 @@ def _named_terms(st: ActivationSetting, core: bool) -> list[Term]:
     s, b, h, a, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp, st.dtype_bytes
     m = st.mask_bytes if st.mask_bytes is not None else e
     rep_div = t if st.sequence_parallel else 1
-    sbh, as2b = s * b * h, a * s * s * b
+    sbh, as2b = s * b * h, a * s * s * b * _a2a(st)
     attn_drop = st.attention_dropout
     terms = []
     div = "/t" if st.sequence_parallel else ""
@@ -262,11 +269,14 @@ def _named_terms(st: ActivationSetting, core: bool) -> list[Term]:
         terms.append(Term(f"{norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
     if core and st.flash_attention:
         terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
+        if _a2a(st) > 1:
+            terms.append(Term("attention output before its all-to-all back", f"{e}sbh/t", e * sbh // t))
     elif core:
         if st.softmax_impl == "torch":
             if e < 4:
                 terms.append(Term("softmax output in fp32", f"{4 - e}as^2b/t", (4 - e) * as2b // t))
-            terms.append(Term("causal mask (bool)", "s^2", s * s))
+            cp = _a2a(st)
+            terms.append(Term("causal mask (bool)", "s^2" if cp == 1 else f"({cp}s)^2", cp * s * cp * s))
             if not attn_drop:
                 terms.append(Term("probabilities copied for the value matmul", f"{e}as^2b/t", e * as2b // t))
         if attn_drop and m != 1:
@@ -290,8 +300,25 @@ def _attention_inputs(st: ActivationSetting, core: bool, flash: bool) -> Fractio
         return 1 + 2 * r
     if not flash:
         return Fraction(3)
-    q_copy = 1 if st.rotary or (groups != a and groups // t > 1) else 0
+    q_copy = 1 if st.rotary or (groups != a and groups // (t * _a2a(st)) > 1) else 0
     return 1 + 2 * r + q_copy + (r if st.rotary else 0)
+
+
+def _a2a(st: ActivationSetting) -> int:
+    """CP under --cp-comm-type a2a (the attention core sees CP times the tokens, 1/CP of the heads), else 1."""
+    return st.cp if st.cp > 1 and st.cp_comm_type == "a2a" else 1
+
+
+def exchange_term(st: ActivationSetting) -> Term | None:
+    """The stacked K/V buffers a context-parallel layer's forward holds while it attends (see the module
+    docstring); None without CP, or for a2a (its all-to-alls' buffers are not modeled)."""
+    if st.cp == 1 or st.cp_comm_type == "a2a":
+        return None
+    groups = st.num_query_groups or st.num_attention_heads
+    kv = 2 * st.seq_length * st.micro_batch_size * groups * (st.hidden_size // st.num_attention_heads) \
+        * st.dtype_bytes // st.tp
+    held, text = (2, "2KV (in use, in flight)") if st.cp_comm_type == "p2p" else (st.cp + 1, f"{st.cp + 1}KV")
+    return Term("K/V exchange buffers", f"{text}, KV = 2sb(g/a)h{st.dtype_bytes}/t", held * kv)
 
 
 def _exact(value: Fraction) -> int:
@@ -320,9 +347,12 @@ def mode_name(setting: ActivationSetting) -> str:
         mode += ", sequence parallel"
     if setting.offload_activations:
         mode += ", host tier"
+    if setting.cp > 1:
+        mode += f", CP {setting.cp} {setting.cp_comm_type}"
     return mode
 
 
-__all__ = ["ActivationSetting", "ActivationFormula", "LayerFormula", "Term", "activation_formula", "layer_formula",
+__all__ = ["ActivationSetting", "ActivationFormula", "LayerFormula", "Term", "activation_formula", "exchange_term",
+           "layer_formula",
            "layer_kinds", "outside_terms", "kept_chunk_tokens", "paper_row", "mode_name", "modeled",
            "check_setting", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES"]

@@ -24,7 +24,9 @@ def embedding_terms(setting: ActivationSetting) -> list[Term]:
     m = st.mask_bytes if st.mask_bytes is not None else e
     rep_div, div = (t, "/t") if st.sequence_parallel else (1, "")
     terms = []
-    if t == 1:
+    if t == 1 and st.cp > 1:  # the rank's inputs: its own [b, s] tensor (`mpzero.context_parallel.split_batch`)
+        terms.append(Term("token ids (this CP rank's [b, s] int64 inputs)", "8sb", 8 * s * b))
+    elif t == 1:
         terms.append(Term("token ids (the [b, s+1] int64 batch)", "8b(s+1)", 8 * b * (s + 1)))
     else:
         terms += [Term("shard-local token ids (int64)", "8sb", 8 * s * b),

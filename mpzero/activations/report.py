@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mpzero.activations.count import COMPILED_TRUNK, SavedBytesCounter
-from mpzero.activations.formula import ActivationSetting, activation_formula, mode_name, modeled
+from mpzero.activations.formula import ActivationSetting, activation_formula, exchange_term, mode_name, modeled
 
 _DTYPE_NAMES = {4: "fp32", 2: "16-bit"}
 
@@ -32,7 +32,8 @@ def rank_report(counter: SavedBytesCounter, setting: ActivationSetting | None, i
             "compiled trunk": counter.device_bytes.get(COMPILED_TRUNK, 0),
             "outside": counter.device_bytes.get(None, 0),
             "total": counter.total_bytes, "host": sum(counter.host_bytes.values()), "formula": formula,
-            "why": why, "setting": setting, "in flight": in_flight}
+            "why": why, "setting": setting, "exchange": counter.exchange_peak,
+            "exchange_formula": exchange_term(setting) if setting is not None else None, "in flight": in_flight}
 
 
 def _ratio(counted: int, formula: int) -> str:
@@ -55,7 +56,8 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
     head = f"activation memory rank {rank}"
     if setting is not None:
         dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-        head += (f" | {mode_name(setting)}, TP {setting.tp}, {dtype_name}, s {setting.seq_length} "
+        head += (f" | {mode_name(setting)}, TP {setting.tp}, {dtype_name}, s {setting.seq_length}"
+                 f"{' per CP rank' if setting.cp > 1 else ''} "
                  f"b {setting.micro_batch_size} h {setting.hidden_size} a {setting.num_attention_heads}")
     parts = [head]
     counted = report["layers"]
@@ -86,6 +88,10 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
         host = [layer.host_bytes for layer in formula.layers]
         host_formula = "not modeled (save_on_cpu copies every saved tensor)" if None in host else f"{sum(host):,} B"
         parts.append(f"host {report['host']:,} B counted, formula {host_formula}")
+    exchange = report.get("exchange_formula")
+    if exchange is not None:
+        parts.append(f"attending {report['exchange']:,} B counted, formula {exchange.bytes:,} B = {exchange.name} "
+                     f"{exchange.text}, ratio {_ratio(report['exchange'], exchange.bytes)}")
     stored = formula.stored_layer_bytes
     if setting.recompute_granularity is not None and stored and counted:
         parts.append(f"layers vs stored {sum(counted) / (stored * len(counted)):.2f}x")

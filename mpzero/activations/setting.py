@@ -21,7 +21,7 @@ CUDA_RNG_STATE_BYTES = 16  # torch.cuda.get_rng_state(): Philox seed and offset
 @dataclass(frozen=True)
 class ActivationSetting:
     """Everything the activation bytes of one rank depend on."""
-    seq_length: int  # s
+    seq_length: int  # s: the tokens of this rank (s/CP of the sequence under context parallelism)
     micro_batch_size: int  # b
     hidden_size: int  # h
     num_attention_heads: int  # a
@@ -54,6 +54,9 @@ class ActivationSetting:
     swiglu: bool = False  # the gated MLP: [gate; up] output 2f, SiLU output f, down-projection input f
     rotary: bool = False  # RoPE: rotated copies of q and k
     learned_positions: bool = True  # position ids kept by the learned position embedding
+    cp: int = 1  # context-parallel ranks (mpzero.context_parallel); the sequence is cp x seq_length tokens
+    cp_comm_type: str = "p2p"  # with cp > 1: p2p and all_gather keep what flash keeps; a2a runs its core on a/cp
+    # heads over the cp x seq_length tokens
     # The pipeline stage (the whole model by default):
     chunks: tuple[tuple[int, ...], ...] | None = None  # its layers' global indices by model chunk; None: all, one
     first_stage: bool = True  # it begins the model: token ids, position ids, the embedding's dropout mask

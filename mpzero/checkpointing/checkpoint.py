@@ -9,7 +9,8 @@
 
 The save protocol (each step's file is complete before the next step begins; tests/test_checkpoint_protocol.py
 stops a save at every step, and real kills stop it at random ones):
-  1. rank 0 removes a stale `iter_N.tmp` and creates it (with rng/ and checksums/);
+  1. rank 0 removes a stale `iter_N.tmp` (a link there is removed, never followed) and creates it with os.mkdir
+     (with rng/ and checksums/);
   2. every rank writes its .distcp shards into it, each fsynced (DCP), then rank 0 DCP's .metadata (through
      `.metadata.tmp`, fsynced, renamed);
   3. every rank writes its RNG and checksum files, rank 0 meta.json, each atomically (files.write_atomically:
@@ -55,7 +56,8 @@ from mpzero.checkpointing.meta import META_KEYS, RESUME_KEYS, read_meta  # noqa:
 from mpzero.checkpointing.reader import CheckpointReader, error_reason
 from mpzero.checkpointing.sharding import ChunksLoadPlanner, ChunksSavePlanner, LocalShare, chunks
 from mpzero.errors import ConfigError, TrainingError
-from mpzero.files import check_output_directory, fsync_directory, replace_directory, write_atomically
+from mpzero.files import (check_output_directory, fresh_directory, fsync_directory, remove_temporaries,
+                          replace_directory, write_atomically)
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, TensorPlacement, is_pipeline_copy, placements
 
@@ -98,7 +100,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
 
     def make_directory():
         if groups.world.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+            fresh_directory(tmp)  # what a crash during an earlier save left, or a link planted there, goes first
             os.makedirs(os.path.join(tmp, "rng"))
             os.makedirs(os.path.join(tmp, DIRECTORY))
 
@@ -159,7 +161,9 @@ def _fail_save(tmp: str, root: str, groups: ParallelGroups, error) -> None:
 def remove_stale_temporaries(root: str) -> None:
     """After a successful save: partial directories left by killed saves of any iteration (`iter_*.tmp`) and
     replaced ones (`iter_*.old` beside their `iter_*`) are garbage; nothing reads them. An `iter_N.old` without
-    `iter_N` is the only copy of checkpoint N (its replacement was killed between renames): renamed back."""
+    `iter_N` is the only copy of checkpoint N (its replacement was killed between renames): renamed back. A latest
+    pointer's temporary file left by a kill is removed too."""
+    remove_temporaries(os.path.join(root, LATEST))
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if not name.startswith("iter_"):

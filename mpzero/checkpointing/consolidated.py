@@ -7,8 +7,8 @@ tools/export_hf.py, tools/import_hf.py, tools/generate.py and bench/bench_genera
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,7 +21,8 @@ from mpzero.checkpointing.reader import CheckpointReader, error_reason
 from mpzero.checkpointing.sharding import Chunk, ChunksLoadPlanner, ChunksSavePlanner, LocalShare
 from mpzero.checkpointing.verify import resolve_iteration
 from mpzero.errors import ConfigError
-from mpzero.files import replace_directory, write_atomically
+from mpzero.files import fresh_directory, replace_directory, write_atomically
+from mpzero.scale import machine_bytes
 
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShare]:
@@ -45,6 +46,7 @@ def read_consolidated(load: str, iteration: int | None) -> dict:
             raise ConfigError(f"checkpoint {directory}: meta.json is damaged (key {key!r}): {advice}") from None
         if state == MASTER:
             names[key] = name
+    _check_fits(directory, [meta["shapes"][key] for key in names], advice)
     model = {key: torch.zeros(meta["shapes"][key]) for key in names}
     # every stored chunk is read whole into its place, so each is checked against its checksum
     load_whole(model, CheckpointReader(directory), ChunksLoadPlanner(checksums, directory, advice),
@@ -68,22 +70,33 @@ def load_whole(tensors: dict[str, torch.Tensor], reader: CheckpointReader, plann
                           f"{advice}") from None
 
 
+def _check_fits(directory: str, shapes: list, advice: str) -> None:
+    """The full fp32 weights meta.json describes fit in this machine's memory, checked before any is allocated:
+    a damaged (or hostile) shape of 10**12 elements is one line, not an allocator's traceback."""
+    need, have = 4 * sum(math.prod(shape) for shape in shapes), machine_bytes("cpu", None)["host memory"]
+    if need > have:
+        raise ConfigError(f"checkpoint {directory}: meta.json's shapes hold {need // 4:,} fp32 weights "
+                          f"({need / 2 ** 30:,.1f} GiB), more than this machine's {have / 2 ** 30:,.1f} GiB of memory: "
+                          f"its meta.json is damaged, or read it on a larger machine; {advice}")
+
+
 def save_weights_only(bundle: dict, save: str) -> None:
     """A weights-only checkpoint (iteration 0) under `save` from {"model": {name: full tensor}, "meta": {"config":
-    flags}} (tools/import_hf.py writes through it)."""
+    flags, "tokenizer": its record, if known}} (tools/import_hf.py writes through it)."""
     tensors = {checkpoint_key(MASTER, name): t.float() for name, t in bundle["model"].items()}
     directory = checkpoint_dir(save, 0)
     if os.path.exists(directory):
         raise ConfigError(f"--save {save} already holds {directory}: choose an empty directory")
     tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier conversion
-    os.makedirs(tmp)
+    fresh_directory(tmp)  # what a crash during an earlier conversion left, or a link planted there, goes first
     planner = ChunksSavePlanner(checksums=True)
     dcp.save(_whole(tensors), checkpoint_id=tmp, planner=planner, no_dist=True)
     write_rank_checksums(tmp, 0, planner.written_checksums())
+    given = bundle.get("meta") if isinstance(bundle.get("meta"), dict) else {}
     meta = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "skipped_iterations": 0,
-            "config": bundle.get("meta", {}).get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
-            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM}
+            "config": given.get("config", {}), "layout": {"world": 1, "tp": 1, "dp": 1},
+            "shapes": {key: list(t.shape) for key, t in tensors.items()}, "checksums": ALGORITHM,
+            **({"tokenizer": given["tokenizer"]} if given.get("tokenizer") else {})}
     write_atomically(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
     replace_directory(tmp, directory)
     write_atomically(os.path.join(save, LATEST), "0")

@@ -16,7 +16,8 @@ import torch
 from mpzero.checkpointing.consolidated import save_weights_only
 from mpzero.checkpointing.outputs import check_apart_from_checkpoints
 from mpzero.errors import ConfigError
-from mpzero.files import check_parents_creatable, directory_beside, make_parents, replace_output_directory
+from mpzero.files import (check_parents_creatable, copy_atomically, directory_beside, make_parents,
+                          replace_output_directory)
 
 
 def check_import_destination(save: str, inputs: dict[str, str]) -> None:
@@ -28,19 +29,20 @@ def check_import_destination(save: str, inputs: dict[str, str]) -> None:
     check_parents_creatable(save, "--save")
 
 
-def write_imported(save: str, weights: dict[str, torch.Tensor], flags: dict, tokenizer_files: dict[str, str]) -> None:
+def write_imported(save: str, weights: dict[str, torch.Tensor], flags: dict, tokenizer_files: dict[str, str],
+                   tokenizer: dict | None = None) -> None:
     """A weights-only checkpoint (iteration 0) of `weights` (full tensors by mpzero parameter name) whose meta.json
-    states `flags` (the model's pretrain_gpt.py flags by name), with `tokenizer_files` ({name: source path})
-    copied to SAVE/tokenizer/. Written beside --save under a fresh name (its missing parents made) and renamed into
-    place."""
+    states `flags` (the model's pretrain_gpt.py flags by name) and `tokenizer` (its files' record, as a trained
+    checkpoint's: mpzero.data.tokenizer_identity), with `tokenizer_files` ({name: source path}) copied to
+    SAVE/tokenizer/. Written beside --save under a fresh name (its missing parents made) and renamed into place."""
     make_parents(save)
     tmp = directory_beside(save)  # a fresh name: never a directory of the user's
     try:
         if tokenizer_files:
             os.makedirs(os.path.join(tmp, "tokenizer"))
         for name, source in tokenizer_files.items():
-            shutil.copyfile(source, os.path.join(tmp, "tokenizer", name))
-        save_weights_only({"model": weights, "meta": {"config": flags}}, tmp)
+            copy_atomically(source, os.path.join(tmp, "tokenizer", name))
+        save_weights_only({"model": weights, "meta": {"config": flags, "tokenizer": tokenizer}}, tmp)
         replace_output_directory(tmp, save)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,17 +14,22 @@ from torch.distributed.checkpoint.metadata import Metadata
 from mpzero.checkpointing.checksums import ALGORITHMS
 from mpzero.checkpointing.format import FORMAT, LATEST, checkpoint_dir, published_dir
 from mpzero.checkpointing.reader import ADMITTED, ForeignClassError, error_reason, read_metadata
-from mpzero.errors import ConfigError
+from mpzero.errors import ConfigError, excerpt
+
+
+POINTER_BYTES = 32  # an iteration number and its line end; Megatron's pointer holds a few digits
 
 
 def latest_iteration(root: str) -> int | None:
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path, "rb") as f:
-        text = f.read().decode("utf-8", errors="replace").strip()  # bytes: a non-UTF-8 file is one line too
-    if not (text.isascii() and text.isdigit()):
-        raise ConfigError(f"{path} holds {text[:40]!r}, not an iteration number: fix or delete it")
+    with open(path, "rb") as f:  # a few bytes: a pointer of millions of digits is not read whole
+        data = f.read(POINTER_BYTES + 1)
+    text = data.decode("utf-8", errors="replace").strip()  # bytes: a non-UTF-8 file is one line too
+    if len(data) > POINTER_BYTES or not (text.isascii() and text.isdigit()):
+        held = f"over {POINTER_BYTES} bytes" if len(data) > POINTER_BYTES else excerpt(text)
+        raise ConfigError(f"{path} holds {held}, not an iteration number: fix or delete it")
     return int(text)
 
 

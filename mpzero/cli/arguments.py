@@ -22,7 +22,7 @@ from mpzero.data import build_tokenizer, no_tokenizer, parse_data_path, parse_sp
 from mpzero.errors import ConfigError
 from mpzero.files import check_output_directory
 from mpzero.cli.checks import CheckError, Parser, Path, Text
-from mpzero.cli.flag_ranges import check_ranges, number
+from mpzero.cli.flag_ranges import check_ranges, check_rule_flags, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required (on the command line or in --config)")
     check_ranges(args)
+    check_rule_flags(args)
     if args.mock_data and args.vocab_size is None:
         raise ConfigError("--mock-data needs --vocab-size")
     if args.mock_data and args.data_path:
@@ -106,12 +107,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
     parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
-                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                              context_parallel_size=args.context_parallel_size)
     parallel.sizes.check(world_size)
     tp, dp = parallel.tensor_model_parallel_size, parallel.sizes.dp(world_size)
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
     micro_batches = num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
     pipeline = pipeline_config(args, micro_batches)
+    if parallel.pipeline_model_parallel_size > 1 and parallel.context_parallel_size > 1:
+        raise ConfigError("--context-parallel-size with --pipeline-model-parallel-size is not supported yet: "
+                          "use one of them")
     tokenizer = tokenizer_record(args)
     vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)
@@ -119,6 +124,9 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), optimizer_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    if model.fp8_format is not None and sections[2].dtype != "bf16":
+        raise ConfigError(f"--fp8-format runs the matmuls in FP8 from bf16 weights and activations (torchao's float8 "
+                          f"training), but the run is {sections[2].dtype}: add --bf16")
     offload = offload_config(args)
     offload.validate(args.zero_stage)
     if args.data_path:  # the strings alone, before any file is opened
@@ -134,7 +142,8 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         model=model,
         parallel=parallel,
         training=TrainingConfig(args.micro_batch_size, global_batch, args.train_iters, args.seq_length, args.seed,
-                                args.exit_interval, args.check_for_nan_in_loss_and_grad),
+                                args.exit_interval, args.check_for_nan_in_loss_and_grad,
+                                sync_every_iteration=args.sync_every_iteration),
         evaluation=EvalConfig(args.eval_interval, args.eval_iters),
         data=DataConfig(args.mock_data, tuple(args.data_path) if args.data_path else None, args.split,
                         args.data_cache_path, vocab_size, tokenizer, args.override_tokenizer_check),
@@ -260,6 +269,9 @@ def pipeline_config(args: argparse.Namespace, micro_batches: int) -> PipelineCon
     iteration, the ZeRO stage and the CUDA graphs."""
     config = pipeline_section(args)
     check_composition(config, args.zero_stage, args.cuda_graph_impl)
+    if config.zero_bubble and args.fp8_format:
+        raise ConfigError("--fp8-format with --enable-zero-bubble: the FP8 linears compute their weight gradients in "
+                          "the backward pass and cannot defer them to zero bubble's W pass: drop one of them")
     if config != PipelineConfig():
         config.validate(args.num_layers, micro_batches)
     return config

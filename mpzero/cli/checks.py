@@ -24,6 +24,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from mpzero.errors import excerpt
+
 
 class CheckError(Exception):
     """A value its flag's type refuses; the message starts with the value, the parser puts the flag first."""
@@ -47,26 +49,31 @@ class Number:
     def convert(self, value):
         """The value as `kind`: text from argv, or a Python value from a --config file."""
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise CheckError(f"{value!r} is not {'an integer' if self.kind is int else 'a number'}")
+            raise CheckError(f"{excerpt(value)} is not {'an integer' if self.kind is int else 'a number'}")
         if isinstance(value, str):
             try:  # ASCII only: int() and float() also read other scripts' digits ("٢")
                 if not value.isascii():
                     raise ValueError(value)
                 value = int(value.strip(), 10) if self.kind is int else float(value)
             except ValueError:  # argparse's own wording for a value of another type
-                raise CheckError(f"invalid {self.kind.__name__} value: {value!r}") from None
+                raise CheckError(f"invalid {self.kind.__name__} value: {excerpt(value)}") from None
         if self.kind is int and not isinstance(value, int):
-            raise CheckError(f"{value!r} is not an integer")
-        return self.kind(value)
+            raise CheckError(f"{excerpt(value)} is not an integer")
+        try:
+            return self.kind(value)
+        except OverflowError:  # an integer of thousands of digits for a float flag
+            raise CheckError(f"{excerpt(value)} must be a finite number") from None
 
     def check(self, value):
         """`value` (already of `kind`) if finite and within the bounds, else CheckError saying why."""
         if isinstance(value, float) and not math.isfinite(value):
-            raise CheckError(f"{value} must be a finite number")
+            raise CheckError(f"{value} must be a finite number")  # nan, inf: short
+        if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:  # no count or size of a run is larger
+            raise CheckError(f"{excerpt(value)} is out of range: it must fit in 64 bits")
         too_low = self.low is not None and (value < self.low or (value == self.low and not self.low_ok))
         too_high = self.high is not None and (value > self.high or (value == self.high and not self.high_ok))
         if too_low or too_high:
-            raise CheckError(f"{value} is out of range: it must be {self.range_text()}")
+            raise CheckError(f"{excerpt(value)} is out of range: it must be {self.range_text()}")
         return value
 
     def range_text(self) -> str:
@@ -93,17 +100,17 @@ class Size(Number):
 
     def convert(self, value):
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise CheckError(f"{value!r} is not a size (e.g. 80GiB, 1.5TB, 32)")
+            raise CheckError(f"{excerpt(value)} is not a size (e.g. 80GiB, 1.5TB, 32)")
         if not isinstance(value, str):
             return float(value)
         match = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[-+]?[0-9]+)?|[-+]?nan|[-+]?inf)\s*([a-zA-Z]*)\s*", value,
                              re.IGNORECASE) if value.isascii() else None
         if not match or match.group(2).lower() not in UNITS:
-            raise CheckError(f"{value!r} is not a size (e.g. 80GiB, 1.5TB, 32)")
+            raise CheckError(f"{excerpt(value)} is not a size (e.g. 80GiB, 1.5TB, 32)")
         try:
             return float(match.group(1)) * UNITS[match.group(2).lower()]
         except ValueError:
-            raise CheckError(f"{value!r} is not a size (e.g. 80GiB, 1.5TB, 32)") from None
+            raise CheckError(f"{excerpt(value)} is not a size (e.g. 80GiB, 1.5TB, 32)") from None
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ class Choice:
 
     def __call__(self, value):
         if value not in self.values:
-            raise CheckError(f"{value!r} is not one of {', '.join(map(str, self.values))}")
+            raise CheckError(f"{excerpt(value)} is not one of {', '.join(map(str, self.values))}")
         return value
 
 
@@ -131,10 +138,13 @@ class Text:
 
     def __call__(self, value):
         if not isinstance(value, str):
-            raise CheckError(f"{value!r} is not a string")
+            raise CheckError(f"{excerpt(value)} is not a string")
         if not self.empty_ok and not value.strip():
             raise CheckError("is empty: give a value or drop the flag")
         return value
+
+
+PATH_MAX = 4096  # Linux's longest path
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,9 @@ class Path:
 
     def __call__(self, value):
         path = Text()(value)
+        if len(path) > PATH_MAX or "\0" in path:
+            raise CheckError(f"{excerpt(path)} is no path ({len(path)} characters{', a NUL' if chr(0) in path else ''})"
+                             f": give a real one")
         if os.path.exists(path):
             self._check_existing(path)
         elif self.exists:
@@ -208,7 +221,7 @@ class Items:
     def __call__(self, value):
         parts = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, list) else None
         if not parts or any(isinstance(p, str) and not p.strip() for p in parts):
-            raise CheckError(f"{value!r} is not a comma-separated list (e.g. 1,2,4)")
+            raise CheckError(f"{excerpt(value)} is not a comma-separated list (e.g. 1,2,4)")
         return [self.item(p) for p in parts]
 
 

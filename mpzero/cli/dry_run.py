@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mpzero.activations import SavedBytesCounter, activation_formula, activation_line, modeled, rank_report
+from mpzero.context_parallel import cp_comm_line, cp_comm_theory
 from mpzero.errors import ConfigError
 from mpzero.pipeline import in_flight_report, pipeline_schedule
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
@@ -81,14 +82,14 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     groups = run.parallel.join()
     training = run.training
     micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
-    pipeline = f" x PP {groups.pp_size} ({run.pipeline.schedule})" if groups.pp_size > 1 else ""
-    print(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size}{pipeline} x DP {groups.dp_size}: TP rank "
-          f"{groups.tp_rank}{f', pipeline rank {groups.pp_rank}' if pipeline else ''}, DP rank {groups.dp_rank}), "
-          f"{micro_batches} micro-batch(es) of {training.micro_batch_size} x {training.seq_length} tokens, on "
-          f"{engine} tensors and a fake process group", flush=True)
-    state, at_start, memory, comm, tp_comm, pipeline_comm, counter = _two_iterations(run, provider, groups, engine)
+    print(f"dry run: rank {rank} of {world_size} ({_grid(run, groups)}), {micro_batches} micro-batch(es) of "
+          f"{training.micro_batch_size} x {training.seq_length} tokens, on {engine} tensors and a fake process group",
+          flush=True)
+    state, at_start, memory, comm, (tp_comm, cp_comm), pipeline_comm, counter = _two_iterations(
+        run, provider, groups, engine)
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
+    cp_check = _context_parallel(run, groups, micro_batches, cp_comm)
     pp_comm = 0.0
     if pipeline_comm is not None:
         print(pipeline_comm.line(), flush=True)
@@ -103,7 +104,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     print(activation_line(rank, activations, dtype), flush=True)
 
     plan, plan_tp, plan_acts, plan_pp = _planned(run, groups, micro_batches)
-    checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts, pp_comm, plan_pp)
+    checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts, pp_comm, plan_pp) + cp_check
     equal = all(_same(a, b) for _, a, b in checks)
     print("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
           + f" | {'equal' if equal else 'DIFFERENT'}", flush=True)
@@ -115,10 +116,32 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
             "plan_pp_comm": plan_pp, "checks": checks, "equal": equal, "max_rss": max_rss, "seconds": seconds}
 
 
+def _grid(run: RunConfig, groups) -> str:
+    """This rank's place in the grid, as the first line says it."""
+    cp = f" x CP {groups.cp.size}" if groups.cp.size > 1 else ""
+    pp = f" x PP {groups.pp_size} ({run.pipeline.schedule})" if groups.pp_size > 1 else ""
+    ranks = [f"TP rank {groups.tp_rank}"] + ([f"CP rank {groups.cp.rank}"] if cp else []) + (
+        [f"pipeline rank {groups.pp_rank}"] if pp else []) + [f"DP rank {groups.dp_rank}"]
+    return f"TP {groups.tp_size}{cp}{pp} x DP {groups.dp_size}: {', '.join(ranks)}"
+
+
+def _context_parallel(run: RunConfig, groups, micro_batches: int, cp_comm: float) -> list:
+    """With context parallelism: the `cp comm` line printed, and its check against the theory (else none)."""
+    if groups.cp.size == 1:
+        return []
+    training, p = run.training, element_sizes(run.precision)[0]
+    print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p, micro_batches,
+                       cp_comm), flush=True)
+    theory = cp_comm_theory(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
+                            micro_batches)[0]
+    return [("CP bytes/iter", cp_comm, theory)]
+
+
 def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
     """The training state built on tensors without data and two iterations, the second measured (stage 3 prefetches
-    from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, TP
-    bytes, the `pipeline comm` report (None without a pipeline), the second iteration's SavedBytesCounter)."""
+    from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, (TP
+    bytes, CP bytes), the `pipeline comm` report (None without a pipeline), the second iteration's
+    SavedBytesCounter)."""
     training = run.training
     with no_data(engine):
         state = _build(run, provider, groups, engine)
@@ -136,15 +159,16 @@ def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
         meter = state.pipeline.meter if state.pipeline is not None else None
         if meter is not None:
             meter.report(1)
-        tp_mark = groups.tp.stats.total()
+        tp_mark, cp_mark = groups.tp.stats.total(), groups.cp.stats.total()
         counter = SavedBytesCounter(state.model.module)
         forward_backward(state, data, 1, training, activations=counter)
+        cp_comm = groups.cp.stats.total() - cp_mark
         optimizer.step(run.schedule.lr(1))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
         pipeline_comm = meter.report(2) if meter is not None else None
         optimizer.close()
-    return state, at_start, memory, comm, tp_comm, pipeline_comm, counter
+    return state, at_start, memory, comm, (tp_comm, cp_comm), pipeline_comm, counter
 
 
 def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
@@ -153,7 +177,8 @@ def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
     training, (p, g) = run.training, element_sizes(run.precision)
     stage = pipeline_stages(run.pipeline, run.model.num_layers)[groups.pp_rank]
     shapes = model_shapes(normalized(run.model), groups.tp_size, stage)
-    plan = plan_states(PlanInputs(shapes, run.zero, run.precision, groups.dp_size, groups.dp_rank, run.offload,
+    zero_group = groups.dp_cp  # ZeRO partitions over DP x CP
+    plan = plan_states(PlanInputs(shapes, run.zero, run.precision, zero_group.size, zero_group.rank, run.offload,
                                   micro_batches, cuda=False, rule=run.optimizer.rule,
                                   recomputed=full_recompute_chunks(run.model)))
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,

@@ -18,7 +18,8 @@ RANGES = {
     "max_position_embeddings": (1, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
     "hidden_dropout": (0.0, True, 1.0, False), "attention_dropout": (0.0, True, 1.0, False),
     "init_method_std": (0.0, False, None, False), "layernorm_epsilon": (0.0, False, None, False),
-    "tensor_model_parallel_size": (1, True, None, False), "distributed_timeout_minutes": (0.0, False, None, False),
+    "tensor_model_parallel_size": (1, True, None, False), "context_parallel_size": (1, True, None, False),
+    "distributed_timeout_minutes": (0.0, False, None, False),
     "pipeline_model_parallel_size": (1, True, None, False),
     "num_virtual_stages_per_pipeline_rank": (1, True, None, False),
     "num_layers_per_virtual_pipeline_stage": (1, True, None, False),
@@ -44,6 +45,7 @@ RANGES = {
     "world_size": (1, True, None, False), "rank": (0, True, None, False),
     "profile_step_start": (0, True, None, False), "profile_step_end": (1, True, None, False),
     "profile_ranks": (0, True, None, False),  # each of them
+    "num_layers_at_start_in_bf16": (0, True, None, False), "num_layers_at_end_in_bf16": (0, True, None, False),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 
@@ -78,3 +80,33 @@ def _check_consistency(args: argparse.Namespace) -> None:
     if args.lr_warmup_iters > args.train_iters:
         raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the run (--train-iters "
                           f"{args.train_iters}): the learning rate would never reach --lr")
+
+
+def check_rule_flags(args: argparse.Namespace) -> None:
+    """A hyperparameter of an update rule this run does not use, set to other than its default (--sgd-momentum
+    with --optimizer adam, --adam-beta1 or --adam-eps with sgd), is one line: the run would ignore it. Each rule's
+    flags are its own `add_flags`, so a new rule is covered without a list here."""
+    for name, rule in RULES.items():
+        if name == args.optimizer:
+            continue
+        own = argparse.ArgumentParser(add_help=False)
+        rule.add_flags(own.add_argument_group())
+        for action in own._actions:
+            value = getattr(args, action.dest, action.default)
+            if value != action.default:
+                raise ConfigError(f"{action.option_strings[0]} {value} is --optimizer {name}'s, and this run's "
+                                  f"--optimizer is {args.optimizer}, which would ignore it: drop it, or use "
+                                  f"--optimizer {name}")
+
+
+def check_in_ranges(values: dict, flags: dict[str, str], where: str) -> None:
+    """Each key of `flags` ({key: the flag's dest its value becomes}) that `values` sets to a number, within that
+    flag's range (a Hugging Face config.json's values, say): one line naming the key and the flag otherwise."""
+    for key, dest in flags.items():
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # unset, or another type: the reader's type check refuses that
+        try:
+            Number(type(value), *RANGES[dest]).check(value)
+        except CheckError as error:
+            raise ConfigError(f"{where}: {key} {error} (it becomes --{dest.replace('_', '-')})") from None

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 
+from mpzero.context_parallel import CP_COMM_TYPES
 from mpzero.data import TOKENIZER_TYPES
 from mpzero.fused import ATTENTION_BACKENDS
 from mpzero.models import CUDA_GRAPH_IMPLS, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from mpzero.optim import RULES
+from mpzero.tensor_parallel import FP8_FORMATS, FP8_RECIPES
 from mpzero.training import DECAY_STYLES, EvalConfig, LoggingConfig, ParallelConfig, ProfileConfig, TrainingConfig
 from mpzero.zero import (OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig,
                          ZeroConfig)
@@ -103,6 +105,28 @@ def kernel_flags(p: argparse.ArgumentParser) -> None:
                        help="AdamW by torch.optim.AdamW's single-tensor arithmetic instead of the fused op")
 
 
+def fp8_flags(p: argparse.ArgumentParser) -> None:
+    """GPTConfig's FP8 fields (mpzero/tensor_parallel/fp8.py): Megatron's flags, torchao's recipes."""
+    fp8 = p.add_argument_group("FP8 (through torchao: pip install -e '.[fp8]'; needs --bf16)")
+    fp8.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                     help="the transformer layers' linears run their matmuls in FP8: hybrid casts the forward's "
+                          "operands to e4m3 and gradients to e5m2, e4m3 everything; weights, gradients, optimizer "
+                          "states and checkpoints stay those of the bf16 run; the output layer stays bf16")
+    fp8.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=GPTConfig.fp8_recipe,
+                     help="scaling (torchao's recipes, current scaling): tensorwise (one scale per tensor, "
+                          "Megatron's tensorwise), rowwise (a scale per row, e4m3), rowwise_with_gw_hp (rowwise, "
+                          "the weight gradient in bf16); Megatron's Transformer Engine recipes (delayed, mxfp8, "
+                          "blockwise, custom) are not torchao's. Scales of TP-split tensors are the whole tensor's")
+    fp8.add_argument("--fp8-auto-filter-small-kn", action="store_true",
+                     help="keep in bf16 the linears torchao's auto filter finds slower in FP8 on an H100 "
+                          "(torchtitan's auto_filter_small_kn; decided on the full, unsplit weight)")
+    fp8.add_argument("--first-last-layers-bf16", action="store_true",
+                     help="the first --num-layers-at-start-in-bf16 and the last --num-layers-at-end-in-bf16 "
+                          "layers' linears stay in bf16")
+    fp8.add_argument("--num-layers-at-start-in-bf16", type=int, default=GPTConfig.num_layers_at_start_in_bf16)
+    fp8.add_argument("--num-layers-at-end-in-bf16", type=int, default=GPTConfig.num_layers_at_end_in_bf16)
+
+
 def activation_flags(p: argparse.ArgumentParser) -> None:
     """GPTConfig's activation-memory fields: recomputation, sequence parallelism, offloaded activations."""
     act = p.add_argument_group("activation memory (Megatron's recomputation and sequence-parallel flags)")
@@ -135,6 +159,13 @@ def parallel_flags(p: argparse.ArgumentParser) -> None:
     """ParallelConfig and ZeroConfig: the TP size, the ZeRO stage and its buckets."""
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=ParallelConfig.tensor_model_parallel_size)
+    par.add_argument("--context-parallel-size", type=int, default=ParallelConfig.context_parallel_size,
+                     help="CP ranks the sequence is split over (2·CP load-balanced chunks; --seq-length divisible "
+                          "by 2·CP); parameters replicated, gradients reduced over DP x CP")
+    par.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=GPTConfig.cp_comm_type,
+                     help="how attention sees the other CP ranks' tokens: p2p (a ring of keys and values, the next "
+                          "in flight), all_gather (all keys and values gathered), a2a (all-to-all over heads, "
+                          "DeepSpeed-Ulysses: heads and query groups divisible by CP)")
     par.add_argument("--distributed-timeout-minutes", type=float,
                      default=ParallelConfig.distributed_timeout_minutes)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=ParallelConfig.pipeline_model_parallel_size,
@@ -265,6 +296,12 @@ def training_flags(p: argparse.ArgumentParser) -> None:
     train.add_argument("--lr-warmup-fraction", type=float, default=None)
     train.add_argument("--min-lr", type=float, default=0.0)
     train.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations")
+    train.add_argument("--sync-every-iteration", action="store_true",
+                       help="read the loss, gradient norm and SIGTERM flag to the host every iteration, before the "
+                            "update (one synchronisation a step). By default a bf16/fp32 step with AdamW's fused "
+                            "kernels is launched without one and read at log lines, evaluations, checkpoints and "
+                            "the end: a non-finite value skips its update on the device and stops the run at that "
+                            "read, SIGTERM acts there (up to --log-interval iterations late)")
 
 
 def logging_flags(p: argparse.ArgumentParser) -> None:
@@ -329,5 +366,5 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 
 
 # In the order --help lists them.
-SECTIONS = (gpt_flags, kernel_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags, precision_flags,
-            training_flags, logging_flags, checkpoint_flags, data_flags)
+SECTIONS = (gpt_flags, kernel_flags, fp8_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags,
+            precision_flags, training_flags, logging_flags, checkpoint_flags, data_flags)

@@ -13,10 +13,7 @@ import difflib
 _LAYOUT = ("an explicit stage layout string is not supported: mpzero splits the layers evenly, with "
            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or with "
            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
-_CONTEXT = ("context parallelism is not in mpzero yet: for long sequences use --sequence-parallel with "
-            "--tensor-model-parallel-size, and --recompute-activations")
 _EXPERTS = "mixture-of-experts models are not in mpzero yet (dense GPT-2 and LLaMA-shaped models only)"
-_FP8 = "FP8 training is not in mpzero yet: use --bf16"
 _FUSION = "mpzero has no such fused kernel to turn off (its fused ops are listed on the run's 'fused ops' line)"
 _FSDP = ("mpzero's ZeRO is its data parallelism: --zero-stage 3 shards parameters, gradients and optimizer states "
          "over data-parallel ranks, as FSDP does")
@@ -33,8 +30,8 @@ _NOT_YET = "not supported by mpzero yet"
 NOT_IN_MPZERO: dict[str, str] = {
     # parallelism
     "--pipeline-model-parallel-layout": _LAYOUT,
-    "--context-parallel-size": _CONTEXT,
-    "--cp-comm-type": _CONTEXT,
+    "--hierarchical-context-parallel-sizes": ("hierarchical context parallelism (a2a+p2p) is not in mpzero: "
+                                              "use --cp-comm-type p2p, all_gather or a2a"),
     "--expert-model-parallel-size": _EXPERTS,
     "--expert-tensor-parallel-size": _EXPERTS,
     "--num-experts": _EXPERTS,
@@ -55,9 +52,7 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--use-cpu-initialization": ("not needed: every parameter is drawn on the CPU from its own generator, the same "
                                  "weights at any layout, and built one bucket at a time"),
     # precision
-    "--fp8-format": _FP8,
-    "--fp8-recipe": _FP8,
-    "--fp8-param-gather": _FP8,
+    "--fp8-param-gather": "gathering ZeRO-3's weights in FP8 is " + _NOT_YET + ": they are gathered in bf16",
     "--fp16-lm-cross-entropy": "the loss is computed in fp32 (in chunks: --cross-entropy-chunk-size); drop it",
     "--use-precision-aware-optimizer": _MASTER_DTYPES,
     "--main-grads-dtype": "gradients are reduced in fp32, or in bf16 with --grad-reduce-in-bf16",

@@ -19,11 +19,12 @@ from mpzero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, o
 from mpzero.data.splits import parse_data_path, parse_split
 from mpzero.data.tokenizer import TOKENIZER_TYPES, NullTokenizer, build_tokenizer
 from mpzero.data.tokenizer_identity import (check_checkpoint_tokenizer, check_data_tokenizers, no_tokenizer,
-                                            tokenizer_identity)
+                                            same_tokenizer, tokenizer_identity)
+from mpzero.data.tokenizer_identity import describe as describe_tokenizer
 
 __all__ = [
     "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder", "NullTokenizer", "TOKENIZER_TYPES",
     "build_blending_indices", "build_gpt_datasets", "build_gpt_indices", "build_sample_index",
-    "build_tokenizer", "check_checkpoint_tokenizer", "check_data_tokenizers", "no_tokenizer", "optimal_dtype",
-    "parse_data_path", "parse_split", "tokenizer_identity",
+    "build_tokenizer", "check_checkpoint_tokenizer", "check_data_tokenizers", "describe_tokenizer", "no_tokenizer",
+    "optimal_dtype", "parse_data_path", "parse_split", "same_tokenizer", "tokenizer_identity",
 ]

@@ -31,7 +31,7 @@ from array import array
 import numpy as np
 
 from mpzero.errors import ConfigError
-from mpzero.files import atomic_open, publish_file
+from mpzero.files import atomic_open, open_beside, publish_file
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -189,8 +189,8 @@ def remove_stale_temporaries(path_prefix: str) -> list[str]:
         return removed
     for ext in (".bin", ".idx"):
         stem = os.path.basename(path_prefix) + ext + host_tag
-        for name in names:
-            pid = name[len(stem):]
+        for name in names:  # stem, the pid, then the writer's random part: ".tmp-{host}-{pid}.{random}"
+            pid = name[len(stem):].split(".")[0]
             if name.startswith(stem) and pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
                 path = os.path.join(directory, name)
                 try:
@@ -212,7 +212,7 @@ class IndexedDatasetBuilder:
         self.path_prefix, self.dtype = path_prefix, np.dtype(dtype)
         remove_stale_temporaries(path_prefix)
         self._tmp = _temporary_suffix()
-        self._bin = open(data_file_path(path_prefix) + self._tmp, "wb")
+        self._bin, self._bin_tmp = open_beside(data_file_path(path_prefix), self._tmp)
         self._lengths = array("i")      # int32 sequence lengths
         self._doc_indices = array("q", [0])  # int64, first sequence of each document
 
@@ -252,7 +252,7 @@ class IndexedDatasetBuilder:
         pointers *= self.dtype.itemsize
         docs = np.frombuffer(self._doc_indices, dtype=np.int64)
         # .bin first: a present .idx then always has its complete .bin.
-        publish_file(data_file_path(self.path_prefix) + self._tmp, data_file_path(self.path_prefix))
+        publish_file(self._bin_tmp, data_file_path(self.path_prefix))
         with atomic_open(index_file_path(self.path_prefix), self._tmp) as f:
             f.write(_HEADER.pack(_MAGIC, _VERSION, _CODE_OF[self.dtype], len(lengths), len(docs)))
             f.write(lengths.tobytes())
@@ -260,10 +260,9 @@ class IndexedDatasetBuilder:
             f.write(docs.tobytes())
 
     def abort(self) -> None:
-        self._bin.close()
-        for path in (data_file_path(self.path_prefix), index_file_path(self.path_prefix)):
-            if os.path.exists(path + self._tmp):
-                os.remove(path + self._tmp)
+        self._bin.close()  # the .idx's temporary file, if any, was removed by atomic_open
+        if os.path.lexists(self._bin_tmp):
+            os.remove(self._bin_tmp)
 
     def __enter__(self):
         return self

@@ -11,6 +11,7 @@ imported only when a .parquet input is given; it is never needed for training.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -25,21 +26,65 @@ def is_parquet(path: str) -> bool:
 
 def expand_inputs(paths: list[str]) -> list[str]:
     """--input as files: a directory is every .parquet file under it (sorted, recursively, as FineWeb's
-    data/CC-MAIN-*/000_00000.parquet), a pattern that names no file is a glob (`**` recursive), sorted."""
-    files = []
+    data/CC-MAIN-*/000_00000.parquet), a pattern that names no file is a glob (`**` recursive), sorted. What a
+    directory or glob finds is read once, by its real path, however many names (links, a `latest -> snapshot`
+    directory, another --input) lead to it; a link back to a directory above it (a cycle) is one ConfigError line.
+    A file named itself is read as often as it is named."""
+    files, seen = [], set()
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(glob.escape(path), "**", "*" + SUFFIX), recursive=True))
+            found = sorted(_files_under(path, path))
             if not found:
                 raise ConfigError(f"--input {path} is a directory with no {SUFFIX} files in it")
         elif not os.path.exists(path) and glob.has_magic(path):
+            if "**" in path:  # a recursive glob follows linked directories: refuse a cycle before it loops
+                _files_under(_static_prefix(path), path)
             found = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
             if not found:
                 raise ConfigError(f"--input {path} matches no file")
         else:
-            found = [path]
-        files += found
+            seen.add(os.path.realpath(path))
+            files.append(path)
+            continue
+        for file in found:
+            if os.path.realpath(file) not in seen:
+                seen.add(os.path.realpath(file))
+                files.append(file)
     return files
+
+
+def _files_under(root: str, given: str) -> list[str]:
+    """Every .parquet file under the directory `root`, linked directories followed, each directory walked once
+    (by its real path); a link to a directory that contains it is a cycle: a ConfigError naming --input `given`."""
+    found, walked = [], set()
+
+    def walk(directory: str, above: tuple[str, ...]) -> None:
+        real = os.path.realpath(directory)
+        if real in above:
+            raise ConfigError(f"--input {given}: {directory} leads back to {real}, a directory above it (a cycle of "
+                              f"symbolic links): remove the link, or name the directories to read")
+        if real in walked:  # reached again through another link: its files are listed already
+            return
+        walked.add(real)
+        try:
+            entries = sorted(os.scandir(directory), key=lambda entry: entry.name)
+        except OSError as error:
+            raise ConfigError(f"--input {given}: {directory} cannot be listed ({error.strerror})") from None
+        for entry in entries:
+            if entry.is_dir():
+                walk(entry.path, above + (real,))
+            elif entry.name.endswith(SUFFIX) and entry.is_file():
+                found.append(entry.path)
+
+    walk(root, ())
+    return found
+
+
+def _static_prefix(pattern: str) -> str:
+    """The directory a glob pattern starts in: its leading components without magic."""
+    parts = pattern.split(os.sep)
+    static = [part for part in itertools.takewhile(lambda part: not glob.has_magic(part), parts)]
+    return os.sep.join(static) or (os.sep if pattern.startswith(os.sep) else ".")
 
 
 def _pyarrow():

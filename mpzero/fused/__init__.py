@@ -3,7 +3,7 @@ squares), each a Triton kernel beside its PyTorch reference, and the chunked cro
 and torch.compile'd); `impl` picks the implementation explicitly (see `mpzero.fused.impl`). `sdpa.py` asks whether
 torch's fused attention kernels take a run's attention."""
 
-from mpzero.fused.adam import adamw_reference, adamw_step
+from mpzero.fused.adam import ADAMW_DEVICE_SKIP_IMPLS, adamw_reference, adamw_step
 from mpzero.fused.cross_entropy import CrossEntropyMath, chunked_forward, cross_entropy_math
 from mpzero.fused.impl import (ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl,
                                resolve_attention_backend, resolve_impl, resolved_impls, triton_available)
@@ -15,7 +15,8 @@ from mpzero.fused.squares import sum_of_squares, sum_of_squares_reference
 from mpzero.fused.squares import working_bytes as sum_of_squares_bytes
 
 __all__ = [
-    "ATTENTION_BACKENDS", "IMPLS", "adamw_reference", "adamw_step", "AttentionShape", "chunked_forward",
+    "ADAMW_DEVICE_SKIP_IMPLS", "ATTENTION_BACKENDS", "IMPLS", "adamw_reference", "adamw_step", "AttentionShape",
+    "chunked_forward",
     "cross_entropy_math", "CrossEntropyMath", "fused_attention_refusal", "fused_softmax_supported", "layer_norm",
     "layer_norm_reference", "planned_attention_backend", "planned_impl", "resolve_attention_backend", "resolve_impl",
     "resolved_impls", "rms_norm", "rms_norm_reference", "scaled_masked_softmax", "scaled_masked_softmax_reference",

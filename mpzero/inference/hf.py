@@ -5,8 +5,11 @@ and tools/import_hf.py by config.json's model_type; neither names a family."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_gpt2, hf_llama
@@ -26,6 +29,8 @@ class HFAdapter:
     model_flags: Callable[[GPTConfig], dict]
     command_line: Callable[[GPTConfig], list[str]]
     describe: Callable[[GPTConfig], str]  # the choices beyond shapes, for the export's README
+    embedding_keys: tuple[str, ...]  # the input embedding's name in a state dict (with and without a prefix)
+    hf_flags: dict[str, str]  # each numeric config.json key: the pretrain_gpt.py flag (dest) it becomes
 
 
 def _check_gpt2(config: GPTConfig) -> None:
@@ -41,12 +46,14 @@ def _check_gpt2(config: GPTConfig) -> None:
 GPT2 = HFAdapter("gpt2", "GPT2LMHeadModel", "# GPT-2 exported from mpzero", hf_gpt2.gpt_config_from_hf, _check_gpt2,
                  hf_gpt2.to_hf_state_dict, hf_gpt2.from_hf_state_dict, hf_gpt2.hf_config, hf_gpt2.model_flags,
                  hf_gpt2.command_line,
-                 lambda c: f"GELU {'tanh (--openai-gelu)' if c.openai_gelu else 'erf'}")
+                 lambda c: f"GELU {'tanh (--openai-gelu)' if c.openai_gelu else 'erf'}",
+                 ("transformer.wte.weight", "wte.weight"), hf_gpt2.HF_FLAGS)
 LLAMA = HFAdapter("llama", "LlamaForCausalLM", "# LLaMA exported from mpzero", hf_llama.config_from_hf,
                   hf_llama.check_exportable, hf_llama.to_hf_state_dict, hf_llama.from_hf_state_dict,
                   hf_llama.hf_config, hf_llama.model_flags, hf_llama.command_line,
                   lambda c: (f"{c.query_groups} key/value heads, SwiGLU width {c.ffn_size}, RoPE theta "
-                             f"{c.rotary_base:g}, RMSNorm eps {c.layernorm_epsilon:g}"))
+                             f"{c.rotary_base:g}, RMSNorm eps {c.layernorm_epsilon:g}"),
+                  ("model.embed_tokens.weight",), hf_llama.HF_FLAGS)
 ADAPTERS = {adapter.model_type: adapter for adapter in (GPT2, LLAMA)}
 
 
@@ -58,6 +65,22 @@ def adapter_for_config(config: GPTConfig) -> HFAdapter:
         raise ConfigError(f"the {family.name} family has no Hugging Face class to export to")
     adapter.check_exportable(config)
     return adapter
+
+
+def tying_as_loaded(config: GPTConfig, state: dict[str, torch.Tensor], adapter: HFAdapter) -> tuple[GPTConfig, str]:
+    """(the config as transformers loads these files, a note or ""): a config.json that ties the output layer to
+    the embedding while its files hold an lm_head.weight of other values is loaded by transformers (5.x) with the
+    stored head kept, untied (it warns); so is it here, and the import says so. A stored head equal to the
+    embedding, or none, stays tied."""
+    head = state.get("lm_head.weight")
+    if config.untie_embeddings_and_output_weights or head is None:
+        return config, ""
+    embedding = next((state[key] for key in adapter.embedding_keys if key in state), None)
+    if embedding is not None and head.shape == embedding.shape and torch.equal(head, embedding):
+        return config, ""
+    return (dataclasses.replace(config, untie_embeddings_and_output_weights=True),
+            "; note: its config.json ties the output layer to the embedding but its files hold another lm_head.weight, "
+            "which transformers keeps (untied): imported untied, as transformers computes it")
 
 
 def adapter_for_hf(hf: dict, source: str) -> HFAdapter:

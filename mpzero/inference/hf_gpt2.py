@@ -39,6 +39,11 @@ HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer
                "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                "add_cross_attention": False, "tie_word_embeddings": True}
+# each numeric key's pretrain_gpt.py flag (its range: mpzero/cli/flag_ranges.py); embd_pdrop is a dropout too
+HF_FLAGS = {"vocab_size": "vocab_size", "n_positions": "max_position_embeddings", "n_embd": "hidden_size",
+            "n_layer": "num_layers", "n_head": "num_attention_heads", "n_inner": "ffn_hidden_size",
+            "resid_pdrop": "hidden_dropout", "embd_pdrop": "hidden_dropout", "attn_pdrop": "attention_dropout",
+            "layer_norm_epsilon": "layernorm_epsilon", "initializer_range": "init_method_std"}
 # buffers older transformers releases saved with the weights (the causal mask): not parameters, dropped on import
 _OLD_BUFFERS = re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
 

@@ -33,6 +33,14 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
                "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
                "pretraining_tp": 1}
+# each numeric key's pretrain_gpt.py flag (its range: mpzero/cli/flag_ranges.py); head_dim and pretraining_tp
+# must equal what mpzero computes (config_from_hf), rope_theta becomes --rotary-base (_rope_theta)
+HF_FLAGS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
+            "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
+            "num_key_value_heads": "num_query_groups", "head_dim": "hidden_size",
+            "max_position_embeddings": "max_position_embeddings", "initializer_range": "init_method_std",
+            "rms_norm_eps": "layernorm_epsilon", "attention_dropout": "attention_dropout",
+            "pretraining_tp": "tensor_model_parallel_size", "rope_theta": "rotary_base"}
 _OLD_BUFFERS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # older releases saved it
 
 
@@ -150,15 +158,21 @@ def hf_config(config: GPTConfig, flags: dict, eod: int | None, dtype: str = "flo
 
 
 def _rope_theta(c: dict, source: str) -> float:
-    """theta from v5's rope_parameters or v4's rope_theta / rope_scaling; scaled RoPE is refused."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConfigError(f"{source} has RoPE scaling {kind!r}: mpzero's RoPE is unscaled")
+    """theta from v5's rope_parameters or v4's rope_theta; scaled RoPE is refused wherever a config says it: a
+    Llama 3 config may carry v4's rope_scaling beside a default rope_parameters, and importing it unscaled would
+    compute another model."""
+    params, scaling = c.get("rope_parameters") or {}, c.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: rope_parameters and rope_scaling must be objects")
+    kinds = {kind for kind in (params.get("rope_type"), params.get("type"), scaling.get("rope_type"),
+                               scaling.get("type")) if kind is not None}
+    scaled = sorted(str(kind) for kind in kinds - {"default"})
+    if scaled:
+        raise ConfigError(f"{source} has RoPE scaling {scaled[0]!r}: mpzero's RoPE is unscaled, and importing it "
+                          f"without would compute another model")
     theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta is {theta!r}, not a positive number")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta >= 1 or theta == float("inf"):
+        raise ConfigError(f"{source}: rope_theta is {theta!r}, not a finite number >= 1 (it becomes --rotary-base)")
     return float(theta)
 
 

@@ -1,6 +1,9 @@
 """A Hugging Face config.json's values typed strictly before use: each key HF's defaults name holds a value of
 its default's type (an integer is no bool, a number is finite, a switch is true or false), so a damaged or
-foreign config.json is one ConfigError line naming the key instead of a TypeError deep in the import."""
+foreign config.json is one ConfigError line naming the key instead of a TypeError deep in the import. Each adapter
+also names the pretrain_gpt.py flag each numeric key becomes (`HF_FLAGS`), so that tools/import_hf.py checks every
+value within that flag's range (mpzero/cli/flag_ranges.py, the one table of ranges): `layer_norm_epsilon: -1.0` is
+refused as `--layernorm-epsilon -1.0` would be; tests/test_hf_values.py fails on a numeric key that names none."""
 
 from __future__ import annotations
 
@@ -24,3 +27,4 @@ def check_value_types(values: dict, defaults: dict, source: str) -> None:
             ok, kind = isinstance(value, type(default)), f"a {type(default).__name__}"
         if not ok:
             raise ConfigError(f"{source}: {key} is {value!r}, not {kind}")
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mpzero.data import NullTokenizer, build_tokenizer
+from mpzero.data import NullTokenizer, build_tokenizer, describe_tokenizer, same_tokenizer, tokenizer_identity
 from mpzero.errors import ConfigError
 
 FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")
@@ -24,8 +24,9 @@ class RunTokenizer:
     vocab_file: str | None = None
     merge_file: str | None = None
 
-    def build(self, vocab_size: int):
-        """The tokenizer, checked to have the model's vocabulary (`vocab_size`, before padding)."""
+    def build(self, vocab_size: int, meta: dict | None = None, directory: str = "the checkpoint"):
+        """The tokenizer, checked to have the model's vocabulary (`vocab_size`, before padding) and, where the
+        checkpoint's meta.json records the files its run trained with (`meta["tokenizer"]`), to be those files."""
         if self.tokenizer_type in (None, "NullTokenizer"):
             return NullTokenizer(vocab_size - 1)  # ids [0, vocab_size), the last one end-of-document
         try:
@@ -36,11 +37,25 @@ class RunTokenizer:
         if tokenizer.vocab_size != vocab_size:
             raise ConfigError(f"the tokenizer ({self.describe()}) has {tokenizer.vocab_size} tokens and the "
                               f"checkpoint's model {vocab_size}: pass the files the run trained with")
+        _check_recorded(tokenizer, self, (meta or {}).get("tokenizer"), directory)
         return tokenizer
 
     def describe(self) -> str:
         files = [getattr(self, name) for name in FILE_FLAGS if getattr(self, name)]
         return f"{self.tokenizer_type or 'token ids'}{' ' + ', '.join(files) if files else ''}"
+
+
+def _check_recorded(tokenizer, run_tok: RunTokenizer, recorded, directory: str) -> None:
+    """The files read are the ones the checkpoint records (by sha256): a tokenizer.json replaced at the recorded
+    path by another of the same vocabulary size would otherwise tokenize the prompts, or be exported, silently."""
+    here = tokenizer_identity(tokenizer)
+    if not isinstance(recorded, dict) or not recorded.get("sha256") or here["sha256"] is None:
+        return  # a checkpoint from before the record, ids (mock data or NullTokenizer): nothing to compare
+    if not same_tokenizer(recorded, here):
+        raise ConfigError(f"the tokenizer {run_tok.describe()} ({describe_tokenizer(here)}) is not the one checkpoint "
+                          f"{directory} was trained with ({describe_tokenizer(recorded)}): the file was replaced or "
+                          f"another one given; pass the run's own with --tokenizer-model (or --vocab-file and "
+                          f"--merge-file)")
 
 
 def run_tokenizer(flags: dict, load: str, overrides: dict | None = None) -> RunTokenizer:

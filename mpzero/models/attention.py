@@ -18,6 +18,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpzero.comm import CommGroup
+from mpzero.context_parallel import (ContextParallel, block_kernel, context_attention, heads_to_sequence,
+                                     sequence_to_heads)
 from mpzero.fused import resolve_attention_backend, scaled_masked_softmax
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.tensor_parallel import ColumnParallelLinear, InitMethod, RNGStatesTracker, RowParallelLinear, recompute
@@ -56,8 +58,11 @@ class SelfAttention(nn.Module):
     kernel's fp32 logsumexp, at the cost of one more attention forward."""
 
     def __init__(self, config: AttentionConfig, tp: CommGroup, init: InitMethod, output_init: InitMethod,
-                 rng: RNGStatesTracker | None = None, rotary: RotaryEmbedding | None = None):
+                 rng: RNGStatesTracker | None = None, rotary: RotaryEmbedding | None = None,
+                 context: ContextParallel | None = None):
+        """`context`: this rank holds 1/CP of the sequence (`mpzero.context_parallel`); None without CP."""
         super().__init__()
+        self.context = context
         h, self.head_dim = config.hidden_size, config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
         self.local_groups = config.num_query_groups // tp.size
@@ -87,20 +92,22 @@ class SelfAttention(nn.Module):
             context = self._core_attention(qkv, dropout)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s(/tp), h] out
 
-    def split_heads(self, qkv: torch.Tensor, start: int = 0):
-        """qkv [b, s, local width] at positions [start, start + s) -> q [b, local_heads, s, head_dim] and k, v
-        [b, local_groups, s, head_dim], RoPE applied to q and k. The rows are laid out group by group, each group
-        its query heads then its key and its value head (Megatron's GQA layout; [heads, (q, k, v), head_dim]
-        without GQA), so a contiguous column-parallel split hands each rank whole groups."""
+    def split_heads(self, qkv: torch.Tensor, start=0):
+        """qkv [b, s, width] at positions [start, start + s) (or those of a CP layout, `ZigzagChunks`) -> q
+        [b, heads, s, head_dim] and k, v [b, groups, s, head_dim], RoPE applied to q and k: the local heads and
+        groups, or 1/CP of them under --cp-comm-type a2a (the width says which). The rows are laid out group by
+        group, each group its query heads then its key and its value head (Megatron's GQA layout; [heads, (q, k,
+        v), head_dim] without GQA), so a contiguous column-parallel split hands each rank whole groups."""
         b, s = qkv.shape[:2]
         per_group = self.local_heads // self.local_groups
-        x = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
+        groups = qkv.size(2) // ((per_group + 2) * self.head_dim)
+        x = qkv.view(b, s, groups, per_group + 2, self.head_dim)
         # query head i uses group i // per_group; q stays laid out [b, s, heads, hd] (a view of qkv with one
         # group per rank, else a copy) like k and v, so attention's output is too and the projection reads a view.
         # One split, not three index views: its backward writes the three gradients into one qkv-sized tensor,
         # where each index view's backward zero-fills a qkv-sized tensor of its own and autograd adds the three
         q, k, v = x.split([per_group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        q = q.reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
@@ -131,11 +138,27 @@ class SelfAttention(nn.Module):
         return torch.matmul(probs, v)
 
     def _core_attention(self, qkv: torch.Tensor, dropout: float) -> torch.Tensor:
+        if self.context is not None:
+            return self._context_parallel_attention(qkv)
         q, k, v = self.split_heads(qkv)
         # heads differ across TP ranks, so must their dropout masks (no dropout: nothing drawn, no RNG state
         # swapped, which torch.compile would have to break around)
         with self.rng.fork() if self.rng is not None and dropout > 0 else contextlib.nullcontext():
             return self.attend(q, k, v, dropout, self.backend(qkv.device))
+
+    def _context_parallel_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [b, L, width] of this CP rank's L tokens -> their attention output [b, heads, L, head_dim] over the
+        whole sequence: the ring or all-gather of keys and values (RoPE and the mask at the tokens' global
+        positions), or the all-to-all to 1/CP of the heads over the whole sequence in order, and back."""
+        context, b, length = self.context, qkv.size(0), qkv.size(1)
+        layout = context.layout(length)
+        if context.comm_type != "a2a":
+            q, k, v = self.split_heads(qkv, layout)
+            kernel = block_kernel(self.config.backend, qkv.device.type)
+            return context_attention(q, k, v, context.group, context.comm_type, 1.0 / math.sqrt(self.head_dim), kernel)
+        q, k, v = self.split_heads(heads_to_sequence(qkv, context.group, layout))  # [b, heads/CP, s, d]
+        out = self.attend(q, k, v, 0.0, self.backend(qkv.device)).transpose(1, 2).reshape(b, layout.seq_length, -1)
+        return sequence_to_heads(out, context.group, layout).view(b, length, -1, self.head_dim).transpose(1, 2)
 
     def attend(self, q, k, v, dropout: float, backend: str) -> torch.Tensor:
         """Causal attention of q [b, local_heads, s, head_dim] over k, v [b, local_groups, s, head_dim] on

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
+from mpzero.context_parallel import check_context_parallel
 from mpzero.errors import ConfigError
 from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
                           resolve_attention_backend)
+from mpzero.tensor_parallel import Fp8Recipe, check_fp8_flags
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -162,6 +164,38 @@ class GPTConfig(TransformerArchitecture):
     init_seed: int = 1234  # seeds the model's own initialization generator (pretrain_gpt.py: --seed)
     cross_entropy_chunk_size: int = 2048  # --cross-entropy-chunk-size: projection + loss per N tokens; 0: logits
     cross_entropy_impl: str = "auto"  # a chunk's arithmetic (mpzero.fused): --cross-entropy-loss-fusion: "compile"
+    context_parallel_size: int = 1  # --context-parallel-size: the sequence split over CP ranks (context_parallel)
+    cp_comm_type: str = "p2p"  # --cp-comm-type: p2p (ring), all_gather, a2a (all-to-all over heads, Ulysses)
+
+    @property
+    def cp_blockwise(self) -> bool:
+        """The attention runs mpzero's blockwise context-parallel core (p2p, all_gather: the local queries over
+        the whole sequence's keys block by block, each block on the CPU's flash kernel or in explicit scores:
+        `mpzero.context_parallel.block_kernel`); a2a runs the attention backend on 1/CP of the heads."""
+        return self.context_parallel_size > 1 and self.cp_comm_type != "a2a"
+
+    # FP8 matmuls in the transformer layers' linears (mpzero/tensor_parallel/fp8.py, through torchao); compute only:
+    # the weights and checkpoints are the bf16 run's. Megatron's flags, and torchtitan's small-GEMM filter.
+    fp8_format: str | None = None  # --fp8-format: e4m3 or hybrid; None: no FP8
+    fp8_recipe: str = "tensorwise"  # --fp8-recipe: torchao's tensorwise, rowwise or rowwise_with_gw_hp
+    fp8_auto_filter_small_kn: bool = False  # --fp8-auto-filter-small-kn: GEMMs torchao finds slower in FP8 stay bf16
+    first_last_layers_bf16: bool = False  # --first-last-layers-bf16: the first and last layers' linears stay bf16
+    num_layers_at_start_in_bf16: int = 1  # --num-layers-at-start-in-bf16 (with --first-last-layers-bf16)
+    num_layers_at_end_in_bf16: int = 1  # --num-layers-at-end-in-bf16
+
+    @property
+    def fp8(self) -> Fp8Recipe | None:
+        """The FP8 recipe of the layers' linears, or None without --fp8-format."""
+        if self.fp8_format is None:
+            return None
+        return Fp8Recipe(self.fp8_format, self.fp8_recipe, self.fp8_auto_filter_small_kn)
+
+    def bf16_layers(self) -> set[int]:
+        """Layer indices whose linears stay in bf16 under FP8 (--first-last-layers-bf16, Megatron's)."""
+        if not self.first_last_layers_bf16:
+            return set()
+        start, end = self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+        return set(range(start)) | set(range(self.num_layers - end, self.num_layers))
 
     @property
     def granularity(self) -> str | None:
@@ -196,6 +230,8 @@ class GPTConfig(TransformerArchitecture):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1), got {getattr(self, name)}")
         self._validate_family(tp_size)
+        check_context_parallel(self, tp_size)
+        check_fp8_flags(self)
 
     def trunk_eager_reason(self, tp_size: int) -> str | None:
         """Why the trunk (embedding, layers, final norm) cannot be one compiled region, or None where it can: what
@@ -281,8 +317,9 @@ class GPTConfig(TransformerArchitecture):
 
     def attention_shape(self, tp_size: int, seq_length: int, dtype: torch.dtype) -> AttentionShape:
         """One TP rank's attention at `seq_length` in `dtype`: what a run asks torch's fused attention kernels
-        about at start (`mpzero.fused.fused_attention_refusal`)."""
-        return AttentionShape(self.num_attention_heads // tp_size, self.query_groups // tp_size, self.head_dim,
+        about at start (`mpzero.fused.fused_attention_refusal`); under --cp-comm-type a2a 1/CP of its heads."""
+        split = tp_size * (self.context_parallel_size if self.cp_comm_type == "a2a" else 1)
+        return AttentionShape(self.num_attention_heads // split, self.query_groups // split, self.head_dim,
                               seq_length, dtype, self.attention_dropout)
 
     @property
@@ -309,7 +346,7 @@ class GPTConfig(TransformerArchitecture):
         al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
         The chunked cross entropy (`cross_entropy_chunk_size` c) recomputes in backward the logits of every chunk
         but the last of a micro-batch of `micro_batch_size` b sequences: + 2 h V (sb - c')/(sb), c' the last
-        chunk's tokens (`kept_chunk_tokens`); none when sb <= c.
+        chunk's tokens (`kept_chunk_tokens`); none when sb <= c (s: a context-parallel rank's s/CP tokens).
         The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
         2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
@@ -326,7 +363,7 @@ class GPTConfig(TransformerArchitecture):
             recomputed = l * 4 * s * h
         logits = 3 * 2 * h * vocab
         if self.cross_entropy_chunk_size:
-            tokens = s * micro_batch_size
+            tokens = s // self.context_parallel_size * micro_batch_size  # a CP rank's loss: its s/CP tokens
             logits += 2 * h * vocab * (tokens - kept_chunk_tokens(tokens, self.cross_entropy_chunk_size)) / tokens
         return 3 * l * per_layer + recomputed + logits
 
@@ -335,11 +372,13 @@ class GPTConfig(TransformerArchitecture):
                            rng_streams: int = 1) -> ActivationSetting:
         """The shape and modes `mpzero.activations.formula` needs for the activation bytes of TP rank `tp_rank`
         (only the vocabulary padding mask depends on it), with activations and parameters in `dtype`, on a
-        device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes)."""
+        device of `device`'s type (CPU dropout masks in the input dtype, CUDA's bool; RNG state sizes). Under
+        context parallelism a rank holds `seq_length` / CP tokens."""
         device = torch.device(device)
         attention = self.planned_attention(device)
         return ActivationSetting(
-            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=self.hidden_size,
+            seq_length=seq_length // self.context_parallel_size, micro_batch_size=micro_batch_size,
+            hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab_size(tp_size), tp=tp_size, tp_rank=tp_rank,
             dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,
@@ -353,10 +392,11 @@ class GPTConfig(TransformerArchitecture):
                                         self.layernorm_impl),
             softmax_impl=("torch" if attention == "unfused"
                           else planned_impl("scaled_masked_softmax", device, self.softmax_impl)),
-            flash_attention=attention in ("flash", "fused"), compiled_layers=self.torch_compile,
+            flash_attention=attention in ("flash", "fused") or self.cp_blockwise, compiled_layers=self.torch_compile,
             rng_state_bytes=CUDA_RNG_STATE_BYTES if device.type == "cuda" else CPU_RNG_STATE_BYTES,
             rng_streams=rng_streams, cross_entropy_chunk_size=self.cross_entropy_chunk_size,
             ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
             rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
-            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions)
+            rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions,
+            cp=self.context_parallel_size, cp_comm_type=self.cp_comm_type)
 

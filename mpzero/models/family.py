@@ -24,6 +24,7 @@ from torch import nn
 from mpzero.errors import ConfigError
 from mpzero.models.config import GPTConfig
 from mpzero.models.gpt import GPTModel
+from mpzero.tensor_parallel import amax_reduced_elements, layer_linears
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class ModelFamily:
     name: str
     config_cls: type
     config_from_args: Callable[[argparse.Namespace, int], Any]  # the parsed flags and the vocabulary -> its config
-    build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None) -> the model (device "meta": no storage)
+    build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None, cp=None) -> the model ("meta": no storage)
     flops_per_token: Callable[..., float]  # (config, tp_size, micro_batch_size=1) -> matmul FLOPs per token, fwd+bwd
     activation_setting: Callable | None  # (config, tp, micro_batch, seq, dtype, device, tp_rank, rng_streams)
     tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches, stage=None) -> TP bytes/iter
@@ -67,7 +68,13 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      position_embedding_type=args.position_embedding_type,
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
                      rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
-                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear)
+                     num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
+                     context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+                     fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                     fp8_auto_filter_small_kn=args.fp8_auto_filter_small_kn,
+                     first_last_layers_bf16=args.first_last_layers_bf16,
+                     num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+                     num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,
@@ -87,15 +94,17 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      output projection's input (2B all-reduced backward; sequence parallel: gathered forward and
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
-    all times (t-1)/t. A pipeline stage (`stage`, a `ModelStage`) counts its own layers (recomputation's rules per
-    model chunk), the embedding's terms where it begins the model and the rest of the outside terms where it ends
-    it."""
+      FP8            each FP8 linear's fp32 amaxes of split tensors, all-reduced (`_fp8_amax_elements`)
+    all times (t-1)/t. Under context parallelism a rank's activations hold its s/CP tokens. A pipeline stage
+    (`stage`, a `ModelStage`) counts its own layers (recomputation's rules per model chunk), the embedding's terms
+    where it begins the model and the rest of the outside terms where it ends it."""
     if tp == 1:
         return 0.0
     r = (tp - 1) / tp
     h = config.hidden_size
     chunks = [config.num_layers] if stage is None else [len(chunk) for chunk in stage.chunks]
     first, last = (True, True) if stage is None else (stage.first, stage.last)
+    seq //= config.context_parallel_size
     B = micro_batch * seq * h * p
     sp = config.sequence_parallel
     recomputed = checkpoints = 0
@@ -113,7 +122,19 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
         total += 3 * B if sp else 2 * B
     if last:
         total += (3 * B + 8 * norm_params * h if sp else 2 * B) + 24 * micro_batch * seq
+    layers = range(config.num_layers) if stage is None else [i for chunk in stage.chunks for i in chunk]
+    total += 8 * _fp8_amax_elements(config, tp, micro_batch * seq, layers)
     return total * r * micro_batches
+
+
+def _fp8_amax_elements(config: GPTConfig, tp: int, tokens: int, layers) -> int:
+    """--fp8-format: the fp32 amaxes one micro-batch all-reduces over TP in `layers` (each FP8 linear's casts of
+    split tensors, `tensor_parallel.fp8.amax_reduced_elements`; an all-reduce of n moves 8n(t-1)/t bytes per rank)."""
+    if config.fp8 is None:
+        return 0
+    per_layer = sum(amax_reduced_elements(config.fp8, kind, k, n, tp, tokens) for kind, k, n in layer_linears(config)
+                    if config.fp8.chooses(n, k))
+    return per_layer * len(set(layers) - config.bf16_layers())
 
 
 def is_llama(config: GPTConfig) -> bool:

@@ -48,6 +48,7 @@ from torch import nn
 
 from mpzero.activations import COMPILED_TRUNK, ActivationSetting, activation_region, host_offload
 from mpzero.comm import CommGroup
+from mpzero.context_parallel import ContextParallel
 from mpzero.deferred_init import deferred_parameter, materialize_module, name_parameters
 from mpzero.errors import ConfigError
 from mpzero.models.attention import AttentionConfig, SelfAttention
@@ -60,6 +61,7 @@ from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, Voca
                                     linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
                                     vocab_parallel_linear_cross_entropy)
+from mpzero.tensor_parallel import convert_to_fp8  # FP8 (fp8.py): the layers' linears
 
 
 class TransformerLayer(nn.Module):
@@ -81,7 +83,8 @@ class TransformerLayer(nn.Module):
 
 
 def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
-                      rotary: RotaryEmbedding | None = None) -> TransformerLayer:
+                      rotary: RotaryEmbedding | None = None,
+                      context: ContextParallel | None = None) -> TransformerLayer:
     """The layer the config describes. Output projections (attention's dense, the MLP's fc2) start at
     std / sqrt(2 L), GPT-2's scaled residual init."""
     sp_group = tp if config.sequence_parallel else None
@@ -95,7 +98,7 @@ def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | 
     activation = F.silu if config.swiglu else gelu_tanh if config.openai_gelu else gelu
     mlp = MLP(h, config.ffn_size, tp, init, output_init, activation=activation, gated=config.swiglu,
               bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
-    return TransformerLayer(norm(*norm_args), SelfAttention(attention, tp, init, output_init, rng, rotary),
+    return TransformerLayer(norm(*norm_args), SelfAttention(attention, tp, init, output_init, rng, rotary, context),
                             norm(*norm_args), mlp, HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel))
 
 
@@ -106,10 +109,11 @@ class GPTEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, positions: int | None,
                  init_std: float, dropout: float, tp: CommGroup, rng: RNGStatesTracker | None = None,
-                 sequence_parallel: bool = False):
-        """`positions`: the learned position table's rows, None without one (RoPE, or no positions)."""
+                 sequence_parallel: bool = False, context: ContextParallel | None = None):
+        """`positions`: the learned position table's rows, None without one (RoPE, or no positions). `context`:
+        the tokens are a context-parallel rank's, at its layout's global positions."""
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.context = tp, sequence_parallel, context
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp,
                                                       vocab_rows_init(init_std, vocab_size))
         mark_tensor_parallel(self.word_embeddings.weight, 0, unpadded_size=vocab_size)
@@ -126,7 +130,11 @@ class GPTEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(start, start + tokens.size(1), device=tokens.device))
+            if self.context is not None:
+                positions = self.context.layout(tokens.size(1)).positions(tokens.device)
+            else:
+                positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
+            x = x + self.position_embeddings(positions)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
         return self.dropout(x)
@@ -203,13 +211,20 @@ class GPTModel(nn.Module):
     build (`ModelStage`: a pipeline rank's layers by chunk; default the whole model). A stage that ends the model
     but does not begin it, with the output layer tied to the embedding, holds its own copy of the word embedding
     under the same name (Megatron's): its gradient is added to the first stage's before the step
-    (`mpzero.zero`'s `pipeline_copy` mark), so both copies stay equal and the norm counts one."""
+    (`mpzero.zero`'s `pipeline_copy` mark), so both copies stay equal and the norm counts one. `cp`: the
+    context-parallel group (`init_parallel(...).cp`, of `config.context_parallel_size` ranks): the model then takes
+    each rank's part of the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those
+    tokens; None: whole sequences (inference, or a model built for its shapes)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None,
-                 stage: ModelStage | None = None):
+                 stage: ModelStage | None = None, cp: CommGroup | None = None):
         super().__init__()
         stage = stage or ModelStage.whole(config.num_layers)
         config.validate(tp.size)
+        if cp is not None and cp.size != config.context_parallel_size:
+            raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
+                              f"group has {cp.size} rank(s): build it with the run's groups.cp")
+        self.context = ContextParallel(cp, config.cp_comm_type) if cp is not None and cp.size > 1 else None
         if rng is None and config.needs_rng:
             raise ConfigError(f"GPTModel needs an RNG tracker (rng=seed_everything(seed, tp_rank, device)) for "
                               f"hidden dropout {config.hidden_dropout}, attention dropout {config.attention_dropout}"
@@ -223,13 +238,13 @@ class GPTModel(nn.Module):
             self.embedding = GPTEmbedding(
                 config.vocab_size, config.padded_vocab_size(tp.size), config.hidden_size,
                 config.max_position_embeddings if config.learned_positions and stage.first else None,
-                config.init_method_std, config.hidden_dropout, tp, rng, config.sequence_parallel)
+                config.init_method_std, config.hidden_dropout, tp, rng, config.sequence_parallel, self.context)
             if tied and stage.first != stage.last:  # tied across pipeline stages
                 mark_pipeline_tied(self.embedding.word_embeddings.weight, copy=not stage.first)
         self.rotary = None
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)
-        self.layers = LayerStack({i: transformer_layer(config, tp, rng, self.rotary)
+        self.layers = LayerStack({i: transformer_layer(config, tp, rng, self.rotary, self.context)
                                   for chunk in stage.chunks for i in chunk})
         if stage.last:
             self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
@@ -247,6 +262,8 @@ class GPTModel(nn.Module):
                 vocab_rows_init(config.init_method_std, config.vocab_size), bias=False,
                 sequence_parallel=config.sequence_parallel)
             mark_tensor_parallel(self.output_layer.weight, 0, unpadded_size=config.vocab_size)
+        if config.fp8 is not None:  # the layers' linears (never the output layer), as torchao's filters choose
+            self.fp8_linears = convert_to_fp8(self, config.fp8, config.bf16_layers())
         name_parameters(self, config.init_seed)
         if torch.device(device if device is not None else "cpu").type != "meta":
             materialize_module(self, device)  # the whole build; on the meta device ZeroOptimizer streams it
@@ -290,12 +307,13 @@ class GPTModel(nn.Module):
         return losses.mean() if reduction == "mean" else losses
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
-        if tokens.size(1) > self.config.max_position_embeddings:
-            raise ConfigError(f"sequence length {tokens.size(1)} exceeds --max-position-embeddings "
-                              f"{self.config.max_position_embeddings}")
+        """tokens: this CP rank's part of the sequence (all of it at CP 1)."""
+        if tokens.size(1) * self.config.context_parallel_size > self.config.max_position_embeddings:
+            raise ConfigError(f"sequence length {tokens.size(1) * self.config.context_parallel_size} exceeds "
+                              f"--max-position-embeddings {self.config.max_position_embeddings}")
         if self.config.sequence_parallel and tokens.size(1) % self.tp.size:
-            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} is not divisible by "
-                              f"--tensor-model-parallel-size {self.tp.size}")
+            raise ConfigError(f"--sequence-parallel: sequence length {tokens.size(1)} (per CP rank) is not "
+                              f"divisible by --tensor-model-parallel-size {self.tp.size}")
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not self.stage.is_whole:
@@ -304,9 +322,9 @@ class GPTModel(nn.Module):
         if start + s > self.config.max_position_embeddings:
             raise ConfigError(f"position {start + s} exceeds --max-position-embeddings "
                               f"{self.config.max_position_embeddings}")
-        if self.config.sequence_parallel:
-            raise ConfigError("a KV cache needs the model without --sequence-parallel (inference holds whole "
-                              "sequences)")
+        if self.config.sequence_parallel or self.context is not None:
+            raise ConfigError("a KV cache needs the model without --sequence-parallel or --context-parallel-size "
+                              "(inference holds whole sequences)")
         x = self.embedding(tokens, start)  # learned positions from `start` (RoPE: in the attention)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache.layer(i), start)
@@ -368,6 +386,13 @@ class GPTModel(nn.Module):
                                                  tp_rank=self.tp.rank,
                                                  rng_streams=len(self.rng.states) if self.rng is not None else 1)
         return setting.for_stage(self.stage.chunks, self.stage.first, self.stage.last)
+
+    def compiled_backward_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one
+        compiled region): ZeroOptimizer writes them into its buffers bucket by bucket (zero/collector.py)."""
+        if self._compiled_trunk is None:
+            return []
+        return [p for module in self._trunk_modules for p in module.parameters(recurse=False)]
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding ids get -inf logits, so the padded vocabulary never changes the loss."""

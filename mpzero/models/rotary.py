@@ -9,7 +9,9 @@
 `rot_dim` = head_dim x --rotary-percent (Megatron's partial rotary); features past it pass through unchanged.
 cos and sin are computed in fp32 (bf16 angles lose precision at long contexts, transformers PR #29285) and cast
 to the activations' dtype where they are applied. They are non-persistent buffers computed by `rope_cos_sin`
-computed once on the host and moved to the device of the activations they rotate.
+computed once on the host and moved to the device of the activations they rotate. A context-parallel rank's
+tokens sit at the positions of its two chunks (`mpzero.context_parallel.ZigzagChunks`): their rows of the tables
+are taken once per layout and kept beside the tables (2 x 4 bytes x s/CP x rot_dim), not per layer and step.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rope_cos_sin(max_positions, rot_dim, base, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self._at_layout: dict = {}  # {ZigzagChunks: (cos, sin) at its positions}
 
     def follow(self, device: torch.device) -> None:
         """The tables moved to `device` if they are elsewhere (computed on the host once, moved as they are: a model
@@ -77,10 +80,18 @@ class RotaryEmbedding(nn.Module):
         with host tables would copy them in every call, and CUDA graphs cannot capture a host input."""
         if self.cos.device != device:
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+            self._at_layout = {}
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k [b, heads, s, head_dim] at positions [start, start + s), rotated. The tables follow q's device."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, start=0) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [b, heads, s, head_dim] at positions [start, start + s), or at a context-parallel layout's
+        (`start` a `ZigzagChunks`), rotated. The tables follow q's device."""
         self.follow(q.device)
-        s = q.size(2)
-        cos, sin = self.cos[start:start + s], self.sin[start:start + s]
+        if isinstance(start, int):
+            s = q.size(2)
+            cos, sin = self.cos[start:start + s], self.sin[start:start + s]
+        else:
+            if start not in self._at_layout:
+                positions = start.positions(self.cos.device)
+                self._at_layout[start] = (self.cos[positions], self.sin[positions])
+            cos, sin = self._at_layout[start]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.fused import adamw_step, resolve_impl
+from mpzero.fused import ADAMW_DEVICE_SKIP_IMPLS, adamw_step, resolve_impl
 from mpzero.optim.rule import UpdateRule
 
 
@@ -38,10 +38,14 @@ class AdamW(UpdateRule):
     def folds_grad_scale(self, impl: str) -> bool:
         return impl == "triton"  # the kernel multiplies as it reads the gradient
 
-    def step(self, master, grad, states, *, lr, weight_decay, step, impl, model_copy=None, grad_scale=1.0) -> None:
+    def skips_on_device(self, impl: str) -> bool:
+        return impl in ADAMW_DEVICE_SKIP_IMPLS  # Triton's kernel and torch's fused one (its found_inf)
+
+    def step(self, master, grad, states, *, lr, weight_decay, step, impl, model_copy=None, grad_scale=1.0,
+             skip=None) -> None:
         adamw_step(master, grad, states["exp_avg"], states["exp_avg_sq"], lr=lr, beta1=self.beta1,
                    beta2=self.beta2, eps=self.eps, weight_decay=weight_decay, step=step, impl=impl,
-                   model_copy=model_copy, grad_scale=grad_scale)
+                   model_copy=model_copy, grad_scale=grad_scale, skip=skip)
 
     @staticmethod
     def add_flags(group: argparse._ArgumentGroup) -> None:

@@ -91,6 +91,11 @@ class UpdateRule(ABC):
         first and calls `step` without it (a rule need not know the keyword)."""
         return False
 
+    def skips_on_device(self, impl: str) -> bool:
+        """Whether `step(..., skip=flag)` takes a 0-dim device flag (and a device `grad_scale`) and writes nothing
+        when it is set, so a step can be launched before the host knows the gradient norm (issue 46)."""
+        return False
+
     def windows(self, run_start: int, run_end: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """The canonical decomposition for offload exactness (see `canonical_windows`)."""
         return canonical_windows(run_start, run_end, lo, hi, self.block)

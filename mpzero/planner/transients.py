@@ -15,7 +15,11 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
 - the vocabulary gradients: the output projection's weight gradient and the embedding's dense gradient, and (tied)
   their sum, e x V/t x h each, held until the end of backward (a pipeline stage: those of the ends it holds);
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
-  flash attention: --attention-backend flash or fused, and auto on a GPU);
+  flash attention: --attention-backend flash or fused, and auto on a GPU). Context parallelism: s is a rank's
+  s/CP tokens everywhere; the ring's and all-gather's blocks (`mpzero.context_parallel.blocks`) hold, in explicit
+  scores (on CUDA, or --attention-backend local), the same three fp32 tensors per head for a tile of at most
+  TILE_ROWS query rows over their largest block's s/CP keys (the own chunks'), none on the CPU's flash kernel;
+  a2a's attention runs over all s tokens for a/CP heads;
 - the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
   fp16's loss-scaled gradients; on a GPU, whose `sum_of_squares` kernel upcasts in registers, 8 bytes per 4096
   elements of the largest run), then, with gradients in the parameters' dtype (fp16, bf16 with
@@ -28,6 +32,7 @@ The step's peak takes the largest of the backward ones beside the saved activati
 from __future__ import annotations
 
 from mpzero.activations import kept_chunk_tokens
+from mpzero.context_parallel import TILE_ROWS, block_kernel
 from mpzero.fused import planned_impl, sum_of_squares_bytes
 
 
@@ -40,11 +45,19 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
     does not begin the model (`first`) has no embedding gradient, one that does not end it (`last`) no output
     projection's gradient and no cross entropy."""
     v, h = config.padded_vocab_size(tp) // tp, config.hidden_size
-    sb = seq * micro_batch
+    cp = config.context_parallel_size
+    local = seq // cp  # a context-parallel rank's tokens
+    sb = local * micro_batch
     tied = not config.untie_embeddings_and_output_weights
     device = "cuda" if cuda else "cpu"
     flash = config.planned_attention(device) in ("flash", "fused")
-    attention = 0 if flash else 3 * 4 * (config.num_attention_heads // tp) * seq * seq * micro_batch
+    heads, rows, keys = config.num_attention_heads // tp, seq, seq  # the core's heads per rank, its scores' shape
+    if config.cp_blockwise:  # the CPU's flash kernel per block, or explicit scores a tile of rows at a time
+        flash = block_kernel(config.attention_backend_name, device) == "flash"
+        rows, keys = min(TILE_ROWS, local), local
+    elif cp > 1:  # a2a: 1/CP of the heads over the whole sequence
+        heads //= cp
+    attention = 0 if flash else 3 * 4 * heads * rows * keys * micro_batch
     chunk, cast = config.cross_entropy_chunk_size, (e if e < 4 else 0)
     fused = planned_impl("cross_entropy", device, config.cross_entropy_impl) == "compile"
     if chunk:  # the kept last chunk worked on in place and cast; released, then each other chunk recomputed

@@ -1,6 +1,9 @@
 """Megatron-style tensor parallelism: region collectives, parallel layers, vocab-parallel cross entropy, RNG,
-and the per-parameter placement contract (`placement.py`) every parameter handed to ZeRO must satisfy."""
+and the per-parameter placement contract (`placement.py`) every parameter handed to ZeRO must satisfy; FP8 matmuls
+in the parallel linears through torchao (`fp8.py`)."""
 
+from mpzero.tensor_parallel.fp8 import (FP8_FORMATS, FP8_RECIPES, Fp8Recipe, amax_reduced_elements, check_fp8_flags,
+                                        convert_to_fp8, layer_linears)
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear, VocabParallelEmbedding,
                                            gather_full, linear_with_sequence_gather, ones_, sharded_parameter, zeros_)
@@ -14,6 +17,8 @@ from mpzero.tensor_parallel.random import RNGStatesTracker, recompute, seed_ever
 from mpzero.tensor_parallel.weight_grad import WeightGradStore
 
 __all__ = [
+    "FP8_FORMATS", "FP8_RECIPES", "Fp8Recipe", "amax_reduced_elements", "check_fp8_flags", "convert_to_fp8",
+    "layer_linears",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
     "mark_tensor_parallel", "mark_replicated",

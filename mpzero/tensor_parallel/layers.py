@@ -15,6 +15,9 @@ is kept for backward, the whole input gathered again there, as Megatron's
 LinearWithGradAccumulationAndAsyncCommunication); the row-parallel output is reduce-scattered along the
 sequence instead of all-reduced, and its replicated bias, added to a slice, has its gradient all-reduced over
 the TP group (`copy_to_tp` on the parameter), so every rank holds the same bias gradient.
+
+FP8 (`use_fp8`, fp8.py): a column- or row-parallel linear runs its matmul through torchao's float8 casts with scales
+taken over the whole TP group; the region crossings and the bias stay as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 from mpzero.comm import CommGroup
 from mpzero.deferred_init import Fill, deferred_parameter
 from mpzero.errors import ConfigError
+from mpzero.tensor_parallel.fp8 import FP8_MULTIPLE, Fp8Linear, Fp8Recipe
 from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
                                              reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
                                              scatter_to_tp)
@@ -62,6 +66,16 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 def _bias(size: int, partition_dim: int | None, chunks: int = 1) -> nn.Parameter:
     return mark_tensor_parallel(deferred_parameter((size,), zeros_), partition_dim, chunks=chunks)
+
+
+def _fp8_linear(layer: nn.Module, recipe: Fp8Recipe, kind: str, local: tuple[int, int]) -> Fp8Linear:
+    """The layer's FP8 matmul; one ConfigError line when this rank's weight [out, in] is not float8-sized."""
+    if local[0] % FP8_MULTIPLE or local[1] % FP8_MULTIPLE:
+        raise ConfigError(f"FP8: a {kind}-parallel weight [{layer.out_features}, {layer.in_features}] is "
+                          f"{list(local)} on each of {layer.group.size} TP ranks, not multiples of {FP8_MULTIPLE} as "
+                          f"FP8 matmuls need: choose sizes divisible by {FP8_MULTIPLE} x the TP size, or another "
+                          f"--tensor-model-parallel-size")
+    return Fp8Linear(recipe, layer.group, kind, gather_sequence=kind == "column" and layer.sequence_parallel)
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -118,14 +132,23 @@ class ColumnParallelLinear(nn.Module):
             raise ConfigError("ColumnParallelLinear: gather_output would concatenate [gate_r; up_r] blocks rank by "
                               "rank, not the global [gate; up]: use chunks 1 with gather_output")
         self.group, self.gather_output = group, gather_output
+        self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel and group.size > 1
         local_out = _divide(out_features, group.size * chunks, "output size") * chunks
         self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, chunks)
         self.bias = _bias(local_out, 0, chunks) if bias else None
+        self.fp8: Fp8Linear | None = None
+
+    def use_fp8(self, recipe: Fp8Recipe) -> None:
+        """Run the matmul in FP8 (fp8.py): the weight's scale is its whole weight's, over the TP group."""
+        self.fp8 = _fp8_linear(self, recipe, "column", (self.out_features // self.group.size, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.weight_grad_store
-        if self.sequence_parallel:
+        if self.fp8 is not None:  # the sequence gather (or copy_to_tp) around torchao's casts and GEMMs
+            y = self.fp8(x if self.sequence_parallel else copy_to_tp(x, self.group), self.weight)
+            y = y + self.bias.to(y.dtype) if self.bias is not None else y
+        elif self.sequence_parallel:
             y = linear_with_sequence_gather(x, self.weight, self.bias, self.group, store)  # [b, s, out/tp]
         else:
             y = _linear(copy_to_tp(x, self.group), self.weight, self.bias, store)  # [..., out/tp]
@@ -143,21 +166,28 @@ class RowParallelLinear(nn.Module):
                  bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel and group.size > 1
         _divide(in_features, group.size, "input size")
+        self.fp8: Fp8Linear | None = None
         self.weight = sharded_parameter((out_features, in_features), 1, group, init_method)
         self.bias = _bias(out_features, None) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel  # Megatron's mark: gradient all-reduced over TP
 
+    def use_fp8(self, recipe: Fp8Recipe) -> None:
+        """Run the matmul in FP8 (fp8.py): the input's and weight's scales are the whole tensors', over TP."""
+        self.fp8 = _fp8_linear(self, recipe, "row", (self.out_features, self.in_features // self.group.size))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        product = _linear(x, self.weight, None, self.weight_grad_store)
+        partial = (self.fp8(x, self.weight) if self.fp8 is not None
+                   else _linear(x, self.weight, None, self.weight_grad_store))
         if self.sequence_parallel:  # [b, s, in/tp] -> this rank's summed sequence slice [b, s/tp, out]
-            y = reduce_scatter_to_sequence_parallel(product, self.group)
+            y = reduce_scatter_to_sequence_parallel(partial, self.group)
             return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
-        y = reduce_from_tp(product, self.group)  # [..., out], full sum
+        y = reduce_from_tp(partial, self.group)  # [..., out], full sum
         return y + self.bias if self.bias is not None else y
 
 

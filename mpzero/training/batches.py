@@ -3,7 +3,8 @@
 Iteration after iteration the global order 0, 1, 2, ... is consumed `global_batch` samples at a time.
 As in Megatron's pretraining sampler, micro-step m of a global batch starting at `consumed` covers
 the `micro * dp` samples from consumed + m*micro*dp, and DP rank r takes `micro` consecutive ones of
-them. Every layout therefore trains each global batch on the same set of samples.
+them. Every layout therefore trains each global batch on the same set of samples. Under context parallelism
+every CP rank of a DP rank loads the same samples and keeps its part of each sequence (`inputs_and_labels`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mpzero.comm import CommGroup
+from mpzero.context_parallel import split_batch
 from mpzero.errors import ConfigError
 
 
@@ -36,6 +39,14 @@ def load_batch(dataset, indices: range, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # pinned host memory: the copy is a DMA that does not block the host
         return rows.pin_memory().to(device, non_blocking=True)
     return rows.to(device)
+
+
+def inputs_and_labels(dataset, indices: range, device: torch.device,
+                      cp: CommGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, labels) [len(indices), seq/CP] of the samples `indices`: the tokens at the positions
+    of its two chunks (`mpzero.context_parallel.ZigzagChunks`); at CP 1 the views [:, :-1] and [:, 1:] of one
+    batch."""
+    return split_batch(load_batch(dataset, indices, device), cp.size, cp.rank)
 
 
 class MicroBatches:

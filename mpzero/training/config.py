@@ -58,6 +58,7 @@ class TrainingConfig:
     seed: int = 1234
     exit_interval: int | None = None
     check_for_nan: bool = True
+    sync_every_iteration: bool = False  # --sync-every-iteration: read the step's results every iteration
 
 
 @dataclass(frozen=True)

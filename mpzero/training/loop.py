@@ -13,10 +13,12 @@ from functools import partial
 
 from mpzero.activations import SavedBytesCounter, report_activation_memory
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
+from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.pipeline import in_flight_report
 from mpzero.training.config import RunConfig
+from mpzero.training.deferred import LaunchedSteps, launched_steps
 from mpzero.training.console import iteration_line, perplexity, validation_line
 from mpzero.training.memory import memory_per_rank
 from mpzero.training.peak_flops import mfu_peak
@@ -53,6 +55,7 @@ class StepResult:
     lr: float
     stats: StepStats
     terminated: bool  # SIGTERM reached some rank
+    cp_bytes: float = 0.0  # sent on the CP group by this rank's forward and backward
 
 
 def train(run: RunConfig, provider: ModelProvider) -> dict:
@@ -70,17 +73,18 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
                                  groups.device.type == "cuda")
     profiler.note_resumed(progress.iteration)
     history = {"losses": [], "grad_norms": [], "lrs": [], "valid_losses": []}
-    interval, terminated = Interval(), False
+    interval, terminated, first, launched = Interval(), False, True, launched_steps(run, state.optimizer)
     try:
         while progress.iteration < run.training.train_iters:
-            first = not history["losses"]
             profiler.before(progress.iteration)
-            step = train_step(run, state, train_data, progress, termination, activations if first else None)
+            step = train_step(run, state, train_data, progress, termination, activations if first else None, launched)
             profiler.after(progress.iteration)
-            terminated, iteration = step.terminated, progress.iteration
-            _record(history, interval, step)
+            iteration = progress.iteration
+            for step in [step] if launched is None else launched.results_after(run, iteration, StepResult):
+                terminated = _record(history, interval, step)
             if first:
                 _report_first_iteration(run, state, activations, tensorboard, iteration)
+                first = False
             if iteration % run.logging.log_interval == 0:
                 _log_interval(interval, progress, step, run, state, tensorboard)
                 interval = Interval()
@@ -108,16 +112,22 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
 
 
 def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress, termination: TerminationSignal,
-               activations: SavedBytesCounter | None = None) -> StepResult:
+               activations: SavedBytesCounter | None = None, pending: LaunchedSteps | None = None) -> StepResult | None:
     """One iteration: forward and backward of one global batch, the gradient check, the optimizer step; advances
     `progress`. Stops before the update, with the last checkpoint intact, on a non-finite loss (--check-for-nan)."""
     training, groups = run.training, state.groups
     # as in Megatron, skipped (fp16 overflow) steps do not count
     lr = run.schedule.lr(progress.iteration - progress.skipped)
+    cp_mark = groups.cp.stats.total()
     loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
+    cp_bytes = groups.cp.stats.total() - cp_mark  # the CP attention's exchanges, forward and backward
+    if pending is not None:  # launched with no host synchronisation, its result left for a later read
+        progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
+        return pending.launch(state.optimizer, progress.iteration, lr, loss_sum, termination.received_anywhere(),
+                              cp_bytes)
     # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
     check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))
-    loss, terminated = check.read_with[0] / groups.dp_size, bool(check.read_with[1])
+    loss, terminated = check.read_with[0] / groups.dp_cp.size, bool(check.read_with[1])
     if training.check_for_nan and not math.isfinite(loss):  # before the update: nothing changed yet
         raise TrainingError(f"lm loss is {loss} at iteration {progress.iteration + 1} (rank {groups.world.rank}): "
                             f"stopped before the update, so the last checkpoint is intact; lower --lr or "
@@ -125,7 +135,7 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     stats = state.optimizer.step(lr)
     progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
     progress.skipped += stats.skipped
-    return StepResult(loss, lr, stats, terminated)
+    return StepResult(loss, lr, stats, terminated, cp_bytes)
 
 
 def _should_evaluate(run: RunConfig, iteration: int) -> bool:
@@ -194,13 +204,14 @@ def _load_or_close(run: RunConfig, state: TrainingState) -> Progress:
         raise
 
 
-def _record(history: dict, interval: Interval, step: StepResult) -> None:
+def _record(history: dict, interval: Interval, step: StepResult) -> bool:  # whether SIGTERM reached some rank
     for key, value in (("losses", step.loss), ("grad_norms", step.stats.grad_norm), ("lrs", step.lr)):
         history[key].append(value)
     interval.iterations += 1
     interval.skipped += step.stats.skipped
     if not step.stats.skipped:
         interval.losses.append(step.loss)
+    return step.terminated
 
 
 def _report_first_iteration(run: RunConfig, state: TrainingState, activations: SavedBytesCounter, tensorboard,
@@ -281,6 +292,10 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
     comm_lines = every_stage(groups, comm.line())
     if state.pipeline is not None:
         comm_lines += groups.pp.all_gather_objects(state.pipeline.meter.report(iteration).line())
+    if groups.cp.size > 1:  # the context-parallel attention's bytes of the last iteration, against theory
+        micro_batches = training.global_batch_size // (training.micro_batch_size * groups.dp_size)
+        comm_lines.append(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+                                       run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes))
     if groups.is_logging_rank:
         extra = {"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}",
                  **({} if mfu is None else {"MFU": f"{mfu:.3f}"})}

@@ -10,13 +10,19 @@ wandb is an optional package (`pip install -e '.[wandb]'`): the flags check it i
 
 from __future__ import annotations
 
+from mpzero.files import random_suffix
 from mpzero.training.config import LoggingConfig
 
 
 class TensorBoardSink:
+    """TensorBoard's event file, which its writer opens by name itself: the name ends in 64 random bits
+    (files.random_suffix), so nobody can plant a link where it will be written (TensorBoard reads any file
+    whose name holds `tfevents`)."""
+
     def __init__(self, log_dir: str):
         from torch.utils.tensorboard import SummaryWriter  # tensorboard is imported only when used
-        self.writer = SummaryWriter(log_dir=log_dir, max_queue=100)
+        self.writer = SummaryWriter(log_dir=log_dir, max_queue=100,
+                                    filename_suffix=random_suffix())
 
     def scalars(self, values: dict[str, float], iteration: int) -> None:
         for tag, value in values.items():

@@ -9,7 +9,7 @@ import torch
 
 from mpzero.activations import SavedBytesCounter
 from mpzero.pipeline import run_schedule
-from mpzero.training.batches import MicroBatches, load_batch, micro_batch_indices
+from mpzero.training.batches import MicroBatches, inputs_and_labels, micro_batch_indices
 from mpzero.training.config import RunConfig
 from mpzero.training.state import TrainingState
 from mpzero.zero import ZeroOptimizer
@@ -18,8 +18,9 @@ from mpzero.zero import ZeroOptimizer
 def forward_backward(state: TrainingState, dataset, consumed: int, training,
                       activations: SavedBytesCounter | None = None) -> torch.Tensor:
     """Forward and backward of every micro-batch of one global batch; returns the global batch's loss times the
-    DP size (the DP ranks' mean losses summed; the same on every rank) as a device scalar, not read here: the
-    caller divides it by the DP size on the host once it reads it. The optimizer step is the caller's.
+    DP x CP size (the DP and CP ranks' mean losses summed, each over as many tokens; the same on every rank) as a
+    device scalar, not read here: the caller divides it by that size on the host once it reads it. The optimizer
+    step is the caller's.
     `activations`: counts what the first micro-batch's forward saves for backward (it only looks)."""
     model, optimizer, groups = state.model.module, state.optimizer, state.groups
     model.train()
@@ -30,12 +31,12 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
         return _pipeline_losses(state, MicroBatches(dataset, micro_batches, groups.device), activations, optimizer)
     total = torch.zeros((), device=groups.device)
     for i, indices in enumerate(micro_batches):
-        tokens = load_batch(dataset, indices, groups.device)
+        inputs, labels = inputs_and_labels(dataset, indices, groups.device, groups.cp)
         with activations.counting() if activations is not None and i == 0 else contextlib.nullcontext():
-            loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / len(micro_batches)
+            loss = model(inputs, labels).mean() / len(micro_batches)
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
-    groups.dp.all_reduce(total)
+    groups.dp_cp.all_reduce(total)
     return total
 
 
@@ -72,10 +73,9 @@ def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
             total += _pipeline_losses(state, MicroBatches(dataset, indices, groups.device), None, None)
         else:
             for micro_batch in indices:
-                tokens = load_batch(dataset, micro_batch, groups.device)
-                total += model(tokens[:, :-1], tokens[:, 1:]).mean()
+                total += model(*inputs_and_labels(dataset, micro_batch, groups.device, groups.cp)).mean()
         batches += len(indices)
     if state.pipeline is None:
-        groups.dp.all_reduce(total)
+        groups.dp_cp.all_reduce(total)
     model.train()
-    return total.item() / (batches * groups.dp_size)
+    return total.item() / (batches * groups.dp_cp.size)

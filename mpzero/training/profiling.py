@@ -4,8 +4,9 @@ names (`IterationProfiler`).
 With --use-pytorch-profiler, torch.profiler records them (the host's ops and, on a GPU, the CUDA kernels, with
 shapes and Python stacks, as Megatron records them) and each profiled rank writes one trace into --tensorboard-dir,
 `rank{N}.iterations-{first}-{last}.pt.trace.json` (TensorBoard's profiler plugin, Perfetto and chrome://tracing read
-it), under a temporary name first. Without it the window is marked for NVIDIA Nsight Systems, as Megatron does:
-the CUDA profiler API starts and stops the capture around it and NVTX ranges name every op (run under
+it), exported into a private directory first and moved into place (a trace that cannot be written is a warning:
+the run goes on). Without it the window is marked for NVIDIA Nsight Systems, as Megatron does: the CUDA profiler
+API starts and stops the capture around it and NVTX ranges name every op (run under
 `nsys profile --capture-range=cudaProfilerApi`); that needs CUDA.
 
 Iterations are numbered as the log numbers them: start 10 and end 12 trace iterations 11 and 12 (torch.profiler
@@ -18,9 +19,12 @@ would hold whatever ran after the last iteration: a checkpoint's save, the error
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
+from mpzero.errors import shorten
+from mpzero.files import private_directory, publish_file
 from mpzero.training.config import ProfileConfig
 
 
@@ -92,17 +96,26 @@ class IterationProfiler:
         self._torch.start()
 
     def _write(self, profiler: torch.profiler.profile) -> None:
+        """The trace, exported into a private directory made for it (torch's exporter opens names of its own beside
+        the file, and follows a link planted at one), then moved into place. A trace that cannot be written (a
+        directory at its name, a full disk) is one warning: the run goes on without it."""
         if self._discard:
             return
         path = os.path.join(self.directory, f"rank{self.rank}.iterations-{self._first}-{self._last}.pt.trace.json")
-        temporary = f"{path}.tmp-{os.getpid()}"
+        private = None
         try:
-            profiler.export_chrome_trace(temporary)
-            os.replace(temporary, path)
+            private = private_directory(self.directory, f"rank{self.rank}.profile")
+            inside = os.path.join(private, os.path.basename(path))
+            profiler.export_chrome_trace(inside)
+            publish_file(inside, path)
+            self._written = path
+        except (OSError, RuntimeError) as error:  # torch's exporter reports a failed write as a RuntimeError
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else shorten(str(error))
+            print(f"warning: rank {self.rank} could not write its trace {path} ({reason}); training goes on without it",
+                  flush=True)
         finally:
-            if os.path.exists(temporary):  # the export failed: no half-written trace stays
-                os.remove(temporary)
-        self._written = path
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
 
     def _stop(self) -> None:
         """Stops the capture at the window's end (torch.profiler's schedule wrote the trace at its last step) and
@@ -110,7 +123,7 @@ class IterationProfiler:
         if self._torch is not None:
             self._torch.stop()
             self._torch = None
-            where = f"into {self._written}"
+            where = f"into {self._written}" if self._written else "(no trace written: see the warning)"
         else:
             self._nvtx.__exit__(None, None, None)
             self._nvtx = None

@@ -1,5 +1,6 @@
 """What a run does before its first iteration, before the model is built: the checks that fail first and on every
-rank (the nodes' shared --save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
+rank (every rank's view of --load, --save and --offload-path, sizes no machine holds, the nodes' shared
+--save/--load, the checkpoint's meta and tokenizer, the data's tokenizers, the datasets'
 paths), and the lines a run prints at start. `start` is the one call the loop makes here."""
 
 from __future__ import annotations
@@ -9,12 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpzero.activations import activation_formula
 from mpzero.checkpointing import read_meta
 from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_data_tokenizers, parse_data_path
+from mpzero.context_parallel import block_kernel
 from mpzero.errors import ConfigError
 from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
+from mpzero.path_views import check_same_views
+from mpzero.scale import check_scale, machine_bytes
 from mpzero.training.config import RunConfig
 from mpzero.training.mock_data import MockGPTDataset
 from mpzero.training.peak_flops import mfu_note, mfu_peak
@@ -24,9 +29,14 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
     """What `auto` runs on this device: each fused op's implementation; the model's attention backend and loss
     arithmetic as its flags choose them (--attention-backend, --cross-entropy-loss-fusion); the CUDA graphs it
     replays (--cuda-graph-impl)."""
-    return {**resolved_impls(device), "attention": run.model.attention(device),
+    attention = run.model.attention(device)
+    if run.model.cp_blockwise:
+        kernel = block_kernel(run.model.attention_backend_name, torch.device(device).type)
+        attention = f"context parallel {run.model.cp_comm_type}, {kernel} blocks"
+    return {**resolved_impls(device), "attention": attention,
             "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
-            "cuda_graphs": run.model.cuda_graphs(device)}
+            "cuda_graphs": run.model.cuda_graphs(device),
+            "fp8": run.model.fp8.describe() if run.model.fp8 is not None else "none"}
 
 
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
@@ -36,6 +46,12 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
         raise ConfigError(f"--profile without --use-pytorch-profiler marks the window for Nsight Systems through the "
                           f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
+    check_same_views(groups.world, run.flags)
+    _check_scale(run, groups)
+    if run.model.fp8 is not None and groups.device.type == "cuda" and torch.cuda.get_device_capability(
+            groups.device) < (8, 9):
+        raise ConfigError(f"--fp8-format: {torch.cuda.get_device_name(groups.device)} has no FP8 matmuls (they need "
+                          f"compute capability 8.9 or newer: Ada, Hopper, Blackwell): drop --fp8-format")
     attention_line = _check_fused_attention(run, groups)
     nodes_line = check_nodes(groups.world, groups.sizes, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
@@ -53,12 +69,36 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
     return datasets, data_tokenizers
 
 
+def _check_scale(run: RunConfig, groups: ParallelGroups) -> None:
+    """Sizes no machine holds (`--ffn-hidden-size 1000000000000`) are one line from the planner's arithmetic
+    (mpzero/scale.py) before anything is built; every rank computes the same figure."""
+    config, precision = run.model, run.precision
+    p, g = precision.torch_dtype.itemsize, precision.grad_dtype.itemsize  # as ZeroOptimizer sizes its elements
+
+    def activations() -> int:  # one micro-batch's, where the formula covers the setting (else counted as none)
+        if groups.pp_size > 1 or groups.cp.size > 1:
+            return 0  # the formula is the whole model's at full sequence length: no lower bound for one stage
+        try:
+            return activation_formula(config.activation_setting(
+                groups.tp_size, run.training.micro_batch_size, run.training.seq_length, precision.torch_dtype,
+                groups.device)).micro_batch_bytes
+        except (ValueError, ArithmeticError):
+            return 0
+
+    check_scale(config, groups.tp_size, groups.dp_cp.size, run.zero.stage,
+                (p, g, 4 if p != 4 else 0, run.optimizer.rule.state_bytes_per_param), activations,
+                machine_bytes(groups.device.type, run.offload.path), groups.pp_size)
+
+
 def _check_fused_attention(run: RunConfig, groups: ParallelGroups) -> str | None:
     """Asks torch once whether one of its fused attention kernels runs this rank's attention, where the model's
     backend is flash or fused; without one, F.scaled_dot_product_attention would take its math path silently. Every
     rank asks on its own device and the ranks share the answers. A GPU run then stops on torch's reasons. A CPU run
     gets a note instead: SDPA's CPU kernel has no dropout, so flash with dropout is the math path there, which a
     development run may mean to compare with local. Returns the note, or None."""
+    if run.model.cp_blockwise:  # the blocks' kernel, or one line saying this device has none
+        block_kernel(run.model.attention_backend_name, groups.device.type)
+        return None
     backend, device = run.model.attention(groups.device), groups.device
     shape = run.model.attention_shape(groups.tp_size, run.training.seq_length, run.precision.torch_dtype)
     refusals = [r for r in groups.world.all_gather_objects(fused_attention_refusal(backend, shape, device)) if r]

@@ -14,15 +14,17 @@ from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierRe
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
                                 OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units)
 from mpzero.zero.construction import construction_working_set
+from mpzero.zero.device_step import DeviceStep
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
+from mpzero.zero.norm import read_to_host
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
 from mpzero.zero.schedule3 import Replay, predicted_trace, recompute_chunks, stage3_working_set
 from mpzero.zero.stage3 import Stage3, assign_params, default_units, layer_units
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
-__all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "FlatLayout", "GradientCheck",
+__all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "DeviceStep", "FlatLayout", "GradientCheck",
            "MasterStore", "MemoryReport", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig",
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
@@ -30,5 +32,5 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Flat
            "build_layout", "check_zero_units",
            "comm_theory", "construction_working_set", "default_units", "layer_units",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
-           "predicted_trace", "recompute_chunks", "stage3_working_set", "state_terms", "step_fp32_bytes",
-           "streamed_grad_bytes", "transfer_theory"]
+           "predicted_trace", "read_to_host", "recompute_chunks", "stage3_working_set", "state_terms",
+           "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]

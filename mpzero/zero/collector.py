@@ -22,6 +22,11 @@ its bucket was reported (used in two reentrant regions) is recorded as late. The
 The hooks run once per parameter per backward, on the host time a launch-bound GPU step waits for: their
 bookkeeping is by parameter index in lists (a tensor key hashes through a Python call) and each parameter's hook is
 bound to its index.
+Where a compiled backward delivers a bucket's gradients together (`write_together`: the model's backward is one
+compiled region, whose gradients all exist at once anyway), each is held until its bucket is complete and the bucket
+is written with one `_foreach_copy_` (casts included) and one `_foreach_add_`: on a GPU a few launches per bucket
+instead of one per parameter (GPT-2 124M's bf16 step: 53 cast-copies), the same elementwise arithmetic, so the
+buffers are bitwise the same. An eager backward writes as it goes: holding its gradients would keep them alive.
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ class GradCollector:
         self._unwritten = [0 if persistent else size for size in self._sizes]
         params = [p for layout in layouts for p in layout.params]
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._deliver, i)) for i, p in enumerate(params)]
+        self._params = params
+        self._together = [False] * len(params)  # `write_together`
+        self.together = False
+        self.reset()
+
+    def write_together(self, params: set) -> None:
+        """Hold the gradients of `params` (those a compiled backward delivers together) until all of a bucket's
+        have arrived, and write them with one foreach copy and add (see the module docstring)."""
+        self._together = [p in params for p in self._params]  # a tensor hashes by identity
+        self.together = any(self._together)
         self.reset()
 
     def overwrite_next(self) -> None:
@@ -103,6 +118,7 @@ class GradCollector:
         self._held: list[torch.Tensor | None] = [None] * n  # a run member's gradient, waiting for the rest of its run
         self._arrived = [False] * n  # run members whose first gradient of this backward arrived
         self._unheld = [len(members) for _, members in self._runs]  # per run: members not yet arrived
+        self._waiting_writes = [sum(self._together[f:f + n]) for f, n in zip(self._first, self._sizes)]  # to hold
         self.late: set[int] = set()
 
     def _deliver(self, i: int, param: torch.Tensor) -> None:
@@ -110,6 +126,12 @@ class GradCollector:
         if grad is None:  # its accumulator ran without a gradient (zero bubble's deferred weight gradient)
             return
         bucket, run = self._bucket[i], self._run_of[i]
+        if self._together[i] and not self._delivered[i] and self._held[i] is None and self._waiting[bucket]:
+            self._held[i] = grad
+            self._waiting_writes[bucket] -= 1
+            if not self._waiting_writes[bucket]:
+                self._mark_delivered(bucket, self._write_bucket(bucket))
+            return
         if run is not None and not self._arrived[i] and self._waiting[bucket]:
             self._arrived[i] = True
             self._held[i] = grad
@@ -135,6 +157,22 @@ class GradCollector:
         for i in indices:
             self._written[i] = True
         self._unwritten[self._bucket[indices[0]]] -= len(indices)
+
+    def _write_bucket(self, bucket: int) -> list[int]:
+        """The bucket's held gradients into their places with one foreach copy (over stale values) and one foreach
+        add; returns their indices."""
+        first = self._first[bucket]
+        held = [i for i in range(first, first + self._sizes[bucket])
+                if self._together[i] and self._held[i] is not None]
+        places = {i: self._place(i) for i in held}  # first: a full buffer made here is `fresh` before the writes
+        fresh, again = [i for i in held if not self._written[i]], [i for i in held if self._written[i]]
+        for indices, write in ((fresh, torch._foreach_copy_), (again, torch._foreach_add_)):
+            if indices:
+                write([places[i] for i in indices], [self._take(i) for i in indices])
+        for i in fresh:
+            self._written[i] = True
+        self._unwritten[bucket] -= len(fresh)
+        return held
 
     def _place(self, i: int) -> torch.Tensor:
         """Parameter i's place in its bucket's buffer, in its shape."""
@@ -177,6 +215,9 @@ class GradCollector:
     def flush(self) -> None:
         """End of backward: gradients still held (a run with a member that received none) go into their buffers;
         the persistent buffers' places that received no gradient since `overwrite_next` are zeroed."""
+        for bucket in range(len(self._sizes)) if self.together else ():
+            if self._waiting_writes[bucket] and self._waiting[bucket]:  # one of them received no gradient
+                self._mark_delivered(bucket, self._write_bucket(bucket))
         for run, (vector_run, members) in enumerate(self._runs):
             if any(self._held[i] is not None for i in members):
                 self._mark_delivered(vector_run.bucket, self._fold(run))

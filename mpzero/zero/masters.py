@@ -99,15 +99,22 @@ class DeviceMasters(MasterStore):
     def master_bytes_per_param(self) -> int:
         return 0 if self._shares_params else 4
 
-    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float | torch.Tensor = 1.0,
+             skip: torch.Tensor | None = None) -> None:
         """Where the rule folds the scale into its pass (AdamW's Triton kernel) and the gradients are fp32 shards,
-        the clipping costs no pass of its own over them (GPT-2 124M: ~1 GB of memory traffic a step)."""
+        the clipping costs no pass of its own over them (GPT-2 124M: ~1 GB of memory traffic a step).
+        `grad_scale` as a 0-dim device tensor and `skip` (a device flag: a set one writes nothing) come from a step
+        launched without a host synchronisation (`ZeroOptimizer.launch_step`; the rule `skips_on_device`)."""
         c = self.config
         self.step_count += 1
-        fold = grad_scale != 1.0 and not isinstance(grads, Fp32Buckets) and self.rule.folds_grad_scale(self.impl)
+        on_device = isinstance(grad_scale, torch.Tensor)
+        fold = ((on_device or grad_scale != 1.0) and not isinstance(grads, Fp32Buckets)
+                and self.rule.folds_grad_scale(self.impl))
         if not fold:
             scale_grads_(grads, grad_scale)
         scaled = {"grad_scale": grad_scale} if fold else {}
+        if skip is not None:
+            scaled["skip"] = skip
         for bucket, start, end, decay, states in self._runs:
             copy = None if self._shares_params else self._param_shards[bucket][start:end]
             self.rule.step(self._masters[bucket][start:end], grads[bucket][start:end], states, lr=lr,

@@ -129,9 +129,20 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return coef if max_norm > 0 and coef < 1.0 else 1.0
 
 
-def scale_grads_(grads: list[torch.Tensor] | Fp32Buckets, coef: float) -> None:
-    """The gradients times `coef` in place (`Fp32Buckets`: as each bucket is cast); nothing at 1."""
-    if coef == 1.0:
+def clip_coefficient_on_device(squared: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """`clip_coefficient` of the norm sqrt(`squared`) without reading it (issue 46): a 0-dim fp32 device tensor,
+    the host's Python double rounded to fp32 as a kernel takes it (the same fp64 sqrt, add and divide, so the same
+    value bit for bit); None when clipping is off (every coefficient is 1)."""
+    if max_norm <= 0:
+        return None
+    coef = max_norm / (squared.sqrt() + 1.0e-6)
+    return torch.where(coef < 1.0, coef, torch.ones_like(coef)).float()
+
+
+def scale_grads_(grads: list[torch.Tensor] | Fp32Buckets, coef: float | torch.Tensor) -> None:
+    """The gradients times `coef` (a float, or a 0-dim device tensor) in place (`Fp32Buckets`: as each bucket is
+    cast); nothing at a float 1."""
+    if not isinstance(coef, torch.Tensor) and coef == 1.0:
         return
     if isinstance(grads, Fp32Buckets):
         grads.clip_(coef)

@@ -21,7 +21,8 @@ A step: gradients (averaged over DP, reduced by the stage) are unscaled to fp32;
 the device (fp16: with the overflow check folded in) and read to the host in the step's one synchronisation,
 with any scalars of the caller's (`check_gradients`); fp16 overflow on any rank skips the step everywhere,
 else the step clips by the norm; the store updates its masters and writes
-the parameter slices; the stage spreads them (all-gathers them, stages 1-2).
+the parameter slices; the stage spreads them (all-gathers them, stages 1-2). `launch_step` is the same update with
+no synchronisation at all (device_step.py: the norm, the coefficient and the non-finite check stay on the device).
 Gradient buffers are zeroed by `step()`; `zero_grad()` discards gradients without stepping.
 Every trainable parameter must say how it is split across TP (`mpzero.tensor_parallel.placement`): the norm
 and checkpoints depend on it, so an unmarked one is refused here, at construction.
@@ -30,6 +31,7 @@ and checkpoints depend on it, so an unmarked one is refused here, at constructio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Collection
@@ -41,11 +43,13 @@ from torch import nn
 
 from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
+from mpzero.launcher_env import launcher_env
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
+from mpzero.zero.device_step import DeviceStep, launch_step, steps_on_device
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared, norm_runs, read_to_host,
@@ -91,7 +95,7 @@ def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: Zer
 
 class ZeroOptimizer(OptimizerReports):
     """An elementwise update rule (`optimizer.rule`: AdamW, SGD) over `model`'s trainable parameters,
-    partitioned across `groups.dp` by `zero.stage`.
+    partitioned across `groups.dp_cp` (DP x CP: `self.groups.dp` below; `groups.dp` at CP 1) by `zero.stage`.
 
     Managed parameters are cast to `precision.dtype` and become views of flat buffers (stage 3:
     released between uses); cast the rest of the model (frozen parameters, buffers) yourself.
@@ -113,6 +117,7 @@ class ZeroOptimizer(OptimizerReports):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+        groups = dataclasses.replace(groups, dp=groups.dp_cp)  # parameters replicated over CP: reduced over DP x CP
         self.model, self.groups, self.zero, self.config, self.precision = model, groups, zero, optimizer, precision
         self.rule = optimizer.rule
         self.offload = offload
@@ -134,6 +139,7 @@ class ZeroOptimizer(OptimizerReports):
             self.close()
             raise
         self.scaler = make_loss_scaler(precision)
+        self.stage.write_gradients_together(set(getattr(model, "compiled_backward_parameters", lambda: ())()))
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
         self._tied_buckets = [b for b, layout in enumerate(self.stage.layouts)
@@ -151,6 +157,7 @@ class ZeroOptimizer(OptimizerReports):
         self.lr, self.iteration = optimizer.lr, 0
         self._micro_batches, self._last_micro_batches, self._reduced = 0, 1, False
         self._checked = None  # (unscaled fp32 gradients, GradientCheck) between check_gradients() and step()
+        self._halted = None  # launch_step: a device flag, set for good once a launched step met a non-finite value
         self.step_fp32_peak = 0  # the most fp32 gradient bytes a step held at once (low-precision gradients)
         self._start_counting()
 
@@ -246,9 +253,7 @@ class ZeroOptimizer(OptimizerReports):
         reads the global norm (fp16: with the overflow check folded in) together with the caller's own device
         scalars `read_with` (the training loop's loss and stop flag), in one copy. `step()` then uses it;
         calling `step()` alone does both."""
-        if not self._reduced:
-            raise RuntimeError("step() needs backward(loss, last_micro_batch=True) first: the gradients of "
-                               "this global batch have not been reduced across data-parallel ranks")
+        self._check_reduced()
         if self._checked is not None:
             raise RuntimeError("check_gradients() runs once per step: its gradients are already unscaled")
         self._add_tied_gradients()
@@ -263,6 +268,34 @@ class ZeroOptimizer(OptimizerReports):
         host = read_to_host([squared, *read_with])
         self._checked = grads, GradientCheck(math.sqrt(host[0]), tuple(host[1:]))
         return self._checked[1]
+
+    def _check_reduced(self) -> None:
+        if not self._reduced:
+            raise RuntimeError("step() needs backward(loss, last_micro_batch=True) first: the gradients of "
+                               "this global batch have not been reduced across data-parallel ranks")
+
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether `launch_step` can update without reading the device (device_step.py: not fp16, not offloaded,
+        an update rule that skips on a device flag)."""
+        return steps_on_device(self)
+
+    def launch_step(self, lr: float | None = None, watch: tuple[torch.Tensor, ...] = ()) -> DeviceStep:
+        """The step with no host synchronisation (device_step.py): the norm, the clipping coefficient and the
+        non-finite check stay on the device; nothing is updated once the norm or a `watch` value (device scalars,
+        e.g. the loss) was non-finite (with check_for_nan_in_grad). Returns what the caller reads later."""
+        self._check_reduced()
+        if not self.steps_on_device:
+            raise RuntimeError("launch_step() needs a step that runs on the device: fp16, an offloaded optimizer "
+                               "and rules that cannot skip on a device flag read the norm first: call step()")
+        if lr is not None:
+            self.lr = lr
+        launched = launch_step(self, self.lr, watch)
+        self.scaler.update(False)
+        self._last_micro_batches = self._micro_batches
+        self.iteration += 1
+        self.zero_grad()
+        return launched
 
     def step(self, lr: float | None = None) -> StepStats:
         if self._checked is None:
@@ -400,7 +433,7 @@ def _check_offload_space(offload: OffloadConfig, stage: int, directory: OffloadD
     from mpzero.zero.offload import readable
     per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
     per_param += g if offload.grads_tier(stage) == "disk" else 0
-    need = per_param * -(-numel // dp_size) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = per_param * -(-numel // dp_size) * launcher_env().local_world_size
     st = os.fstatvfs(directory.fd)
     free = st.f_bavail * st.f_frsize
     if free < need:

@@ -84,6 +84,10 @@ class ZeroStage(OffloadHolder, ABC):
             raise NotImplementedError(f"stage {self.number} keeps its gradients where the step reads them")
         self.grads.on_final = fn
 
+    def write_gradients_together(self, params: set) -> None:
+        """`params`' gradients arrive together (a compiled backward): a stage whose collector can batch their writes
+        does (collector.py, `GradCollector.write_together`); others ignore it."""
+
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond `held_tensors` at its in-step peak, for stages whose
         transient buffers follow a stated formula (stage 3); None: no peak is reported."""

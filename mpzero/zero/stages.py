@@ -83,6 +83,9 @@ class _FullParams(ZeroStage):
     def zero_grad(self) -> None:
         self.grads.zero_()
 
+    def write_gradients_together(self, params: set) -> None:
+        self.grads.collector.write_together(params)
+
     def held_tensors(self) -> list[torch.Tensor]:
         return self.param_flats + self.grads.held_tensors()
 

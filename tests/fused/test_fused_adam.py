@@ -145,3 +145,36 @@ def test_adamw_step_rejects_tensors_on_another_device():
     flat = torch.zeros(8)
     with pytest.raises(ConfigError, match="exp_avg_sq is on meta but params on cpu"):
         adamw_step(flat, flat.clone(), flat.clone(), flat.to("meta"), step=1, impl="torch", **HYPER)
+
+
+@pytest.mark.parametrize("impl", ["torch_fused", pytest.param("triton", marks=needs_triton)])
+def test_a_device_coefficient_and_skip_flag_step_as_the_host_values_do(impl, device):
+    """The step with no host synchronisation (issue 46): the clipping coefficient as a 0-dim fp32 device tensor gives
+    the host float's result bit for bit (both are that float rounded to fp32), an unset flag changes nothing, and a
+    set one leaves the partition, its moments and the model copy exactly as they were."""
+    if impl == "torch_fused" and device.type != "cpu":
+        pytest.skip("torch_fused's device path is the CPU's here; the GPU's is triton (make gpu-check)")
+    p0, grads = _data(torch.float32)
+    coef = torch.tensor(SCALE, dtype=torch.float64).float().to(device)
+    host = _run_adamw_step(p0, [g.clone() for g in grads], impl, device, torch.bfloat16, grad_scale=SCALE)
+    for flag in (False, True):
+        params = p0.clone().to(device)
+        exp_avg, exp_avg_sq = torch.zeros(N, device=device), torch.zeros(N, device=device)
+        copy = torch.full((N,), 7.0, dtype=torch.bfloat16, device=device)
+        skip = torch.full((), flag, dtype=torch.bool, device=device)
+        for step, g in enumerate(grads, start=1):
+            adamw_step(params, g.clone().to(device), exp_avg, exp_avg_sq, step=step, model_copy=copy, impl=impl,
+                       grad_scale=coef, skip=skip, **HYPER)
+        got = (params.cpu(), exp_avg.cpu(), exp_avg_sq.cpu(), copy.cpu())
+        if flag:
+            assert torch.equal(got[0], p0) and not got[1].any() and not got[2].any()
+            assert torch.equal(got[3], torch.full((N,), 7.0, dtype=torch.bfloat16)) or impl == "torch_fused"
+        else:
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(got, host))
+
+
+def test_the_reference_cannot_skip_on_a_device_flag():
+    flat = torch.zeros(8)
+    with pytest.raises(ConfigError, match="cannot skip on a device flag"):
+        adamw_step(flat, flat.clone(), flat.clone(), flat.clone(), step=1, impl="torch",
+                   skip=torch.zeros((), dtype=torch.bool), **HYPER)

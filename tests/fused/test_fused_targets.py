@@ -28,7 +28,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
              + [f"softmax_{d}_{t}" for t in dtypes for d in ("fwd", "fwd_causal", "bwd")]
              + [f"adamw_grad_{g}_copy_{c}" for g, c in (("fp32", "none"), ("fp32", "bf16"), ("fp32", "fp16"),
                                                        ("bf16", "bf16"), ("fp16", "fp16"))]
+             + ["adamw_grad_fp32_copy_none_on_device", "adamw_grad_fp32_copy_bf16_on_device"]  # launched steps
              + [f"sum_of_squares_{t}{s}" for t in dtypes for s in ("", "_scaled")])
     expected = {(name, f"sm_{cc}") for name in names for cc in (80, 90)}
-    assert len(expected) == 2 * 32  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5, sum of squares 6
+    assert len(expected) == 2 * 34  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5 + 2, squares 6
     assert compiled == expected

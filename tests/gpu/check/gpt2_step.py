@@ -83,12 +83,15 @@ def eager_step(shape: Shape, inputs, labels, compiled: bool, read_norm: bool = F
 
 
 def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bool = False, fused_loss: bool = False,
-                one_region: bool = True, loss_chunk: int | None = None, cuda_graphs: bool = False) -> Step:
+                one_region: bool = True, loss_chunk: int | None = None, cuda_graphs: bool = False,
+                launched: bool = False) -> Step:
     """mpzero's step through its ZeRO-1 optimizer in bf16 (a world of one). `compiled`:
     --torch-compile; `fused_loss`: --cross-entropy-loss-fusion; `one_region` False: the compiled layers one region
     each, as a run that cannot compile its trunk as one (ZeRO-3, TP > 1, recomputation) does; `loss_chunk`:
     --cross-entropy-chunk-size (None: its default; the micro-batch's tokens: one chunk, no logits recomputed in
-    backward, all the tokens' fp32 exponentials held); `cuda_graphs`: --cuda-graph-impl local (with `compiled`)."""
+    backward, all the tokens' fp32 exponentials held); `cuda_graphs`: --cuda-graph-impl local (with `compiled`);
+    `launched`: the update launched with no host synchronisation (`ZeroOptimizer.launch_step`, what pretrain_gpt.py
+    runs between log lines), else the synchronising `step` (the gradient norm read first)."""
     import mpzero.models.gpt as gpt
     from mpzero.models import GPTModel
     from mpzero.tensor_parallel import seed_everything
@@ -111,7 +114,8 @@ def mpzero_step(shape: Shape, groups, inputs, labels, backend: str, compiled: bo
     def forward():
         opt.zero_grad()
         return model(inputs, labels).mean()
-    return Step(forward, lambda loss: opt.backward(loss, last_micro_batch=True), lambda: opt.step(6e-4), [])
+    update = (lambda: opt.launch_step(6e-4)) if launched else (lambda: opt.step(6e-4))
+    return Step(forward, lambda loss: opt.backward(loss, last_micro_batch=True), update, [])
 
 
 def variants(shape: Shape, groups, inputs, labels) -> list:
@@ -135,13 +139,17 @@ def variants(shape: Shape, groups, inputs, labels) -> list:
             ("eager PyTorch + torch.compile, the gradient norm read to the host each step (as mpzero's step)",
              lambda: eager_step(shape, inputs, labels, True, read_norm=True)),
             ("mpzero --torch-compile, the loss in one chunk of the micro-batch (no logits recomputed in backward)",
-             mpzero("auto", True, loss_chunk=one_chunk))]
+             mpzero("auto", True, loss_chunk=one_chunk)),
+            ("mpzero --torch-compile --cuda-graph-impl local, the step launched with no host synchronisation",
+             mpzero("auto", True, cuda_graphs=True, launched=True))]
 
 
-GRAPHED = (4, 5)  # variants replaying CUDA graphs: their profiled step must launch some
+GRAPHED = (4, 5, 11)  # variants replaying CUDA graphs: their profiled step must launch some
 # Pairs of variants that must give the same losses: the same kernels, one of them replayed from CUDA graphs
-# (bitwise unless inductor's autotuning picked another launch configuration for a reduction when compiling again)
-SAME_LOSSES = ((3, 4), (10, 5))
+# (bitwise unless inductor's autotuning picked another launch configuration for a reduction when compiling again),
+# or the same step launched without reading the norm first (the same arithmetic: zero/device_step.py)
+SAME_LOSSES = ((3, 4), (10, 5), (4, 11))
+NO_SYNC = (0, 2, 11)  # variants whose step must not synchronise with the host (nanoGPT's; mpzero's launched step)
 SAME_LOSSES_RTOL = 2e-3  # bf16 sums in another order (tests/test_gpu_check.py's BF16_RTOL)
 
 
@@ -202,6 +210,23 @@ def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e12
 
 
+def host_syncs_per_step(step) -> int:
+    """The synchronising CUDA calls one call of `step` makes, as torch's sync debug mode warns of them (a scalar or
+    data-dependent read, a blocking copy to the host): the step's host synchronisations."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return sum(1 for w in caught if "synchronizing" in str(w.message))
+
+
 def free_cuda() -> None:
     import torch
     gc.collect()
@@ -227,12 +252,13 @@ def _measure_step(name: str, build, tokens_per_step: int, warmup: int, timed: in
         peak_bytes = torch.cuda.max_memory_allocated() - base
         profiled = step_profile(step, cuda=True)
         print(f"== {name}: one step by self CUDA time ({profiled.ops} kernels) ==\n{profiled.table}", flush=True)
+        syncs = host_syncs_per_step(step)
         ms_per_step = seconds / timed * 1000
         return {"tps": tokens_per_step * timed / seconds, "ms/step": round(ms_per_step, 2),
                 "first step s": round(first, 1), "peak GiB": round(peak_bytes / 2 ** 30, 2),
                 "kernels/step": profiled.ops, "host launches/step": profiled.launches,
                 "CUDA graph launches/step": profiled.graph_launches, "kernel ms/step": round(profiled.kernel_ms, 2),
-                "GPU busy": round(profiled.kernel_ms / ms_per_step, 3),
+                "GPU busy": round(profiled.kernel_ms / ms_per_step, 3), "host syncs/step": syncs,
                 "losses": [float(x) for x in step.losses[-timed:]]}
     finally:
         del step
@@ -300,6 +326,10 @@ def bench_gpt2(args, result: Result) -> str:
         if index in GRAPHED and not figures["CUDA graph launches/step"]:  # inductor can still give up at run time
             notes.append("no CUDA graph launched in the profiled step")
             good = False
+        if index in NO_SYNC and figures["host syncs/step"]:
+            notes.append(f"{figures['host syncs/step']} host synchronisations in a step that should have none "
+                         f"(the part's log names them: torch's sync debug warnings)")
+            good = False
         if notes:
             figures["note"] = "; ".join(notes)
         eager_tps = tps if eager_tps is None else eager_tps
@@ -311,9 +341,10 @@ def bench_gpt2(args, result: Result) -> str:
     return "pass" if ok and rounds_ok else "fail"
 
 
-ROUNDS_VARIANTS = (2, 3, 4, 5)  # eager + torch.compile, mpzero --torch-compile, and the two CUDA-graphed steps
+# eager + torch.compile, mpzero --torch-compile, the CUDA-graphed steps (the last launched with no host sync)
+ROUNDS_VARIANTS = (2, 3, 4, 5, 11)
 ROUNDS, ROUND_STEPS = 6, 10
-ROUNDS_MIN_S = 90  # four builds (compiled from the warm caches the windows left), their warm-up, 240 steps
+ROUNDS_MIN_S = 110  # five builds (compiled from the warm caches the windows left), their warm-up, 300 steps
 
 
 def _interleaved(named: list, tokens_per_step: int, throughput: Callable, args, result: Result,

@@ -53,6 +53,10 @@ PARTS = [
          "bench/bench_fused_gpu.py --gpt2 (triton.testing.do_bench medians)"),
     Part("zero_memory", "ZeRO memory line against torch.cuda.max_memory_allocated", 90,
          "GPT-2 124M, bf16, stages 0-3: bytes the `zero memory` line predicts and counts, against the allocator"),
+    Part("bench_fp8", "FP8 through torchao on a LLaMA-shaped ~1B model against bf16", 300,
+         "bf16 and each torchao recipe (tensorwise, rowwise, rowwise_with_gw_hp), --torch-compile, ZeRO-1, the step "
+         "launched with no host sync: tokens/s and its ratio to bf16, MFU, peak memory, host syncs per step, the "
+         "loss after 100 steps against bf16's"),
 ]
 PART_NAMES = [p.name for p in PARTS]
 STATUSES = ("pass", "fail", "timeout", "skipped", "error")

@@ -1,10 +1,10 @@
 """The parts of `make gpu-check` that are not pytest files, one per process:
 
-    python3 -m tests.gpu.check.workers {environment,multi_gpu,bench_gpt2,zero_memory} --json PATH [--limit S]
+    python3 -m tests.gpu.check.workers {environment,multi_gpu,bench_gpt2,zero_memory,bench_fp8} --json PATH [--limit S]
 
 Each writes its JSON result (tests/gpu/check/result.py) after every row, atomically, so a part killed at its time
 limit still leaves the rows it finished: environment and multi_gpu here, bench_gpt2 in gpt2_step.py, zero_memory in
-memory_check.py. Every row is tried on its own: an exception is
+memory_check.py, bench_fp8 in fp8_bench.py. Every row is tried on its own: an exception is
 that row's error, and the remaining rows still run.
 """
 
@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from mpzero.files import write_atomically
+from tests.gpu.check.fp8_bench import bench_fp8
 from tests.gpu.check.gpt2_step import bench_gpt2
 from tests.gpu.check.memory_check import zero_memory
 from tests.gpu.check.result import Result, error_text
@@ -176,12 +177,14 @@ COLUMNS = {
                   "ok", "note"],
     "bench_gpt2": ["model", "tokens/s", "ms/step", "first step s", "peak GiB", "TFLOP/s", "MFU", "MFU (datasheet)",
                    "vs eager", "kernels/step", "host launches/step", "CUDA graph launches/step", "kernel ms/step",
-                   "GPU busy", "last loss", "ok", "note"],
+                   "GPU busy", "host syncs/step", "last loss", "ok", "note"],
     "zero_memory": ["stage", "params", "formula", "formula MiB", "counted MiB", "allocated MiB",
                     "allocated / formula", "construction formula MiB", "peak build MiB",
                     "peak build / construction formula", "peak step MiB", "ok", "note"],
+    "bench_fp8": ["recipe", "tokens/s", "vs bf16", "ms/step", "first step s", "MFU", "peak GiB", "host syncs/step",
+                  "loss", "loss vs bf16", "ok", "note"],
 }
-PARTS = {"multi_gpu": multi_gpu, "bench_gpt2": bench_gpt2, "zero_memory": zero_memory}
+PARTS = {"multi_gpu": multi_gpu, "bench_gpt2": bench_gpt2, "zero_memory": zero_memory, "bench_fp8": bench_fp8}
 
 
 def main(argv: list[str] | None = None) -> int:
