@@ -84,7 +84,8 @@ def test_dry_run_of_a_cp_layout_equals_the_planner(comm, extra):
 def test_planner_lays_out_cp_where_the_sequence_and_heads_allow():
     args = parse_args(TINY + ["--cp-comm-type", "a2a", "--global-batch-size", "8"])
     planner = Planner(planner_sections(args, 300), Machine(8, 2 ** 30, cuda=False))
-    layouts = planner.layouts(stages=(1,), tiers=("none",), recompute=("none",), micro_batches=(1,), cps=(1, 2, 4, 8))
+    layouts = planner.layouts(stages=(1,), tiers=("none",), recompute=("none",), micro_batches=(1,), cps=(1, 2, 4, 8),
+                              pps=(1,))
     shapes = {(lay.tp, lay.cp, lay.dp) for lay in layouts}
     # 16 tokens: 2·CP divides them up to CP 8; TP up to the 4 heads; a2a: the 4 heads over TP x CP ranks
     assert shapes == {(1, 1, 8), (2, 1, 4), (4, 1, 2), (1, 2, 4), (2, 2, 2), (1, 4, 2)}, shapes

@@ -103,8 +103,8 @@ def test_175b_and_1t_dry_runs_equal_the_plan_and_allocate_nothing():
     for model, layout, stdout in ((GPT3, GPT3_LAYOUT, gpt3), (ONE_T, ONE_T_LAYOUT, one_t)):
         stage = layout[layout.index("--zero-stage") + 1]
         code, planned, _ = _plan("--world-size", "512", "--device-memory", "80GiB", "--device", "cpu", "--json",
-                                 "--tp-sizes", "8", "--zero-stages", stage, "--offload-tiers", "none",
-                                 "--recompute-modes", "selective", "--micro-batch-sizes", "1",
+                                 "--tp-sizes", "8", "--pp-sizes", "1", "--zero-stages", stage, "--offload-tiers",
+                                 "none", "--recompute-modes", "selective", "--micro-batch-sizes", "1",
                                  *model, "--global-batch-size", "64")
         assert code == 0
         (sp,) = [x for x in json.loads(planned)["layouts"]
@@ -146,3 +146,71 @@ def test_a_dry_run_touches_nothing_on_disk(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
     code, stderr = exit_code_and_stderr(TINY + ["--dry-run", "--world-size", "0"])
     assert code == 2 and stderr == "error: --world-size 0 is out of range: it must be >= 1\n"
+
+
+# --- pipeline parallelism: a rank of a 3-D job builds its stage and runs its schedule ------------------------------
+
+THREE_D = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+           "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-3",
+           "--mock-data", "--vocab-size", "300", "--log-interval", "1", "--eval-iters", "0",
+           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def test_a_3d_dry_run_prints_the_lines_of_the_real_run():
+    """TP 2 x PP 2 x DP 2, bf16, sequence parallel, selective recomputation, ZeRO-1: a dry run of the first stage's
+    rank 1 and the last stage's rank 6 prints the activation line (its stage's layers and micro-batches in flight)
+    and the `pipeline comm` line of the 8-rank gloo run character for character, and the planner's figures equal
+    them."""
+    argv = THREE_D + ["--bf16", "--sequence-parallel", "--recompute-activations", "--zero-stage", "1"]
+    real = "".join(out for _, out in run_ranks(8, main_capturing_stdout, argv))  # the logging rank's lines
+    for rank in (1, 6):
+        _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "8", "--rank", str(rank)])
+        kind = f"activation memory rank {rank} "
+        assert _lines(dry, kind) == _lines(real, kind) and "in flight (1f1b" in _lines(real, kind)[0]
+        (pipeline,) = _lines(dry, "pipeline comm")  # the run prints every stage's at each log interval
+        assert pipeline in _lines(real, "pipeline comm") and pipeline.endswith("ratio 1.0000")
+        checks = _lines(dry, "planner |")[0]
+        assert checks.endswith("| equal") and "pipeline bytes/iter" in checks and "in-flight activation" in checks
+
+
+@pytest.mark.parametrize("flags", [["--num-virtual-stages-per-pipeline-rank", "2"], ["--enable-zero-bubble"]],
+                         ids=["interleaved", "zb-h1"])
+def test_every_pipeline_rank_of_a_schedule_is_equal_to_the_plan(flags):
+    for rank in range(0, 8, 3):
+        _, dry = main_capturing_stdout(THREE_D + flags + ["--dry-run", "--world-size", "8", "--rank", str(rank)])
+        assert _lines(dry, "planner |")[0].endswith("| equal"), (rank, dry)
+
+
+def test_the_planners_pipeline_layout_is_the_dry_runs():
+    """tools/plan_memory.py's figures for a TP 2 x PP 2 x DP 2 layout are those of the dry run of the pipeline rank
+    it shows (the largest device peak): its zero memory and comm lines, held activations, pipeline bytes."""
+    code, planned, _ = _plan("--world-size", "8", "--device-memory", "1GiB", "--device", "cpu", "--json",
+                             "--tp-sizes", "2", "--pp-sizes", "2", "--virtual-stages", "2", "--zero-bubble", "no",
+                             "--zero-stages", "1", "--offload-tiers", "none", "--recompute-modes", "none",
+                             "--micro-batch-sizes", "2", *THREE_D[:THREE_D.index("--tensor-model-parallel-size")])
+    assert code == 0
+    layouts = json.loads(planned)["layouts"]
+    assert {x["layout"]["virtual_stages"] for x in layouts} == {1, 2} and all(x["layout"]["pp"] == 2 for x in layouts)
+    for x in layouts:
+        layout = x["layout"]
+        flags = (["--zero-stage", "1"] + (["--sequence-parallel"] if layout["sequence_parallel"] else [])
+                 + (["--num-virtual-stages-per-pipeline-rank", "2"] if layout["virtual_stages"] > 1 else []))
+        rank = x["pipeline_rank"] * 4  # TP rank 0, DP rank 0 of that pipeline rank (PP outermost)
+        _, dry = main_capturing_stdout(THREE_D + flags + ["--dry-run", "--world-size", "8", "--rank", str(rank)])
+        assert x["zero_memory_line"] == _lines(dry, "zero memory")[-1]
+        if layout["virtual_stages"] == 1:  # interleaved: ZeRO counts each chunk's backward as a micro-batch
+            assert x["zero_comm_line"] == _lines(dry, "zero comm")[0]
+        checks = _lines(dry, "planner |")[0]
+        assert f"in-flight activation bytes {x['activations_held']} vs" in checks
+        assert f"pipeline bytes/iter {x['pp_bytes_per_iter']:.0f} vs" in checks
+
+
+@pytest.mark.product  # about 2 minutes here: 512 micro-batches through two 1T layers
+def test_rank_3000_of_ptdps_1t_run_equals_the_plan():
+    """PTD-P's 1T run (TP 8 x PP 64 x DP 6 on 3072 GPUs, batch 3072): rank 3000 is pipeline rank 62."""
+    argv = ONE_T + ["--train-iters", "1", "--lr", "1e-4", "--mock-data", "--global-batch-size", "3072",
+                    "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "64", "--zero-stage", "1",
+                    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                    "--sequence-parallel", "--dry-run", "--world-size", "3072", "--rank", "3000"]
+    _, dry = main_capturing_stdout(argv)
+    assert "pipeline rank 62" in dry and _lines(dry, "planner |")[0].endswith("| equal")

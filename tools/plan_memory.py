@@ -7,11 +7,13 @@ layout that fits, with its torchrun command.
 
 Takes pretrain_gpt.py's model and training flags (or --config FILE); --train-iters, --lr and --micro-batch-size
 may be left out, data flags too (--vocab-size, default 50257, stands for the tokenizer). The layout flags
-(TP size, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses: each is enumerated unless
-restricted (--tp-sizes, --zero-stages, --offload-tiers, --recompute-modes, --micro-batch-sizes; context
-parallelism only where asked: --cp-sizes 1,2,4, --context-parallel-size, --cp-comm-type), and one given
-as pretrain_gpt.py's own flag (--tensor-model-parallel-size 8, --zero-stage 3, --offload-optimizer cpu,
---recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only the layouts with that value
+(TP size, pipeline size and schedule, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses:
+each is enumerated unless restricted (--tp-sizes, --pp-sizes, --virtual-stages, --zero-bubble, --zero-stages,
+--offload-tiers, --recompute-modes, --micro-batch-sizes; context parallelism only where asked: --cp-sizes 1,2,4,
+--context-parallel-size, --cp-comm-type), and one given as pretrain_gpt.py's own flag
+(--tensor-model-parallel-size 8, --pipeline-model-parallel-size 8, --enable-zero-bubble, --zero-stage 3,
+--offload-optimizer cpu, --recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only
+the layouts with that value
 (said in a note); the global batch is kept when given. Sizes take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB; a bare number
 is GiB. Every figure comes from the code's own functions (mpzero.planner): the `zero memory` and `zero comm`
 lines it predicts are the lines the run prints, and `pretrain_gpt.py --dry-run` runs the real code for any rank
@@ -29,6 +31,7 @@ from mpzero.cli import Choice, Items, Number, Parser, Size, Text, exit_code
 from mpzero.cli.arguments import build_parser, parse_args, planner_sections, tokenizer_record
 from mpzero.cli.config_file import read_config_file
 from mpzero.errors import ConfigError
+from mpzero.pipeline import virtual_stages
 from mpzero.planner.cost import Hardware
 from mpzero.planner.plan import Machine, Planner, rank_plans
 from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
@@ -62,6 +65,8 @@ def planner_parser() -> argparse.ArgumentParser:
                    default=Hardware.efficiency)
     c.add_argument("--dp-bandwidth", type=Size(), default=Hardware.dp_bandwidth, help="per rank, e.g. 25GB")
     c.add_argument("--tp-bandwidth", type=Size(), default=Hardware.tp_bandwidth, help="per rank, e.g. 150GB")
+    c.add_argument("--pp-bandwidth", type=Size(), default=Hardware.pp_bandwidth,
+                   help="per rank, for the pipeline's point-to-point transfers, e.g. 25GB")
     c.add_argument("--pcie-bandwidth", type=Size(), default=Hardware.pcie_bandwidth, help="per rank")
     c.add_argument("--disk-bandwidth", type=Size(), default=Hardware.disk_bandwidth, help="per node")
     c.add_argument("--cpu-adam-rate", type=Number(float, low=0.0, low_ok=False), default=Hardware.cpu_adam_rate,
@@ -70,6 +75,12 @@ def planner_parser() -> argparse.ArgumentParser:
     e.add_argument("--tp-sizes", type=Items(Number(int, low=1)), default=None)
     e.add_argument("--cp-sizes", type=Items(Number(int, low=1)), default=None,
                    help="context-parallel sizes to try (default 1, or --context-parallel-size's)")
+    e.add_argument("--pp-sizes", type=Items(Number(int, low=1)), default=None,
+                   help="pipeline sizes (default: every one that divides the world over TP and the layers)")
+    e.add_argument("--virtual-stages", type=Items(Number(int, low=2)), default=None,
+                   help="model chunks per pipeline rank the interleaved schedule tries (default 2)")
+    e.add_argument("--zero-bubble", type=Items(Choice(("no", "yes"))), default=None,
+                   help="whether pipelines try ZB-H1: no, yes or no,yes (default)")
     e.add_argument("--zero-stages", type=Items(Number(int, low=0, high=3, high_ok=True)), default=None)
     e.add_argument("--offload-tiers", type=Items(Choice(("none", "cpu", "disk"))), default=None,
                    help="subset of none,cpu,disk")
@@ -105,7 +116,11 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "z
                 "optimizer_cpu_offload": "--optimizer-cpu-offload", "offload_params": "--offload-params",
                 "sequence_parallel": "--sequence-parallel", "recompute_activations": "--recompute-activations",
                 "recompute_granularity": "--recompute-granularity", "zero_units": "--zero-units",
-                "context_parallel_size": "--context-parallel-size"}
+                "context_parallel_size": "--context-parallel-size",
+                "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+                "num_virtual_stages_per_pipeline_rank": "--num-virtual-stages-per-pipeline-rank",
+                "num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
+                "enable_zero_bubble": "--enable-zero-bubble"}
 
 
 def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[dict, str | None]:
@@ -124,6 +139,17 @@ def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[di
     if present & {"offload_optimizer", "optimizer_cpu_offload"}:
         fixed["offload_optimizer"] = "cpu" if args.optimizer_cpu_offload else args.offload_optimizer
         said.append(f"--offload-optimizer {fixed['offload_optimizer']}")
+    if "pipeline_model_parallel_size" in present:
+        fixed["pp"] = args.pipeline_model_parallel_size
+        said.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    if present & {"num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage"}:
+        fixed["virtual_stages"] = virtual_stages(args.pipeline_model_parallel_size, args.num_layers,
+                                                 args.num_layers_per_virtual_pipeline_stage,
+                                                 args.num_virtual_stages_per_pipeline_rank)
+        said.append(f"virtual stages {fixed['virtual_stages']}")
+    if "enable_zero_bubble" in present:
+        fixed["zero_bubble"] = True
+        said.append("--enable-zero-bubble")
     if present & {"recompute_activations", "recompute_granularity"}:
         fixed["recompute"] = "selective" if args.recompute_activations else (args.recompute_granularity or "none")
         said.append(f"recompute {fixed['recompute']}")
@@ -147,7 +173,7 @@ def plan(argv: list[str]) -> dict:
     opts, rest = planner_parser().parse_known_args(argv)
     args = parse_args(training_argv(rest))
     hw = Hardware(opts.device_tflops, opts.efficiency, opts.dp_bandwidth, opts.tp_bandwidth, opts.pcie_bandwidth,
-                  opts.disk_bandwidth, opts.cpu_adam_rate, opts.gpus_per_node)
+                  opts.disk_bandwidth, opts.cpu_adam_rate, opts.gpus_per_node, opts.pp_bandwidth)
     reserve = opts.device_reserve if opts.device_reserve is not None else (
         DEFAULT_RESERVE["cuda"] if opts.device == "cuda" else DEFAULT_RESERVE["cpu"])
     machine = Machine(opts.world_size, opts.device_memory, opts.host_memory, opts.disk_space, reserve,
@@ -155,9 +181,11 @@ def plan(argv: list[str]) -> dict:
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
     planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine)
+    zero_bubble = None if opts.zero_bubble is None else tuple(choice == "yes" for choice in opts.zero_bubble)
     fixed, note = layout_restrictions(args, given_flags(rest))
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
-                              opts.micro_batch_sizes, opts.max_micro_batch_size,
+                              opts.micro_batch_sizes, opts.max_micro_batch_size, pps=opts.pp_sizes,
+                              virtual=opts.virtual_stages, zero_bubble=zero_bubble,
                               cps=opts.cp_sizes or (fixed.get("cp", 1),))
     layouts = [layout for layout in layouts if all(getattr(layout, k) == v for k, v in fixed.items())]
     if not layouts:

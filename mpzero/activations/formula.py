@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from mpzero.activations.outside import kept_chunk_tokens, outside_terms
+from mpzero.activations.outside import embedding_terms, head_terms, kept_chunk_tokens, outside_terms
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, Term,
                                         check_setting)
 from mpzero.activations.setting import GRANULARITIES, METHODS  # noqa: F401  (re-exported)
@@ -108,6 +108,25 @@ class ActivationFormula:
         return sum(self.layer_bytes) + self.outside_bytes
 
     @property
+    def indices(self) -> tuple[int, ...]:
+        """The layers' global indices (the model's activation regions)."""
+        return self.setting.layer_indices
+
+    @property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        """Device bytes one micro-batch keeps in each model chunk of the stage: its layers, with the embedding's
+        terms in the chunk that begins the model and the head's in the one that ends it."""
+        setting, out, start = self.setting, [], 0
+        ends = (sum(t.bytes for t in embedding_terms(setting)) if setting.first_stage else 0,
+                sum(t.bytes for t in head_terms(setting)) if setting.last_stage else 0)
+        chunks = setting.layer_chunks
+        for c, chunk in enumerate(chunks):
+            layers = sum(layer.device_bytes for layer in self.layers[start:start + len(chunk)])
+            out.append(layers + (ends[0] if c == 0 else 0) + (ends[1] if c == len(chunks) - 1 else 0))
+            start += len(chunk)
+        return tuple(out)
+
+    @property
     def stored_layer_bytes(self) -> int:
         """What one layer keeps without recomputation, in this setting (the ratio's denominator)."""
         return layer_formula(self.setting, "stored").bytes
@@ -136,19 +155,21 @@ def activation_formula(setting: ActivationSetting) -> ActivationFormula:
 
 
 def layer_kinds(setting: ActivationSetting) -> list[str]:
-    """What each layer keeps: "stored" (everything), "selective" (all but the core attention), "checkpoint"
-    (the input of a recomputed chunk), "in chunk" (nothing: a later layer of a uniform chunk).
-    uniform N: layers cut into chunks of N (the last may be shorter), each chunk's input kept; block N: the
-    first N layers recomputed one by one, the rest stored (Megatron's per-stage rule, one stage here)."""
-    L, g = setting.num_layers, setting.recompute_granularity
-    if g is None:
-        return ["stored"] * L
-    if g == "selective":
-        return ["selective"] * L
-    n = setting.recompute_num_layers
-    if setting.recompute_method == "uniform":
-        return ["checkpoint" if i % n == 0 else "in chunk" for i in range(L)]
-    return ["checkpoint" if i < n else "stored" for i in range(L)]
+    """What each layer of the stage keeps (`setting.layer_indices`' order): "stored" (everything), "selective"
+    (all but the core attention), "checkpoint" (the input of a recomputed chunk), "in chunk" (nothing: a later
+    layer of a uniform chunk). uniform N: layers cut into chunks of N (the last may be shorter), each chunk's input
+    kept; block N: the first N layers recomputed one by one, the rest stored. Both rules apply per model chunk
+    (Megatron's per-stage rule; the whole model is one chunk)."""
+    g, n = setting.recompute_granularity, setting.recompute_num_layers
+    kinds = []
+    for chunk in setting.layer_chunks:
+        if g is None or g == "selective":
+            kinds += ["stored" if g is None else "selective"] * len(chunk)
+        elif setting.recompute_method == "uniform":
+            kinds += ["checkpoint" if i % n == 0 else "in chunk" for i in range(len(chunk))]
+        else:
+            kinds += ["checkpoint" if i < n else "stored" for i in range(len(chunk))]
+    return kinds
 
 
 def _frac_text(coef: Fraction, unit: str) -> str:

@@ -9,13 +9,20 @@ from mpzero.activations.setting import ActivationSetting, Term
 
 
 def outside_terms(setting: ActivationSetting) -> list[Term]:
-    """What a micro-batch keeps outside the transformer layers (embedding, final LayerNorm, logits, loss)."""
+    """What a micro-batch keeps outside the transformer layers: the embedding's terms on the stage that begins the
+    model, the head's and the loss's on the one that ends it (a middle stage receives hidden states that its
+    first layer keeps: nothing outside its layers)."""
+    return ((embedding_terms(setting) if setting.first_stage else [])
+            + (head_terms(setting) if setting.last_stage else []))
+
+
+def embedding_terms(setting: ActivationSetting) -> list[Term]:
+    """Token ids (inputs and labels are views of one [b, s + 1] int64 batch, kept whole by the embedding at TP 1),
+    position ids, the embedding's dropout mask."""
     st = setting
     s, b, h, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp, st.dtype_bytes
     m = st.mask_bytes if st.mask_bytes is not None else e
-    sp = st.sequence_parallel
-    rep_div, div = (t, "/t") if sp else (1, "")
-    local_vocab = st.padded_vocab_size // t
+    rep_div, div = (t, "/t") if st.sequence_parallel else (1, "")
     terms = []
     if t == 1 and st.cp > 1:  # the rank's inputs: its own [b, s] tensor (`mpzero.context_parallel.split_batch`)
         terms.append(Term("token ids (this CP rank's [b, s] int64 inputs)", "8sb", 8 * s * b))
@@ -28,6 +35,17 @@ def outside_terms(setting: ActivationSetting) -> list[Term]:
         terms.append(Term("position ids (int64)", "8s", 8 * s))
     if st.hidden_dropout:
         terms.append(Term("embedding dropout mask", f"{m}sbh{div}", m * s * b * h // rep_div))
+    return terms
+
+
+def head_terms(setting: ActivationSetting) -> list[Term]:
+    """The final norm, the logits' input, the cross entropy (its labels, views of the loaded batch, are not kept:
+    it keeps its own shard-local targets)."""
+    st = setting
+    s, b, h, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp, st.dtype_bytes
+    rep_div, div = (t, "/t") if st.sequence_parallel else (1, "")
+    local_vocab = st.padded_vocab_size // t
+    terms = []
     ln_torch = st.layernorm_impl == "torch"
     ln_in = 4 if ln_torch else e
     norm = "RMSNorm" if st.rms_norm else "LayerNorm"

@@ -19,18 +19,21 @@ from mpzero.activations.formula import ActivationSetting, activation_formula, ex
 _DTYPE_NAMES = {4: "fp32", 2: "16-bit"}
 
 
-def rank_report(counter: SavedBytesCounter, setting: ActivationSetting | None) -> dict:
-    """This rank's counted bytes and its formula (picklable, for gathering to the logging rank)."""
+def rank_report(counter: SavedBytesCounter, setting: ActivationSetting | None, in_flight=None) -> dict:
+    """This rank's counted bytes and its formula (picklable, for gathering to the logging rank). `in_flight`: a
+    pipeline stage's micro-batches held at once, counted against the schedule's formula (an object whose
+    `text()` the line ends with: `mpzero.pipeline.in_flight`), or None."""
     why = "the model gives no activation_setting" if setting is None else modeled(setting)
     formula = activation_formula(setting) if why is None else None
-    layers = max([k for k in counter.device_bytes if isinstance(k, int)], default=-1) + 1
+    indices = range(max([k for k in counter.device_bytes if isinstance(k, int)], default=-1) + 1)
     if setting is not None:
-        layers = setting.num_layers
-    return {"layers": counter.layer_bytes(layers), "compiled trunk": counter.device_bytes.get(COMPILED_TRUNK, 0),
+        indices = setting.layer_indices  # a pipeline stage's layers, by global index
+    return {"layers": [counter.device_bytes.get(i, 0) for i in indices], "indices": tuple(indices),
+            "compiled trunk": counter.device_bytes.get(COMPILED_TRUNK, 0),
             "outside": counter.device_bytes.get(None, 0),
             "total": counter.total_bytes, "host": sum(counter.host_bytes.values()), "formula": formula,
             "why": why, "setting": setting, "exchange": counter.exchange_peak,
-            "exchange_formula": exchange_term(setting) if setting is not None else None}
+            "exchange_formula": exchange_term(setting) if setting is not None else None, "in flight": in_flight}
 
 
 def _ratio(counted: int, formula: int) -> str:
@@ -60,20 +63,21 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
     counted = report["layers"]
     if formula is None:
         if report.get("compiled trunk"):  # one compiled region: its saved tensors are not the layers' own
-            parts.append(f"embedding, layers 0-{len(counted) - 1} and final norm (one compiled region) "
-                         f"{report['compiled trunk']:,} B counted")
+            parts.append(f"embedding, layers {_ranges(list(report['indices']))} and final norm (one compiled "
+                         f"region) {report['compiled trunk']:,} B counted")
         else:
             parts.append(f"layers {', '.join(f'{c:,}' for c in counted)} B counted")
         parts.append(f"micro-batch {report['total']:,} B counted (no formula: {report['why']})")
-        return " | ".join(parts)
+        return " | ".join(parts + _in_flight(report))
     groups: dict = {}
     for i, layer in enumerate(formula.layers):
         groups.setdefault((layer.kind, layer.host), []).append(i)
-    for (kind, host), indices in groups.items():
-        layer = formula.layers[indices[0]]
-        seen = sorted({counted[i] for i in indices})
+    for (kind, host), positions in groups.items():
+        layer = formula.layers[positions[0]]
+        seen = sorted({counted[i] for i in positions})
         shown = f"{seen[0]:,}" if len(seen) == 1 else "/".join(f"{c:,}" for c in seen)
         where = " on the host" if host else ""
+        indices = [formula.indices[i] for i in positions]
         text = f"layers {_ranges(indices)} ({kind}{where}) {shown} B counted, formula {layer.device_bytes:,} B"
         if layer.device_bytes:
             text += f" = {layer.text()}, ratio {_ratio(max(seen), layer.device_bytes)}"
@@ -89,18 +93,28 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
         parts.append(f"attending {report['exchange']:,} B counted, formula {exchange.bytes:,} B = {exchange.name} "
                      f"{exchange.text}, ratio {_ratio(report['exchange'], exchange.bytes)}")
     stored = formula.stored_layer_bytes
-    if setting.recompute_granularity is not None and stored:
+    if setting.recompute_granularity is not None and stored and counted:
         parts.append(f"layers vs stored {sum(counted) / (stored * len(counted)):.2f}x")
-    return " | ".join(parts)
+    return " | ".join(parts + _in_flight(report))
+
+
+def _in_flight(report: dict) -> list[str]:
+    held = report.get("in flight")
+    return [] if held is None else [held.text()]
 
 
 def report_activation_memory(counter: SavedBytesCounter, model, groups, micro_batch_size: int, seq_length: int,
-                             dtype: torch.dtype, tensorboard=None, iteration: int = 0) -> list[dict]:
+                             dtype: torch.dtype, tensorboard=None, iteration: int = 0, in_flight=None) -> list[dict]:
     """Gather every rank's report (a collective: every rank calls it), print one line per rank on the logging
-    rank, and give TensorBoard each rank's counted and formula bytes. Returns the reports, in world-rank order."""
+    rank, and give TensorBoard each rank's counted and formula bytes. Returns the reports, in world-rank order.
+    `in_flight(counter, formula)`: a pipeline stage's held micro-batches (`rank_report`), or None."""
     setting_of = getattr(model, "activation_setting", None)
     setting = setting_of(micro_batch_size, seq_length, dtype, groups.device) if setting_of else None
-    reports = groups.world.all_gather_objects(rank_report(counter, setting))
+    why = "no setting" if setting is None else modeled(setting)
+    held = None
+    if in_flight is not None:
+        held = in_flight(counter, activation_formula(setting) if why is None else None)
+    reports = groups.world.all_gather_objects(rank_report(counter, setting, held))
     if groups.is_logging_rank:
         for rank, report in enumerate(reports):
             print(activation_line(rank, report, dtype), flush=True)

@@ -1,10 +1,15 @@
 """What the activation formula is computed from and summed of: `ActivationSetting`, every knob one rank's
 activation bytes depend on, with `check_setting`, the combinations the code runs; and `Term`, one named byte count
 with its expression. Shared by the layers' formula (formula.py) and the terms outside the layers (outside.py).
+
+A setting describes one pipeline stage (`for_stage`): its transformer layers by model chunk (global indices, as
+the model numbers its activation regions), whether it begins the model (token ids, the embedding) and whether it
+ends it (final norm, logits, loss); by default the whole model, one chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GRANULARITIES = ("selective", "full")
@@ -52,6 +57,24 @@ class ActivationSetting:
     cp: int = 1  # context-parallel ranks (mpzero.context_parallel); the sequence is cp x seq_length tokens
     cp_comm_type: str = "p2p"  # with cp > 1: p2p and all_gather keep what flash keeps; a2a runs its core on a/cp
     # heads over the cp x seq_length tokens
+    # The pipeline stage (the whole model by default):
+    chunks: tuple[tuple[int, ...], ...] | None = None  # its layers' global indices by model chunk; None: all, one
+    first_stage: bool = True  # it begins the model: token ids, position ids, the embedding's dropout mask
+    last_stage: bool = True  # it ends the model: final norm, logits' input, cross entropy
+
+    @property
+    def layer_chunks(self) -> tuple[tuple[int, ...], ...]:
+        return self.chunks if self.chunks is not None else (tuple(range(self.num_layers)),)
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """The stage's layers' global indices, chunk after chunk (the order of `activation_formula`'s layers)."""
+        return tuple(i for chunk in self.layer_chunks for i in chunk)
+
+    def for_stage(self, chunks, first: bool, last: bool) -> ActivationSetting:
+        """This setting for a pipeline stage (`mpzero.models.ModelStage`'s chunks, first, last)."""
+        return dataclasses.replace(self, chunks=tuple(tuple(chunk) for chunk in chunks), first_stage=first,
+                                   last_stage=last)
 
 
 @dataclass(frozen=True)
@@ -75,3 +98,5 @@ def check_setting(setting: ActivationSetting) -> None:
         raise ValueError("distributed checkpoints need TP > 1 and no sequence parallelism")
     if setting.sequence_parallel and (setting.tp == 1 or setting.seq_length % setting.tp):
         raise ValueError("sequence parallelism needs TP > 1 and a sequence length divisible by TP")
+    if any(not 0 <= i < setting.num_layers for i in setting.layer_indices) or not setting.layer_chunks:
+        raise ValueError(f"a stage's layers {setting.layer_chunks} must lie in [0, {setting.num_layers})")

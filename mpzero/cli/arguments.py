@@ -267,26 +267,32 @@ def zero_config(args: argparse.Namespace) -> ZeroConfig:
 def pipeline_config(args: argparse.Namespace, micro_batches: int) -> PipelineConfig:
     """Megatron's pipeline flags (and the zero-bubble fork's), checked against the layers, the micro-batches per
     iteration, the ZeRO stage and the CUDA graphs."""
-    size = args.pipeline_model_parallel_size
-    config = PipelineConfig(size, virtual_stages(size, args.num_layers, args.num_layers_per_virtual_pipeline_stage,
-                                                 args.num_virtual_stages_per_pipeline_rank),
-                            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-                            args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
-                            args.enable_zero_bubble)
+    config = pipeline_section(args)
     check_composition(config, args.zero_stage, args.cuda_graph_impl)
     if config.zero_bubble and args.fp8_format:
         raise ConfigError("--fp8-format with --enable-zero-bubble: the FP8 linears compute their weight gradients in "
                           "the backward pass and cannot defer them to zero bubble's W pass: drop one of them")
-    if size > 1 or config != PipelineConfig():
+    if config != PipelineConfig():
         config.validate(args.num_layers, micro_batches)
     return config
 
 
+def pipeline_section(args: argparse.Namespace) -> PipelineConfig:
+    """The pipeline flags as a section, before the checks against the run (`pipeline_config` makes them)."""
+    size = args.pipeline_model_parallel_size
+    return PipelineConfig(size, virtual_stages(size, args.num_layers, args.num_layers_per_virtual_pipeline_stage,
+                                               args.num_virtual_stages_per_pipeline_rank),
+                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                          args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+                          args.enable_zero_bubble)
+
+
 def planner_sections(args: argparse.Namespace, vocab_size: int) -> RunSections:
     """The run the flags describe, as the planner takes it (`mpzero.planner.Planner`): its sections resolved by the
-    flags' own functions, the layout flags at their given values (a layout replaces them)."""
+    flags' own functions, the layout flags at their given values (a layout replaces them; the pipeline's split
+    flags stay and are checked against each layout's pipeline)."""
     return RunSections(gpt_config(args, vocab_size), zero_config(args), offload_config(args), optimizer_config(args),
-                       precision_config(args), args.seq_length, args.global_batch_size)
+                       precision_config(args), args.seq_length, args.global_batch_size, pipeline_section(args))
 
 
 def offload_config(args: argparse.Namespace) -> OffloadConfig:

@@ -8,7 +8,10 @@ real run prints at start and after an iteration, of the second: `zero memory` (m
 formula; stage 3 with its in-step peak), `zero comm` (DP bytes per iteration against theory). Then it prints
 what the planner (`mpzero.planner`, `tools/plan_memory.py`) predicts for the same layout and whether every
 figure is equal: model states, the peak, DP and TP communication, and the activation bytes (the `activation
-memory` line's count, from the activation-memory module).
+memory` line's count, from the activation-memory module). A pipeline rank builds its own stage and runs two
+iterations of its schedule (its transfers posted to the fake group: nothing arrives, the buffers stay without
+data); it adds the micro-batches it held at once and the `pipeline comm` line (its point-to-point bytes and the
+tied embedding's all-reduce).
 
 How: `torch.distributed.init_process_group("fake", rank=R, world_size=N)` (torch's fake backend: collectives
 return at once and move nothing; the bytes `CommGroup` counts are the real ones) and tensors without data
@@ -30,11 +33,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpzero.activations import SavedBytesCounter, activation_line, rank_report
+from mpzero.activations import SavedBytesCounter, activation_formula, activation_line, modeled, rank_report
 from mpzero.context_parallel import cp_comm_line, cp_comm_theory
 from mpzero.errors import ConfigError
+from mpzero.pipeline import in_flight_report, pipeline_schedule
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
-                            full_recompute_chunks, model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
+                            full_recompute_chunks, hidden_state_bytes, in_flight_bytes, model_shapes, no_data,
+                            normalized, pipeline_comm_bytes, pipeline_stages, plan_states, tied_bytes, tp_comm_bytes)
 from mpzero.tensor_parallel import seed_everything
 from mpzero.training import (MockGPTDataset, RunConfig, TrainingState, build_training_state, forward_backward,
                              num_micro_batches, overlap_note, partition_note)
@@ -77,46 +82,66 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     groups = run.parallel.join()
     training = run.training
     micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
-    cp = f" x CP {groups.cp.size}" if groups.cp.size > 1 else ""
-    cp_rank = f", CP rank {groups.cp.rank}" if groups.cp.size > 1 else ""
-    print(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size}{cp} x DP {groups.dp_size}: TP rank "
-          f"{groups.tp_rank}{cp_rank}, DP rank {groups.dp_rank}), {micro_batches} micro-batch(es) of "
+    print(f"dry run: rank {rank} of {world_size} ({_grid(run, groups)}), {micro_batches} micro-batch(es) of "
           f"{training.micro_batch_size} x {training.seq_length} tokens, on {engine} tensors and a fake process group",
           flush=True)
-    state, at_start, memory, comm, (tp_comm, cp_comm), counter = _two_iterations(run, provider, groups, engine)
+    state, at_start, memory, comm, (tp_comm, cp_comm), pipeline_comm, counter = _two_iterations(
+        run, provider, groups, engine)
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
-    p = element_sizes(run.precision)[0]
-    if groups.cp.size > 1:
-        print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
-                           micro_batches, cp_comm), flush=True)
+    cp_check = _context_parallel(run, groups, micro_batches, cp_comm)
+    pp_comm = 0.0
+    if pipeline_comm is not None:
+        print(pipeline_comm.line(), flush=True)
+        pp_comm = pipeline_comm.measured
     dtype = run.precision.torch_dtype  # the line training prints after its first iteration, here for this rank
     setting = state.model.module.activation_setting(training.micro_batch_size, training.seq_length, dtype,
                                                     groups.device)
-    activations = rank_report(counter, setting)
+    held = None
+    if state.pipeline is not None:
+        held = in_flight_report(state.pipeline, counter, None if modeled(setting) else activation_formula(setting))
+    activations = rank_report(counter, setting, held)
     print(activation_line(rank, activations, dtype), flush=True)
 
-    plan, plan_tp, plan_acts = _planned(run, groups, micro_batches)
-    checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts)
-    if groups.cp.size > 1:
-        plan_cp = cp_comm_theory(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
-                                 micro_batches)[0]
-        checks.append(("CP bytes/iter", cp_comm, plan_cp))
+    plan, plan_tp, plan_acts, plan_pp = _planned(run, groups, micro_batches)
+    checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts, pp_comm, plan_pp) + cp_check
     equal = all(_same(a, b) for _, a, b in checks)
     print("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
           + f" | {'equal' if equal else 'DIFFERENT'}", flush=True)
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     seconds = time.perf_counter() - start
     print(f"dry run | peak RSS {max_rss / 2**20:.0f} MiB | {seconds:.1f} s", flush=True)
-    return {"memory": memory, "memory_at_start": at_start, "comm": comm, "tp_comm": tp_comm,
+    return {"memory": memory, "memory_at_start": at_start, "comm": comm, "tp_comm": tp_comm, "pp_comm": pp_comm,
             "activations": activations, "plan": plan, "plan_tp_comm": plan_tp, "plan_activations": plan_acts,
-            "checks": checks, "equal": equal, "max_rss": max_rss, "seconds": seconds}
+            "plan_pp_comm": plan_pp, "checks": checks, "equal": equal, "max_rss": max_rss, "seconds": seconds}
+
+
+def _grid(run: RunConfig, groups) -> str:
+    """This rank's place in the grid, as the first line says it."""
+    cp = f" x CP {groups.cp.size}" if groups.cp.size > 1 else ""
+    pp = f" x PP {groups.pp_size} ({run.pipeline.schedule})" if groups.pp_size > 1 else ""
+    ranks = [f"TP rank {groups.tp_rank}"] + ([f"CP rank {groups.cp.rank}"] if cp else []) + (
+        [f"pipeline rank {groups.pp_rank}"] if pp else []) + [f"DP rank {groups.dp_rank}"]
+    return f"TP {groups.tp_size}{cp}{pp} x DP {groups.dp_size}: {', '.join(ranks)}"
+
+
+def _context_parallel(run: RunConfig, groups, micro_batches: int, cp_comm: float) -> list:
+    """With context parallelism: the `cp comm` line printed, and its check against the theory (else none)."""
+    if groups.cp.size == 1:
+        return []
+    training, p = run.training, element_sizes(run.precision)[0]
+    print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p, micro_batches,
+                       cp_comm), flush=True)
+    theory = cp_comm_theory(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
+                            micro_batches)[0]
+    return [("CP bytes/iter", cp_comm, theory)]
 
 
 def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
     """The training state built on tensors without data and two iterations, the second measured (stage 3 prefetches
-    from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, TP
-    and CP bytes, the second iteration's SavedBytesCounter)."""
+    from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, (TP
+    bytes, CP bytes), the `pipeline comm` report (None without a pipeline), the second iteration's
+    SavedBytesCounter)."""
     training = run.training
     with no_data(engine):
         state = _build(run, provider, groups, engine)
@@ -131,6 +156,9 @@ def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
         forward_backward(state, data, 0, training)
         optimizer.step(run.schedule.lr(0))
         optimizer.comm_report()  # count from the second iteration on
+        meter = state.pipeline.meter if state.pipeline is not None else None
+        if meter is not None:
+            meter.report(1)
         tp_mark, cp_mark = groups.tp.stats.total(), groups.cp.stats.total()
         counter = SavedBytesCounter(state.model.module)
         forward_backward(state, data, 1, training, activations=counter)
@@ -138,22 +166,36 @@ def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
         optimizer.step(run.schedule.lr(1))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
+        pipeline_comm = meter.report(2) if meter is not None else None
         optimizer.close()
-    return state, at_start, memory, comm, (tp_comm, cp_comm), counter
+    return state, at_start, memory, comm, (tp_comm, cp_comm), pipeline_comm, counter
 
 
 def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
-    """The planner's figures for this rank, from the flags alone: (model states plan, TP bytes, activation plan)."""
-    training = run.training
+    """The planner's figures for this rank (a pipeline rank: its stage), from the flags alone: (model states plan,
+    TP bytes, activation plan with the micro-batches in flight, pipeline bytes)."""
+    training, (p, g) = run.training, element_sizes(run.precision)
+    stage = pipeline_stages(run.pipeline, run.model.num_layers)[groups.pp_rank]
+    shapes = model_shapes(normalized(run.model), groups.tp_size, stage)
     zero_group = groups.dp_cp  # ZeRO partitions over DP x CP
-    plan = plan_states(PlanInputs(model_shapes(normalized(run.model), groups.tp_size), run.zero, run.precision,
-                                  zero_group.size, zero_group.rank, run.offload, micro_batches, cuda=False,
-                                  rule=run.optimizer.rule, recomputed=full_recompute_chunks(run.model)))
-    plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                            element_sizes(run.precision)[0], micro_batches)
+    plan = plan_states(PlanInputs(shapes, run.zero, run.precision, zero_group.size, zero_group.rank, run.offload,
+                                  micro_batches, cuda=False, rule=run.optimizer.rule,
+                                  recomputed=full_recompute_chunks(run.model)))
+    plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
+                            micro_batches, stage)
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank)
-    return plan, plan_tp, plan_acts
+                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank, stage=stage)
+    plan_pp = 0.0
+    if stage is not None:
+        pipe, zero = run.pipeline.pipe(micro_batches), run.zero
+        if plan_acts is not None:
+            plan_acts = dataclasses.replace(plan_acts, **dict(zip(("in_flight", "in_flight_text"), in_flight_bytes(
+                run.pipeline.schedule, pipe, groups.pp_rank, plan_acts.formula))))
+        layouts = shapes.layouts(zero.stage, groups.dp_size, groups.dp_rank, zero.bucket_numel, zero.units)
+        activation_bytes = hidden_state_bytes(run.model, groups.tp_size, training.micro_batch_size,
+                                              training.seq_length, p)
+        plan_pp = pipeline_comm_bytes(pipe, groups.pp_rank, activation_bytes, tied_bytes(layouts, g))
+    return plan, plan_tp, plan_acts, plan_pp
 
 
 def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
@@ -162,25 +204,38 @@ def _build(run: RunConfig, provider, groups, engine: str) -> TrainingState:
     if engine == "fake":
         return build_training_state(run, provider, groups)
     groups = dataclasses.replace(groups, device=engine_device(engine))
-    rng = seed_everything(run.training.seed, groups.tp_rank, torch.device("cpu"))
+    rng = seed_everything(run.training.seed, groups.tp_rank, torch.device("cpu"), groups.pp_rank)
     built = provider(run.model, groups, rng)
     optimizer = ZeroOptimizer(built.module, groups, run.zero, run.optimizer, run.precision, offload=run.offload)
-    return TrainingState(groups, built, optimizer, rng)
+    schedule = None
+    if groups.pp_size > 1:
+        training = run.training
+        schedule = pipeline_schedule(run.pipeline, groups, built.module, training.micro_batch_size,
+                                     training.seq_length, num_micro_batches(training.global_batch_size,
+                                                                            training.micro_batch_size, groups.dp_size),
+                                     run.precision.torch_dtype, optimizer.tied_gradient_bytes())
+    return TrainingState(groups, built, optimizer, rng, schedule)
 
 
 def compare(memory, comm, tp_comm: float, plan: StatePlan, plan_tp: float, activations: dict | None = None,
-            plan_acts: ActivationPlan | None = None) -> list[tuple[str, float, float]]:
+            plan_acts: ActivationPlan | None = None, pp_comm: float = 0.0,
+            plan_pp: float = 0.0) -> list[tuple[str, float, float]]:
     """(figure, the dry run's, the planner's) for every figure both give."""
     checks = [("model-state bytes", memory.measured, plan.report.measured),
               ("formula bytes", memory.formula, plan.report.formula),
               ("DP bytes/iter", comm.measured, plan.comm.measured),
               ("TP bytes/iter", tp_comm, plan_tp)]
+    if pp_comm or plan_pp:
+        checks.append(("pipeline bytes/iter", pp_comm, plan_pp))
     if memory.peak is not None:
         checks.append(("peak bytes", memory.peak.measured, plan.report.peak.measured))
     for mine, theirs in zip(memory.construction, plan.report.construction):
         checks.append((f"{mine.name} bytes", mine.measured, theirs.measured))
     if activations is not None and plan_acts is not None:
         checks.append(("activation bytes", activations["total"], plan_acts.saved))
+        held = activations.get("in flight")
+        if held is not None and plan_acts.in_flight is not None:
+            checks.append(("in-flight activation bytes", held.counted, plan_acts.in_flight))
     ours = {tier.name: tier for tier in plan.report.tiers}
     for tier in memory.tiers:
         if tier.name in ours:

@@ -35,7 +35,7 @@ class ModelFamily:
     build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None, cp=None) -> the model ("meta": no storage)
     flops_per_token: Callable[..., float]  # (config, tp_size, micro_batch_size=1) -> matmul FLOPs per token, fwd+bwd
     activation_setting: Callable | None  # (config, tp, micro_batch, seq, dtype, device, tp_rank, rng_streams)
-    tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches) -> TP bytes per iteration
+    tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches, stage=None) -> TP bytes/iter
     hf_model_type: str | None  # its key in inference.hf.ADAPTERS (config.json's model_type); None: no HF class
     architecture: Callable[[Any], dict]  # {flag name: value} a checkpoint must agree with to load
     matches: Callable[[Any], bool]  # whether a config is of this family
@@ -78,7 +78,7 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,
-                              micro_batches: int) -> float:
+                              micro_batches: int, stage=None) -> float:
     """Bytes per rank per iteration on the TP group (ring model: an all-reduce of B bytes moves 2B(t-1)/t, an
     all-gather or reduce-scatter of a B-byte whole B(t-1)/t), for the transformer `config` (its recomputation and
     sequence-parallel settings), B = b s h p the bytes of one [b, s, h] activation. Per micro-batch:
@@ -95,38 +95,46 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      backward, its gradient reduce-scattered, 3B), the final LayerNorm's parameters (SP: 16h),
                      the cross entropy's three fp32 [b, s] all-reduces (24bs)
       FP8            each FP8 linear's fp32 amaxes of split tensors, all-reduced (`_fp8_amax_elements`)
-    all times (t-1)/t. Under context parallelism a rank's activations hold its s/CP tokens."""
+    all times (t-1)/t. Under context parallelism a rank's activations hold its s/CP tokens. A pipeline stage
+    (`stage`, a `ModelStage`) counts its own layers (recomputation's rules per model chunk), the embedding's terms
+    where it begins the model and the rest of the outside terms where it ends it."""
     if tp == 1:
         return 0.0
     r = (tp - 1) / tp
-    h, L = config.hidden_size, config.num_layers
+    h = config.hidden_size
+    chunks = [config.num_layers] if stage is None else [len(chunk) for chunk in stage.chunks]
+    first, last = (True, True) if stage is None else (stage.first, stage.last)
     seq //= config.context_parallel_size
     B = micro_batch * seq * h * p
     sp = config.sequence_parallel
     recomputed = checkpoints = 0
     if config.granularity == "full":
         method, n = config.resolved_recompute_method, config.resolved_recompute_num_layers
-        recomputed = L if method == "uniform" else n
-        checkpoints = -(-L // n) if method == "uniform" else n
+        recomputed = sum(c if method == "uniform" else min(n, c) for c in chunks)
+        checkpoints = sum(-(-c // n) if method == "uniform" else min(n, c) for c in chunks)
     norm_params = 1 if config.normalization == "RMSNorm" else 2  # RMSNorm: no bias
     biases = 4 * h * p if config.add_bias_linear else 0
     layer = (10 * B + 16 * norm_params * h + biases) if sp else 8 * B
-    total = L * layer + recomputed * 4 * B
+    total = sum(chunks) * layer + recomputed * 4 * B
     if config.distribute_saved_activations:
         total += checkpoints * B
-    total += (3 * B + 8 * norm_params * h + 3 * B) if sp else (2 * B + 2 * B)
-    total += 24 * micro_batch * seq + 8 * _fp8_amax_elements(config, tp, micro_batch * seq)
+    if first:
+        total += 3 * B if sp else 2 * B
+    if last:
+        total += (3 * B + 8 * norm_params * h if sp else 2 * B) + 24 * micro_batch * seq
+    layers = range(config.num_layers) if stage is None else [i for chunk in stage.chunks for i in chunk]
+    total += 8 * _fp8_amax_elements(config, tp, micro_batch * seq, layers)
     return total * r * micro_batches
 
 
-def _fp8_amax_elements(config: GPTConfig, tp: int, tokens: int) -> int:
-    """--fp8-format: the fp32 amaxes one micro-batch all-reduces over TP (each FP8 linear's casts of split tensors,
-    `tensor_parallel.fp8.amax_reduced_elements`; an all-reduce of n moves 8n(t-1)/t bytes per rank)."""
+def _fp8_amax_elements(config: GPTConfig, tp: int, tokens: int, layers) -> int:
+    """--fp8-format: the fp32 amaxes one micro-batch all-reduces over TP in `layers` (each FP8 linear's casts of
+    split tensors, `tensor_parallel.fp8.amax_reduced_elements`; an all-reduce of n moves 8n(t-1)/t bytes per rank)."""
     if config.fp8 is None:
         return 0
     per_layer = sum(amax_reduced_elements(config.fp8, kind, k, n, tp, tokens) for kind, k, n in layer_linears(config)
                     if config.fp8.chooses(n, k))
-    return per_layer * (config.num_layers - len(config.bf16_layers()))
+    return per_layer * len(set(layers) - config.bf16_layers())
 
 
 def is_llama(config: GPTConfig) -> bool:

@@ -381,10 +381,11 @@ class GPTModel(nn.Module):
 
     def activation_setting(self, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
                            device: torch.device) -> ActivationSetting:
-        """What `mpzero.activations.formula` needs for this model's activation bytes on this rank."""
-        return self.config.activation_setting(self.tp.size, micro_batch_size, seq_length, dtype, device,
-                                              tp_rank=self.tp.rank,
-                                              rng_streams=len(self.rng.states) if self.rng is not None else 1)
+        """What `mpzero.activations.formula` needs for this model's activation bytes on this rank (its stage)."""
+        setting = self.config.activation_setting(self.tp.size, micro_batch_size, seq_length, dtype, device,
+                                                 tp_rank=self.tp.rank,
+                                                 rng_streams=len(self.rng.states) if self.rng is not None else 1)
+        return setting.for_stage(self.stage.chunks, self.stage.first, self.stage.last)
 
     def compiled_backward_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients one compiled backward delivers together (the trunk's, where it is one

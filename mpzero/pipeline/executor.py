@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from mpzero.comm import CommGroup
+from mpzero.pipeline.in_flight import HeldActivations
 from mpzero.pipeline.schedules import COMM, Action, Pipeline, Step, peer
 from mpzero.tensor_parallel import WeightGradStore
 
@@ -50,6 +51,7 @@ class StageRun:
     dtype: torch.dtype
     device: torch.device
     store: WeightGradStore | None = None
+    held: HeldActivations = field(default_factory=HeldActivations)  # a training iteration's held micro-batches
 
 
 class _Iteration:
@@ -110,6 +112,9 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
     it, pipe, stage = _Iteration(run, rank), run.pipe, run.model.stage
     total = torch.zeros((), device=run.device)
     last = _last_backward(steps)
+    held = run.held if optimizer is not None else None  # counted while training (pipeline/in_flight.py)
+    if held is not None:
+        held.reset(pipe.v)
     for index, step in enumerate(steps):
         action = step[0]
         if action.kind in COMM:
@@ -127,6 +132,8 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
         else:  # W
             with optimizer.backward_window(index == last, micro_batch=False):
                 run.store.run(key)
+        if held is not None:
+            held.step(action.kind, action.chunk, run.store.held_bytes if run.store is not None else 0)
         if timings is not None:
             timings.setdefault(action.kind, []).append(time.perf_counter() - started)
     it.finish()

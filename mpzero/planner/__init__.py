@@ -2,6 +2,7 @@
 and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
 
 - `plan`: `Planner` evaluates every layout (`Layout`) of a run on a `Machine` into `LayoutPlan`s; `rank_plans`.
+- `pipeline`: each pipeline rank's stage, its micro-batches in flight, the bubble and point-to-point bytes.
 - `states`: `plan_states`, one rank's model-state bytes, its in-step peak and DP traffic, from `PlanInputs`.
 - `shapes`: `model_shapes`, the model's parameter layouts without building a parameter.
 - `activations`, `transients`, `cost`: activation bytes, the step's working tensors, the time model (`Hardware`).
@@ -13,6 +14,8 @@ and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
 from mpzero.planner.activations import ActivationPlan, activation_plan, activation_setting, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.fake import ENGINES, engine_device, fake_tensors, no_data
+from mpzero.planner.pipeline import (bubble_fraction, hidden_state_bytes, in_flight_bytes, pipeline_comm_bytes,
+                                     pipeline_stages, stage_classes, tied_bytes)
 from mpzero.planner.plan import RECOMPUTE_MODES, TIERS, Layout, LayoutPlan, Machine, Planner, RunSections, rank_plans
 from mpzero.planner.report import (GIB, HEADER, LAYOUT_FLAGS, components_text, gib, layout_argv, row,
                                    torchrun_command, without_layout_flags)
@@ -21,8 +24,8 @@ from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_sta
 
 __all__ = ["ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
            "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "RunSections", "StatePlan", "TIERS",
-           "activation_plan", "activation_setting", "components_text", "element_sizes", "engine_device",
-           "fake_tensors", "full_recompute_chunks", "gib", "layout_argv", "layout_cost",
-           "model_shapes", "no_data", "normalized",
-           "plan_states", "rank_plans", "row", "torchrun_command", "tp_comm_bytes",
-           "without_layout_flags"]
+           "activation_plan", "activation_setting", "bubble_fraction", "components_text", "element_sizes",
+           "engine_device", "fake_tensors", "full_recompute_chunks", "gib", "hidden_state_bytes", "in_flight_bytes",
+           "layout_argv", "layout_cost", "model_shapes", "no_data", "normalized", "pipeline_comm_bytes",
+           "pipeline_stages", "plan_states", "rank_plans", "row", "stage_classes", "tied_bytes", "torchrun_command",
+           "tp_comm_bytes", "without_layout_flags"]

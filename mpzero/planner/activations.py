@@ -9,7 +9,7 @@ are not counted; it never substitutes a formula of its own.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class ActivationPlan:
     recompute_transient: int  # in backward, a recomputed layer's tensors beyond what it kept
     host: int  # kept in host memory (--offload-activations cpu; 0 when not modeled)
     text: str  # the first layer's formula (Korthikanti's row and mpzero's terms)
+    in_flight: int | None = None  # a pipeline rank: the bytes of the micro-batches it holds at once
+    in_flight_text: str = ""
+    formula: object = field(default=None, compare=False, repr=False)  # the ActivationFormula behind it
 
     @property
     def saved(self) -> int:
@@ -31,9 +34,14 @@ class ActivationPlan:
         return sum(self.per_layer) + self.outside
 
     @property
+    def held(self) -> int:
+        """What the forwards held at once keep: one micro-batch's, or a pipeline rank's micro-batches in flight."""
+        return self.saved if self.in_flight is None else self.in_flight
+
+    @property
     def peak(self) -> int:
-        """The most activation bytes alive in a step: the saved bytes plus one layer recomputed in backward."""
-        return self.saved + self.recompute_transient
+        """The most activation bytes alive in a step: the held bytes plus one layer recomputed in backward."""
+        return self.held + self.recompute_transient
 
 
 def activation_setting(config, tp: int, tp_rank: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool):
@@ -48,13 +56,16 @@ def activation_setting(config, tp: int, tp_rank: int, micro_batch: int, seq: int
 
 
 def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool = True,
-                    tp_rank: int = 0) -> ActivationPlan | None:
+                    tp_rank: int = 0, stage=None) -> ActivationPlan | None:
     """Activation bytes of TP rank `tp_rank` for a micro-batch of `micro_batch` x `seq` tokens of the GPT `config`
-    (its recomputation, sequence-parallel and offload settings) at TP `tp`; None where not modeled."""
+    (its recomputation, sequence-parallel and offload settings) at TP `tp`, on a pipeline rank's `stage`
+    (`ModelStage`; None: the whole model); None where not modeled."""
     setting = activation_setting(config, tp, tp_rank, micro_batch, seq, dtype, cuda)
     from mpzero.activations import activation_formula, layer_formula, modeled
     if setting is None or modeled(setting) is not None:
         return None
+    if stage is not None:
+        setting = setting.for_stage(stage.chunks, stage.first, stage.last)
     formula = activation_formula(setting)
     stored = layer_formula(setting, "stored").bytes
     kinds = {layer.kind for layer in formula.layers}
@@ -66,7 +77,7 @@ def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dt
         transient = max(stored * (chunk or 1) - kept, 0)
     host = sum(layer.host_bytes or 0 for layer in formula.layers)
     text = formula.layers[0].text() if formula.layers else "0"
-    return ActivationPlan(tuple(formula.layer_bytes), formula.outside_bytes, transient, host, text)
+    return ActivationPlan(tuple(formula.layer_bytes), formula.outside_bytes, transient, host, text, formula=formula)
 
 
 def normalized(config):

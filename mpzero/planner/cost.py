@@ -1,10 +1,14 @@
 """The planner's cost model: seconds per iteration of a layout, from FLOPs and bytes, stated in full.
 
-    T = max(T_compute, T_dp, T_fetch) + T_tp + T_cp + T_offload
+    T = max(T_compute (1 + bubble), T_dp, T_fetch) + T_tp + T_cp + T_pp + T_offload
 
 - T_compute = FLOPs per rank per iteration / (device peak FLOP/s x efficiency). FLOPs per token are Megatron's
   (`GPTConfig.flops_per_token`, forward + backward = 3 forwards); full recomputation adds one forward of the
-  layers (24 l h^2 + 4 l s h per token), selective the core attention's (4 l s h: its two matmuls).
+  layers (24 l h^2 + 4 l s h per token), selective the core attention's (4 l s h: its two matmuls). A pipeline
+  rank computes its own layers' share: the whole model's FLOPs / world x its layers / (L / p), so an uneven
+  stage takes longer (the embedding's and the head's FLOPs are not assigned to the ends: a model).
+- bubble: the schedule's idle fraction (`planner.pipeline.bubble_fraction`: 1F1B (p-1)/m, interleaved
+  (p-1)/(v m), ZB-H1's own); the slowest stage sets the pace of all.
 - T_dp = DP bytes per rank per iteration (the `zero comm` figure) / DP bandwidth: overlapped with compute
   (gradient buckets reduce while backward runs, stage 3 prefetches), so only the excess over compute counts.
 - T_fetch = stage 3's offloaded parameters read for every gather: host-to-device bytes / PCIe bandwidth, and
@@ -15,6 +19,8 @@
   (a node's TP bandwidth when the TP x CP block tiles a node, the DP bandwidth otherwise); all_gather and a2a wait
   for their collectives, the ring (p2p) sends the next K/V while a block computes: only its excess over the
   attention's matmuls (4 l s h per token, forward and backward: 12 l s h) counts.
+- T_pp = the pipeline rank's point-to-point bytes per iteration (`planner.pipeline.pipeline_comm_bytes`) / the
+  pipeline bandwidth: on the critical path (a stage waits for its input), not overlapped (an upper bound).
 - T_offload = the optimizer step off the device, after backward: gradients down and parameters up over PCIe,
   the disk tier's state read and written (K P/N each way, K = 4 + the rule's state bytes: AdamW 12, SGD 8; the
   rank's share of the node's disk bandwidth), and the update on the CPU (this rank's partition / the CPU's AdamW
@@ -40,6 +46,7 @@ class Hardware:
     disk_bandwidth: float = 3e9  # bytes/s per node, read or write
     cpu_adam_rate: float = 1e9  # parameters per second per rank that AdamW on the CPU updates
     gpus_per_node: int = 8
+    pp_bandwidth: float = 25e9  # bytes/s per rank for pipeline point-to-point transfers (across nodes)
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,13 @@ class Cost:
     offload: float
     tokens: int  # per iteration
     cp: float = 0.0
+    pp: float = 0.0  # point-to-point seconds (pipeline)
+    bubble: float = 0.0  # the schedule's idle time over the compute time
 
     @property
     def seconds(self) -> float:
-        return max(self.compute, self.dp, self.fetch) + self.tp + self.cp + self.offload
+        return (max(self.compute * (1 + self.bubble), self.dp, self.fetch) + self.tp + self.cp + self.pp
+                + self.offload)
 
     @property
     def tokens_per_second(self) -> float:
@@ -71,11 +81,12 @@ def flops_per_token(config, tp: int, recompute: str, micro_batch: int = 1) -> fl
 
 
 def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float, p: int, cuda: bool = True,
-                cp_bytes: float = 0.0) -> Cost:
+                cp_bytes: float = 0.0, pp_bytes: float = 0.0, share: float = 1.0, bubble: float = 0.0) -> Cost:
     """The cost of `layout` (a `plan.Layout`) whose model states are `plan` (a `StatePlan`), parameters of `p`
-    bytes; `cuda`: the device is a GPU (else device<->host copies cost nothing: the device is the host)."""
+    bytes; `cuda`: the device is a GPU (else device<->host copies cost nothing: the device is the host). A
+    pipeline rank: its point-to-point bytes, its layers over the average (`share`), the schedule's `bubble`."""
     tokens = layout.global_batch * (config.seq_length or config.max_position_embeddings)
-    flops = flops_per_token(config, layout.tp, layout.recompute, layout.micro_batch) * tokens / world
+    flops = flops_per_token(config, layout.tp, layout.recompute, layout.micro_batch) * tokens / world * share
     compute = flops / (hw.device_tflops * 1e12 * hw.efficiency)
     dp = plan.comm_bytes / hw.dp_bandwidth
     ranks_per_node = min(hw.gpus_per_node, world)
@@ -106,4 +117,4 @@ def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float,
             s = config.seq_length or config.max_position_embeddings
             attention = 12 * config.num_layers * s * config.hidden_size * tokens / world
             cp = max(cp - attention / (hw.device_tflops * 1e12 * hw.efficiency), 0.0)
-    return Cost(compute, dp, fetch, tp_bytes / tp_bandwidth, offload, tokens, cp)
+    return Cost(compute, dp, fetch, tp_bytes / tp_bandwidth, offload, tokens, cp, pp_bytes / hw.pp_bandwidth, bubble)

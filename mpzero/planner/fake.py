@@ -16,7 +16,11 @@ What the code does that data-less tensors do not support as-is is handled here, 
   `torch.set_rng_state` of a fake state leaves the generator as it is (nothing draws real numbers here);
 - (fake) `nn.Module.to(device)` of a module whose parameters are already fake tensors on that device (GPTEmbedding's
   position table) tries `torch.utils.swap_tensors` on the parameter, which fake tensors refuse: it is the identity
-  there, as it is for real tensors already on the device.
+  there, as it is for real tensors already on the device;
+- (meta) `torch.distributed.batch_isend_irecv` (a pipeline's point-to-point transfers) asks the process group for
+  its backend on the tensors' device, and torch's fake backend registers none for meta: meta tensors' sends and
+  receives are posted one by one, as torch itself posts them for a backend that does not coalesce (the fake
+  backend takes `isend`/`irecv` of meta tensors; CPU and fake tensors keep the batched call).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 from itertools import chain
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -53,6 +58,7 @@ _tensor_item = torch.Tensor.item
 _tensor_tolist = torch.Tensor.tolist
 _module_to = nn.Module.to
 _set_rng_state = torch.set_rng_state
+_batch_isend_irecv = dist.batch_isend_irecv
 
 
 def _item_or_zero(self: torch.Tensor):
@@ -79,6 +85,13 @@ def _set_rng_state_on_fake(new_state: torch.Tensor) -> None:
         _set_rng_state(new_state)
 
 
+def _batch_isend_irecv_on_meta(p2p_op_list: list) -> list:
+    if not p2p_op_list or p2p_op_list[0].tensor.device.type != "meta":
+        return _batch_isend_irecv(p2p_op_list)
+    works = [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in p2p_op_list]
+    return [work for work in works if work]
+
+
 def engine_device(engine: str) -> torch.device:
     """The device the code is handed under `engine`: tensors are created there."""
     return torch.device("meta" if engine == "meta" else "cpu")
@@ -93,6 +106,7 @@ def no_data(engine: str = "meta"):
     try:
         if engine == "meta":
             torch.Tensor.item, torch.Tensor.tolist = _item_or_zero, _tolist_or_zeros
+            dist.batch_isend_irecv = _batch_isend_irecv_on_meta
             with torch.device("meta"):
                 yield
         else:
@@ -102,6 +116,7 @@ def no_data(engine: str = "meta"):
     finally:
         torch.Tensor.item, torch.Tensor.tolist = _tensor_item, _tensor_tolist
         nn.Module.to, torch.set_rng_state = _module_to, _set_rng_state
+        dist.batch_isend_irecv = _batch_isend_irecv
 
 
 def fake_tensors():

@@ -1,11 +1,15 @@
 """Layouts of a training run and what each needs per rank: the planner's core, without any I/O.
 
-A `Layout` is one way to run the same model on `world` ranks: TP size, ZeRO stage, offload tiers, recomputation,
-micro-batch. The planner receives the run as typed sections (`RunSections`, resolved by its caller with the flags'
-own functions: `mpzero.cli.planner_sections`); `Layout.apply` puts a layout's choices into them, and
+A `Layout` is one way to run the same model on `world` ranks: TP size, context-parallel size, pipeline stages (and
+their schedule: virtual stages, zero bubble), ZeRO stage, offload tiers, recomputation, micro-batch; DP = world /
+(TP x CP x PP). The planner receives the run as typed sections (`RunSections`, resolved by its caller with the
+flags' own functions: `mpzero.cli.planner_sections`); `Layout.apply` puts a layout's choices into them, and
 `Planner.evaluate(layout)` counts the model states with `states.plan_states` (the code's layouts and formulas), the
 activations with `activations.activation_plan` (the activation-memory module), the TP traffic, and the cost
-(`cost.py`), and says whether it fits the machine.
+(`cost.py`), and says whether it fits the machine. With pipeline parallelism every pipeline rank is evaluated for
+its own stage (`planner.pipeline`: the stage built on meta as a run builds it, ZeRO over that stage's DP, the
+activations of the micro-batches the schedule holds on it, its point-to-point bytes); the largest device peak
+decides what fits, the slowest stage the time.
 
 Device bytes per rank at the peak = the largest of three moments (+ the reserve the user states: CUDA context,
 allocator slack, fragmentation, not modeled):
@@ -28,8 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpzero.context_parallel import cp_comm_theory
+from mpzero.errors import ConfigError
+from mpzero.pipeline import PipelineConfig, check_composition
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
+from mpzero.planner.pipeline import (bubble_fraction, hidden_state_bytes, in_flight_bytes, pipeline_comm_bytes,
+                                     pipeline_stages, stage_classes, tied_bytes)
 from mpzero.planner.shapes import full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.planner.transients import compute_transients
@@ -50,6 +58,7 @@ class RunSections:
     precision: PrecisionConfig
     seq_length: int
     global_batch_size: int | None = None  # None: micro-batch x DP, as pretrain_gpt.py resolves it
+    pipeline: PipelineConfig = PipelineConfig()  # uneven first/last stages, embedding/loss accounting
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,17 @@ class Layout:
     sequence_parallel: bool = False
     units: str = "layer"  # stage 3's units (--zero-units): layer, or linear (each linear layer gathered alone)
     cp: int = 1  # context-parallel ranks (--context-parallel-size): ZeRO partitions over DP x CP
+    pp: int = 1  # pipeline stages (--pipeline-model-parallel-size)
+    virtual_stages: int = 1  # model chunks per pipeline rank (--num-virtual-stages-per-pipeline-rank)
+    zero_bubble: bool = False  # ZB-H1 (--enable-zero-bubble)
 
     @property
     def micro_batches(self) -> int:
         return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def schedule(self) -> str:
+        return "zb-h1" if self.zero_bubble else "interleaved" if self.virtual_stages > 1 else "1f1b"
 
     def apply(self, run: RunSections) -> RunSections:
         """`run` with this layout's choices, each section checked as a run would check it (one ConfigError line)."""
@@ -82,11 +98,20 @@ class Layout:
         offload = dataclasses.replace(run.offload, optimizer=self.offload_optimizer, params=self.offload_params)
         if offload.uses_disk and not offload.path:  # the path only matters to a run; checked there
             offload = dataclasses.replace(offload, path="OFFLOAD_PATH")
+        pipeline = dataclasses.replace(run.pipeline, size=self.pp, virtual_stages=self.virtual_stages,
+                                       zero_bubble=self.zero_bubble)
         model.validate(self.tp)
         zero.validate()
         check_zero_units(zero, model.torch_compile, model.cuda_graph_impl)
         offload.validate(zero.stage)
-        return dataclasses.replace(run, model=model, zero=zero, offload=offload)
+        check_composition(pipeline, zero.stage, model.cuda_graph_impl)
+        if pipeline.zero_bubble and model.fp8_format is not None:
+            raise ConfigError("--fp8-format linears cannot defer their weight gradients to zero bubble's W pass")
+        if pipeline.size > 1 and self.cp > 1:
+            raise ConfigError("--context-parallel-size with --pipeline-model-parallel-size is not supported yet")
+        if pipeline != PipelineConfig():
+            pipeline.validate(model.num_layers, self.micro_batches)
+        return dataclasses.replace(run, model=model, zero=zero, offload=offload, pipeline=pipeline)
 
     def describe(self) -> str:
         offload = "" if self.offload_optimizer == "none" else (
@@ -95,7 +120,10 @@ class Layout:
         sp = " + SP" if self.sequence_parallel else ""
         units = ", linear units" if self.units == "linear" else ""
         cp = f" x CP {self.cp}" if self.cp > 1 else ""
-        return (f"TP {self.tp}{cp} x DP {self.dp}, ZeRO-{self.stage}{units}{offload}, recompute {self.recompute}{sp}, "
+        pp = "" if self.pp == 1 else f" x PP {self.pp} ({self.schedule}" + (
+            f", v {self.virtual_stages})" if self.virtual_stages > 1 else ")")
+        return (f"TP {self.tp}{cp}{pp} x DP {self.dp}, ZeRO-{self.stage}{units}{offload}, recompute "
+                f"{self.recompute}{sp}, "
                 f"micro-batch {self.micro_batch} x {self.micro_batches}")
 
 
@@ -130,6 +158,9 @@ class LayoutPlan:
     fits: bool
     why: str  # what does not fit ("" when it fits)
     cp_comm: float = 0.0  # bytes per rank per iteration on the CP group (mpzero.context_parallel.cp_comm_theory)
+    pp_comm: float = 0.0  # bytes per rank per iteration on the pipeline and embedding groups (the deciding rank's)
+    pp_rank: int = 0  # the pipeline rank whose figures these are: the largest device peak
+    stage_peaks: tuple[int, ...] = ()  # every pipeline rank's device peak
 
     @property
     def backward_peak(self) -> int:
@@ -168,10 +199,14 @@ class LayoutPlan:
                 "model_state_formula": s.report.formula_text, "model_state_formula_bytes": s.report.formula,
                 "dp_bytes_per_iter": s.comm_bytes, "dp_theory_bytes_per_iter": s.comm.theory,
                 "tp_bytes_per_iter": self.tp_comm, "cp_bytes_per_iter": self.cp_comm,
+                "pp_bytes_per_iter": self.pp_comm, "pipeline_rank": self.pp_rank,
+                "stage_peaks": list(self.stage_peaks),
+                "activations_held": None if self.activations is None else self.activations.held,
                 "transfers_per_iter": {t.name: t.theory for t in s.comm.transfers},
                 "seconds_per_iter": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_second,
                 "cost": {"compute": self.cost.compute, "dp": self.cost.dp, "fetch": self.cost.fetch,
-                         "tp": self.cost.tp, "cp": self.cost.cp, "offload": self.cost.offload},
+                         "tp": self.cost.tp, "cp": self.cost.cp, "offload": self.cost.offload, "pp": self.cost.pp,
+                         "bubble": self.cost.bubble},
                 "zero_memory_line": s.report.line(), "zero_comm_line": s.comm.line()}
 
 
@@ -188,33 +223,71 @@ class Planner:
         self.seq = run.seq_length
 
     @functools.lru_cache(maxsize=None)
-    def _activations(self, config, tp: int, micro_batch: int) -> ActivationPlan | None:
-        return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda)
+    def _activations(self, config, tp: int, micro_batch: int, stage=None) -> ActivationPlan | None:
+        return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda,
+                               stage=stage)
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
-        machine, hw = self.machine, self.machine.hardware
+        """The layout's plan: each pipeline rank's (ranks alike evaluated once), the largest device peak shown and
+        deciding what fits, the slowest rank's cost."""
         run = layout.apply(self.run)
+        stages = pipeline_stages(run.pipeline, run.model.num_layers)
+        plans = [plan for stage, ranks in stage_classes(stages)
+                 for plan in self._stage_plans(layout, run, stage, ranks)]
+        worst = max(plans, key=lambda plan: plan.device_peak)
+        slowest = max(plans, key=lambda plan: plan.cost.seconds)
+        peaks = tuple(plan.device_peak for plan in sorted(plans, key=lambda plan: plan.pp_rank))
+        return dataclasses.replace(worst, cost=slowest.cost, stage_peaks=peaks)
+
+    def _stage_plans(self, layout: Layout, run: RunSections, stage, ranks: tuple[int, ...]) -> list[LayoutPlan]:
+        """The plans of pipeline ranks `ranks`, which hold alike (`stage`, one of them; None: the whole model):
+        the same model states, each its own micro-batches in flight and point-to-point bytes."""
+        machine, hw = self.machine, self.machine.hardware
         config, zero, offload, rule = run.model, run.zero, run.offload, run.optimizer.rule
-        shapes = model_shapes(normalized(config), layout.tp)
+        shapes = model_shapes(normalized(config), layout.tp, stage)
         zero_ranks = layout.dp * layout.cp  # parameters replicated over CP: ZeRO partitions over DP x CP
         states = plan_states(PlanInputs(shapes, zero, self.precision, zero_ranks, 0, offload, layout.micro_batches,
                                         cuda=self.machine.cuda, rule=rule,
                                         recomputed=full_recompute_chunks(config)))
-        acts = self._activations(config, layout.tp, layout.micro_batch)
-        tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)
+        acts = self._activations(config, layout.tp, layout.micro_batch, stage)
+        tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches, stage)
         cp_comm = cp_comm_theory(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)[0]
-        cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda, cp_comm)
         layouts = shapes.layouts(zero.stage, zero_ranks, 0, zero.bucket_numel, zero.units)
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         largest_shard = max((lay.shard_numel for lay in layouts), default=0)  # Fp32Buckets: a bucket, or sub-groups
         cast = step_fp32_bytes(offload.optimizer != "none", largest_shard, offload.sub_group_numel)[0] // 4
+        first, last = (True, True) if stage is None else (stage.first, stage.last)
         transients = compute_transients(config, layout.tp, layout.micro_batch, self.seq, self.p, self.g, cast,
-                                        max(runs, default=0), machine.cuda, self.precision.dtype == "fp16")
+                                        max(runs, default=0), machine.cuda, self.precision.dtype == "fp16",
+                                        first, last)
         working = max(transients["cross entropy"], transients["vocabulary gradients"],
                       transients["attention backward"])
-        device_peak = max(construction, states.device + transients["optimizer step"],
-                          states.device_peak + (acts.peak if acts is not None else 0) + working)
+        pipe = run.pipeline.pipe(layout.micro_batches)
+        share = 1.0 if stage is None else sum(len(c) for c in stage.chunks) * layout.pp / config.num_layers
+        bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual_stages, layout.micro_batches,
+                                 config.hidden_size, self.seq)
+        activation_bytes = hidden_state_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p)
+        tied = tied_bytes(layouts, self.g)
+        plans = []
+        for rank in ranks:
+            held = acts
+            if acts is not None and stage is not None:
+                held = dataclasses.replace(acts, **dict(zip(("in_flight", "in_flight_text"), in_flight_bytes(
+                    layout.schedule, pipe, rank, acts.formula))))
+            pp_comm = pipeline_comm_bytes(pipe, rank, activation_bytes, tied)
+            cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda,
+                               cp_comm, pp_comm, share, bubble)
+            device_peak = max(construction, states.device + transients["optimizer step"],
+                              states.device_peak + (held.peak if held is not None else 0) + working)
+            plans.append(self._fitting(layout, states, held, tp_comm, cost, construction, transients, device_peak,
+                                       (cp_comm, pp_comm), rank))
+        return plans
+
+    def _fitting(self, layout, states, acts, tp_comm, cost, construction, transients, device_peak, comm,
+                 rank) -> LayoutPlan:
+        """The plan of one pipeline rank and whether it fits the machine; `comm`: its (CP, pipeline) bytes."""
+        machine = self.machine
         host_per_rank = states.host + states.host_buffers + (acts.host if acts is not None else 0)
         host_per_node = machine.ranks_per_node * host_per_rank
         disk_per_node = machine.ranks_per_node * states.disk
@@ -226,17 +299,21 @@ class Planner:
         if states.disk and (machine.disk_space is None or disk_per_node > machine.disk_space):
             why.append("disk")
         return LayoutPlan(layout, states, acts, tp_comm, cost, construction, transients, device_peak, host_per_rank,
-                          host_per_node, disk_per_node, not why, ",".join(why), cp_comm)
+                          host_per_node, disk_per_node, not why, ",".join(why), *comm, rank)
 
     def layouts(self, tps=None, stages=None, tiers=None, recompute=None, micro_batches=None,
-                max_micro_batch: int = 64, units=None, cps=(1,)) -> list[Layout]:
-        """Every layout of the world: TP in the divisors of the head count that divide the world, ZeRO stages,
-        offload tiers allowed at each stage (disk only with disk space), stage 3's units (`units`, default
-        both), recomputation modes, micro-batch sizes (powers of two, or the given ones) that divide the global
-        batch's share of a DP rank (without --global-batch-size: the global batch is micro-batch x DP, as in
-        pretrain_gpt.py). What the run's own checks refuse is left out: linear units with --torch-compile, stage 3
-        with CUDA graphs. `cps`: the context-parallel sizes to try (the sequence must divide by 2·CP; a2a
-        splits each TP rank's heads and groups over CP)."""
+                max_micro_batch: int = 64, units=None, pps=None, virtual=None, zero_bubble=None,
+                cps=(1,)) -> list[Layout]:
+        """Every layout of the world: TP in the divisors of the head count that divide the world, pipeline sizes
+        (`pps`, default every one that divides the rest) with their schedules (1F1B; interleaved with each of
+        `virtual`, default 2; ZB-H1 unless `zero_bubble` is (False,)), ZeRO stages, offload tiers allowed at
+        each stage (disk only with disk space), stage 3's units (`units`, default both), recomputation modes,
+        micro-batch sizes (powers of two, or the given ones) that divide the global batch's share of a DP rank
+        (without --global-batch-size: the global batch is micro-batch x DP, as in pretrain_gpt.py). What the
+        run's own checks refuse is left out: linear units with --torch-compile, stage 3 with CUDA graphs, a
+        pipeline's layer split or micro-batches against Megatron's rules, ZeRO-3 with a pipeline, context and
+        pipeline parallelism together. `cps`: the context-parallel sizes to try (the sequence must divide by 2·CP;
+        a2a splits each TP rank's heads and groups over CP)."""
         model = self.run.model
         world, heads = self.machine.world_size, model.num_attention_heads
         tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
@@ -247,17 +324,35 @@ class Planner:
         sizes = micro_batches or [1 << k for k in range(max_micro_batch.bit_length()) if 1 << k <= max_micro_batch]
         unit_kinds = units or (("layer",) if model.torch_compile else ZERO_UNITS)
         out = []
-        for tp, cp, stage in itertools.product(tps, cps, stages):
-            if world % (tp * cp) or not _context_fits(model, self.seq, tp, cp):
+        for tp, cp, pp, stage in itertools.product(tps, cps, pps or range(1, world + 1), stages):
+            if world % (tp * cp * pp) or (cp > 1 and pp > 1) or not _context_fits(model, self.seq, tp, cp):
                 continue
-            dp = world // (tp * cp)
+            dp = world // (tp * cp * pp)
             sps = (False, True) if tp > 1 and (self.seq // cp) % tp == 0 else (False,)
-            for (optimizer, params), kind, mode, sp, mbs in itertools.product(
-                    _offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes):
+            for (optimizer, params), kind, mode, sp, mbs, (v, zb) in itertools.product(
+                    _offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes,
+                    _schedules(pp, virtual, zero_bubble)):
                 gbs = self.run.global_batch_size or mbs * dp
-                if gbs % (mbs * dp) == 0:
-                    out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind, cp))
+                layout = Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind, cp, pp, v, zb)
+                if gbs % (mbs * dp) == 0 and (pp == 1 or self._pipeline_runs(layout)):
+                    out.append(layout)
         return out
+
+    def _pipeline_runs(self, layout: Layout) -> bool:
+        """Whether a run takes the layout's pipeline (layer split, micro-batches, ZeRO stage: its own checks)."""
+        try:
+            layout.apply(self.run)
+        except ConfigError:
+            return False
+        return True
+
+
+def _schedules(pp: int, virtual, zero_bubble) -> list[tuple[int, bool]]:
+    """(virtual stages, zero bubble) to try with `pp` stages."""
+    if pp == 1:
+        return [(1, False)]
+    out = [(1, False)] + [(v, False) for v in (virtual if virtual is not None else (2,)) if v > 1]
+    return out + ([(1, True)] if True in (zero_bubble if zero_bubble is not None else (False, True)) else [])
 
 
 def _context_fits(model, seq: int, tp: int, cp: int) -> bool:

@@ -14,7 +14,9 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--zero-stage": 1, "--micro-b
                 "--global-batch-size": 1, "--offload-optimizer": 1, "--optimizer-cpu-offload": 0,
                 "--offload-params": 1, "--recompute-activations": 0, "--recompute-granularity": 1,
                 "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0, "--zero-units": 1,
-                "--context-parallel-size": 1}
+                "--context-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                "--num-virtual-stages-per-pipeline-rank": 1, "--num-layers-per-virtual-pipeline-stage": 1,
+                "--enable-zero-bubble": 0}
 
 
 def gib(nbytes: float | None) -> str:
@@ -25,6 +27,12 @@ def layout_argv(layout: Layout, offload_path: str | None) -> list[str]:
     argv = ["--tensor-model-parallel-size", str(layout.tp)] + (
         ["--context-parallel-size", str(layout.cp)] if layout.cp > 1 else []) + ["--zero-stage", str(layout.stage),
             "--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(layout.global_batch)]
+    if layout.pp > 1:
+        argv += ["--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.virtual_stages > 1:
+        argv += ["--num-virtual-stages-per-pipeline-rank", str(layout.virtual_stages)]
+    if layout.zero_bubble:
+        argv += ["--enable-zero-bubble"]
     if layout.recompute == "full":  # (--recompute-activations is Megatron's selective recomputation)
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif layout.recompute == "selective":
@@ -69,21 +77,26 @@ def torchrun_command(user_argv: list[str], layout: Layout, machine: Machine, off
     return shlex.join(launcher + ["pretrain_gpt.py"] + argv)
 
 
-HEADER = ("  #  TP CP   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  activ   work  "
-          "build | device peak  host/node   disk/node | DP GB/it  TP GB/it  CP GB/it |   s/iter  tokens/s  fits")
+HEADER = ("  #  TP CP  PP(sched)   DP  ZeRO  offload(opt/par)  recompute  mbs x m   params  grads  optim  in-step  "
+          "activ   work  build | device peak  host/node   disk/node | DP GB/it  TP GB/it  CP GB/it  PP GB/it |   "
+          "s/iter  tokens/s  fits")
+_SCHEDULE = {"1f1b": "", "interleaved": "i", "zb-h1": "zb"}
 
 
 def row(i: int, plan: LayoutPlan) -> str:
     lay, c = plan.layout, plan.components()
     recompute = lay.recompute + ("+SP" if lay.sequence_parallel else "")
     offload = f"{lay.offload_optimizer}/{lay.offload_params}"
-    return (f"{i:>3}  {lay.tp:>2} {lay.cp:>2} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
+    v = lay.virtual_stages if lay.virtual_stages > 1 else ""
+    schedule = "" if lay.pp == 1 else f"{_SCHEDULE[lay.schedule]}{v}"
+    pp = f"{lay.pp}{f'({schedule})' if schedule else ''}"
+    return (f"{i:>3}  {lay.tp:>2} {lay.cp:>2}  {pp:>9} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
             f"{lay.micro_batch:>3} x {lay.micro_batches:<3} {gib(c['parameters']):>7} {gib(c['gradients']):>6} "
             f"{gib(c['optimizer states']):>6} {gib(c['gathered/buckets (in step)']):>8} "
             f"{gib(c['activations']):>6} {gib(c['working tensors']):>6} {gib(c['construction']):>6} "
             f"| {gib(plan.device_peak):>11} {gib(plan.host_per_node):>10} "
             f"{gib(plan.disk_per_node):>11} | {plan.states.comm_bytes / 1e9:>8.2f} {plan.tp_comm / 1e9:>9.2f} "
-            f"{plan.cp_comm / 1e9:>9.2f} | "
+            f"{plan.cp_comm / 1e9:>9.2f} {plan.pp_comm / 1e9:>9.2f} | "
             f"{plan.cost.seconds:>8.3f} {plan.cost.tokens_per_second:>9.0f}  "
             f"{'yes' if plan.fits else 'no: ' + plan.why}")
 
@@ -99,8 +112,10 @@ def components_text(plan: LayoutPlan) -> list[str]:
     if a is None:
         lines.append("  activations               -       (not counted: no activation-memory formula for this setting)")
     else:
-        lines.append(f"  activations       {gib(a.peak):>9} GiB   (saved {gib(a.saved)} GiB + one recomputed layer "
-                     f"{gib(a.recompute_transient)} GiB; per layer: {a.text})")
+        held = "" if a.in_flight is None else (f"held in flight {gib(a.in_flight)} GiB = {a.in_flight_text} of "
+                                                 f"micro-batches of {gib(a.saved)} GiB")
+        lines.append(f"  activations       {gib(a.peak):>9} GiB   ({held or f'saved {gib(a.saved)} GiB'} + one "
+                     f"recomputed layer {gib(a.recompute_transient)} GiB; per layer: {a.text})")
     t = plan.transients
     work = max(t["cross entropy"], t["vocabulary gradients"], t["attention backward"])
     lines += [f"  working tensors   {gib(work):>9} GiB   (largest of cross entropy {gib(t['cross entropy'])}, "
@@ -117,12 +132,18 @@ def components_text(plan: LayoutPlan) -> list[str]:
               f"  TP traffic        {plan.tp_comm / 1e9:>9.3f} GB per rank per iteration"]
     if plan.layout.cp > 1:
         lines.append(f"  CP traffic        {plan.cp_comm / 1e9:>9.3f} GB per rank per iteration (CP {plan.layout.cp})")
+    if plan.layout.pp > 1:
+        peaks = ", ".join(gib(peak) for peak in plan.stage_peaks)
+        lines += [f"  pipeline          {plan.pp_comm / 1e9:>9.3f} GB per rank per iteration point-to-point "
+                  f"(pipeline rank {plan.pp_rank}, the largest device peak of [{peaks}] GiB)"]
     for t in s.comm.transfers:
         if t.theory:
             lines.append(f"  {t.name:<17} {t.theory / 1e9:>9.3f} GB per rank per iteration ({t.theory_text})")
     cost = plan.cost
-    lines.append(f"  cost              {cost.seconds:.3f} s/iteration = max(compute {cost.compute:.3f}, DP "
+    pipeline = plan.layout.pp > 1
+    lines.append(f"  cost              {cost.seconds:.3f} s/iteration = max(compute {cost.compute:.3f}"
+                 + (f" x (1 + bubble {cost.bubble:.3f})" if pipeline else "") + f", DP "
                  f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f}"
-                 + (f" + CP {cost.cp:.3f}" if plan.layout.cp > 1 else "") + f" + offloaded step {cost.offload:.3f}; "
-                 f"{cost.tokens_per_second:.0f} tokens/s")
+                 + (f" + CP {cost.cp:.3f}" if plan.layout.cp > 1 else "") + (f" + PP {cost.pp:.3f}" if pipeline else "")
+                 + f" + offloaded step {cost.offload:.3f}; {cost.tokens_per_second:.0f} tokens/s")
     return lines

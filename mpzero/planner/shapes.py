@@ -76,13 +76,14 @@ def full_recompute_chunks(config) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(chunk) for chunk in chunks)
 
 
-@functools.lru_cache(maxsize=16)
-def model_shapes(config, tp: int) -> ModelShapes:
+@functools.lru_cache(maxsize=64)
+def model_shapes(config, tp: int, stage=None) -> ModelShapes:
     """The model of `config` (built by its family) as TP rank 0 of `tp` builds it (every TP rank's shapes are the
-    same), on meta tensors."""
+    same), on meta tensors; `stage`: a pipeline rank's part (`mpzero.models.ModelStage`), None: the whole model."""
     group, build = CommGroup(None, tuple(range(tp)), 0), family_of(config).build
+    kwargs = {} if stage is None else {"stage": stage}
     with no_data("meta"):
-        model = build(config, group, RNGStatesTracker(torch.device("cpu")), device=engine_device("meta"))
+        model = build(config, group, RNGStatesTracker(torch.device("cpu")), device=engine_device("meta"), **kwargs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mark_weight_decay(named, None)  # ZeroOptimizer's default rule, recorded as it records it
     return ModelShapes(config, tp, model, tuple(named))

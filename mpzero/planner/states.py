@@ -268,9 +268,12 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
     return states + (m * p * regathered + LOSS_ALL_REDUCE) * (dp - 1) / dp
 
 
-def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int) -> float:
-    """Bytes per rank per iteration on the TP group for `config`, parameters of `p` bytes: its family's formula
-    (`ModelFamily.tp_comm_bytes`; the transformer's is `models.family.transformer_tp_comm_bytes`), 0 for a family
-    that states none."""
+def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None) -> float:
+    """Bytes per rank per iteration on the TP group for `config` (a pipeline rank: its `stage`), parameters of `p`
+    bytes: its family's formula (`ModelFamily.tp_comm_bytes`; the transformer's is
+    `models.family.transformer_tp_comm_bytes`), 0 for a family that states none."""
     family = family_of(config)
-    return family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches) if family.tp_comm_bytes else 0.0
+    if not family.tp_comm_bytes:
+        return 0.0
+    kwargs = {} if stage is None else {"stage": stage}
+    return family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, **kwargs)

@@ -13,7 +13,7 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   new tensor beside its input: the kept chunk's gradient, e c' V/t, then each other chunk's product and its
   gradient, 2 e c V/t - 4 c' V/t (in fp32 more than the reference's in-place passes, in bf16 less);
 - the vocabulary gradients: the output projection's weight gradient and the embedding's dense gradient, and (tied)
-  their sum, e x V/t x h each, held until the end of backward;
+  their sum, e x V/t x h each, held until the end of backward (a pipeline stage: those of the ends it holds);
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
   flash attention: --attention-backend flash or fused, and auto on a GPU). Context parallelism: s is a rank's
   s/CP tokens everywhere; the ring's and all-gather's blocks (`mpzero.context_parallel.blocks`) hold, in explicit
@@ -37,10 +37,13 @@ from mpzero.fused import planned_impl, sum_of_squares_bytes
 
 
 def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: int, fp32_grad_numel: int,
-                       largest_run: int, cuda: bool = True, loss_scaled: bool = False) -> dict[str, int]:
+                       largest_run: int, cuda: bool = True, loss_scaled: bool = False, first: bool = True,
+                       last: bool = True) -> dict[str, int]:
     """Bytes of each working-tensor term (see the module docstring) for one micro-batch on one rank, on a GPU
     (`cuda`) or the CPU (the attention backend `auto` picks differs). fp32_grad_numel: the gradient elements the
-    step casts to fp32 at once when g < 4; loss_scaled: fp16's norm unscales each chunk."""
+    step casts to fp32 at once when g < 4; loss_scaled: fp16's norm unscales each chunk. A pipeline rank that
+    does not begin the model (`first`) has no embedding gradient, one that does not end it (`last`) no output
+    projection's gradient and no cross entropy."""
     v, h = config.padded_vocab_size(tp) // tp, config.hidden_size
     cp = config.context_parallel_size
     local = seq // cp  # a context-parallel rank's tokens
@@ -63,8 +66,11 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
         cross_entropy = max(kept_bytes * kept * v, other_bytes * chunk * v - 4 * kept * v if sb > chunk else 0)
     else:
         cross_entropy = (8 + cast) * sb * v
+    if not last:
+        cross_entropy = 0
+    vocabulary = first + last + (tied and first and last)  # the embedding's, the output's and (tied) their sum
     return {"cross entropy": cross_entropy,
-            "vocabulary gradients": (3 if tied else 2) * e * v * h,
+            "vocabulary gradients": vocabulary * e * v * h,
             "attention backward": attention,
             "optimizer step": max(sum_of_squares_bytes(largest_run, planned_impl("sum_of_squares", device),
                                                        scaled=loss_scaled and g < 4),

@@ -95,7 +95,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.group)
         grad_bias = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
         if ctx.store is not None and ctx.store.deferring is not None:  # zero bubble's W pass gathers x again
-            ctx.store.put(lambda: sequence_weight_grad(x, grad, ctx.group, gather_sequence), weight)
+            ctx.store.put(lambda: sequence_weight_grad(x, grad, ctx.group, gather_sequence), weight, (x, grad))
             return grad_input, None, grad_bias, None, None
         return grad_input, sequence_weight_grad(x, grad, ctx.group, gather_sequence), grad_bias, None, None
 

@@ -23,12 +23,20 @@ import torch
 import torch.nn.functional as F
 
 from mpzero.comm import CommGroup
+from mpzero.storages import storage_key
 
 
 class WeightGradStore:
+    """The queued weight gradients by key, and the bytes they hold: each `put` names the tensors its computation
+    keeps alive (a linear's input and output gradient), and `held_bytes` is their distinct storages' bytes, the
+    activation memory zero bubble adds between a micro-batch's I and its W (parameters are not named: they are
+    no activation)."""
+
     def __init__(self):
         self.deferring: Any = None  # the key (e.g. (chunk, micro-batch)) weight gradients are queued under
         self._queued: dict[Any, list] = defaultdict(list)
+        self._storages: dict = {}  # storage key -> [bytes, how many kept tensors use it]
+        self.held_bytes = 0
 
     @contextlib.contextmanager
     def defer(self, key):
@@ -39,15 +47,30 @@ class WeightGradStore:
         finally:
             self.deferring = None
 
-    def put(self, compute, weight: torch.Tensor) -> None:
-        self._queued[self.deferring].append((compute, weight))
+    def put(self, compute, weight: torch.Tensor, kept: tuple[torch.Tensor, ...] = ()) -> None:
+        """Queue `compute` (-> the weight's gradient) under the key deferring now; `kept`: the tensors it holds."""
+        self._queued[self.deferring].append((compute, weight, kept))
+        for tensor in kept:
+            self._count(tensor, 1)
 
     def run(self, key) -> None:
         """The W pass of `key`: each queued weight gradient computed and delivered, in the order queued."""
-        for compute, weight in self._queued.pop(key, ()):
+        for compute, weight, kept in self._queued.pop(key, ()):
             with torch.no_grad():  # as inside autograd's backward, where it was queued
                 grad = compute()
             weight.backward(grad)
+            for tensor in kept:
+                self._count(tensor, -1)
+
+    def _count(self, tensor: torch.Tensor, change: int) -> None:
+        key = storage_key(tensor)
+        entry = self._storages.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.held_bytes += entry[0]
+        entry[1] += change
+        if entry[1] == 0:
+            self.held_bytes -= entry[0]
+            del self._storages[key]
 
     def pending(self) -> list:
         return list(self._queued)
@@ -73,7 +96,7 @@ class _DeferringLinear(torch.autograd.Function):
         grad_input = grad.reshape(-1, grad.size(-1)).mm(weight).view(*grad.shape[:-1], weight.size(1))
         grad_bias = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
         if ctx.store.deferring is not None:
-            ctx.store.put(lambda: _weight_grad_2d(x, grad), weight)
+            ctx.store.put(lambda: _weight_grad_2d(x, grad), weight, (x, grad))
             return grad_input, None, grad_bias, None
         return grad_input, _weight_grad_2d(x, grad), grad_bias, None
 

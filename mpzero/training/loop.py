@@ -16,6 +16,7 @@ from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
 from mpzero.parallel import ParallelGroups
+from mpzero.pipeline import in_flight_report
 from mpzero.training.config import RunConfig
 from mpzero.training.deferred import LaunchedSteps, launched_steps
 from mpzero.training.console import iteration_line, perplexity, validation_line
@@ -221,8 +222,9 @@ def _report_first_iteration(run: RunConfig, state: TrainingState, activations: S
     memory = state.optimizer.memory_report()
     if memory.peak is not None and groups.is_logging_rank:
         print(memory.line(), flush=True)
+    in_flight = None if state.pipeline is None else partial(in_flight_report, state.pipeline)
     report_activation_memory(activations, state.model.module, groups, training.micro_batch_size,
-                             training.seq_length, run.precision.torch_dtype, tensorboard, iteration)
+                             training.seq_length, run.precision.torch_dtype, tensorboard, iteration, in_flight)
 
 
 def _final_evaluations(run: RunConfig, state: TrainingState, valid_data, test_data, iteration: int, tensorboard,
