@@ -168,7 +168,8 @@ def _backward(it: _Iteration, action: Action, key, stage, optimizer, last: bool)
     output, x = it.outputs.pop(key), it.inputs.pop(key)
     grad = None if stage.ends(chunk) else it.take("RECV_B", key)
     deferring = it.run.store.defer(key) if action.kind == "I" else contextlib.nullcontext()
-    with optimizer.backward_window(last) as scale, deferring:
+    # one micro-batch for ZeRO's count: its backward through chunk 0, the last of its chunks on this rank
+    with optimizer.backward_window(last, micro_batch=chunk == 0) as scale, deferring:
         if grad is None:
             (output * scale if scale != 1.0 else output).backward()
         else:
