@@ -43,8 +43,8 @@ def _eager(collective):
     """A collective that runs eagerly under torch.compile (a graph break around it, compiled code on both sides):
     its byte counter is Python state that dynamo would otherwise guard on, recompiling at every call.
     `torch.compiler.disable` is applied only while dynamo traces the call: applied here, at import, it would load
-    torch's compiler (~42 MB per process) into every run, compiled or not (issue 47). Traced, the call is the
-    disabled function's, a graph break that runs it eagerly; untraced, the function itself."""
+    torch's compiler into every run, compiled or not (24-42 MB of RSS per process, issue 47). Traced, the call is
+    the disabled function's, a graph break that runs it eagerly; untraced, the function itself."""
 
     @functools.wraps(collective)
     def run(*args, **kwargs):
