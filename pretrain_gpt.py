@@ -20,7 +20,8 @@ import os
 
 import torch.distributed as dist
 
-from mpzero.cli import parse_args, print_error, run_config, run_or_exit
+from mpzero.cli import print_error, run_or_exit
+from mpzero.cli.arguments import parse_args, run_config
 from mpzero.errors import ConfigError, TrainingError
 from mpzero.models import GPTConfig, family_of
 from mpzero.parallel import ParallelGroups

@@ -35,7 +35,7 @@ import torch
 
 torch.set_num_threads(1)  # forked ranks below: no OpenMP pool in the parent
 
-from mpzero.cli.arguments import parse_args  # noqa: E402
+from mpzero.cli.arguments import parse_args, planner_sections  # noqa: E402
 from mpzero.planner.cost import Hardware  # noqa: E402
 from mpzero.planner.plan import Machine, Planner  # noqa: E402
 
@@ -74,7 +74,7 @@ def model_flags(heads: int) -> list[str]:
 def best_plan(heads: int, machine: Machine, stage: int, optimizer: str, params: str, tps):
     """The fastest fitting plan of the model with `heads` heads under the strategy (None: nothing fits), and every
     plan evaluated."""
-    planner = Planner(parse_args(model_flags(heads)), 50257, machine)
+    planner = Planner(planner_sections(parse_args(model_flags(heads)), 50257), machine)
     plans = []
     for layout in planner.layouts(tps=tps, stages=[stage], micro_batches=[1]):
         if (layout.offload_optimizer, layout.offload_params) == (optimizer, params):

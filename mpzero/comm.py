@@ -2,9 +2,13 @@
 follows PyTorch's renames (torch 2.13 deprecates `all_gather_into_tensor`/`reduce_scatter_tensor`
 in favour of `all_gather_single`/`reduce_scatter_single`).
 
-Bytes are counted per rank under the ring model, the one the ZeRO paper's volumes assume:
-an all-reduce of B bytes moves 2B(N-1)/N per rank, an all-gather or reduce-scatter whose full
-tensor is B bytes moves B(N-1)/N, a broadcast B(N-1)/N.
+Bytes are counted per rank as the bytes it sends, under the ring model for collectives (the one the ZeRO
+paper's volumes assume): an all-reduce of B bytes moves 2B(N-1)/N per rank, an all-gather or reduce-scatter whose
+full tensor is B bytes moves B(N-1)/N, a broadcast B(N-1)/N. Point-to-point: the bytes of each tensor sent (a
+receive is the sender's count). All-to-all: the rows of the input that go to the other ranks (B(N-1)/N when even).
+
+gloo silently reduces, broadcasts and scatters non-contiguous tensors wrongly (pytorch#192920): every tensor handed
+to a collective here is contiguous, checked where the caller could pass a view.
 """
 
 from __future__ import annotations
@@ -114,6 +118,37 @@ class CommGroup:
         self.stats.record("broadcast", self._ring(_nbytes(tensor)))
         return dist.broadcast(tensor, src=self.ranks[src_group_rank], group=self.pg)
 
+    @_eager
+    def exchange(self, sends=(), recvs=(), async_op=False) -> list:
+        """Point-to-point: every (tensor, group rank) of `sends` sent there and every one of `recvs` received from
+        there, all posted at once (torch's batch_isend_irecv, so a send and a receive between the same two ranks
+        never wait on each other). Returns the requests when `async_op`, else waits for them."""
+        ops = []
+        for tensor, peer in sends:
+            self.stats.record("send", _nbytes(_contiguous(tensor)))
+            ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.pg))
+        ops += [dist.P2POp(dist.irecv, _contiguous(tensor), self.ranks[peer], group=self.pg) for tensor, peer in recvs]
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        if async_op:
+            return requests
+        for request in requests:
+            request.wait()
+        return []
+
+    @_eager
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,
+                          input_splits: list[int] | None = None, async_op=False):
+        """output <- the rows every rank sends this one, in group-rank order; input_splits[r] rows of `input` (along
+        dim 0) go to group rank r (even splits when None), output_splits[r] rows come from it."""
+        if self.size == 1:
+            output.copy_(input)
+            return None
+        rows = input.shape[0]
+        kept = input_splits[self.rank] if input_splits is not None else rows // self.size
+        self.stats.record("all_to_all", (rows - kept) * _nbytes(_contiguous(input)) // max(rows, 1))
+        return dist.all_to_all_single(_contiguous(output), input, output_splits, input_splits, group=self.pg,
+                                      async_op=async_op)
+
     def all_gather_objects(self, obj) -> list:
         """Small Python objects (not counted: metadata, not model state)."""
         if self.size == 1:
@@ -133,6 +168,13 @@ class CommGroup:
             error = describe(failure)
         errors = [e for e in self.all_gather_objects(error) if e]
         return result, (errors[0] if errors else None)
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"a {tuple(tensor.shape)} tensor handed to a collective is not contiguous (gloo would "
+                         f"reduce or scatter it wrongly, pytorch#192920): pass .contiguous()")
+    return tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -30,8 +30,10 @@ def this_node() -> str:
     return host if group_rank is None else f"{host}/{group_rank}"
 
 
-def node_layout_line(nodes: list[str], tp_groups: list[list[int]], dp_groups: list[list[int]]) -> str:
-    """One line describing where the TP and DP groups run; `nodes[r]` is global rank r's node."""
+def node_layout_line(nodes: list[str], grid: dict[str, list[list[int]]]) -> str:
+    """One line describing where the groups of `grid` (`parallel.rank_grid`) run; `nodes[r]` is global rank r's
+    node."""
+    tp_groups, dp_groups = grid["tp"], grid["dp"]
     order = list(dict.fromkeys(nodes))  # nodes in rank order
     counts = [nodes.count(n) for n in order]
     per_node = f"{counts[0]} processes each" if len(set(counts)) == 1 else "processes " + "+".join(map(str, counts))
@@ -40,7 +42,10 @@ def node_layout_line(nodes: list[str], tp_groups: list[list[int]], dp_groups: li
     tp = ("TP groups inside a node" if not split else
           f"warning: {len(split)} TP group(s) span nodes (e.g. ranks {split[0]}): their all-reduces cross the "
           f"network; launch a multiple of the TP size per node")
-    return f"nodes: {len(order)} ({per_node}) | {tp} | DP groups across {dp_nodes} node(s)"
+    line = f"nodes: {len(order)} ({per_node}) | {tp} | DP groups across {dp_nodes} node(s)"
+    if len(grid["pp"][0]) > 1:
+        line += f" | PP groups across {max(len({nodes[r] for r in g}) for g in grid['pp'])} node(s)"
+    return line
 
 
 def check_shared_directory(world, path: str, flag: str) -> None:
@@ -71,9 +76,9 @@ def check_shared_directory(world, path: str, flag: str) -> None:
                           f"(NFS, Lustre, ...), or each node would keep only its own shards")
 
 
-def check_nodes(world, tp_size: int, save: str | None, load: str | None) -> str | None:
+def check_nodes(world, sizes, save: str | None, load: str | None) -> str | None:
     """At start, on every rank: `--save` and `--load` shared by all ranks; returns the `nodes:` line when the
-    ranks span more than one node (None on one node: nothing to say)."""
+    ranks span more than one node (None on one node: nothing to say). `sizes`: the grid's (`parallel.GridSizes`)."""
     from mpzero.parallel import rank_grid
 
     if world.size == 1:
@@ -86,4 +91,4 @@ def check_nodes(world, tp_size: int, save: str | None, load: str | None) -> str 
             check_shared_directory(world, load, "--load")
     if len(set(nodes)) == 1:
         return None
-    return node_layout_line(nodes, *rank_grid(world.size, tp_size))
+    return node_layout_line(nodes, rank_grid(world.size, sizes))

@@ -1,12 +1,18 @@
-"""The TP x DP rank grid, built the Megatron way, returned as a value.
+"""The rank grid, built the Megatron way, returned as a value.
 
-world = TP x DP. Tensor-parallel ranks are adjacent (TP=2: [0,1],[2,3],...) so they share a node and
-its fast links; data-parallel groups are strided ([0,2,4,6],[1,3,5,7]). Layers and optimizers take the
-`ParallelGroups` they need explicitly: there is no module-level state.
+Megatron's default order `tp-cp-ep-dp-pp`: the first axis varies fastest. Tensor-parallel ranks are adjacent
+(TP=2: [0,1],[2,3],...) so they share a node and its fast links; context-parallel ranks next, then data-parallel
+ranks, and pipeline stages outermost (with TP 2, PP 4 on 16 ranks: TP [0,1]..., DP [0,2],[1,3],[4,6]...,
+PP [0,4,8,12]...; Megatron's `initialize_model_parallel` example). Expert parallelism folds into the
+context- and data-parallel ranks (Megatron's "parallel folding", its expert grid `etp-ep-edp-pp` over the same
+ranks): an EP group takes adjacent ranks of that block, the expert-DP group the rest. Layers and optimizers take the
+`ParallelGroups` they need explicitly: there is no module-level state. An axis of size 1 is a group of one rank
+whose collectives are identities, so a run without PP, CP or EP takes the same code path as before they existed.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,10 +26,19 @@ from mpzero.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelGroups:
+    """This rank's groups: tp, cp, dp, pp (Megatron's dense grid), dp_cp (ZeRO's and the loss's reduction group:
+    the data- and context-parallel ranks together), ep and expert_dp (the expert grid), embedding (the first and
+    last pipeline stage of this rank's pipeline: the tied word embedding's copies), world."""
     tp: CommGroup
     dp: CommGroup
     world: CommGroup
     device: torch.device
+    pp: CommGroup
+    cp: CommGroup
+    dp_cp: CommGroup
+    ep: CommGroup
+    expert_dp: CommGroup
+    embedding: CommGroup
 
     @property
     def tp_size(self) -> int:
@@ -42,19 +57,90 @@ class ParallelGroups:
         return self.dp.rank
 
     @property
+    def pp_size(self) -> int:
+        return self.pp.size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank
+
+    @property
+    def sizes(self) -> GridSizes:
+        return GridSizes(tp=self.tp.size, pp=self.pp.size, cp=self.cp.size, ep=self.ep.size)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    @property
     def is_logging_rank(self) -> bool:
-        return self.world.rank == 0
+        """The last pipeline stage (which holds the loss), its first TP, CP and DP rank (Megatron logs from the
+        last rank); world rank 0 without pipeline parallelism."""
+        return self.is_last_stage and self.tp.rank == 0 and self.dp_cp.rank == 0
 
 
-def rank_grid(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(tp_groups, dp_groups) as lists of global ranks; pure, so it is tested without processes."""
-    if tp_size < 1 or world_size % tp_size != 0:
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                          f"{tp_size}: launch a multiple of {tp_size} processes or change the TP size")
-    dp_size = world_size // tp_size
-    tp_groups = [list(range(d * tp_size, (d + 1) * tp_size)) for d in range(dp_size)]
-    dp_groups = [list(range(t, world_size, tp_size)) for t in range(tp_size)]
-    return tp_groups, dp_groups
+@dataclass(frozen=True)
+class GridSizes:
+    """The sizes of the axes a world is split into; DP is what is left: world / (TP x CP x PP)."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.cp * self.pp)
+
+    def check(self, world_size: int) -> None:
+        """One ConfigError line naming the flag that does not divide the world."""
+        for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
+                           ("cp", "--context-parallel-size"), ("ep", "--expert-model-parallel-size")):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag} {getattr(self, name)} must be positive")
+        tp, cp, pp, ep = self.tp, self.cp, self.pp, self.ep
+        if world_size % tp:
+            raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}: "
+                              f"launch a multiple of {tp} processes or change the TP size")
+        if world_size % (tp * cp * pp):
+            raise ConfigError(f"world size {world_size} is not divisible by TP {tp} x CP {cp} x PP {pp} = "
+                              f"{tp * cp * pp}: launch a multiple of {tp * cp * pp} processes or change the sizes")
+        if (cp * self.dp(world_size)) % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the {cp * self.dp(world_size)} "
+                              f"context- and data-parallel ranks (CP {cp} x DP {self.dp(world_size)}) it is "
+                              f"carved from")
+
+
+def rank_grid(world_size: int, sizes: GridSizes = GridSizes()) -> dict[str, list[list[int]]]:
+    """Every group of every axis as lists of global ranks (each ascending; a group's rank is its index there), by
+    name: tp, cp, dp, pp, dp_cp, ep, expert_dp, embedding. Pure, so it is tested without processes."""
+    sizes.check(world_size)
+    dp = sizes.dp(world_size)
+    dense = (("tp", sizes.tp), ("cp", sizes.cp), ("dp", dp), ("pp", sizes.pp))
+    expert = (("tp", sizes.tp), ("ep", sizes.ep), ("edp", sizes.cp * dp // sizes.ep), ("pp", sizes.pp))
+    grid = {name: _groups(dense, axes) for name, axes in
+            (("tp", {"tp"}), ("cp", {"cp"}), ("dp", {"dp"}), ("pp", {"pp"}), ("dp_cp", {"dp", "cp"}))}
+    grid["ep"], grid["expert_dp"] = _groups(expert, {"ep"}), _groups(expert, {"edp"})
+    grid["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in grid["pp"]]
+    return grid
+
+
+def _groups(axes: tuple[tuple[str, int], ...], varying: set[str]) -> list[list[int]]:
+    """The groups of ranks that differ only along the `varying` axes, for a grid whose axes are listed fastest
+    first; groups in the order of the other axes' coordinates (fastest first), as Megatron lists them."""
+    strides, stride = {}, 1
+    for name, size in axes:
+        strides[name], stride = stride, stride * size
+
+    def offsets(names: list[tuple[str, int]]) -> list[int]:
+        ranges = [range(0, size * strides[name], strides[name]) for name, size in reversed(names)]
+        return [sum(combo) for combo in itertools.product(*ranges)]  # the last listed (slowest) axis outermost
+
+    inside = [(n, s) for n, s in axes if n in varying]
+    outside = [(n, s) for n, s in axes if n not in varying]
+    return [sorted(base + offset for offset in offsets(inside)) for base in offsets(outside)]
 
 
 BACKENDS = ("nccl", "gloo")
@@ -65,8 +151,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str | None = None) -> ParallelGroups:
-    """Join (or create) the default process group and carve it into TP and DP groups.
+def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str | None = None, *, pp_size: int = 1,
+                  cp_size: int = 1, ep_size: int = 1) -> ParallelGroups:
+    """Join (or create) the default process group and carve it into the grid's groups (`rank_grid`).
 
     Under torchrun the environment names rank and world; as plain `python` a world of one is made,
     so one code path serves 1 and N processes. Collectives fail after `timeout_minutes` instead of
@@ -93,20 +180,25 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                     device_id=device_id)
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    tp_groups, dp_groups = rank_grid(world_size, tp_size)
+    grid = rank_grid(world_size, GridSizes(tp=tp_size, pp=pp_size, cp=cp_size, ep=ep_size))
     device = _device_for_backend(dist.get_backend())
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     def make(groups: list[list[int]]) -> CommGroup:
+        """This rank's group, with its own byte counter; a process group only for groups of two ranks or more,
+        made once per set of ranks (every rank enters every new_group call, in the same order)."""
         mine = None
-        for ranks in groups:  # every rank enters every new_group call, in the same order
-            pg = dist.new_group(ranks, timeout=timeout)
+        for ranks in groups:
+            key = tuple(ranks)
+            if len(key) > 1 and key not in made:
+                made[key] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                mine = CommGroup(pg, tuple(ranks), ranks.index(rank))
+                mine = CommGroup(made.get(key), key, ranks.index(rank))
         return mine
 
-    tp, dp = make(tp_groups), make(dp_groups)
+    mine = {name: make(groups) for name, groups in grid.items()}
     world = CommGroup(dist.group.WORLD, tuple(range(world_size)), rank)
-    return ParallelGroups(tp=tp, dp=dp, world=world, device=device)
+    return ParallelGroups(world=world, device=device, **mine)
 
 
 def _device_for_backend(backend: str) -> torch.device:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpzero.cli import gpt_config, parse_args
+from mpzero.cli.arguments import gpt_config, parse_args
 from mpzero.errors import ConfigError
 from mpzero.inference.hf import adapter_for_config
 from mpzero.models import FAMILIES, GPT2, LLAMA, GPTModel, ModelFamily, family, family_of

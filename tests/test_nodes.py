@@ -7,28 +7,28 @@ import pytest
 
 from mpzero.errors import ConfigError
 from mpzero.nodes import check_shared_directory, node_layout_line
-from mpzero.parallel import init_parallel, rank_grid
+from mpzero.parallel import GridSizes, init_parallel, rank_grid
 from tests.distributed import run_ranks
 
 
 def test_tp_groups_tile_nodes_when_processes_per_node_are_a_multiple_of_tp():
     nodes = ["a"] * 4 + ["b"] * 4  # torchrun numbers ranks node by node
-    assert node_layout_line(nodes, *rank_grid(8, 2)) == \
+    assert node_layout_line(nodes, rank_grid(8, GridSizes(tp=2))) == \
         "nodes: 2 (4 processes each) | TP groups inside a node | DP groups across 2 node(s)"
-    assert node_layout_line(nodes, *rank_grid(8, 4)).endswith("DP groups across 2 node(s)")
-    assert node_layout_line(nodes, *rank_grid(8, 8)) == \
+    assert node_layout_line(nodes, rank_grid(8, GridSizes(tp=4))).endswith("DP groups across 2 node(s)")
+    assert node_layout_line(nodes, rank_grid(8, GridSizes(tp=8))) == \
         "nodes: 2 (4 processes each) | warning: 1 TP group(s) span nodes (e.g. ranks [0, 1, 2, 3, 4, 5, 6, 7]): " \
         "their all-reduces cross the network; launch a multiple of the TP size per node | DP groups across 1 node(s)"
 
 
 def test_a_tp_group_across_a_node_boundary_is_named():
     nodes = ["a"] * 6 + ["b"] * 6  # 6 per node, TP 4: ranks 4-7 straddle the boundary
-    line = node_layout_line(nodes, *rank_grid(12, 4))
+    line = node_layout_line(nodes, rank_grid(12, GridSizes(tp=4)))
     assert "warning: 1 TP group(s) span nodes (e.g. ranks [4, 5, 6, 7])" in line
 
 
 def test_uneven_nodes_are_counted():
-    assert node_layout_line(["a", "a", "a", "b"], *rank_grid(4, 1)).startswith("nodes: 2 (processes 3+1)")
+    assert node_layout_line(["a", "a", "a", "b"], rank_grid(4, GridSizes(tp=1))).startswith("nodes: 2 (processes 3+1)")
 
 
 def _check(paths):

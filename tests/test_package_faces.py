@@ -113,17 +113,29 @@ def test_the_allow_list_is_still_needed():
         assert any(deep_imports(_source(n), n) for n in names), f"{entry} needs no allowance any more: remove it"
 
 
+def test_no_package_imports_the_command_line_layer_even_lazily():
+    """argv stays on top (the planner takes typed sections from its caller; SEAMS W4-R1): no import of
+    mpzero.cli, at module level or inside a function, from any package but mpzero.cli itself, and no package face
+    loads its names lazily (a module `__getattr__` hides its imports from this check)."""
+    found = []
+    for name in sorted(MODULES):
+        if name == "mpzero.cli" or name.startswith("mpzero.cli."):
+            continue
+        for node in ast.walk(ast.parse(_source(name))):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found += [f"{name}:{node.lineno}" for t in targets if t == "mpzero.cli" or t.startswith("mpzero.cli.")]
+    assert not found, found
+    lazy = [p for p in PACKAGES if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+                                       for n in ast.parse(_source(p)).body)]
+    assert not lazy, lazy
+
+
 def _face(package: str) -> tuple[list[str] | None, set[str]]:
-    """(`__all__` or None, the names the __init__ binds; a `_LAZY` dict's keys count when a module `__getattr__`
-    loads them on first use, as mpzero.cli's does)."""
+    """(`__all__` or None, the names the __init__ binds)."""
     tree = ast.parse(_source(package))
     exported, bound = None, set()
-    lazy = set()
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["_LAZY"]:
-            lazy = set(ast.literal_eval(node.value))
-        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            bound.update(lazy)
         if isinstance(node, ast.ImportFrom):
             bound.update(alias.asname or alias.name for alias in node.names)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

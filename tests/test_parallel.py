@@ -2,20 +2,57 @@ import pytest
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.parallel import init_parallel, rank_grid
+from mpzero.parallel import GridSizes, init_parallel, rank_grid
 from tests.distributed import RanksFailed, run_ranks
 
 
 def test_rank_grid_matches_megatron_layout():
-    tp_groups, dp_groups = rank_grid(8, 2)
-    assert tp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert dp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert rank_grid(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    grid = rank_grid(8, GridSizes(tp=2))
+    assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid["dp"] == grid["dp_cp"] == grid["expert_dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid["pp"] == grid["cp"] == grid["ep"] == [[r] for r in range(8)]
+    four = rank_grid(4, GridSizes(tp=4))
+    assert (four["tp"], four["dp"]) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
 
 
-def test_world_not_divisible_by_tp_is_one_line_error():
-    with pytest.raises(ConfigError, match="world size 6 is not divisible by --tensor-model-parallel-size 4"):
-        rank_grid(6, 4)
+def test_rank_grid_matches_megatrons_documented_3d_example():
+    """Megatron's `initialize_model_parallel` docstring: 16 GPUs, TP 2, PP 4 (so DP 2)."""
+    grid = rank_grid(16, GridSizes(tp=2, pp=4))
+    assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert grid["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert grid["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert grid["embedding"] == [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+
+def test_context_and_expert_axes_follow_megatrons_order():
+    """tp-cp-ep-dp-pp: CP between TP and DP; ZeRO's group spans DP x CP; EP folds into the CP x DP ranks
+    (adjacent ones), expert-DP takes the rest."""
+    grid = rank_grid(16, GridSizes(tp=2, cp=2, pp=2))
+    assert grid["cp"][:2] == [[0, 2], [1, 3]]
+    assert grid["dp"][:2] == [[0, 4], [1, 5]]
+    assert grid["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid["pp"][:2] == [[0, 8], [1, 9]]
+    experts = rank_grid(8, GridSizes(ep=4))
+    assert experts["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert experts["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert experts["dp"] == [list(range(8))]
+
+
+def test_every_axis_partitions_the_world():
+    for sizes, world in ((GridSizes(tp=2, pp=2, cp=2, ep=2), 16), (GridSizes(pp=4), 8), (GridSizes(tp=4, ep=2), 8)):
+        for name, groups in rank_grid(world, sizes).items():
+            if name != "embedding":
+                assert sorted(r for g in groups for r in g) == list(range(world)), name
+
+
+@pytest.mark.parametrize("world, sizes, message", [
+    (6, GridSizes(tp=4), "world size 6 is not divisible by --tensor-model-parallel-size 4"),
+    (8, GridSizes(tp=2, pp=3), "world size 8 is not divisible by TP 2 x CP 1 x PP 3 = 6"),
+    (8, GridSizes(tp=2, ep=3), "--expert-model-parallel-size 3 does not divide the 4 context- and data-parallel"),
+    (8, GridSizes(pp=0), "--pipeline-model-parallel-size 0 must be positive")])
+def test_a_grid_that_does_not_divide_the_world_is_one_line_error(world, sizes, message):
+    with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
+        rank_grid(world, sizes)
 
 
 def _groups_and_sums(tp_size):
@@ -32,6 +69,22 @@ def test_groups_from_a_running_world():
     assert [r[:4] for r in results] == [((0, 1), (0, 2), 0, 0), ((0, 1), (1, 3), 1, 0),
                                         ((2, 3), (0, 2), 0, 1), ((2, 3), (1, 3), 1, 1)]
     assert [r[4:] for r in results] == [(1, 2), (1, 4), (5, 2), (5, 4)]
+
+
+def _pipeline_groups():
+    groups = init_parallel(1, pp_size=2)
+    total = torch.tensor([float(groups.world.rank)])
+    groups.pp.all_reduce(total)
+    return groups.pp.ranks, groups.pp_rank, groups.is_first_stage, groups.is_last_stage, groups.is_logging_rank, \
+        groups.dp.ranks, groups.embedding.ranks, total.item(), groups.cp.pg is None
+
+
+def test_pipeline_groups_from_a_running_world():
+    results = run_ranks(4, _pipeline_groups)
+    assert [r[:5] for r in results] == [((0, 2), 0, True, False, False), ((1, 3), 0, True, False, False),
+                                        ((0, 2), 1, False, True, True), ((1, 3), 1, False, True, False)]
+    assert [r[5:] for r in results] == [((0, 1), (0, 2), 2.0, True), ((0, 1), (1, 3), 4.0, True),
+                                        ((2, 3), (0, 2), 2.0, True), ((2, 3), (1, 3), 4.0, True)]
 
 
 def _collectives_roundtrip():

@@ -24,8 +24,9 @@ import json
 import sys
 
 
-from mpzero.cli import (Choice, Items, Number, Parser, Size, Text, build_parser, exit_code, parse_args,
-                        read_config_file, tokenizer_record)
+from mpzero.cli import Choice, Items, Number, Parser, Size, Text, exit_code
+from mpzero.cli.arguments import build_parser, parse_args, planner_sections, tokenizer_record
+from mpzero.cli.config_file import read_config_file
 from mpzero.errors import ConfigError
 from mpzero.planner.cost import Hardware
 from mpzero.planner.plan import Machine, Planner, rank_plans
@@ -145,7 +146,7 @@ def plan(argv: list[str]) -> dict:
                       opts.device == "cuda", hw)
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
-    planner = Planner(args, tokenizer_record(args)["vocab_size"], machine)
+    planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine)
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
                               opts.micro_batch_sizes, opts.max_micro_batch_size)
     fixed, note = layout_restrictions(args, given_flags(rest))
@@ -175,10 +176,10 @@ def plan(argv: list[str]) -> dict:
 
 def print_text(result: dict) -> None:
     plans, best, machine, planner, opts = (result[k] for k in ("plans", "best", "machine", "planner", "opts"))
-    args, hw = planner.args, machine.hardware
+    model, hw = planner.run.model, machine.hardware
     first = plans[0].states
-    print(f"model: GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-          f"sequence {args.seq_length}, vocabulary {planner.vocab_size}; {planner.precision.dtype} "
+    print(f"model: GPT {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
+          f"sequence {planner.seq}, vocabulary {model.vocab_size}; {planner.precision.dtype} "
           f"({planner.p}-byte parameters, {planner.g}-byte gradients)")
     print(f"machine: {machine.world_size} ranks ({machine.ranks_per_node} per node), {opts.device_memory / GIB:.2f} "
           f"GiB per device (reserve {machine.device_reserve / GIB:.2f}), host "

@@ -26,9 +26,10 @@ from mpzero.cli.flag_ranges import check_ranges, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.models import GPTConfig, config_from_args
 from mpzero.optim import RULES
+from mpzero.planner import RunSections
 from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
                              ParallelConfig, ProfileConfig, RunConfig, TrainingConfig, num_micro_batches)
-from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units
 
 
 class _Parser(Parser):
@@ -100,10 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
-    tp = args.tensor_model_parallel_size
-    if world_size % tp != 0:
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
-    dp = world_size // tp
+    parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
+    parallel.sizes.check(world_size)
+    tp, dp = parallel.tensor_model_parallel_size, parallel.sizes.dp(world_size)
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
     num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
     tokenizer = tokenizer_record(args)
@@ -126,7 +126,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                 "max_position_embeddings": model.max_position_embeddings}
     return RunConfig(
         model=model,
-        parallel=ParallelConfig(tp, args.distributed_timeout_minutes),
+        parallel=parallel,
         training=TrainingConfig(args.micro_batch_size, global_batch, args.train_iters, args.seq_length, args.seed,
                                 args.exit_interval, args.check_for_nan_in_loss_and_grad),
         evaluation=EvalConfig(args.eval_interval, args.eval_iters),
@@ -238,19 +238,18 @@ def lr_schedule(args: argparse.Namespace) -> LRSchedule:
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
-    if args.zero_units != "layer" and args.zero_stage != 3:
-        raise ConfigError(f"--zero-units {args.zero_units} chooses what stage 3 gathers at once, but --zero-stage is "
-                          f"{args.zero_stage}: drop it or use --zero-stage 3")
-    if args.zero_units != "layer" and args.torch_compile:
-        raise ConfigError(f"--zero-units {args.zero_units} gathers units inside a transformer layer, which "
-                          "--torch-compile compiles whole: drop one of them")
-    if args.cuda_graph_impl != "none" and args.zero_stage == 3:
-        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures the trunk as one compiled region, which "
-                          "ZeRO-3's gather and release hooks split into layers: use --zero-stage 0-2 or drop "
-                          "--cuda-graph-impl")
-    return ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
+    zero = ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
                       prefetch=args.zero_prefetch, units=args.zero_units,
                       check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+    check_zero_units(zero, args.torch_compile, args.cuda_graph_impl)
+    return zero
+
+
+def planner_sections(args: argparse.Namespace, vocab_size: int) -> RunSections:
+    """The run the flags describe, as the planner takes it (`mpzero.planner.Planner`): its sections resolved by the
+    flags' own functions, the layout flags at their given values (a layout replaces them)."""
+    return RunSections(gpt_config(args, vocab_size), zero_config(args), offload_config(args), optimizer_config(args),
+                       precision_config(args), args.seq_length, args.global_batch_size)
 
 
 def offload_config(args: argparse.Namespace) -> OffloadConfig:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from mpzero.activations import SavedBytesCounter, activation_line, rank_report
 from mpzero.errors import ConfigError
-from mpzero.parallel import init_parallel
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
                             full_recompute_chunks, model_shapes, no_data, normalized, plan_states, tp_comm_bytes)
 from mpzero.tensor_parallel import seed_everything
@@ -74,7 +73,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     if engine is None:
         engine = "fake" if run.offload.enabled else "meta"
     dist.init_process_group("fake", rank=rank, world_size=world_size)  # torch supplies its FakeStore
-    groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
+    groups = run.parallel.join()
     training = run.training
     micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
     print(f"dry run: rank {rank} of {world_size} (TP {groups.tp_size} x DP {groups.dp_size}: TP rank "

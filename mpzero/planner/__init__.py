@@ -13,17 +13,16 @@ and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
 from mpzero.planner.activations import ActivationPlan, activation_plan, activation_setting, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.fake import ENGINES, engine_device, fake_tensors, no_data
-from mpzero.planner.plan import (RECOMPUTE_MODES, TIERS, Layout, LayoutPlan, Machine, Planner, layout_flags,
-                                 rank_plans, recompute_modes)
+from mpzero.planner.plan import RECOMPUTE_MODES, TIERS, Layout, LayoutPlan, Machine, Planner, RunSections, rank_plans
 from mpzero.planner.report import (GIB, HEADER, LAYOUT_FLAGS, components_text, gib, layout_argv, row,
                                    torchrun_command, without_layout_flags)
 from mpzero.planner.shapes import ModelShapes, full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 
 __all__ = ["ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
-           "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "StatePlan", "TIERS",
+           "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "RunSections", "StatePlan", "TIERS",
            "activation_plan", "activation_setting", "components_text", "element_sizes", "engine_device",
-           "fake_tensors", "full_recompute_chunks", "gib", "layout_argv", "layout_flags", "layout_cost",
+           "fake_tensors", "full_recompute_chunks", "gib", "layout_argv", "layout_cost",
            "model_shapes", "no_data", "normalized",
-           "plan_states", "rank_plans", "recompute_modes", "row", "torchrun_command", "tp_comm_bytes",
+           "plan_states", "rank_plans", "row", "torchrun_command", "tp_comm_bytes",
            "without_layout_flags"]

@@ -1,10 +1,11 @@
 """Layouts of a training run and what each needs per rank: the planner's core, without any I/O.
 
 A `Layout` is one way to run the same model on `world` ranks: TP size, ZeRO stage, offload tiers, recomputation,
-micro-batch. `Planner.evaluate(layout)` resolves the run's sections exactly as `pretrain_gpt.py` does (the
-flags' own functions in `mpzero.cli.arguments`), counts the model states with `states.plan_states` (the code's
-layouts and formulas), the activations with `activations.activation_plan` (the activation-memory module), the
-TP traffic, and the cost (`cost.py`), and says whether it fits the machine.
+micro-batch. The planner receives the run as typed sections (`RunSections`, resolved by its caller with the flags'
+own functions: `mpzero.cli.planner_sections`); `Layout.apply` puts a layout's choices into them, and
+`Planner.evaluate(layout)` counts the model states with `states.plan_states` (the code's layouts and formulas), the
+activations with `activations.activation_plan` (the activation-memory module), the TP traffic, and the cost
+(`cost.py`), and says whether it fits the machine.
 
 Device bytes per rank at the peak = the largest of three moments (+ the reserve the user states: CUDA context,
 allocator slack, fragmentation, not modeled):
@@ -20,20 +21,34 @@ Host bytes per node = ranks per node x (offloaded states + host buffers); disk b
 
 from __future__ import annotations
 
-import argparse
-import copy
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
 from mpzero.planner.shapes import full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 from mpzero.planner.transients import compute_transients
-from mpzero.zero import ZERO_UNITS, step_fp32_bytes
+from mpzero.zero import (ZERO_UNITS, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units,
+                         step_fp32_bytes)
 
 TIERS = ("none", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class RunSections:
+    """The run to lay out, as pretrain_gpt.py resolves it: the sections a layout changes (the model's
+    recomputation and sequence parallelism, ZeRO's stage and units, the offload tiers) and the batch it keeps."""
+    model: Any  # the model family's config (a GPTConfig)
+    zero: ZeroConfig
+    offload: OffloadConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    seq_length: int
+    global_batch_size: int | None = None  # None: micro-batch x DP, as pretrain_gpt.py resolves it
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,23 @@ class Layout:
     @property
     def micro_batches(self) -> int:
         return self.global_batch // (self.micro_batch * self.dp)
+
+    def apply(self, run: RunSections) -> RunSections:
+        """`run` with this layout's choices, each section checked as a run would check it (one ConfigError line)."""
+        full = self.recompute == "full"  # --recompute-activations is selective: the layout says granularity
+        model = dataclasses.replace(run.model, recompute_activations=False,
+                                    recompute_granularity=None if self.recompute == "none" else self.recompute,
+                                    recompute_method="uniform" if full else None,
+                                    recompute_num_layers=1 if full else None, sequence_parallel=self.sequence_parallel)
+        zero = dataclasses.replace(run.zero, stage=self.stage, units=self.units)
+        offload = dataclasses.replace(run.offload, optimizer=self.offload_optimizer, params=self.offload_params)
+        if offload.uses_disk and not offload.path:  # the path only matters to a run; checked there
+            offload = dataclasses.replace(offload, path="OFFLOAD_PATH")
+        model.validate(self.tp)
+        zero.validate()
+        check_zero_units(zero, model.torch_compile, model.cuda_graph_impl)
+        offload.validate(zero.stage)
+        return dataclasses.replace(run, model=model, zero=zero, offload=offload)
 
     def describe(self) -> str:
         offload = "" if self.offload_optimizer == "none" else (
@@ -141,59 +173,23 @@ class LayoutPlan:
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def recompute_modes(args: argparse.Namespace) -> tuple[str, ...]:
-    """The recomputation modes a layout can take (Megatron's: none, selective, full)."""
-    return RECOMPUTE_MODES
-
-
-def layout_flags(args: argparse.Namespace, layout: Layout) -> dict:
-    """The flag values (argparse destinations) that select `layout` in pretrain_gpt.py."""
-    flags = {"tensor_model_parallel_size": layout.tp, "zero_stage": layout.stage,
-             "micro_batch_size": layout.micro_batch, "global_batch_size": layout.global_batch,
-             "offload_optimizer": layout.offload_optimizer, "optimizer_cpu_offload": False,
-             "offload_params": layout.offload_params, "zero_units": layout.units}
-    full = layout.recompute == "full"  # --recompute-activations is selective: the layout says granularity
-    flags.update(recompute_activations=False,
-                 recompute_granularity=None if layout.recompute == "none" else layout.recompute,
-                 recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
-                 sequence_parallel=layout.sequence_parallel)
-    return flags
-
-
 class Planner:
-    """Evaluates layouts of the run the flags `args` describe (parsed by `mpzero.cli.arguments.parse_args`),
-    `vocab_size` its tokenizer's vocabulary, on `machine`."""
+    """Evaluates layouts of the run `run` on `machine`."""
 
-    def __init__(self, args: argparse.Namespace, vocab_size: int, machine: Machine):
-        # The flags' own functions resolve them, imported here, not with the module: the command-line layer (the
-        # dry run) imports the planner, and the planner must not import that layer back while it loads.
-        from mpzero.cli import precision_config
-        self.args, self.vocab_size, self.machine = args, vocab_size, machine
-        self.precision = precision_config(args)
+    def __init__(self, run: RunSections, machine: Machine):
+        self.run, self.machine = run, machine
+        self.precision = run.precision
         self.p, self.g = element_sizes(self.precision)
-        self.seq = args.seq_length
-
-    def flags_for(self, layout: Layout) -> argparse.Namespace:
-        ns = copy.copy(self.args)
-        for name, value in layout_flags(self.args, layout).items():
-            setattr(ns, name, value)
-        return ns
+        self.seq = run.seq_length
 
     @functools.lru_cache(maxsize=None)
     def _activations(self, config, tp: int, micro_batch: int) -> ActivationPlan | None:
         return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda)
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
-        from mpzero.cli import gpt_config, offload_config, optimizer_config, zero_config  # see __init__
         machine, hw = self.machine, self.machine.hardware
-        ns = self.flags_for(layout)
-        config = gpt_config(ns, self.vocab_size)
-        config.validate(layout.tp)
-        zero, offload, rule = zero_config(ns), offload_config(ns), optimizer_config(ns).rule
-        if offload.uses_disk and not offload.path:  # the path only matters to a run; checked there
-            offload = dataclasses.replace(offload, path="OFFLOAD_PATH")
-        zero.validate()
-        offload.validate(zero.stage)
+        run = layout.apply(self.run)
+        config, zero, offload, rule = run.model, run.zero, run.offload, run.optimizer.rule
         shapes = model_shapes(normalized(config), layout.tp)
         states = plan_states(PlanInputs(shapes, zero, self.precision, layout.dp, 0, offload, layout.micro_batches,
                                         cuda=self.machine.cuda, rule=rule,
@@ -231,27 +227,26 @@ class Planner:
         offload tiers allowed at each stage (disk only with disk space), stage 3's units (`units`, default
         both), recomputation modes, micro-batch sizes (powers of two, or the given ones) that divide the global
         batch's share of a DP rank (without --global-batch-size: the global batch is micro-batch x DP, as in
-        pretrain_gpt.py). Linear units are not tried with --torch-compile (the two exclude each other)."""
-        world, heads = self.machine.world_size, self.args.num_attention_heads
+        pretrain_gpt.py). What the run's own checks refuse is left out: linear units with --torch-compile, stage 3
+        with CUDA graphs."""
+        model = self.run.model
+        world, heads = self.machine.world_size, model.num_attention_heads
         tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
-        stages = stages if stages is not None else (0, 1, 2, 3)
+        stages = [s for s in (stages if stages is not None else (0, 1, 2, 3))
+                  if s < 3 or model.cuda_graph_impl == "none"]
         tiers = [t for t in (tiers or TIERS) if t != "disk" or self.machine.disk_space is not None]
-        modes = [m for m in (recompute or recompute_modes(self.args)) if m in recompute_modes(self.args)]
+        modes = [m for m in (recompute or RECOMPUTE_MODES) if m in RECOMPUTE_MODES]
         sizes = micro_batches or [1 << k for k in range(max_micro_batch.bit_length()) if 1 << k <= max_micro_batch]
-        unit_kinds = units or (("layer",) if getattr(self.args, "torch_compile", False) else ZERO_UNITS)
+        unit_kinds = units or (("layer",) if model.torch_compile else ZERO_UNITS)
         out = []
-        for tp in tps:
+        for tp, stage in itertools.product(tps, stages):
             dp = world // tp
-            for stage in stages:
-                for optimizer, params in _offloads(stage, tiers):
-                    for kind in (unit_kinds if stage == 3 else ("layer",)):
-                        for mode in modes:
-                            for sp in ((False, True) if tp > 1 and self.seq % tp == 0 else (False,)):
-                                for mbs in sizes:
-                                    gbs = self.args.global_batch_size or mbs * dp
-                                    if gbs % (mbs * dp):
-                                        continue
-                                    out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind))
+            sps = (False, True) if tp > 1 and self.seq % tp == 0 else (False,)
+            for (optimizer, params), kind, mode, sp, mbs in itertools.product(
+                    _offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes):
+                gbs = self.run.global_batch_size or mbs * dp
+                if gbs % (mbs * dp) == 0:
+                    out.append(Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind))
         return out
 
 

@@ -11,14 +11,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpzero.parallel import GridSizes, ParallelGroups, init_parallel
 from mpzero.training.lr_schedule import LRSchedule
 from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """The grid's sizes by Megatron's flag names (data parallelism is what the world leaves) and the collectives'
+    timeout."""
     tensor_model_parallel_size: int = 1
     distributed_timeout_minutes: float = 10.0
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+
+    @property
+    def sizes(self) -> GridSizes:
+        return GridSizes(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
+                         cp=self.context_parallel_size, ep=self.expert_model_parallel_size)
+
+    def join(self) -> ParallelGroups:
+        """This process's groups (joining or making the default process group: `mpzero.parallel.init_parallel`)."""
+        sizes = self.sizes
+        return init_parallel(sizes.tp, self.distributed_timeout_minutes, pp_size=sizes.pp, cp_size=sizes.cp,
+                             ep_size=sizes.ep)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch import nn
 from mpzero.activations import SavedBytesCounter, report_activation_memory
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.errors import TrainingError
-from mpzero.parallel import ParallelGroups, init_parallel
+from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import RNGStatesTracker, seed_everything
 from mpzero.training.batches import load_batch, micro_batch_indices
 from mpzero.training.config import RunConfig
@@ -115,7 +115,7 @@ class StepResult:
 def train(run: RunConfig, provider: ModelProvider) -> dict:
     """The whole run; returns per-iteration losses, gradient norms and learning rates, and validation losses.
     Each iteration is `train_step`, then the decisions: log, evaluate, save, stop."""
-    groups = init_parallel(run.parallel.tensor_model_parallel_size, run.parallel.distributed_timeout_minutes)
+    groups = run.parallel.join()
     (train_data, valid_data, test_data), data_tokenizers = start(run, groups)
     state = _build_and_report(run, provider, groups)
     activations = SavedBytesCounter(state.model.module)  # watches the first micro-batch's forward

@@ -37,7 +37,7 @@ def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:
                           f"CUDA profiler API, and this run computes on the {groups.device.type}: add "
                           f"--use-pytorch-profiler (and --tensorboard-dir)")
     attention_line = _check_fused_attention(run, groups)
-    nodes_line = check_nodes(groups.world, groups.tp_size, run.checkpoint.save, run.checkpoint.load)
+    nodes_line = check_nodes(groups.world, groups.sizes, run.checkpoint.save, run.checkpoint.load)
     resumed = _resume_point(run, groups)
     data_tokenizers, data_notes = _data_tokenizers(run, groups)
     datasets = _datasets(run, groups, resumed)

@@ -12,7 +12,7 @@ from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierRe
                                     memory_formula, memory_report, offload_formula, offload_tiers, state_terms,
                                     step_fp32_bytes, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
-                                OptimizerConfig, PrecisionConfig, ZeroConfig)
+                                OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units)
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
@@ -27,7 +27,7 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Flat
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
-           "build_layout", "comm_theory", "construction_working_set", "default_units", "layer_units",
+           "build_layout", "check_zero_units", "comm_theory", "construction_working_set", "default_units", "layer_units",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
            "predicted_trace", "recompute_chunks", "stage3_working_set", "state_terms", "step_fp32_bytes",
            "streamed_grad_bytes", "transfer_theory"]

@@ -39,6 +39,20 @@ class ZeroConfig:
             raise ConfigError(f"--zero-bucket-numel {self.bucket_numel} must be a positive number of elements")
 
 
+def check_zero_units(zero: ZeroConfig, torch_compile: bool, cuda_graph_impl: str) -> None:
+    """ZeRO's units against how the model's layers are compiled: one ConfigError line for what cannot run."""
+    if zero.units != "layer" and zero.stage != 3:
+        raise ConfigError(f"--zero-units {zero.units} chooses what stage 3 gathers at once, but --zero-stage is "
+                          f"{zero.stage}: drop it or use --zero-stage 3")
+    if zero.units != "layer" and torch_compile:
+        raise ConfigError(f"--zero-units {zero.units} gathers units inside a transformer layer, which "
+                          "--torch-compile compiles whole: drop one of them")
+    if cuda_graph_impl != "none" and zero.stage == 3:
+        raise ConfigError(f"--cuda-graph-impl {cuda_graph_impl} captures the trunk as one compiled region, which "
+                          "ZeRO-3's gather and release hooks split into layers: use --zero-stage 0-2 or drop "
+                          "--cuda-graph-impl")
+
+
 OFFLOAD_TIERS = ("none", "cpu", "disk")
 OFFLOAD_IO = ("auto", "direct", "buffered")
 DIRECT_IO_ALIGN = 4096  # bytes: O_DIRECT offsets, lengths and buffer addresses are multiples of this
