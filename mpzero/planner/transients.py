@@ -16,7 +16,7 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   their sum, e x V/t x h each, held until the end of backward;
 - attention backward: the softmax's gradient and its fp32 working copies, 3 x 4 x a/t s^2 b (none with
   flash attention: --attention-backend flash or fused, and auto on a GPU);
-- the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
+- the optimizer step: the global norm's fp64 chunk (on a CPU 8 x up to 256K elements; + its fp32 unscaled cast, 4 x, for
   fp16's loss-scaled gradients; on a GPU, whose `sum_of_squares` kernel upcasts in registers, 8 bytes per 4096
   elements of the largest run), then, with gradients in the parameters' dtype (fp16, bf16 with
   --grad-reduce-in-bf16), the fp32 cast of one bucket's shard at a time (4 x the largest shard: `Fp32Buckets`;
@@ -54,5 +54,5 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
             "vocabulary gradients": (3 if tied else 2) * e * v * h,
             "attention backward": attention,
             "optimizer step": max(sum_of_squares_bytes(largest_run, planned_impl("sum_of_squares", device),
-                                                       scaled=loss_scaled and g < 4),
+                                                       scaled=loss_scaled and g < 4, device=device),
                                   4 * fp32_grad_numel if g < 4 else 0)}
