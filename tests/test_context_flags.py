@@ -30,8 +30,6 @@ from tests.distributed import run_ranks
       "--sequence-parallel"], 8, "--sequence-parallel: the 6 tokens of a CP rank (--seq-length 12 / "
                                  "--context-parallel-size 2) are not divisible by --tensor-model-parallel-size 4"),
     (["--context-parallel-size", "2", "--torch-compile"], 2, "with --torch-compile is not supported yet"),
-    (["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4,
-     "--context-parallel-size with --pipeline-model-parallel-size is not supported yet: use one of them"),
 ])
 def test_each_bad_combination_is_one_line(flags, world, message):
     with pytest.raises(ConfigError) as error:

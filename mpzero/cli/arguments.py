@@ -114,9 +114,6 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
     micro_batches = num_micro_batches(global_batch, args.micro_batch_size, dp)  # validates
     pipeline = pipeline_config(args, micro_batches)
-    if parallel.pipeline_model_parallel_size > 1 and parallel.context_parallel_size > 1:
-        raise ConfigError("--context-parallel-size with --pipeline-model-parallel-size is not supported yet: "
-                          "use one of them")
     tokenizer = tokenizer_record(args)
     vocab_size = tokenizer["vocab_size"]
     model = gpt_config(args, vocab_size)

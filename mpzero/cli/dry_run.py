@@ -130,10 +130,11 @@ def _context_parallel(run: RunConfig, groups, micro_batches: int, cp_comm: float
     if groups.cp.size == 1:
         return []
     training, p = run.training, element_sizes(run.precision)[0]
+    stage = pipeline_stages(run.pipeline, run.model.num_layers)[groups.pp_rank]  # None without a pipeline
     print(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p, micro_batches,
-                       cp_comm), flush=True)
+                       cp_comm, stage), flush=True)
     theory = cp_comm_theory(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
-                            micro_batches)[0]
+                            micro_batches, stage)[0]
     return [("CP bytes/iter", cp_comm, theory)]
 
 
@@ -191,7 +192,7 @@ def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
         if plan_acts is not None:
             plan_acts = dataclasses.replace(plan_acts, **dict(zip(("in_flight", "in_flight_text"), in_flight_bytes(
                 run.pipeline.schedule, pipe, groups.pp_rank, plan_acts.formula))))
-        layouts = shapes.layouts(zero.stage, groups.dp_size, groups.dp_rank, zero.bucket_numel, zero.units)
+        layouts = shapes.layouts(zero.stage, zero_group.size, zero_group.rank, zero.bucket_numel, zero.units)
         activation_bytes = hidden_state_bytes(run.model, groups.tp_size, training.micro_batch_size,
                                               training.seq_length, p)
         plan_pp = pipeline_comm_bytes(pipe, groups.pp_rank, activation_bytes, tied_bytes(layouts, g))

@@ -9,7 +9,8 @@ Per layer and micro-batch, for the local s/CP tokens of b sequences, t the TP si
   a2a        forward (CP-1)/CP of the QKV output (b (s/CP) (a + 2g)/t d e) and of the attention output
              (b (s/CP) (a/t) d e); backward the same for their gradients
 A layer whose forward runs again in backward (full recomputation, or selective: the core attention) exchanges its
-forward's bytes again. Evaluation's forwards are not a training iteration's and are not counted.
+forward's bytes again. Evaluation's forwards are not a training iteration's and are not counted. A pipeline rank
+(`stage`, a `ModelStage`) counts its own layers L, recomputation's rules per model chunk (block: the first N of each).
 """
 
 from __future__ import annotations
@@ -31,32 +32,36 @@ def _per_layer(config, tp: int, micro_batch: int, seq: int, p: int) -> tuple[flo
     return moved, moved, "(CP-1)/CP(QKV+O)", "(CP-1)/CP(QKV+O)"
 
 
-def recomputed_forwards(config) -> int:
-    """Layers whose forward (with its CP exchange) runs again in backward."""
+def recomputed_forwards(config, chunks: list[int]) -> int:
+    """Layers of model chunks of `chunks` layers whose forward (with its CP exchange) runs again in backward."""
     if config.granularity == "selective":
-        return config.num_layers
+        return sum(chunks)
     if config.granularity == "full":
-        n = config.resolved_recompute_num_layers
-        return config.num_layers if config.resolved_recompute_method == "uniform" else n
+        n, uniform = config.resolved_recompute_num_layers, config.resolved_recompute_method == "uniform"
+        return sum(chunks) if uniform else sum(min(n, chunk) for chunk in chunks)
     return 0
 
 
-def cp_comm_theory(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int) -> tuple[float, str]:
+def cp_comm_theory(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int,
+                   stage=None) -> tuple[float, str]:
     """(bytes per rank per iteration, formula) on the CP group of the transformer `config` (its
     context_parallel_size, cp_comm_type and recomputation) at TP `tp`, `seq` the whole sequence, p the
-    activations' bytes; 0 at CP 1."""
+    activations' bytes, for the pipeline rank holding `stage` (None: the whole model); 0 at CP 1."""
     if config.context_parallel_size == 1:
         return 0.0, "0"
     forward, backward, ftext, btext = _per_layer(config, tp, micro_batch, seq, p)
-    layers, again = config.num_layers, recomputed_forwards(config)
+    chunks = [config.num_layers] if stage is None else [len(chunk) for chunk in stage.chunks]
+    layers, again = sum(chunks), recomputed_forwards(config, chunks)
     total = micro_batches * ((layers + again) * forward + layers * backward)
     text = f"m(({layers}+{again}){ftext}+{layers}({btext}))" if again else f"mL({ftext}+{btext})"
     return total, text
 
 
-def cp_comm_line(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, measured: float) -> str:
-    """The `cp comm` line: bytes this rank sent on its CP group in an iteration, against `cp_comm_theory`."""
-    theory, text = cp_comm_theory(config, tp, micro_batch, seq, p, micro_batches)
+def cp_comm_line(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, measured: float,
+                 stage=None) -> str:
+    """The `cp comm` line: bytes this rank (holding `stage`) sent on its CP group in an iteration, against
+    `cp_comm_theory`."""
+    theory, text = cp_comm_theory(config, tp, micro_batch, seq, p, micro_batches, stage)
     ratio = measured / theory if theory else float("nan")
     return (f"cp comm | {config.cp_comm_type} | cp {config.context_parallel_size} | micro-batches {micro_batches} | "
             f"measured bytes/iter {measured:.0f} | theory {text} | theory bytes/iter {theory:.0f} | "

@@ -47,7 +47,7 @@ class StageRun:
     model: torch.nn.Module
     pp: CommGroup
     pipe: Pipeline
-    shape: tuple[int, ...]  # [micro-batch, sequence (/TP under sequence parallelism), hidden]
+    shape: tuple[int, ...]  # [micro-batch, sequence /CP (/TP under sequence parallelism), hidden]
     dtype: torch.dtype
     device: torch.device
     store: WeightGradStore | None = None

@@ -29,7 +29,7 @@ class PipelineSchedule:
 def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, micro_batch_size: int,
                       seq_length: int, micro_batches: int, dtype: torch.dtype, tied_bytes: int = 0) -> PipelineSchedule:
     """This rank's schedules for a model built from `config`'s stage (a GPTModel: its config gives the hidden
-    states' shape, [b, s, h], or [b, s/t, h] under sequence parallelism). `tied_bytes`: this rank's slice of the
+    states' shape, [b, s/CP, h], or [b, s/CP/t, h] under sequence parallelism: a context-parallel rank's tokens). `tied_bytes`: this rank's slice of the
     tied embedding's gradient, all-reduced with the other end's (`ZeroOptimizer.tied_gradient_bytes`)."""
     store = None
     if config.zero_bubble:
@@ -38,7 +38,8 @@ def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, mic
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.weight_grad_store = store
     model_config = model.config
-    seq = seq_length // groups.tp_size if model_config.sequence_parallel else seq_length
+    seq = seq_length // groups.cp.size
+    seq = seq // groups.tp_size if model_config.sequence_parallel else seq
     pipe = config.pipe(micro_batches)
     run = StageRun(model, groups.pp, pipe, (micro_batch_size, seq, model_config.hidden_size), dtype, groups.device,
                    store)

@@ -75,5 +75,7 @@ def pipeline_comm_bytes(pipe, rank: int, activation_bytes: int, tied: int) -> fl
 
 
 def hidden_state_bytes(config, tp: int, micro_batch: int, seq: int, e: int) -> int:
-    """A: the hidden states one micro-batch passes between stages, [b, s (/t under sequence parallelism), h]."""
+    """A: the hidden states one micro-batch passes between stages, [b, s/CP (/t under sequence parallelism), h]
+    (a context-parallel rank's s/CP tokens)."""
+    seq //= config.context_parallel_size
     return micro_batch * (seq // tp if config.sequence_parallel else seq) * config.hidden_size * e

@@ -107,8 +107,6 @@ class Layout:
         check_composition(pipeline, zero.stage, model.cuda_graph_impl)
         if pipeline.zero_bubble and model.fp8_format is not None:
             raise ConfigError("--fp8-format linears cannot defer their weight gradients to zero bubble's W pass")
-        if pipeline.size > 1 and self.cp > 1:
-            raise ConfigError("--context-parallel-size with --pipeline-model-parallel-size is not supported yet")
         if pipeline != PipelineConfig():
             pipeline.validate(model.num_layers, self.micro_batches)
         return dataclasses.replace(run, model=model, zero=zero, offload=offload, pipeline=pipeline)
@@ -251,7 +249,8 @@ class Planner:
                                         recomputed=full_recompute_chunks(config)))
         acts = self._activations(config, layout.tp, layout.micro_batch, stage)
         tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches, stage)
-        cp_comm = cp_comm_theory(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches)[0]
+        cp_comm = cp_comm_theory(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches,
+                                 stage)[0]
         layouts = shapes.layouts(zero.stage, zero_ranks, 0, zero.bucket_numel, zero.units)
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
@@ -311,9 +310,9 @@ class Planner:
         micro-batch sizes (powers of two, or the given ones) that divide the global batch's share of a DP rank
         (without --global-batch-size: the global batch is micro-batch x DP, as in pretrain_gpt.py). What the
         run's own checks refuse is left out: linear units with --torch-compile, stage 3 with CUDA graphs, a
-        pipeline's layer split or micro-batches against Megatron's rules, ZeRO-3 with a pipeline, context and
-        pipeline parallelism together. `cps`: the context-parallel sizes to try (the sequence must divide by 2·CP;
-        a2a splits each TP rank's heads and groups over CP)."""
+        pipeline's layer split or micro-batches against Megatron's rules, ZeRO-3 with a pipeline. `cps`: the
+        context-parallel sizes to try (the sequence must divide by 2·CP; a2a splits each TP rank's heads and groups
+        over CP)."""
         model = self.run.model
         world, heads = self.machine.world_size, model.num_attention_heads
         tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
@@ -325,7 +324,7 @@ class Planner:
         unit_kinds = units or (("layer",) if model.torch_compile else ZERO_UNITS)
         out = []
         for tp, cp, pp, stage in itertools.product(tps, cps, pps or range(1, world + 1), stages):
-            if world % (tp * cp * pp) or (cp > 1 and pp > 1) or not _context_fits(model, self.seq, tp, cp):
+            if world % (tp * cp * pp) or not _context_fits(model, self.seq, tp, cp):
                 continue
             dp = world // (tp * cp * pp)
             sps = (False, True) if tp > 1 and (self.seq // cp) % tp == 0 else (False,)

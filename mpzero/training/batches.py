@@ -51,19 +51,21 @@ def inputs_and_labels(dataset, indices: range, device: torch.device,
 
 class MicroBatches:
     """A global batch's micro-batches on this DP rank, each loaded once, when a pipeline stage first asks for its
-    inputs (the stage that begins the model) or labels (the stage that ends it); other stages load nothing."""
+    inputs (the stage that begins the model) or labels (the stage that ends it); other stages load nothing. Under
+    context parallelism each is this CP rank's part (`inputs_and_labels`), cut once at its load."""
 
-    def __init__(self, dataset, indices: list[range], device: torch.device):
-        self.dataset, self.indices, self.device = dataset, indices, device
-        self._loaded: dict[int, torch.Tensor] = {}
+    def __init__(self, dataset, indices: list[range], device: torch.device, cp: CommGroup):
+        self.dataset, self.indices, self.device, self.cp = dataset, indices, device, cp
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _rows(self, micro_batch: int) -> torch.Tensor:
+    def _split(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         if micro_batch not in self._loaded:
-            self._loaded[micro_batch] = load_batch(self.dataset, self.indices[micro_batch], self.device)
+            self._loaded[micro_batch] = inputs_and_labels(self.dataset, self.indices[micro_batch], self.device,
+                                                          self.cp)
         return self._loaded[micro_batch]
 
     def tokens(self, micro_batch: int) -> torch.Tensor:
-        return self._rows(micro_batch)[:, :-1]
+        return self._split(micro_batch)[0]
 
     def labels(self, micro_batch: int) -> torch.Tensor:
-        return self._rows(micro_batch)[:, 1:]
+        return self._split(micro_batch)[1]

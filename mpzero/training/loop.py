@@ -294,8 +294,9 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
         comm_lines += groups.pp.all_gather_objects(state.pipeline.meter.report(iteration).line())
     if groups.cp.size > 1:  # the context-parallel attention's bytes of the last iteration, against theory
         micro_batches = training.global_batch_size // (training.micro_batch_size * groups.dp_size)
-        comm_lines.append(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                                       run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes))
+        comm_lines += every_stage(groups, cp_comm_line(
+            run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
+            run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes, state.model.module.stage))
     if groups.is_logging_rank:
         extra = {"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}",
                  **({} if mfu is None else {"MFU": f"{mfu:.3f}"})}

@@ -28,7 +28,7 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
     micro_batches = micro_batch_indices(consumed, training.global_batch_size, training.micro_batch_size,
                                         groups.dp_rank, groups.dp_size)
     if state.pipeline is not None:
-        return _pipeline_losses(state, MicroBatches(dataset, micro_batches, groups.device), activations, optimizer)
+        return _pipeline_losses(state, MicroBatches(dataset, micro_batches, groups.device, groups.cp), activations, optimizer)
     total = torch.zeros((), device=groups.device)
     for i, indices in enumerate(micro_batches):
         inputs, labels = inputs_and_labels(dataset, indices, groups.device, groups.cp)
@@ -43,7 +43,7 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
 def _pipeline_losses(state: TrainingState, batches: MicroBatches, activations: SavedBytesCounter | None,
                      optimizer: ZeroOptimizer | None) -> torch.Tensor:
     """One iteration of this rank's pipeline schedule (training with an optimizer, else evaluation); the loss the
-    last stage computed, summed over DP and given to every stage (the NaN check and the log see it anywhere).
+    last stage computed, summed over DP x CP and given to every stage (the NaN check and the log see it anywhere).
     The activation counter watches each model chunk's first micro-batch."""
     schedule, groups = state.pipeline, state.groups
 
@@ -52,7 +52,7 @@ def _pipeline_losses(state: TrainingState, batches: MicroBatches, activations: S
 
     steps = schedule.train_steps if optimizer is not None else schedule.eval_steps
     total = run_schedule(schedule.run, steps, schedule.rank, batches.tokens, batches.labels, optimizer, counting)
-    groups.dp.all_reduce(total)
+    groups.dp_cp.all_reduce(total)
     groups.pp.all_reduce(total)
     return total
 
@@ -69,8 +69,8 @@ def evaluate(state: TrainingState, dataset, run: RunConfig) -> float:
     for k in range(run.evaluation.eval_iters):
         indices = micro_batch_indices(k * training.global_batch_size, training.global_batch_size,
                                       training.micro_batch_size, groups.dp_rank, groups.dp_size)
-        if state.pipeline is not None:  # the micro-batches' mean losses, summed over DP and given to every stage
-            total += _pipeline_losses(state, MicroBatches(dataset, indices, groups.device), None, None)
+        if state.pipeline is not None:  # the micro-batches' mean losses, summed over DP x CP and given to every stage
+            total += _pipeline_losses(state, MicroBatches(dataset, indices, groups.device, groups.cp), None, None)
         else:
             for micro_batch in indices:
                 total += model(*inputs_and_labels(dataset, micro_batch, groups.device, groups.cp)).mean()
