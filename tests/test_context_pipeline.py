@@ -9,10 +9,13 @@ import re
 
 import pytest
 
-from mpzero.cli.arguments import parse_args, planner_sections
+from mpzero.cli.arguments import parse_args, planner_sections, run_config
+from mpzero.context_parallel import cp_comm_theory
+from mpzero.pipeline import stage_layers
 from mpzero.planner import Machine, Planner
 from tests.cli import TINY, assert_close_lists, main_capturing_stdout, quiet_main
 from tests.distributed import run_ranks
+from tests.test_context_parallel import _documents
 from tests.test_pipeline import BASE, LLAMA
 
 MODELS = {"gpt2": [], "llama": LLAMA}
@@ -55,7 +58,8 @@ BLOCK = ("--recompute-granularity", "full", "--recompute-method", "block", "--re
 FAST = [("gpt2", "p2p", ()), ("llama", "all_gather", VIRTUAL), ("llama", "a2a", ZB + BLOCK)]
 PRODUCT = [("gpt2", "all_gather", ZB), ("gpt2", "a2a", VIRTUAL), ("llama", "p2p", ()),
            ("gpt2", "p2p", VIRTUAL + ("--recompute-activations",)), ("llama", "p2p", ZB),
-           ("gpt2", "p2p", ("--recompute-granularity", "full")), ("llama", "all_gather", ("--zero-stage", "2"))]
+           ("gpt2", "p2p", ("--recompute-granularity", "full")), ("llama", "all_gather", ("--zero-stage", "2")),
+           ("gpt2", "all_gather", ("--offload-optimizer", "cpu", "--offload-activations", "cpu"))]
 
 
 @pytest.mark.parametrize("model,comm,flags", FAST + [pytest.param(*case, marks=pytest.mark.product)
@@ -76,6 +80,16 @@ def test_cp2_pp2_dp2_matches_one_process(stage):
     _layout_matches_one_process("gpt2", "p2p", ("--zero-stage", str(stage)), dp=2)
 
 
+@pytest.mark.product
+def test_documents_ending_inside_chunks_train_like_one_process(tmp_path):
+    argv = _documents(tmp_path) + LLAMA
+    reference = run_ranks(1, quiet_main, argv)[0]
+    history = run_ranks(4, quiet_main, argv + ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                        deadline=300)[-1]
+    for key in ("losses", "grad_norms", "valid_losses"):
+        assert_close_lists(history[key], reference[key])
+
+
 @pytest.mark.parametrize("saved,loaded", [((4, ()), (1, ())), pytest.param(
     (8, ("--tensor-model-parallel-size", "2")), (4, ("--pipeline-model-parallel-size", "4")),
     marks=pytest.mark.product)])
@@ -90,6 +104,25 @@ def test_a_checkpoint_saved_at_cp2_pp2_resumes_at_another_layout(tmp_path, saved
     resumed = run_ranks(loaded_world, quiet_main, argv + [*loaded_flags, "--load", str(tmp_path)])[-1]
     assert_close_lists(resumed["losses"], uninterrupted["losses"][2:])
     assert_close_lists(resumed["grad_norms"], uninterrupted["grad_norms"][2:])
+
+
+UNIFORM = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+
+
+@pytest.mark.parametrize("comm,recompute,like", [("p2p", (), ()), ("a2a", ("--recompute-activations",), None),
+                                                 ("all_gather", UNIFORM, None), ("p2p", BLOCK, UNIFORM)])
+def test_the_stages_cp_theories_add_up_to_the_whole_models(comm, recompute, like):
+    """Each pipeline rank's CP bytes are its own layers' (recomputation's rule per model chunk): the 2 ranks of
+    interleaved v 2 (chunks of one layer) add up to the whole model's, and block 1, which replays the first layer
+    of each chunk, to the whole model's uniform 1 (every layer replayed)."""
+    def config(*flags):
+        return run_config(parse_args(BASE + ["--context-parallel-size", "2", "--cp-comm-type", comm, *flags]), 4)
+    run = config("--pipeline-model-parallel-size", "2", *VIRTUAL, *recompute)
+    stages = stage_layers(run.pipeline, 4)
+    assert [[len(chunk) for chunk in stage.chunks] for stage in stages] == [[1, 1], [1, 1]]
+    whole = config(*(recompute if like is None else like)).model
+    total = sum(cp_comm_theory(run.model, 1, 2, 16, 4, 4, stage)[0] for stage in stages)
+    assert total == cp_comm_theory(whole, 1, 2, 16, 4, 4)[0] > 0
 
 
 @pytest.mark.parametrize("rank,extra", [(13, ["--tensor-model-parallel-size", "2"]),
