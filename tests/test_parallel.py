@@ -32,6 +32,7 @@ def test_context_and_expert_axes_follow_megatrons_order():
     assert grid["dp"][:2] == [[0, 4], [1, 5]]
     assert grid["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert grid["pp"][:2] == [[0, 8], [1, 9]]
+    assert grid["embedding"][:3] == [[0, 8], [1, 9], [2, 10]]  # each TP x CP x DP index its own tied pair
     experts = rank_grid(8, GridSizes(ep=4))
     assert experts["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert experts["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
