@@ -59,7 +59,7 @@ def _rank(a, m: int, flags: list[str]) -> dict:
     for iteration in range(a.warmup + a.iterations):
         indices = micro_batch_indices(0, run.training.global_batch_size, a.micro_batch, groups.dp_rank,
                                       groups.dp_size)
-        batches = MicroBatches(data, indices, groups.device)
+        batches = MicroBatches(data, indices, groups.device, groups.cp)
         state.optimizer.zero_grad()
         dist.barrier()
         timings, start = {}, time.perf_counter()
