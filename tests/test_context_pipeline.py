@@ -125,9 +125,11 @@ def test_the_stages_cp_theories_add_up_to_the_whole_models(comm, recompute, like
     assert total == cp_comm_theory(whole, 1, 2, 16, 4, 4)[0] > 0
 
 
-@pytest.mark.parametrize("rank,extra", [(13, ["--tensor-model-parallel-size", "2"]),
-                                        (1, ["--cp-comm-type", "a2a", "--attention-backend", "local",  # not SDPA
-                                             "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"])])
+A2A_INTERLEAVED = ["--cp-comm-type", "a2a", "--attention-backend", "local",  # not SDPA's math path on meta
+                   "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("rank,extra", [(13, ["--tensor-model-parallel-size", "2"]), (1, A2A_INTERLEAVED)])
 def test_dry_run_of_a_cp_pp_rank_equals_the_planner(rank, extra):
     argv = TINY + ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
                    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--zero-stage", "1",

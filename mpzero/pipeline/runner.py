@@ -29,8 +29,9 @@ class PipelineSchedule:
 def pipeline_schedule(config: PipelineConfig, groups: ParallelGroups, model, micro_batch_size: int,
                       seq_length: int, micro_batches: int, dtype: torch.dtype, tied_bytes: int = 0) -> PipelineSchedule:
     """This rank's schedules for a model built from `config`'s stage (a GPTModel: its config gives the hidden
-    states' shape, [b, s/CP, h], or [b, s/CP/t, h] under sequence parallelism: a context-parallel rank's tokens). `tied_bytes`: this rank's slice of the
-    tied embedding's gradient, all-reduced with the other end's (`ZeroOptimizer.tied_gradient_bytes`)."""
+    states' shape, [b, s/CP, h], or [b, s/CP/t, h] under sequence parallelism: a context-parallel rank's tokens).
+    `tied_bytes`: this rank's slice of the tied embedding's gradient, all-reduced with the other end's
+    (`ZeroOptimizer.tied_gradient_bytes`)."""
     store = None
     if config.zero_bubble:
         store = WeightGradStore()

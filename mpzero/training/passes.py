@@ -28,7 +28,8 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
     micro_batches = micro_batch_indices(consumed, training.global_batch_size, training.micro_batch_size,
                                         groups.dp_rank, groups.dp_size)
     if state.pipeline is not None:
-        return _pipeline_losses(state, MicroBatches(dataset, micro_batches, groups.device, groups.cp), activations, optimizer)
+        batches = MicroBatches(dataset, micro_batches, groups.device, groups.cp)
+        return _pipeline_losses(state, batches, activations, optimizer)
     total = torch.zeros((), device=groups.device)
     for i, indices in enumerate(micro_batches):
         inputs, labels = inputs_and_labels(dataset, indices, groups.device, groups.cp)
