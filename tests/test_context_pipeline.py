@@ -59,7 +59,8 @@ FAST = [("gpt2", "p2p", ()), ("llama", "all_gather", VIRTUAL), ("llama", "a2a", 
 PRODUCT = [("gpt2", "all_gather", ZB), ("gpt2", "a2a", VIRTUAL), ("llama", "p2p", ()),
            ("gpt2", "p2p", VIRTUAL + ("--recompute-activations",)), ("llama", "p2p", ZB),
            ("gpt2", "p2p", ("--recompute-granularity", "full")), ("llama", "all_gather", ("--zero-stage", "2")),
-           ("gpt2", "all_gather", ("--offload-optimizer", "cpu", "--offload-activations", "cpu"))]
+           ("gpt2", "all_gather", ("--offload-optimizer", "cpu", "--offload-activations", "cpu")),
+           ("llama", "p2p", ("--decoder-first-pipeline-num-layers", "1", *BLOCK[:-1], "2"))]  # stages of 1 and 3
 
 
 @pytest.mark.parametrize("model,comm,flags", FAST + [pytest.param(*case, marks=pytest.mark.product)
