@@ -4,8 +4,9 @@ Point-to-point bytes per rank per iteration (the `pipeline comm` line): each mic
 A = b s' h p bytes (s' = s/CP a context-parallel rank's tokens, /t under sequence parallelism; p the model dtype's
 bytes) goes forward from every virtual stage but the model's last, and its gradient back from every one but the
 first: (F + B) m A for a rank whose v chunks hold F stages that send forward and B that send back (1F1B: F = 1
-unless the last stage, B = 1 unless the first; interleaved: v times as many, less the model's ends). With GPT-2's tied embedding the first and last stage
-also all-reduce its gradient slice of S bytes once per iteration: 2S(N-1)/N = S for the pair.
+unless the last stage, B = 1 unless the first; interleaved: v times as many, less the model's ends). With GPT-2's
+tied embedding the first and last stage also all-reduce its gradient slice of S bytes once per iteration:
+2S(N-1)/N = S for the pair.
 
 Micro-batches held at once (the `activation memory` line's in-flight count), counted by the executor as the forwards
 whose backward has not run (zero bubble: whose W has not run) against the schedule's own count (the simulation of
