@@ -42,7 +42,6 @@ from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, Pe
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
-LOSS_ALL_REDUCE = 2 * 4  # ring bytes (x (N-1)/N) of the fp32 loss scalar the loop all-reduces over DP per iteration
 
 
 @dataclass(frozen=True)
@@ -258,14 +257,14 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
     """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
     stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
     stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
-    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units; plus the training
-    loop's all-reduce of the iteration's loss (an fp32 scalar) for its log line."""
+    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units. The loop's all-reduce
+    of the iteration's loss (an fp32 scalar, for the log) is not ZeRO's traffic and is not counted there."""
     if dp == 1:
         return 0.0
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     states = sum(coef * layout.padded_numel * (dp - 1) / dp for layout in layouts)
-    return states + (m * p * regathered + LOSS_ALL_REDUCE) * (dp - 1) / dp
+    return states + m * p * regathered * (dp - 1) / dp
 
 
 def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None) -> float:

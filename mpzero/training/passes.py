@@ -37,7 +37,7 @@ def forward_backward(state: TrainingState, dataset, consumed: int, training,
             loss = model(inputs, labels).mean() / len(micro_batches)
         optimizer.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
         total += loss.detach()
-    groups.dp_cp.all_reduce(total)
+    _sum_over_data_parallel(total, groups, optimizer)
     return total
 
 
@@ -53,9 +53,18 @@ def _pipeline_losses(state: TrainingState, batches: MicroBatches, activations: S
 
     steps = schedule.train_steps if optimizer is not None else schedule.eval_steps
     total = run_schedule(schedule.run, steps, schedule.rank, batches.tokens, batches.labels, optimizer, counting)
-    groups.dp_cp.all_reduce(total)
+    _sum_over_data_parallel(total, groups, optimizer)
     groups.pp.all_reduce(total)
     return total
+
+
+def _sum_over_data_parallel(total: torch.Tensor, groups, optimizer: ZeroOptimizer | None) -> None:
+    """The loss summed over DP x CP, in place; a scalar for the log, so left out of the `zero comm` line, which
+    states ZeRO's own traffic (an evaluation is left out whole, by the loop)."""
+    if optimizer is None:
+        groups.dp_cp.all_reduce(total)
+    else:
+        optimizer.uncounted(groups.dp_cp.all_reduce, total)
 
 
 
