@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from mpzero.comm import CommGroup
 from mpzero.pipeline.schedules import Pipeline, Step
 from mpzero.pipeline.simulate import simulate
-from mpzero.zero.accounting import counted_ratio
+from mpzero.zero import counted_ratio
 
 
 @dataclass(frozen=True)

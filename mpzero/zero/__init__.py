@@ -9,8 +9,8 @@ The rest of the face is what the memory planner (`mpzero.planner`) reads to pred
 the flat layouts and stage 3's units, and the accounting's formulas."""
 
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
-                                    memory_formula, memory_report, offload_formula, offload_tiers, state_terms,
-                                    step_fp32_bytes, streamed_grad_bytes, transfer_theory)
+                                    counted_ratio, memory_formula, memory_report, offload_formula, offload_tiers,
+                                    state_terms, step_fp32_bytes, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
                                 OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units)
 from mpzero.zero.construction import construction_working_set
@@ -24,7 +24,7 @@ from mpzero.zero.stage3 import Stage3, assign_params, default_units, layer_units
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
-__all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "DeviceStep", "FlatLayout", "GradientCheck",
+__all__ = ["AdamConfig", "CommReport", "counted_ratio", "DIRECT_IO_ALIGN", "DeviceMasters", "DeviceStep", "FlatLayout", "GradientCheck",
            "MasterStore", "MemoryReport", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig",
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
