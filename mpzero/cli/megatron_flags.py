@@ -13,7 +13,6 @@ import difflib
 _LAYOUT = ("an explicit stage layout string is not supported: mpzero splits the layers evenly, with "
            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or with "
            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
-_EXPERTS = "mixture-of-experts models are not in mpzero yet (dense GPT-2 and LLaMA-shaped models only)"
 _FUSION = "mpzero has no such fused kernel to turn off (its fused ops are listed on the run's 'fused ops' line)"
 _FSDP = ("mpzero's ZeRO is its data parallelism: --zero-stage 3 shards parameters, gradients and optimizer states "
          "over data-parallel ranks, as FSDP does")
@@ -32,11 +31,6 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--pipeline-model-parallel-layout": _LAYOUT,
     "--hierarchical-context-parallel-sizes": ("hierarchical context parallelism (a2a+p2p) is not in mpzero: "
                                               "use --cp-comm-type p2p, all_gather or a2a"),
-    "--expert-model-parallel-size": _EXPERTS,
-    "--expert-tensor-parallel-size": _EXPERTS,
-    "--num-experts": _EXPERTS,
-    "--moe-router-topk": _EXPERTS,
-    "--moe-grouped-gemm": _EXPERTS,
     "--model-parallel-size": "Megatron's old name: use --tensor-model-parallel-size",
     "--use-torch-fsdp2": _FSDP,
     "--use-megatron-fsdp": _FSDP,
