@@ -231,9 +231,8 @@ class GPTConfig(TransformerArchitecture):
     @property
     def fp8(self) -> Fp8Recipe | None:
         """The FP8 recipe of the layers' linears, or None without --fp8-format."""
-        if self.fp8_format is None:
-            return None
-        return Fp8Recipe(self.fp8_format, self.fp8_recipe, self.fp8_auto_filter_small_kn)
+        return None if self.fp8_format is None else Fp8Recipe(self.fp8_format, self.fp8_recipe,
+                                                              self.fp8_auto_filter_small_kn)
 
     def bf16_layers(self) -> set[int]:
         """Layer indices whose linears stay in bf16 under FP8 (--first-last-layers-bf16, Megatron's)."""

@@ -162,80 +162,94 @@ def forward_only(pipe: Pipeline, rank: int) -> list[Step]:
 
 
 def interleaved(pipe: Pipeline, rank: int) -> list[Step]:
-    """Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving) for one rank. Received tensors
-    queue per chunk in arrival order, as Megatron's lists do: the j-th tensor a chunk receives belongs to the j-th
-    forward (or backward) of that chunk."""
-    p, v, m = pipe.p, pipe.v, pipe.m
-    total = m * v
-    first_rank, last_rank = rank == 0, rank == p - 1
+    """Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving) for one rank."""
+    return _Interleaved(pipe, rank).steps()
 
-    def f_chunk(k):
-        return (k // p) % v
 
-    def b_chunk(k):
-        return v - 1 - (k // p) % v
+class _Interleaved:
+    """One rank's interleaved steps: the k-th forward unit runs chunk (k // p) % v on micro-batch
+    (k // (p v)) p + k % p, backwards the chunks in reverse. Received tensors queue per chunk in arrival order, as
+    Megatron's lists do: the j-th tensor a chunk receives belongs to the j-th forward (or backward) of that chunk."""
 
-    def micro(k):
-        return (k // (p * v)) * p + k % p
+    def __init__(self, pipe: Pipeline, rank: int):
+        self.pipe, self.rank = pipe, rank
+        p, v, m = pipe.p, pipe.v, pipe.m
+        self.total, self.first_rank, self.last_rank = m * v, rank == 0, rank == p - 1
+        self.forwards, self.backwards = defaultdict(list), defaultdict(list)  # chunk -> micro-batches in order
+        for k in range(self.total):
+            self.forwards[self.f_chunk(k)].append(self.micro(k))
+            self.backwards[self.b_chunk(k)].append(self.micro(k))
+        self.received = defaultdict(int)  # (kind, chunk) -> tensors received so far
+        self.all_warmup = m == p
+        self.warmup = self.total if self.all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, self.total)
+        self.out = _Steps()
 
-    forwards = defaultdict(list)  # chunk -> its micro-batches in forward order
-    backwards = defaultdict(list)
-    for k in range(total):
-        forwards[f_chunk(k)].append(micro(k))
-        backwards[b_chunk(k)].append(micro(k))
-    received = defaultdict(int)  # (kind, chunk) -> tensors received so far
+    def f_chunk(self, k: int) -> int:
+        return (k // self.pipe.p) % self.pipe.v
 
-    def recv(kind: str, chunk: int) -> Action:
-        order = forwards if kind == "RECV_F" else backwards
-        n = received[kind, chunk]
-        received[kind, chunk] += 1
+    def b_chunk(self, k: int) -> int:
+        return self.pipe.v - 1 - self.f_chunk(k)
+
+    def micro(self, k: int) -> int:
+        p = self.pipe.p
+        return (k // (p * self.pipe.v)) * p + k % p
+
+    def recv(self, kind: str, chunk: int) -> Action:
+        order = self.forwards if kind == "RECV_F" else self.backwards
+        n = self.received[kind, chunk]
+        self.received[kind, chunk] += 1
         return Action(kind, chunk, order[chunk][n])
 
-    def send_f(k):
-        chunk = f_chunk(k)
-        return None if pipe.is_last(rank, chunk) else Action("SEND_F", chunk, micro(k))
+    def send_f(self, k: int) -> Action | None:
+        chunk = self.f_chunk(k)
+        return None if self.pipe.is_last(self.rank, chunk) else Action("SEND_F", chunk, self.micro(k))
 
-    def send_b(k):
-        chunk = b_chunk(k)
-        return None if pipe.is_first(rank, chunk) else Action("SEND_B", chunk, micro(k))
+    def send_b(self, k: int) -> Action | None:
+        chunk = self.b_chunk(k)
+        return None if self.pipe.is_first(self.rank, chunk) else Action("SEND_B", chunk, self.micro(k))
 
-    all_warmup = m == p
-    warmup = total if all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, total)
-    steady = total - warmup
-    steps = _Steps()
-    if not first_rank:
-        steps.comm(recv("RECV_F", 0))
-    for k in range(warmup):
-        steps.compute("F", f_chunk(k), micro(k))
-        recv_prev = k + 1 < total and not (first_rank and f_chunk(k + 1) == 0)
-        if k == warmup - 1 and not all_warmup:
-            recv_next = not last_rank
-            steps.comm(send_f(k), recv("RECV_F", f_chunk(k + 1)) if recv_prev else None,
-                       recv("RECV_B", v - 1) if recv_next else None)
-        else:
-            steps.comm(send_f(k), recv("RECV_F", f_chunk(k + 1)) if recv_prev else None)
-    for k in range(steady):
-        fk, bk = k + warmup, k
-        steps.compute("F", f_chunk(fk), micro(fk))
-        steps.compute("B", b_chunk(bk), micro(bk))
-        if first_rank:  # the first rank runs p - 1 forwards ahead of the last one
-            ahead = f_chunk(fk - (p - 1))
-            recv_prev, next_f = ahead != v - 1, ahead + 1
-        else:
-            recv_prev, next_f = True, f_chunk(fk + 1)
-        if last_rank:
-            behind = b_chunk(bk - (p - 1))
-            recv_next, next_b = behind != 0, behind - 1
-        else:
-            recv_next, next_b = True, b_chunk(bk + 1)
-        if k == steady - 1:
-            recv_prev = False
-        steps.comm(send_f(fk), send_b(bk), recv("RECV_F", next_f) if recv_prev else None,
-                   recv("RECV_B", next_b) if recv_next else None)
-    if all_warmup and not last_rank:
-        steps.comm(recv("RECV_B", v - 1))
-    for k in range(steady, total):
-        steps.compute("B", b_chunk(k), micro(k))
-        recv_next = k + 1 < total and not (last_rank and b_chunk(k + 1) == v - 1)
-        steps.comm(send_b(k), recv("RECV_B", b_chunk(k + 1)) if recv_next else None)
-    return list(steps)
+    def steps(self) -> list[Step]:
+        if not self.first_rank:
+            self.out.comm(self.recv("RECV_F", 0))
+        self._warmup()
+        self._steady()
+        self._cooldown()
+        return list(self.out)
+
+    def _warmup(self) -> None:
+        for k in range(self.warmup):
+            self.out.compute("F", self.f_chunk(k), self.micro(k))
+            recv_prev = k + 1 < self.total and not (self.first_rank and self.f_chunk(k + 1) == 0)
+            receive = self.recv("RECV_F", self.f_chunk(k + 1)) if recv_prev else None
+            if k == self.warmup - 1 and not self.all_warmup:  # the first backward's gradient comes with it
+                self.out.comm(self.send_f(k), receive, None if self.last_rank else self.recv("RECV_B", self.pipe.v - 1))
+            else:
+                self.out.comm(self.send_f(k), receive)
+
+    def _steady(self) -> None:
+        p, v, steady = self.pipe.p, self.pipe.v, self.total - self.warmup
+        for k in range(steady):
+            fk, bk = k + self.warmup, k
+            self.out.compute("F", self.f_chunk(fk), self.micro(fk))
+            self.out.compute("B", self.b_chunk(bk), self.micro(bk))
+            if self.first_rank:  # the first rank runs p - 1 forwards ahead of the last one
+                ahead = self.f_chunk(fk - (p - 1))
+                recv_prev, next_f = ahead != v - 1, ahead + 1
+            else:
+                recv_prev, next_f = True, self.f_chunk(fk + 1)
+            if self.last_rank:
+                behind = self.b_chunk(bk - (p - 1))
+                recv_next, next_b = behind != 0, behind - 1
+            else:
+                recv_next, next_b = True, self.b_chunk(bk + 1)
+            recv_prev = recv_prev and k < steady - 1
+            self.out.comm(self.send_f(fk), self.send_b(bk), self.recv("RECV_F", next_f) if recv_prev else None,
+                          self.recv("RECV_B", next_b) if recv_next else None)
+
+    def _cooldown(self) -> None:
+        if self.all_warmup and not self.last_rank:
+            self.out.comm(self.recv("RECV_B", self.pipe.v - 1))
+        for k in range(self.total - self.warmup, self.total):
+            self.out.compute("B", self.b_chunk(k), self.micro(k))
+            recv_next = k + 1 < self.total and not (self.last_rank and self.b_chunk(k + 1) == self.pipe.v - 1)
+            self.out.comm(self.send_b(k), self.recv("RECV_B", self.b_chunk(k + 1)) if recv_next else None)

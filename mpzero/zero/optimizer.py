@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +42,6 @@ from torch import nn
 
 from mpzero.deferred_init import is_deferred
 from mpzero.errors import ConfigError, TrainingError
-from mpzero.launcher_env import launcher_env
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
@@ -145,9 +143,12 @@ class ZeroOptimizer(OptimizerReports):
         self.placements = placements(named)  # refuses a parameter that does not say how TP splits it
         self.decays = mark_weight_decay(named, decay)  # {name: decays}, recorded for the stage's layouts
         self.numel = sum(p.numel() for _, p in named)
-        self.offload_directory = _open_offload_directory(offload, zero.stage, groups, self.numel,
-                                                         precision.torch_dtype.itemsize, precision.grad_dtype.itemsize,
-                                                         self.rule.state_bytes_per_param)
+        self.offload_directory = None
+        if offload.uses_disk:  # the tiers load with the runs that use them
+            from mpzero.zero.offload import open_offload_directory
+            self.offload_directory = open_offload_directory(
+                offload, zero.stage, groups.world, groups.dp_size, self.numel, precision.torch_dtype.itemsize,
+                precision.grad_dtype.itemsize, self.rule.state_bytes_per_param)
         self.stage = self.masters = self._delayed = None
         self._closed = False
         try:
@@ -427,45 +428,3 @@ class ZeroOptimizer(OptimizerReports):
         too); the name is the checkpoint's older one. With a delayed update pending, call `finish_update()` first
         (on every rank: it spreads the parameters)."""
         return self.masters.step_count
-
-
-
-def _open_offload_directory(offload: OffloadConfig, stage: int, groups: ParallelGroups, numel: int, p: int, g: int,
-                            states: int) -> OffloadDirectory | None:
-    """The disk tier's folder of this rank, PATH/rank00000, locked and created fresh (offload/directory.py), once
-    every rank has its own and room for its files; a failure on any rank is a ConfigError on all, with nothing
-    left behind."""
-    if not offload.uses_disk:
-        return None
-    from mpzero.zero.offload import OffloadDirectory
-
-    def open_checked() -> OffloadDirectory:
-        directory = OffloadDirectory(os.path.join(offload.path, f"rank{groups.world.rank:05d}"))
-        try:
-            _check_offload_space(offload, stage, directory, numel, groups.dp_size, p, g, states)
-        except BaseException:
-            directory.close()
-            raise
-        return directory
-
-    directory, error = groups.world.run_agreed(open_checked, (ConfigError, OSError))
-    if error:
-        if directory is not None:
-            directory.close()
-        raise ConfigError(error)
-    return directory
-
-
-def _check_offload_space(offload: OffloadConfig, stage: int, directory: OffloadDirectory, numel: int, dp_size: int,
-                         p: int, g: int, states: int) -> None:
-    """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
-    every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
-    from mpzero.zero.offload import readable
-    per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
-    per_param += g if offload.grads_tier(stage) == "disk" else 0
-    need = per_param * -(-numel // dp_size) * launcher_env().local_world_size
-    st = os.fstatvfs(directory.fd)
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        raise ConfigError(f"--offload-path {offload.path} has {readable(free)} free, the disk tier needs "
-                          f"{readable(need)} on this machine: free space or choose another --offload-path")

@@ -10,7 +10,7 @@ contract the tiers share with the stages (`ParamSink`, `TierBytes`, `Transfers`,
 - `grad_file`: the gradient partition on disk beside a disk optimizer (stages 2-3).
 """
 
-from mpzero.zero.offload.directory import SWAP_NAMES, OffloadDirectory
+from mpzero.zero.offload.directory import SWAP_NAMES, OffloadDirectory, open_offload_directory
 from mpzero.zero.offload.grad_file import GradFile, RegionReader, gradient_file, gradient_file_bytes
 from mpzero.zero.offload.masters import OffloadedMasters
 from mpzero.zero.offload.params import SLOTS, ParamTier
@@ -20,4 +20,5 @@ from mpzero.zero.offload.swap import (ALIGN, SwapFile, SwapPipeline, aligned_byt
 
 __all__ = ["ALIGN", "GradFile", "OffloadDirectory", "OffloadedMasters", "ParamTier", "RegionReader", "SLOTS",
            "SWAP_NAMES", "SwapFile", "SwapPipeline", "aligned_bytes", "aligned_empty", "buffer_bytes",
-           "disk_error_message", "gradient_file", "gradient_file_bytes", "readable", "round_to_block", "round_up"]
+           "disk_error_message", "gradient_file", "gradient_file_bytes", "open_offload_directory", "readable",
+           "round_to_block", "round_up"]

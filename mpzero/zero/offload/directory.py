@@ -24,7 +24,8 @@ import threading
 
 from mpzero.errors import ConfigError
 from mpzero.optim import STATE_NAMES
-from mpzero.zero.offload.swap import SwapFile
+from mpzero.launcher_env import launcher_env
+from mpzero.zero.offload.swap import SwapFile, readable
 
 # every file a store creates: the masters and each update rule's states, stage 3's parameters, the gradients
 SWAP_NAMES = ("master.bin", *(f"{name}.bin" for name in STATE_NAMES), "params.swap", "grads.bin")
@@ -145,3 +146,40 @@ def _same_file(path: str, fd: int) -> bool:
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def open_offload_directory(offload, stage: int, world, dp_size: int, numel: int, p: int, g: int,
+                           states: int) -> OffloadDirectory:
+    """The disk tier's folder of this rank, PATH/rank00000 (by `world` rank), locked and created fresh, once every
+    rank has its own and room for its files (`OffloadConfig` offload, ZeRO over `dp_size` ranks); a failure on any
+    rank is a ConfigError on all, with nothing left behind."""
+
+    def open_checked() -> OffloadDirectory:
+        directory = OffloadDirectory(os.path.join(offload.path, f"rank{world.rank:05d}"))
+        try:
+            _check_offload_space(offload, stage, directory, numel, dp_size, p, g, states)
+        except BaseException:
+            directory.close()
+            raise
+        return directory
+
+    directory, error = world.run_agreed(open_checked, (ConfigError, OSError))
+    if error:
+        if directory is not None:
+            directory.close()
+        raise ConfigError(error)
+    return directory
+
+
+def _check_offload_space(offload, stage: int, directory: OffloadDirectory, numel: int, dp_size: int, p: int, g: int,
+                         states: int) -> None:
+    """Before any file is written: the file system of this rank's folder has room for the disk tier's files of
+    every rank sharing it (LOCAL_WORLD_SIZE ranks on this machine)."""
+    per_param = (4 + states if offload.optimizer == "disk" else 0) + (p if offload.params == "disk" else 0)
+    per_param += g if offload.grads_tier(stage) == "disk" else 0
+    need = per_param * -(-numel // dp_size) * launcher_env().local_world_size
+    st = os.fstatvfs(directory.fd)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise ConfigError(f"--offload-path {offload.path} has {readable(free)} free, the disk tier needs "
+                          f"{readable(need)} on this machine: free space or choose another --offload-path")
