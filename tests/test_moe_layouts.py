@@ -147,3 +147,10 @@ def test_bf16_experts_match_one_bf16_process_within_rounding():
     reference = _reference(BASE + LLAMA + ["--bf16"])
     history = run_ranks(2, quiet_main, BASE + LLAMA + ["--bf16"] + ep(2))[0]
     assert_close_lists(history["losses"], reference["losses"], rel=1e-2)
+
+
+@pytest.mark.product
+def test_optimizer_states_on_disk_at_ep_2(tmp_path):
+    """--offload-optimizer disk at ZeRO 1: the masters and moments of both families in the rank's one file."""
+    _assert_matches_one_process(2, [], ep(2, "--zero-stage", "1", "--offload-optimizer", "disk", "--offload-path",
+                                         str(tmp_path)))
