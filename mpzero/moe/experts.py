@@ -7,9 +7,10 @@ first dimension, each split over the expert-tensor-parallel group like the dense
     bias1 [E_l, f1], bias2 [E_l, h] with --add-bias-linear (Megatron allows them at expert-TP 1 only)
 
 The tokens come sorted by local expert, `counts[e]` rows for expert e. `--moe-grouped-gemm` runs all experts in one
-`torch._grouped_mm` per matrix (torchtitan's call; offsets are the counts' running sums), else a loop of one matmul
-per expert (Megatron's SequentialMLP): on the CPU the two give the same numbers bit for bit (tests/test_moe_experts).
-The `fused ops` line names which one runs (`experts_impl`).
+`torch._grouped_mm` per matrix (torchtitan's call; offsets are the counts' running sums), else a loop running each
+expert's whole MLP on its rows, concatenated once (Megatron's SequentialMLP; one concatenation instead of one per
+matrix: 5-10% of a CPU step, bench/bench_moe.py): the two agree within fp32 rounding (tests/test_moe_experts). The
+`fused ops` line names which one runs (`experts_impl`).
 
 Initial weights are drawn expert by expert from each expert's global name, `layers.L.mlp.experts.E.weight1` (seed,
 global index E = ep_rank x E_l + e): the same at every expert-parallel and expert-tensor-parallel size
@@ -61,26 +62,29 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, h] sorted by local expert, counts[e] rows each -> [N, h] (at expert-TP > 1 a partial sum over the
         expert-TP group, like a row-parallel linear's before its reduction)."""
-        hidden = self._matmul(x, self.weight1, counts)
+        if not self.grouped:  # each expert's MLP on its rows, one concatenation at the end
+            parts = [self._mlp(rows, e) for e, rows in enumerate(x.split(counts))]
+            return torch.cat(parts) if parts else x.new_zeros(0, self.weight2.shape[1])
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        hidden = _GROUPED_MM(x, self.weight1.transpose(-2, -1), offs=offsets)
         if self.bias1 is not None:
             hidden = hidden + self._per_row(self.bias1, counts)
+        out = _GROUPED_MM(self._activate(hidden), self.weight2.transpose(-2, -1), offs=offsets)
+        return out + self._per_row(self.bias2, counts) if self.bias2 is not None else out
+
+    def _mlp(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        """Local expert e on its rows [n, h] -> [n, h]."""
+        hidden = rows @ self.weight1[e].t()
+        if self.bias1 is not None:
+            hidden = hidden + self.bias1[e]
+        out = self._activate(hidden) @ self.weight2[e].t()
+        return out + self.bias2[e] if self.bias2 is not None else out
+
+    def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = hidden.chunk(2, dim=-1)
-            hidden = self.activation(gate) * up
-        else:
-            hidden = self.activation(hidden)
-        out = self._matmul(hidden, self.weight2, counts)
-        if self.bias2 is not None:
-            out = out + self._per_row(self.bias2, counts)
-        return out
-
-    def _matmul(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each expert's rows times its weight transposed ([N, in] -> [N, out])."""
-        if self.grouped:
-            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
-        parts = [rows @ weight[e].t() for e, rows in enumerate(x.split(counts))]
-        return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+            return self.activation(gate) * up
+        return self.activation(hidden)
 
     @staticmethod
     def _per_row(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
