@@ -87,6 +87,8 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
     (2, ["--moe-router-dtype", "fp64"], ep(2)),
     (2, ["--moe-grouped-gemm"], ep(2)),
     (4, LLAMA + SHARED_SIGMOID, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
+    (4, LLAMA + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-expert-capacity-factor", "0.75"],
+     ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
     (4, LLAMA, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations")),
     (2, [], ep(2, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")),
     (2, [], ep(2, "--offload-activations", "cpu")),
@@ -95,7 +97,7 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
 ], ids=["zero0", "zero1", "zero2", "zero3", "ep4", "offload-optimizer", "zero2-offload-optimizer",
                                                               "zero3-offload-params", "tp2-etp2-ep2", "tp2-etp1-ep1", "top1",
         "top8", "expert-bias", "seq-aux-loss", "group-limited", "capacity-position", "layer-freq", "full-recompute",
-        "allgather-ep4", "pp2-zero-bubble", "router-fp64", "grouped-gemm", "tp2-sp-shared",
+        "allgather-ep4", "pp2-zero-bubble", "router-fp64", "grouped-gemm", "tp2-sp-shared", "tp2-sp-seq-aux-capacity",
         "tp2-sp-selective", "full-block", "offload-activations",
         "pp2-interleaved-ep2"])
 def test_expert_parallel_compositions_match_one_process(world, model, layout):
