@@ -156,3 +156,18 @@ def test_optimizer_states_on_disk_at_ep_2(tmp_path):
     """--offload-optimizer disk at ZeRO 1: the masters and moments of both families in the rank's one file."""
     _assert_matches_one_process(2, [], ep(2, "--zero-stage", "1", "--offload-optimizer", "disk", "--offload-path",
                                          str(tmp_path)))
+
+
+def test_zero3_lines_count_each_family_on_its_group():
+    """ZeRO 3 at EP 2 x DP 4 (experts partitioned over 2 expert-DP ranks), linear units replayed by full
+    recomputation: the memory line's formula (16P/N + 16Pe/Ne) and the comm line's, each family's third gathers
+    (X, Xe) over its own group, equal the counts; the comm line differs by the loss's all-reduce alone (2 x 4 x 3/4
+    = 6 bytes at DP 4), as in a dense run."""
+    argv = BASE + ["--log-interval", "1", "--train-iters", "2", "--zero-stage", "3", "--zero-units", "linear",
+                   "--recompute-granularity", "full", "--recompute-method", "uniform"] + ep(2)
+    out = run_ranks(4, _logged, argv)[0]
+    assert re.search(r"zero memory \| stage 3 \| dp 4 \| .* expert dp 2 \| .* formula 16P/N\+16Pe/Ne \| .* "
+                     r"ratio 1.0000", out), out
+    comm = re.findall(r"zero comm .* measured bytes/iter (\d+) \| theory \(12P\+4X\)\(N-1\)/N\+\(12Pe\+4Xe\)\(Ne-1\)"
+                      r"/Ne \| theory bytes/iter (\d+)", out)
+    assert len(comm) == 2 and all(int(measured) - int(theory) == 6 for measured, theory in comm), out

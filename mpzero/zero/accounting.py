@@ -242,17 +242,20 @@ def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: 
 
 
 def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batches: int,
-                regathered: int = 0, expert: tuple[int, int] | None = None) -> tuple[float, str]:
+                regathered: int = 0, expert: tuple[int, int] | None = None,
+                expert_regathered: int = 0) -> tuple[float, str]:
     """(bytes per rank per iteration, formula) for P = numel, m = micro_batches; `regathered`: X, the elements
     stage 3 gathers a third time per micro-batch (units smaller than a layer, recomputed); `expert`: (Pe, Ne),
-    expert parameters reduced and gathered over their own Ne ranks, the same per parameter."""
+    expert parameters reduced and gathered over their own Ne ranks, the same per parameter, Xe of them
+    (`expert_regathered`) gathered a third time."""
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     terms = [(coef, "P")] + ([(m * p, "X")] if regathered else [])
     theory, text = (coef * numel + m * p * regathered) * (dp_size - 1) / dp_size, f"({formula_text(terms)})(N-1)/N"
     if expert is not None:
-        theory += coef * expert[0] * (expert[1] - 1) / expert[1]
-        text += f"+{coef}Pe(Ne-1)/Ne"
+        terms = [(coef, "Pe")] + ([(m * p, "Xe")] if expert_regathered else [])
+        theory += (coef * expert[0] + m * p * expert_regathered) * (expert[1] - 1) / expert[1]
+        text += f"+({formula_text(terms)})(Ne-1)/Ne"
     return theory, text
 
 

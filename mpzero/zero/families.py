@@ -227,8 +227,11 @@ def _family_stage(model, family: Family, zero: ZeroConfig, precision: PrecisionC
                                                          offload, directory, divisor=divisor, meters=meters)
 
 
+def family_stages(stage: ZeroStage) -> list[ZeroStage]:
+    """Each family's stage, in the families' order (`make_stage`'s stage: one per family, or the only family's)."""
+    return stage.stages if isinstance(stage, StageFamilies) else [stage]
+
+
 def families_by_bucket(stage: ZeroStage, families: list[Family]) -> list[Family]:
-    """The family of each of the stage's buckets, in order (`make_stage`'s stage: one per family, or the only
-    family's own)."""
-    stages = stage.stages if isinstance(stage, StageFamilies) else [stage]
-    return [family for family, one in zip(families, stages) for _ in one.layouts]
+    """The family of each of the stage's buckets, in order."""
+    return [family for family, one in zip(families, family_stages(stage)) for _ in one.layouts]

@@ -10,6 +10,7 @@ import dataclasses
 from mpzero.storages import unique_storage_bytes
 from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierReport, TransferReport, comm_theory,
                                    memory_report, offload_formula, offload_tiers, transfer_theory)
+from mpzero.zero.families import family_stages
 from mpzero.zero.tiers import Transfers
 
 
@@ -69,8 +70,11 @@ class OptimizerReports:
         iterations = max(self.iteration - mark_iteration, 1)
         self._comm_mark = (total, self.iteration)
         p, g = self._element_sizes()
+        regathered = {family.name: stage.regathered_numel() for family, stage in zip(self.families, family_stages(
+            self.stage))}  # X and Xe, each family's stage 3 third gathers
         theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self._dense_numel, p, g,
-                                   self._last_micro_batches, self.stage.regathered_numel(), self._expert())
+                                   self._last_micro_batches, regathered.get("dense", 0), self._expert(),
+                                   regathered.get("expert", 0))
         transfers = ()
         tiers = self._tiers()
         if any(tier != "none" for tier in tiers.values()):
