@@ -39,7 +39,8 @@ def gpt_provider(config: GPTConfig, groups: ParallelGroups, rng: RNGStatesTracke
     chunked loss recomputes all but the last chunk of one)."""
     family = family_of(config)
     stage = stage_layers(pipeline, config.num_layers)[groups.pp_rank] if groups.pp_size > 1 else None
-    model = family.build(config, groups.tp, rng, device="meta", stage=stage, cp=groups.cp)
+    model = family.build(config, groups.tp, rng, device="meta", stage=stage, cp=groups.cp, ep=groups.ep,
+                         expert_tp=groups.expert_tp)
     return BuiltModel(model, family.flops_per_token(config, groups.tp_size, micro_batch_size),
                       family.architecture(config))
 

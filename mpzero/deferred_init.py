@@ -92,6 +92,51 @@ def deferred_parameter(full_shape: tuple[int, ...], fill: Fill, shard: Shard = _
     return param
 
 
+@dataclass
+class ExpertRecipe(Recipe):
+    """A stack of experts (a mixture-of-experts layer's): `full_shape` is one expert's whole weight, `experts` the
+    global indices of the experts this rank holds; expert E is drawn from its own generator, keyed by its global
+    name (the key with the index inserted before its last part: `layers.1.mlp.experts.weight1` ->
+    `layers.1.mlp.experts.5.weight1`), and `shard` cuts this rank's part of each. The stack is the same at every
+    expert-parallel and expert-tensor-parallel size, expert by expert."""
+    experts: range = range(0)
+
+    def expert_key(self, expert: int) -> str:
+        prefix, _, leaf = self.key.rpartition(".")
+        return f"{prefix}.{expert}.{leaf}" if prefix else f"{expert}.{leaf}"
+
+    def values(self, meter=None) -> torch.Tensor:
+        if self.key is None:
+            raise RuntimeError("a deferred parameter has no key: call name_parameters(model, seed) after building it")
+        parts = []
+        for expert in self.experts:
+            full = torch.empty(self.full_shape, dtype=torch.float32)
+            self.fill(full, parameter_generator(self.seed, self.expert_key(expert)))
+            parts.append(self.shard(full))
+        stack = torch.stack(parts) if parts else torch.empty((0,) + self.full_shape)
+        if meter is not None:
+            meter.add(stack.numel() * 4)  # the whole tensors of one expert at a time are not counted
+        return stack
+
+    def drawn_bytes(self) -> int:
+        """One expert's whole weight and the stack of this rank's parts."""
+        full = torch.empty(self.full_shape, dtype=torch.float32, device="meta")
+        return 4 * (full.numel() + len(self.experts) * self.shard(full).numel())
+
+
+def deferred_expert_parameter(expert_shape: tuple[int, ...], experts: range, fill: Fill,
+                              shard: Shard = _whole) -> nn.Parameter:
+    """A stack [len(experts), ...] of expert weights without storage, each drawn by its global name
+    (`ExpertRecipe`)."""
+    recipe = ExpertRecipe(tuple(expert_shape), fill, shard, experts=experts)
+    local_shape = (len(experts),) + tuple(shard(torch.empty(expert_shape, device="meta")).shape)
+    tensor = torch.empty(local_shape)
+    tensor.untyped_storage().resize_(0)
+    param = nn.Parameter(tensor)
+    param.init_recipe = recipe
+    return param
+
+
 def recipe_of(param: torch.Tensor) -> Recipe | None:
     return getattr(param, "init_recipe", None)
 

@@ -5,7 +5,8 @@ Megatron's default order `tp-cp-ep-dp-pp`: the first axis varies fastest. Tensor
 ranks, and pipeline stages outermost (with TP 2, PP 4 on 16 ranks: TP [0,1]..., DP [0,2],[1,3],[4,6]...,
 PP [0,4,8,12]...; Megatron's `initialize_model_parallel` example). Expert parallelism folds into the
 context- and data-parallel ranks (Megatron's "parallel folding", its expert grid `etp-ep-edp-pp` over the same
-ranks): an EP group takes adjacent ranks of that block, the expert-DP group the rest. Layers and optimizers take the
+ranks): an expert-TP group takes adjacent ranks (the TP group itself at ETP = TP, Megatron's default), an EP group
+the next ones, the expert-DP group the rest. Layers and optimizers take the
 `ParallelGroups` they need explicitly: there is no module-level state. An axis of size 1 is a group of one rank
 whose collectives are identities, so a run without PP, CP or EP takes the same code path as before they existed.
 """
@@ -27,8 +28,10 @@ from mpzero.launcher_env import launcher_env
 @dataclass(frozen=True)
 class ParallelGroups:
     """This rank's groups: tp, cp, dp, pp (Megatron's dense grid), dp_cp (ZeRO's and the loss's reduction group:
-    the data- and context-parallel ranks together), ep and expert_dp (the expert grid), embedding (the first and
-    last pipeline stage of this rank's pipeline: the tied word embedding's copies), world."""
+    the data- and context-parallel ranks together), expert_tp, ep and expert_dp (the expert grid: an expert's
+    weights split over expert_tp, the experts over ep, their replicas over expert_dp, where ZeRO partitions them),
+    embedding (the first and last pipeline stage of this rank's pipeline: the tied word embedding's copies),
+    world."""
     tp: CommGroup
     dp: CommGroup
     world: CommGroup
@@ -39,6 +42,7 @@ class ParallelGroups:
     ep: CommGroup
     expert_dp: CommGroup
     embedding: CommGroup
+    expert_tp: CommGroup
 
     @property
     def tp_size(self) -> int:
@@ -66,7 +70,7 @@ class ParallelGroups:
 
     @property
     def sizes(self) -> GridSizes:
-        return GridSizes(tp=self.tp.size, pp=self.pp.size, cp=self.cp.size, ep=self.ep.size)
+        return GridSizes(tp=self.tp.size, pp=self.pp.size, cp=self.cp.size, ep=self.ep.size, etp=self.expert_tp.size)
 
     @property
     def is_first_stage(self) -> bool:
@@ -85,11 +89,20 @@ class ParallelGroups:
 
 @dataclass(frozen=True)
 class GridSizes:
-    """The sizes of the axes a world is split into; DP is what is left: world / (TP x CP x PP)."""
+    """The sizes of the axes a world is split into; DP is what is left: world / (TP x CP x PP). The expert grid
+    folds over the TP x CP x DP ranks of a stage: expert-TP `etp` (None: TP, Megatron's default) x EP x expert-DP."""
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def expert_dp(self, world_size: int) -> int:
+        return self.tp * self.cp * self.dp(world_size) // (self.expert_tp * self.ep)
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.cp * self.pp)
@@ -97,7 +110,8 @@ class GridSizes:
     def check(self, world_size: int) -> None:
         """One ConfigError line naming the flag that does not divide the world."""
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
-                           ("cp", "--context-parallel-size"), ("ep", "--expert-model-parallel-size")):
+                           ("cp", "--context-parallel-size"), ("ep", "--expert-model-parallel-size"),
+                           ("expert_tp", "--expert-tensor-parallel-size")):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag} {getattr(self, name)} must be positive")
         tp, cp, pp, ep = self.tp, self.cp, self.pp, self.ep
@@ -107,22 +121,28 @@ class GridSizes:
         if world_size % (tp * cp * pp):
             raise ConfigError(f"world size {world_size} is not divisible by TP {tp} x CP {cp} x PP {pp} = "
                               f"{tp * cp * pp}: launch a multiple of {tp * cp * pp} processes or change the sizes")
-        if (cp * self.dp(world_size)) % ep:
+        etp, folded = self.expert_tp, tp * cp * self.dp(world_size)
+        if self.etp is None and (cp * self.dp(world_size)) % ep:
             raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the {cp * self.dp(world_size)} "
                               f"context- and data-parallel ranks (CP {cp} x DP {self.dp(world_size)}) it is "
                               f"carved from")
+        if self.etp is not None and (tp * cp * self.dp(world_size)) % (etp * ep):
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} does not "
+                              f"divide the {folded} tensor-, context- and data-parallel ranks (TP {tp} x CP {cp} x "
+                              f"DP {self.dp(world_size)}) the expert grid is folded into")
 
 
 def rank_grid(world_size: int, sizes: GridSizes = GridSizes()) -> dict[str, list[list[int]]]:
     """Every group of every axis as lists of global ranks (each ascending; a group's rank is its index there), by
-    name: tp, cp, dp, pp, dp_cp, ep, expert_dp, embedding. Pure, so it is tested without processes."""
+    name: tp, cp, dp, pp, dp_cp, expert_tp, ep, expert_dp, embedding. Pure, so it is tested without processes."""
     sizes.check(world_size)
     dp = sizes.dp(world_size)
     dense = (("tp", sizes.tp), ("cp", sizes.cp), ("dp", dp), ("pp", sizes.pp))
-    expert = (("tp", sizes.tp), ("ep", sizes.ep), ("edp", sizes.cp * dp // sizes.ep), ("pp", sizes.pp))
+    expert = (("etp", sizes.expert_tp), ("ep", sizes.ep), ("edp", sizes.expert_dp(world_size)), ("pp", sizes.pp))
     grid = {name: _groups(dense, axes) for name, axes in
             (("tp", {"tp"}), ("cp", {"cp"}), ("dp", {"dp"}), ("pp", {"pp"}), ("dp_cp", {"dp", "cp"}))}
     grid["ep"], grid["expert_dp"] = _groups(expert, {"ep"}), _groups(expert, {"edp"})
+    grid["expert_tp"] = _groups(expert, {"etp"})
     grid["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in grid["pp"]]
     return grid
 
@@ -152,7 +172,7 @@ def default_backend() -> str:
 
 
 def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str | None = None, *, pp_size: int = 1,
-                  cp_size: int = 1, ep_size: int = 1) -> ParallelGroups:
+                  cp_size: int = 1, ep_size: int = 1, etp_size: int | None = None) -> ParallelGroups:
     """Join (or create) the default process group and carve it into the grid's groups (`rank_grid`).
 
     Under torchrun the environment names rank and world; as plain `python` a world of one is made,
@@ -180,7 +200,7 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                     device_id=device_id)
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    grid = rank_grid(world_size, GridSizes(tp=tp_size, pp=pp_size, cp=cp_size, ep=ep_size))
+    grid = rank_grid(world_size, GridSizes(tp=tp_size, pp=pp_size, cp=cp_size, ep=ep_size, etp=etp_size))
     device = _device_for_backend(dist.get_backend())
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
@@ -200,6 +220,8 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
     mine = {name: make(groups) for name, groups in grid.items()}
     if mine["dp_cp"].ranks == mine["dp"].ranks:  # CP 1: ZeRO's group is the DP group itself (one byte counter)
         mine["dp_cp"] = mine["dp"]
+    if mine["expert_tp"].ranks == mine["tp"].ranks:  # ETP = TP: experts split over the TP group itself
+        mine["expert_tp"] = mine["tp"]
     # the world's collectives too carry this run's timeout, whoever made the default group (a test harness)
     world = make([list(range(world_size))]) if world_size > 1 else CommGroup(dist.group.WORLD, (0,), 0)
     return ParallelGroups(world=world, device=device, **mine)

@@ -39,8 +39,23 @@ def test_context_and_expert_axes_follow_megatrons_order():
     assert experts["dp"] == [list(range(8))]
 
 
+def test_expert_tensor_parallel_one_folds_experts_over_the_tensor_parallel_ranks_too():
+    """Megatron's expert grid etp-ep-edp-pp over the same ranks: at ETP 1 an EP group takes adjacent ranks, TP
+    pairs included (TP 2, DP 2, EP 4: all four ranks); at ETP = TP (the default) the expert-TP group is the TP
+    group and EP folds into the DP ranks."""
+    folded = rank_grid(8, GridSizes(tp=2, ep=4, etp=1))
+    assert folded["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert folded["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert folded["expert_tp"] == [[r] for r in range(8)]
+    default = rank_grid(8, GridSizes(tp=2, ep=2))
+    assert default["expert_tp"] == default["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert default["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert default["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
 def test_every_axis_partitions_the_world():
-    for sizes, world in ((GridSizes(tp=2, pp=2, cp=2, ep=2), 16), (GridSizes(pp=4), 8), (GridSizes(tp=4, ep=2), 8)):
+    for sizes, world in ((GridSizes(tp=2, pp=2, cp=2, ep=2), 16), (GridSizes(pp=4), 8), (GridSizes(tp=4, ep=2), 8),
+                         (GridSizes(tp=2, cp=2, ep=8, etp=1), 16)):
         for name, groups in rank_grid(world, sizes).items():
             if name != "embedding":
                 assert sorted(r for g in groups for r in g) == list(range(world)), name
@@ -50,7 +65,10 @@ def test_every_axis_partitions_the_world():
     (6, GridSizes(tp=4), "world size 6 is not divisible by --tensor-model-parallel-size 4"),
     (8, GridSizes(tp=2, pp=3), "world size 8 is not divisible by TP 2 x CP 1 x PP 3 = 6"),
     (8, GridSizes(tp=2, ep=3), "--expert-model-parallel-size 3 does not divide the 4 context- and data-parallel"),
-    (8, GridSizes(pp=0), "--pipeline-model-parallel-size 0 must be positive")])
+    (8, GridSizes(pp=0), "--pipeline-model-parallel-size 0 must be positive"),
+    (8, GridSizes(tp=2, ep=3, etp=1), "--expert-tensor-parallel-size 1 x --expert-model-parallel-size 3 does not "
+                                      "divide the 8 tensor-, context- and data-parallel ranks"),
+    (8, GridSizes(tp=2, etp=0), "--expert-tensor-parallel-size 0 must be positive")])
 def test_a_grid_that_does_not_divide_the_world_is_one_line_error(world, sizes, message):
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
         rank_grid(world, sizes)

@@ -95,7 +95,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
     optimizer_meta = optimizer.meta_state()
     states = (MASTER,) + optimizer.rule.state_names
     shapes = {}  # every pipeline stage's parameters (rank 0 writes them into the meta)
-    for stage in groups.pp.all_gather_objects({n: list(p.global_shape(groups.tp_size)) for n, p in where.items()}):
+    for stage in groups.pp.all_gather_objects({n: list(shape) for n, shape in global_shapes(where, groups).items()}):
         shapes.update(stage)
 
     def make_directory():
@@ -116,7 +116,7 @@ def write_unpublished(root: str, iteration: int, model, optimizer, rng, groups: 
             full = {**meta, "format": FORMAT, "iteration": iteration,
                     "optimizer": optimizer_meta,
                     "layout": {"world": groups.world.size, "tp": groups.tp_size, "dp": groups.dp_size,
-                               "pp": groups.pp_size},
+                               "pp": groups.pp_size, "ep": groups.ep.size, "etp": groups.expert_tp.size},
                     "shapes": {checkpoint_key(k, name): shape for k in states for name, shape in shapes.items()},
                     "checksums": ALGORITHM if checksums else None}
             write_atomically(os.path.join(tmp, "meta.json"), json.dumps(full, indent=1, sort_keys=True))
@@ -233,7 +233,7 @@ def _prepare_load(directory: str, advice: str, where: dict[str, TensorPlacement]
     meta = read_meta_file(directory, advice)
     if architecture:
         _check_same_architecture(meta, architecture, directory)
-    _check_same_model(meta, where, everywhere, groups.tp_size, directory)
+    _check_same_model(meta, global_shapes(where, groups), everywhere, directory)
     if load_optim and "optimizer" not in meta:
         raise ConfigError(f"{directory} holds model weights only: load it with --finetune or --no-load-optim")
     saved_rule = meta.get("optimizer", {}).get("rule", RULE_BEFORE_NAMED) if load_optim else rule
@@ -306,15 +306,25 @@ def _check_same_architecture(meta: dict, architecture: dict, directory: str) -> 
                               f"weights would mean something else; match the model flags or point --load elsewhere")
 
 
-def _check_same_model(meta: dict, where: dict[str, TensorPlacement], everywhere: set[str], tp_size: int,
-                      directory: str) -> None:
+def global_shapes(where: dict[str, TensorPlacement], groups: ParallelGroups) -> dict[str, tuple[int, ...]]:
+    """{name: the whole tensor's shape} of this rank's parameters (an expert stack's: every expert's)."""
+    return {name: placement.global_shape(*_axes(placement, groups)[1::2]) for name, placement in where.items()}
+
+
+def _axes(placement: TensorPlacement, groups: ParallelGroups) -> tuple[int, int, int, int]:
+    """(TP rank, TP size, EP rank, EP size) a parameter is split over: an expert stack's TP group is expert-TP."""
+    if placement.expert:
+        return groups.expert_tp.rank, groups.expert_tp.size, groups.ep.rank, groups.ep.size
+    return groups.tp_rank, groups.tp_size, 0, 1
+
+
+def _check_same_model(meta: dict, here: dict[str, tuple[int, ...]], everywhere: set[str], directory: str) -> None:
     """The checkpoint's parameters are the model's (every stage's names; this stage's shapes)."""
     saved = {}
     for key, shape in meta["shapes"].items():
         state, name = parse_checkpoint_key(key)
         if state == MASTER:
             saved[name] = tuple(shape)
-    here = {name: p.global_shape(tp_size) for name, p in where.items()}
     for name in sorted(set(saved) | everywhere):
         if name in everywhere and name not in here and name in saved:
             continue  # another pipeline stage's: checked there
@@ -327,14 +337,16 @@ def _local_shares(optimizer, where: dict[str, TensorPlacement], keys: tuple[str,
                   writing: bool, skip: frozenset[str] = frozenset()) -> dict[str, LocalShare]:
     """{checkpoint key: this rank's chunks (views into the optimizer's state) of that global tensor} for `keys`
     among master and the update rule's states. TP-replicated parameters are written by TP rank 0 alone, a
-    pipeline stage's copy of a tied parameter (`skip`) by the stage holding the original."""
+    pipeline stage's copy of a tied parameter (`skip`) by the stage holding the original; an expert stack by every
+    EP rank (its experts), replicated over expert-TP by expert-TP rank 0."""
     per_key: dict[str, LocalShare] = {}
     for piece in optimizer.owned_pieces():
         placement = where[piece.name]
-        if writing and (piece.name in skip or (placement.partition_dim is None and groups.tp_rank != 0)):
+        tp_rank, tp_size, ep_rank, ep_size = _axes(placement, groups)
+        if writing and (piece.name in skip or (placement.partition_dim is None and tp_rank != 0)):
             continue
         for k in keys:
             share = per_key.setdefault(checkpoint_key(k, piece.name),
-                                       LocalShare(placement.global_shape(groups.tp_size), []))
-            share.chunks.extend(chunks(piece, k, placement, groups.tp_rank, groups.tp_size))
+                                       LocalShare(placement.global_shape(tp_size, ep_size), []))
+            share.chunks.extend(chunks(piece, k, placement, tp_rank, tp_size, ep_rank))
     return {key: share for key, share in per_key.items() if share.chunks}

@@ -22,6 +22,7 @@ checked, and its overlaps copied into place.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,11 +75,16 @@ def rectangles(start: int, end: int, cols: int) -> list[tuple[tuple[int, int], t
     return out
 
 
-def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int, tp_size: int) -> list[Chunk]:
+def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int, tp_size: int,
+           ep_rank: int = 0) -> list[Chunk]:
     """The part of `piece` that is real (not vocabulary padding), in the global tensor's coordinates, with
     views into `piece.tensors[key]`. 1-D parameters are handled as one row. A placement of k > 1 chunks (SwiGLU's
     [gate; up]) holds k blocks of the split dimension, each cut on its own: block j of this rank's rows lands at
-    j * (global rows / k) + tp_rank * (local rows / k)."""
+    j * (global rows / k) + tp_rank * (local rows / k). An expert stack [experts, rows, columns] (`placement.expert`;
+    tp_rank and tp_size are then the expert-TP group's) is cut expert by expert, each a 2-D weight, local expert e
+    landing at global expert ep_rank * experts + e: the checkpoint is keyed by global expert index."""
+    if placement.expert:
+        return _expert_chunks(piece, key, placement, tp_rank, tp_size, ep_rank)
     if len(piece.shape) > 2:
         raise NotImplementedError(f"{piece.name}: checkpoints handle 1-D and 2-D parameters")
     out = []
@@ -88,6 +94,24 @@ def chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int
     for lo in range(piece.start - piece.start % block, piece.end, block):
         j, start, end = lo // block, max(lo, piece.start), min(lo + block, piece.end)
         out.extend(_block_chunks(piece, key, placement, tp_rank, tp_size, shape, j, start, end))
+    return out
+
+
+def _expert_chunks(piece: OwnedPiece, key: str, placement: TensorPlacement, tp_rank: int, tp_size: int,
+                   ep_rank: int) -> list[Chunk]:
+    experts, inner_shape = piece.shape[0], torch.Size(piece.shape[1:])
+    per = inner_shape.numel()
+    inner = dataclasses.replace(placement, local_shape=tuple(inner_shape), expert=False,
+                                partition_dim=None if placement.partition_dim is None else placement.partition_dim - 1)
+    out = []
+    for e in range(piece.start // per, -(-piece.end // per)):
+        start, end = max(piece.start, e * per), min(piece.end, (e + 1) * per)
+        view = piece.tensors[key][start - piece.start:end - piece.start]
+        one = dataclasses.replace(piece, shape=inner_shape, start=start - e * per, end=end - e * per,
+                                  tensors={key: view})
+        for chunk in chunks(one, key, inner, tp_rank, tp_size):
+            out.append(Chunk((ep_rank * experts + e,) + chunk.offsets, (1,) + chunk.sizes,
+                             chunk.view.view((1,) + chunk.sizes)))
     return out
 
 

@@ -26,6 +26,7 @@ from mpzero.cli.flag_ranges import check_ranges, check_rule_flags, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
+from mpzero.moe import NO_MOE_PLAN, check_expert_grid
 from mpzero.optim import RULES
 from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
 from mpzero.planner import RunSections
@@ -108,7 +109,9 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Every section of the run, resolved and checked; raises ConfigError for the first problem found."""
     parallel = ParallelConfig(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                              context_parallel_size=args.context_parallel_size)
+                              context_parallel_size=args.context_parallel_size,
+                              expert_model_parallel_size=args.expert_model_parallel_size,
+                              expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     parallel.sizes.check(world_size)
     tp, dp = parallel.tensor_model_parallel_size, parallel.sizes.dp(world_size)
     global_batch = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
@@ -121,6 +124,7 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     sections = (zero_config(args), optimizer_config(args), precision_config(args))
     for section in sections:
         section.validate()
+    check_expert_run(model, parallel.sizes, sections[2].dtype)
     if model.fp8_format is not None and sections[2].dtype != "bf16":
         raise ConfigError(f"--fp8-format runs the matmuls in FP8 from bf16 weights and activations (torchao's float8 "
                           f"training), but the run is {sections[2].dtype}: add --bf16")
@@ -288,6 +292,8 @@ def planner_sections(args: argparse.Namespace, vocab_size: int) -> RunSections:
     """The run the flags describe, as the planner takes it (`mpzero.planner.Planner`): its sections resolved by the
     flags' own functions, the layout flags at their given values (a layout replaces them; the pipeline's split
     flags stay and are checked against each layout's pipeline)."""
+    if args.num_experts:
+        raise ConfigError(NO_MOE_PLAN)
     return RunSections(gpt_config(args, vocab_size), zero_config(args), offload_config(args), optimizer_config(args),
                        precision_config(args), args.seq_length, args.global_batch_size, pipeline_section(args))
 
@@ -361,3 +367,16 @@ def _config_path(value: str) -> str:
         return PATHS["config"](value)
     except CheckError as error:
         raise ConfigError(f"--config {error}") from None
+
+
+def check_expert_run(model: GPTConfig, sizes, dtype: str) -> None:
+    """The expert grid's flags against the model (mpzero.moe.check_expert_grid) and Megatron's run-level rules."""
+    check_expert_grid(model, sizes.ep, sizes.expert_tp)
+    if sizes.ep > 1 and dtype == "fp16":
+        raise ConfigError("Expert parallelism is not supported with fp16 training (Megatron's rule): use --bf16")
+    if sizes.ep > 1 and sizes.tp > 1 and not model.sequence_parallel:
+        raise ConfigError("When using expert parallelism and tensor parallelism, sequence parallelism must be used "
+                          "(Megatron's rule): add --sequence-parallel")
+    if model.num_experts and sizes.expert_tp not in (1, sizes.tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {sizes.expert_tp} must be 1 or the TP size {sizes.tp}: "
+                          f"the experts are split over the TP group itself or not at all")

@@ -46,6 +46,13 @@ RANGES = {
     "profile_step_start": (0, True, None, False), "profile_step_end": (1, True, None, False),
     "profile_ranks": (0, True, None, False),  # each of them
     "num_layers_at_start_in_bf16": (0, True, None, False), "num_layers_at_end_in_bf16": (0, True, None, False),
+    "num_experts": (1, True, None, False), "expert_model_parallel_size": (1, True, None, False),
+    "expert_tensor_parallel_size": (1, True, None, False), "moe_ffn_hidden_size": (1, True, None, False),
+    "moe_router_topk": (1, True, None, False), "moe_router_num_groups": (1, True, None, False),
+    "moe_router_group_topk": (1, True, None, False), "moe_aux_loss_coeff": (0.0, True, None, False),
+    "moe_z_loss_coeff": (0.0, True, None, False), "moe_router_bias_update_rate": (0.0, True, None, False),
+    "moe_shared_expert_intermediate_size": (1, True, None, False),
+    "moe_expert_capacity_factor": (0.0, False, None, False),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 

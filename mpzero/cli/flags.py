@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from mpzero.cli.moe_flags import moe_flags
 from mpzero.context_parallel import CP_COMM_TYPES
 from mpzero.data import TOKENIZER_TYPES
 from mpzero.fused import ATTENTION_BACKENDS
@@ -366,5 +367,5 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 
 
 # In the order --help lists them.
-SECTIONS = (gpt_flags, kernel_flags, fp8_flags, activation_flags, parallel_flags, dry_run_flags, offload_flags,
-            precision_flags, training_flags, logging_flags, checkpoint_flags, data_flags)
+SECTIONS = (gpt_flags, kernel_flags, fp8_flags, activation_flags, parallel_flags, moe_flags, dry_run_flags,
+            offload_flags, precision_flags, training_flags, logging_flags, checkpoint_flags, data_flags)

@@ -18,11 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, kept_chunk_tokens
+from mpzero.activations import CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting
 from mpzero.context_parallel import check_context_parallel
 from mpzero.errors import ConfigError
 from mpzero.fused import (ATTENTION_BACKENDS, IMPLS, AttentionShape, planned_attention_backend, planned_impl,
                           resolve_attention_backend)
+from mpzero.models.flops import flops_per_token
+from mpzero.models.memory_flags import check_activation_memory
+from mpzero.moe import check_moe
 from mpzero.tensor_parallel import Fp8Recipe, check_fp8_flags
 
 
@@ -55,6 +58,30 @@ class TransformerArchitecture:
     group_query_attention: bool = False  # --group-query-attention: K/V heads shared by groups of query heads
     num_query_groups: int | None = None  # --num-query-groups: K/V heads with --group-query-attention (default 1)
     add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in QKV, projection and MLP linears)
+    # Mixture of experts (mpzero/moe), Megatron's flags with Megatron's meanings; None experts: a dense model
+    num_experts: int | None = None  # --num-experts: routed experts of each MoE layer
+    moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size: an expert's width; None: --ffn-hidden-size's
+    moe_layer_freq: int | tuple[int, ...] = 1  # --moe-layer-freq: every N-th layer is MoE, or a 0/1 per layer
+    moe_router_topk: int = 2  # --moe-router-topk: experts each token is routed to
+    moe_router_score_function: str = "softmax"  # --moe-router-score-function: softmax or sigmoid
+    moe_router_pre_softmax: bool = False  # --moe-router-pre-softmax: scores over all experts before the top-k
+    moe_router_num_groups: int | None = None  # --moe-router-num-groups: expert groups for group-limited routing
+    moe_router_group_topk: int | None = None  # --moe-router-group-topk: groups each token may use
+    moe_router_enable_expert_bias: bool = False  # --moe-router-enable-expert-bias: aux-loss-free balancing bias
+    moe_shared_expert_intermediate_size: int | None = None  # --moe-shared-expert-intermediate-size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """An expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's (Megatron's default)."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) holds a mixture of experts (--moe-layer-freq: every N-th from the first,
+        or the pattern's entry)."""
+        if not self.num_experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, tuple) else layer % freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -127,13 +154,21 @@ class TransformerArchitecture:
         is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
                  "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "normalization",
-                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear")
+                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear", "num_experts", "moe_router_topk",
+                 "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
+                 "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
         position = ("learned_absolute" if self.learned_positions
                     else "rope" if self.position_embedding_type == "rope" else "none")
         arch = {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
                 "num_query_groups": self.query_groups, "position_embedding_type": position}
         if position != "rope":  # unused without RoPE: not part of what the weights mean
             arch["rotary_base"] = arch["rotary_percent"] = None
+        if self.num_experts:
+            freq = self.moe_layer_freq
+            arch.update(moe_ffn_hidden_size=self.expert_ffn_size,
+                        moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq)
+        else:  # a dense model: the MoE settings mean nothing
+            arch.update({name: None for name in names if name.startswith(("num_experts", "moe_"))})
         return arch
 
     def padded_vocab_size(self, tp_size: int) -> int:
@@ -166,6 +201,16 @@ class GPTConfig(TransformerArchitecture):
     cross_entropy_impl: str = "auto"  # a chunk's arithmetic (mpzero.fused): --cross-entropy-loss-fusion: "compile"
     context_parallel_size: int = 1  # --context-parallel-size: the sequence split over CP ranks (context_parallel)
     cp_comm_type: str = "p2p"  # --cp-comm-type: p2p (ring), all_gather, a2a (all-to-all over heads, Ulysses)
+    # how a mixture of experts routes and computes (mpzero/moe), Megatron's flags and defaults
+    moe_router_load_balancing_type: str = "aux_loss"  # --moe-router-load-balancing-type: aux_loss, seq_aux_loss, none
+    moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff: the Switch load-balancing loss's coefficient
+    moe_z_loss_coeff: float | None = None  # --moe-z-loss-coeff: the router z-loss's coefficient (None: none)
+    moe_router_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: the expert bias's step
+    moe_router_dtype: str | None = None  # --moe-router-dtype: fp32 or fp64 routing (None: fp32 logits here)
+    moe_expert_capacity_factor: float | None = None  # --moe-expert-capacity-factor: None is dropless
+    moe_token_drop_policy: str = "probs"  # --moe-token-drop-policy: probs or position
+    moe_token_dispatcher_type: str = "allgather"  # --moe-token-dispatcher-type: allgather or alltoall
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm: the local experts in one grouped GEMM
 
     @property
     def cp_blockwise(self) -> bool:
@@ -210,7 +255,7 @@ class GPTConfig(TransformerArchitecture):
         return (self.recompute_num_layers or 1) if self.granularity == "full" else None
 
     def validate(self, tp_size: int) -> None:
-        self._validate_activation_memory(tp_size)
+        check_activation_memory(self, tp_size)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"--attention-backend {self.attention_backend} is not one of "
                               f"{', '.join(ATTENTION_BACKENDS)}")
@@ -231,6 +276,7 @@ class GPTConfig(TransformerArchitecture):
         self._validate_family(tp_size)
         check_context_parallel(self, tp_size)
         check_fp8_flags(self)
+        check_moe(self, tp_size)
 
     def trunk_eager_reason(self, tp_size: int) -> str | None:
         """Why the trunk (embedding, layers, final norm) cannot be one compiled region, or None where it can: what
@@ -262,47 +308,6 @@ class GPTConfig(TransformerArchitecture):
             return self.cuda_graph_impl
         return f"none ({self.cuda_graph_impl} captures CUDA graphs; this device is {torch.device(device).type})"
 
-    def _validate_activation_memory(self, tp_size: int) -> None:
-        """Megatron's rules for the recomputation and sequence-parallel flags, each a one-line error."""
-        g = self.recompute_granularity
-        if g not in (None, "selective", "full"):
-            raise ConfigError(f"--recompute-granularity {g} is not one of full, selective")
-        if self.recompute_activations and g == "full":
-            raise ConfigError("--recompute-activations is selective recomputation, but --recompute-granularity full "
-                              "was given too: keep one of them")
-        granularity = self.granularity
-        if self.recompute_method not in (None, "uniform", "block"):
-            raise ConfigError(f"--recompute-method {self.recompute_method} is not one of uniform, block")
-        for flag, value in (("--recompute-method", self.recompute_method),
-                            ("--recompute-num-layers", self.recompute_num_layers)):
-            if value is not None and granularity != "full":
-                raise ConfigError(f"{flag} {value} needs --recompute-granularity full (selective recomputation "
-                                  f"recomputes the core attention of every layer)")
-        n = self.recompute_num_layers
-        if n is not None and not 1 <= n <= self.num_layers:
-            raise ConfigError(f"--recompute-num-layers {n} is out of range: it must be between 1 and --num-layers "
-                              f"{self.num_layers}")
-        if self.sequence_parallel:
-            if tp_size == 1:
-                raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1: it splits the "
-                                  "sequence across the TP group (Megatron turns it off at TP 1)")
-            seq = self.seq_length or self.max_position_embeddings
-            if seq % tp_size:
-                raise ConfigError(f"--sequence-parallel: --seq-length {seq} is not divisible by "
-                                  f"--tensor-model-parallel-size {tp_size}")
-        if self.distribute_saved_activations:
-            if tp_size == 1:
-                raise ConfigError("--distribute-saved-activations needs --tensor-model-parallel-size > 1: it keeps "
-                                  "each checkpoint as 1/t slices across the TP group")
-            if granularity != "full":
-                raise ConfigError("--distribute-saved-activations needs --recompute-granularity full: only full "
-                                  "recomputation keeps checkpoints to distribute")
-            if self.sequence_parallel:
-                raise ConfigError("--distribute-saved-activations cannot be combined with --sequence-parallel (as in "
-                                  "Megatron): the checkpoints are already 1/t slices of the sequence")
-        if self.offload_activations not in ("none", "cpu"):
-            raise ConfigError(f"--offload-activations {self.offload_activations} is not one of none, cpu")
-
     def attention(self, device: torch.device | str) -> str:
         """The attention backend this config runs on a device of `device`'s type: flash, fused, unfused or
         local (`mpzero.fused.impl.resolve_attention_backend`: auto depends on the device and the attention
@@ -332,39 +337,8 @@ class GPTConfig(TransformerArchitecture):
         return self.hidden_dropout > 0 or self.attention_dropout > 0 or self.granularity is not None
 
     def flops_per_token(self, tp_size: int = 1, micro_batch_size: int = 1) -> float:
-        """Matmul FLOPs per trained token, forward and backward, as Megatron counts them
-        (megatron/training/training.py, num_floating_point_operations, for GPT: 72 B s l h^2 (1 + s/(6h)
-        + V/(12 l h)) per batch of B sequences of s tokens, V the padded vocabulary at this TP size).
-        Per token and layer a forward is 24 h^2 (QKV 6h^2, projection 2h^2, MLP 16h^2) + 4 s h (scores and
-        the weighted sum of values, over all s positions: the causal half is not subtracted); the logits add
-        2 h V; backward is twice the forward. Full recomputation (`recompute_activations`) runs the layers'
-        forward once more, not the logits': 96 l h^2 (1 + s/(6h)) + 6 h V (Narayanan et al. 2021's
-        96 B s l h^2 (1 + s/(6h) + V/(16 l h)); Megatron's own printed figure leaves recomputation out); with
-        --recompute-method block N only the first N layers are recomputed. Selective recomputation runs the
-        core attention's two matmuls once more: + 4 l s h per token (what FlopCounterMode counts; Korthikanti et
-        al.'s Appendix A writes selective's hardware FLOPs as 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), + 12 l s h).
-        The chunked cross entropy (`cross_entropy_chunk_size` c) recomputes in backward the logits of every chunk
-        but the last of a micro-batch of `micro_batch_size` b sequences: + 2 h V (sb - c')/(sb), c' the last
-        chunk's tokens (`kept_chunk_tokens`); none when sb <= c (s: a context-parallel rank's s/CP tokens).
-        The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP
-        2hf per matrix, three of them with SwiGLU (gate, up, down), for ffn width f."""
-        l, h, s = self.num_layers, self.hidden_size, self.seq_length or self.max_position_embeddings
-        vocab = self.padded_vocab_size(tp_size)
-        # QKV 2h(h + 2 g d) (6h^2 without GQA), projection 2h^2, MLP 2 h f x 2 matrices (16h^2 at f = 4h) or 3
-        # with SwiGLU (gate, up, down), attention 4sh; RoPE, norms and the activations are not matmuls
-        qkv = 2 * h * (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
-        per_layer = qkv + 2 * h ** 2 + 2 * h * self.ffn_size * (3 if self.swiglu else 2) + 4 * s * h
-        recomputed = 0
-        if self.granularity == "full":
-            n = self.resolved_recompute_num_layers
-            recomputed = (l if self.resolved_recompute_method == "uniform" else n) * per_layer
-        elif self.granularity == "selective":
-            recomputed = l * 4 * s * h
-        logits = 3 * 2 * h * vocab
-        if self.cross_entropy_chunk_size:
-            tokens = s // self.context_parallel_size * micro_batch_size  # a CP rank's loss: its s/CP tokens
-            logits += 2 * h * vocab * (tokens - kept_chunk_tokens(tokens, self.cross_entropy_chunk_size)) / tokens
-        return 3 * l * per_layer + recomputed + logits
+        """Matmul FLOPs per trained token, forward and backward, as Megatron counts them (`models/flops.py`)."""
+        return flops_per_token(self, tp_size, micro_batch_size)
 
     def activation_setting(self, tp_size: int, micro_batch_size: int, seq_length: int, dtype: torch.dtype,
                            device: torch.device | str = "cpu", tp_rank: int = 0,
@@ -397,5 +371,6 @@ class GPTConfig(TransformerArchitecture):
             ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
             rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
             rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions,
-            cp=self.context_parallel_size, cp_comm_type=self.cp_comm_type)
+            cp=self.context_parallel_size, cp_comm_type=self.cp_comm_type,
+            moe_layers=sum(self.is_moe_layer(i) for i in range(self.num_layers)))
 

@@ -32,7 +32,8 @@ class ModelFamily:
     name: str
     config_cls: type
     config_from_args: Callable[[argparse.Namespace, int], Any]  # the parsed flags and the vocabulary -> its config
-    build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None, cp=None) -> the model ("meta": no storage)
+    build: Callable[..., nn.Module]  # (config, tp, rng=None, device=None, stage=None, cp=None, ep=None,
+    # expert_tp=None) -> the model ("meta": no storage)
     flops_per_token: Callable[..., float]  # (config, tp_size, micro_batch_size=1) -> matmul FLOPs per token, fwd+bwd
     activation_setting: Callable | None  # (config, tp, micro_batch, seq, dtype, device, tp_rank, rng_streams)
     tp_comm_bytes: Callable | None  # (config, tp, micro_batch, seq, p, micro_batches, stage=None) -> TP bytes/iter
@@ -74,7 +75,15 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      fp8_auto_filter_small_kn=args.fp8_auto_filter_small_kn,
                      first_last_layers_bf16=args.first_last_layers_bf16,
                      num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
-                     num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
+                     num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,
+                     **{name: getattr(args, name) for name in MOE_FIELDS})
+
+
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
+              "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type",
+              "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_router_dtype",
+              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm")
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,

@@ -56,8 +56,10 @@ from mpzero.models.blocks import MLP, HiddenDropout, gelu, gelu_tanh, norm, norm
 from mpzero.models.compiled import has_module_hooks, compile_layers, compile_trunk, trunk_compilable
 from mpzero.models.config import GPTConfig
 from mpzero.models.kv_cache import KVCache
+from mpzero.models.moe_block import ExpertGrid, moe_block
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.models.stage import LayerStack, ModelStage
+from mpzero.moe import MoEMetrics, check_expert_grid
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
                                     linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
@@ -84,10 +86,11 @@ class TransformerLayer(nn.Module):
 
 
 def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None,
-                      rotary: RotaryEmbedding | None = None,
-                      context: ContextParallel | None = None) -> TransformerLayer:
-    """The layer the config describes. Output projections (attention's dense, the MLP's fc2) start at
-    std / sqrt(2 L), GPT-2's scaled residual init."""
+                      rotary: RotaryEmbedding | None = None, context: ContextParallel | None = None,
+                      layer: int = 0, experts: ExpertGrid | None = None) -> TransformerLayer:
+    """The layer the config describes (layer `layer`: a mixture of experts where --moe-layer-freq says, over the
+    `experts` grid). Output projections (attention's dense, the MLP's fc2) start at std / sqrt(2 L), GPT-2's
+    scaled residual init."""
     sp_group = tp if config.sequence_parallel else None
     std, h = config.init_method_std, config.hidden_size
     init, output_init = normal_init(std), normal_init(std / math.sqrt(2 * config.num_layers))
@@ -97,8 +100,11 @@ def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | 
                                 backend=config.attention_backend_name, softmax_impl=config.softmax_impl,
                                 selective=config.granularity == "selective")
     activation = F.silu if config.swiglu else gelu_tanh if config.openai_gelu else gelu
-    mlp = MLP(h, config.ffn_size, tp, init, output_init, activation=activation, gated=config.swiglu,
-              bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
+    if config.is_moe_layer(layer):
+        mlp = moe_block(config, layer, tp, experts, init, output_init, activation)
+    else:
+        mlp = MLP(h, config.ffn_size, tp, init, output_init, activation=activation, gated=config.swiglu,
+                  bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
     return TransformerLayer(norm(*norm_args), SelfAttention(attention, tp, init, output_init, rng, rotary, context),
                             norm(*norm_args), mlp, HiddenDropout(config.hidden_dropout, rng, config.sequence_parallel))
 
@@ -167,13 +173,24 @@ class GPTModel(nn.Module):
     (`mpzero.zero`'s `pipeline_copy` mark), so both copies stay equal and the norm counts one. `cp`: the
     context-parallel group (`init_parallel(...).cp`, of `config.context_parallel_size` ranks): the model then takes
     each rank's part of the sequence (`mpzero.context_parallel.split_batch`) and returns the losses of those
-    tokens; None: whole sequences (inference, or a model built for its shapes)."""
+    tokens; None: whole sequences (inference, or a model built for its shapes). `ep`, `expert_tp`: the
+    expert-parallel and expert-TP groups of a mixture of experts (default: one rank, and the TP group);
+    `moe_metrics` is then their layers' shared record (mpzero.moe)."""
 
     def __init__(self, config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | None = None, device=None,
-                 stage: ModelStage | None = None, cp: CommGroup | None = None):
+                 stage: ModelStage | None = None, cp: CommGroup | None = None, ep: CommGroup | None = None,
+                 expert_tp: CommGroup | None = None):
         super().__init__()
         stage = stage or ModelStage.whole(config.num_layers)
         config.validate(tp.size)
+        ep, expert_tp = ep or CommGroup(None, (0,), 0), expert_tp or tp
+        check_expert_grid(config, ep.size, expert_tp.size)
+        self.moe_metrics = None
+        if config.num_experts:
+            self.moe_metrics = MoEMetrics([config.is_moe_layer(i) for i in range(config.num_layers)],
+                                          config.num_experts, config.sequence_parallel and tp.size > 1,
+                                          config.moe_router_bias_update_rate, config.moe_token_dispatcher_type)
+        grid = ExpertGrid(ep, expert_tp, self.moe_metrics)
         if cp is not None and cp.size != config.context_parallel_size:
             raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
                               f"group has {cp.size} rank(s): build it with the run's groups.cp")
@@ -197,7 +214,7 @@ class GPTModel(nn.Module):
         self.rotary = None
         if config.position_embedding_type == "rope":  # tables on the host, moved to the activations' device
             self.rotary = RotaryEmbedding(config.max_position_embeddings, config.rotary_dim, config.rotary_base)
-        self.layers = LayerStack({i: transformer_layer(config, tp, rng, self.rotary, self.context)
+        self.layers = LayerStack({i: transformer_layer(config, tp, rng, self.rotary, self.context, i, grid)
                                   for chunk in stage.chunks for i in chunk})
         if stage.last:
             self.final_layernorm = norm(config.normalization, config.hidden_size, config.layernorm_epsilon,

@@ -7,7 +7,8 @@ from mpzero.tensor_parallel.fp8 import (FP8_FORMATS, FP8_RECIPES, Fp8Recipe, ama
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from mpzero.tensor_parallel.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear, VocabParallelEmbedding,
                                            gather_full, linear_with_sequence_gather, ones_, sharded_parameter, zeros_)
-from mpzero.tensor_parallel.placement import (TensorPlacement, is_pipeline_copy, is_pipeline_tied, mark_pipeline_tied,
+from mpzero.tensor_parallel.placement import (TensorPlacement, is_expert, is_pipeline_copy, is_pipeline_tied,
+                                              mark_pipeline_tied,
                                               mark_replicated, mark_tensor_parallel, placement_of, placements,
                                               tp_slice, tp_unslice)
 from mpzero.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence_parallel, gather_from_tp,
@@ -26,4 +27,5 @@ __all__ = [
     "recompute", "seed_everything", "scatter_to_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "gather_from_sequence_parallel", "linear_with_sequence_gather", "InitMethod", "ones_", "zeros_", "tp_slice",
     "tp_unslice", "WeightGradStore", "is_pipeline_copy", "is_pipeline_tied", "mark_pipeline_tied",
+    "is_expert",
 ]

@@ -26,17 +26,19 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the TP size (Megatron's default)
 
     @property
     def sizes(self) -> GridSizes:
         return GridSizes(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
-                         cp=self.context_parallel_size, ep=self.expert_model_parallel_size)
+                         cp=self.context_parallel_size, ep=self.expert_model_parallel_size,
+                         etp=self.expert_tensor_parallel_size)
 
     def join(self) -> ParallelGroups:
         """This process's groups (joining or making the default process group: `mpzero.parallel.init_parallel`)."""
         sizes = self.sizes
         return init_parallel(sizes.tp, self.distributed_timeout_minutes, pp_size=sizes.pp, cp_size=sizes.cp,
-                             ep_size=sizes.ep)
+                             ep_size=sizes.ep, etp_size=sizes.etp)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ class MemoryReport:
     formula_text: str
     padding: int  # padding elements across all flat buffers
     peak: PeakReport | None = None  # stage 3, once a step has run
+    expert: tuple[int, int] | None = None  # (Pe, Ne): expert parameters and their expert-DP size (families.py)
     tiers: tuple[TierReport, ...] = ()  # offloaded model states (measured/formula above: the device's share)
     construction: tuple[TierReport, ...] = ()  # construction peak (device) and working set (host), construction.py
 
@@ -105,7 +106,8 @@ class MemoryReport:
         peak = "" if self.peak is None else (
             f" | peak bytes {self.peak.measured} | peak formula {self.peak.formula_text} | peak formula bytes "
             f"{self.peak.formula:.0f} | peak ratio {self.peak.ratio:.4f}")
-        return (f"zero memory | stage {self.stage} | dp {self.dp_size} | params {self.numel} | "
+        experts = "" if self.expert is None else f"expert params {self.expert[0]} | expert dp {self.expert[1]} | "
+        return (f"zero memory | stage {self.stage} | dp {self.dp_size} | params {self.numel} | {experts}"
                 f"measured bytes {self.measured} | formula {self.formula_text} | formula bytes {self.formula:.0f} | "
                 f"ratio {self.ratio:.4f} | padding elements {self.padding}{peak}"
                 f"{''.join(tier.fields() for tier in self.tiers + self.construction)}")
@@ -184,13 +186,14 @@ def offload_tiers(stage: int, offload) -> dict[str, str]:
 
 
 def transfer_theory(p: int, numel: int, dp_size: int, micro_batches: int, tiers: dict[str, str],
-                    device_is_host: bool, states: int, g: int = 4) -> dict[str, tuple[float, str]]:
+                    device_is_host: bool, states: int, g: int = 4,
+                    expert: tuple[int, int] | None = None) -> dict[str, tuple[float, str]]:
     """Bytes per rank per iteration between tiers (see the module docstring), with formulas; `states`: the
     rule's state bytes per parameter (the disk tier moves the master and them, K = 4 + states). Gradients go
     down as fp32 in the step, 4P/N, or, streamed in backward (tiers["grads"]), every micro-batch's reduced
     slice in the gradients' dtype, m g P/N; on disk every micro-batch's slice is written (m g P/N) and read back
-    once by each later micro-batch and once by the step (m g P/N)."""
-    partition = numel / dp_size
+    once by each later micro-batch and once by the step (m g P/N). `expert` (Pe, Ne): P/N includes Pe/Ne."""
+    partition = numel / dp_size + (expert[0] / expert[1] if expert is not None else 0)
     d2h, h2d, read, written = [], [], [], []
     if tiers.get("grads", "none") != "none":
         d2h.append((micro_batches * g, f"{micro_batches * g}P/N"))
@@ -225,21 +228,35 @@ def formula_text(terms: list[tuple[int, str]]) -> str:
 
 
 def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: int,
-                  p: int, g: int, master: int, states: int, offloaded: tuple[str, ...] = ()) -> MemoryReport:
+                  p: int, g: int, master: int, states: int, offloaded: tuple[str, ...] = (),
+                  expert: tuple[int, int] | None = None) -> MemoryReport:
+    """`numel` P over `dp_size` N ranks; `expert`: (Pe, Ne), expert parameters partitioned over their own Ne
+    expert-data-parallel ranks (zero/families.py), the same terms per parameter over their own group."""
     replicated, partitioned = memory_formula(stage, p, g, master, states, offloaded)
     formula = numel * (replicated + partitioned / dp_size)
     text = formula_text([(replicated, "P"), (partitioned, "P/N")])
-    return MemoryReport(stage, dp_size, numel, measured, formula, text, padding)
+    if expert is not None:
+        formula += expert[0] * (replicated + partitioned / expert[1])
+        text += "+" + formula_text([(replicated, "Pe"), (partitioned, "Pe/Ne")])
+    return MemoryReport(stage, dp_size, numel, measured, formula, text, padding, expert=expert)
 
 
 def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batches: int,
-                regathered: int = 0) -> tuple[float, str]:
+                regathered: int = 0, expert: tuple[int, int] | None = None,
+                expert_regathered: int = 0) -> tuple[float, str]:
     """(bytes per rank per iteration, formula) for P = numel, m = micro_batches; `regathered`: X, the elements
-    stage 3 gathers a third time per micro-batch (units smaller than a layer, recomputed)."""
+    stage 3 gathers a third time per micro-batch (units smaller than a layer, recomputed); `expert`: (Pe, Ne),
+    expert parameters reduced and gathered over their own Ne ranks, the same per parameter, Xe of them
+    (`expert_regathered`) gathered a third time."""
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     terms = [(coef, "P")] + ([(m * p, "X")] if regathered else [])
-    return (coef * numel + m * p * regathered) * (dp_size - 1) / dp_size, f"({formula_text(terms)})(N-1)/N"
+    theory, text = (coef * numel + m * p * regathered) * (dp_size - 1) / dp_size, f"({formula_text(terms)})(N-1)/N"
+    if expert is not None:
+        terms = [(coef, "Pe")] + ([(m * p, "Xe")] if expert_regathered else [])
+        theory += (coef * expert[0] + m * p * expert_regathered) * (expert[1] - 1) / expert[1]
+        text += f"+({formula_text(terms)})(Ne-1)/Ne"
+    return theory, text
 
 
 # -- bounded working sets of issue 24 (items 2 and 3): the formulas the planner calls --------------------------------

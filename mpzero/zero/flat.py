@@ -24,15 +24,16 @@ from torch import nn
 
 from mpzero.deferred_init import bind, materialize
 from mpzero.errors import ConfigError
-from mpzero.tensor_parallel import is_pipeline_tied
+from mpzero.tensor_parallel import is_expert, is_pipeline_tied
 
 DecayRule = Callable[[str, nn.Parameter], bool]
 _DECAY_ATTR = "zero_weight_decay"  # set by mark_weight_decay: True / False
 
 
 def default_decay(name: str, param: nn.Parameter) -> bool:
-    """Megatron's rule: no weight decay on biases and LayerNorm parameters (ndim < 2)."""
-    return param.ndim >= 2
+    """Megatron's rule: no weight decay on biases and LayerNorm parameters (ndim < 2; an expert stack by its
+    experts' own ndim: stacked biases are 1-D per expert)."""
+    return param.ndim - is_expert(param) >= 2
 
 
 def mark_weight_decay(named_params: list[tuple[str, nn.Parameter]],

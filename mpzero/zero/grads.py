@@ -15,7 +15,10 @@ Two ways to reduce, one per family of stages:
   disk (`file`, a `GradFile`) they go on to the disk, each bucket's slice written as it arrives: the host then
   holds two region buffers, not the partition.
 Gradients are divided by the DP size before the sum (Megatron's order: less fp16 overflow), which
-leaves them averaged over the DP ranks.
+leaves them averaged over the DP ranks. Expert parameters (partitioned over the expert-DP group, a part of the
+ranks whose tokens reach them) are divided by the whole data-parallel size all the same (`divisor`, Megatron's
+expert gradient scaling): each expert's gradient already sums the tokens of its EP group, so the result is the
+average over every data-parallel rank's tokens, as one process computes it (not EP times it, pytorch#160285).
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ class ReplicatedGrads(OffloadHolder):
     on_final = None
 
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
-                 reduction: str):
+                 reduction: str, divisor: int | None = None):
         """reduction: "all_reduce" (stage 0: every rank keeps the whole averaged gradient) or "reduce_scatter"
-        (stage 1: in place into this rank's slice of the full buffer)."""
+        (stage 1: in place into this rank's slice of the full buffer). divisor: what the summed gradients are
+        divided by (default the group's size; see the module docstring)."""
         if reduction not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"reduction {reduction!r} is neither all_reduce nor reduce_scatter")
         self.dp, self._overlap, self._reduction = dp, overlap, reduction
+        self.divisor = divisor or dp.size
         self.flats = [torch.zeros(l.padded_numel, dtype=dtype, device=device) for l in layouts]
         self.shards = [f[l.shard_start:l.shard_start + l.shard_numel] for f, l in zip(self.flats, layouts)]
         self._communicate, self._handles, self._launched = False, [], set()
@@ -65,8 +70,10 @@ class ReplicatedGrads(OffloadHolder):
                                "used in two reentrant checkpoint regions?): use ZeroConfig(overlap_comm=False)")
         self._launched.add(bucket)
         if self.dp.size == 1:  # the buffer is the whole reduced gradient already (its "shard" is all of it)
+            if self.divisor != 1:
+                self.flats[bucket].div_(self.divisor)
             return
-        flat = self.flats[bucket].div_(self.dp.size)
+        flat = self.flats[bucket].div_(self.divisor)
         if self._reduction == "all_reduce":
             self._handles.append(self.dp.all_reduce(flat, async_op=self._overlap))
         else:
@@ -115,10 +122,11 @@ class ShardedGrads(OffloadHolder):
 
     def __init__(self, layouts: list[FlatLayout], dp: CommGroup, dtype: torch.dtype, device, overlap: bool,
                  meter: TransientMeter, after_ready: Callable[[int], None] = lambda bucket: None,
-                 host: bool = False, pin: bool = False, file: GradFile | None = None):
+                 host: bool = False, pin: bool = False, file: GradFile | None = None, divisor: int | None = None):
         if file is not None and not host:
             raise ValueError("gradients on disk are streamed through host memory: pass host=True with file")
         self.dp, self._layouts, self._dtype, self._device = dp, layouts, dtype, torch.device(device)
+        self.divisor = divisor or dp.size
         self.overlap, self._after_ready, self._meter = overlap, after_ready, meter
         self.streamed, self.file = host, file
         self.on_final: Callable[[int, torch.Tensor], None] | None = None
@@ -176,8 +184,8 @@ class ShardedGrads(OffloadHolder):
     def _launch(self, bucket: int) -> None:
         full = self._full_buffer(bucket)
         self.collector.zero_unwritten(bucket)
-        if self.dp.size > 1:  # at DP 1 a division by 1: no pass over the buffer
-            full.div_(self.dp.size)
+        if self.divisor > 1:  # a division by 1: no pass over the buffer
+            full.div_(self.divisor)
         del self._full[bucket]
         self._launched.add(bucket)
         while len(self._inflight) >= MAX_INFLIGHT_REDUCTIONS:
@@ -192,7 +200,8 @@ class ShardedGrads(OffloadHolder):
             self._add(reduced.nbytes)
         else:
             reduced = self.shards[bucket] if first else torch.empty_like(self.shards[bucket])
-        handle = self.dp.reduce_scatter_into(reduced, full, async_op=self.overlap)
+        # an empty bucket (a stage-3 root without parameters of its group) has nothing to reduce
+        handle = self.dp.reduce_scatter_into(reduced, full, async_op=self.overlap) if full.numel() else None
         self._inflight.append((bucket, handle, reduced, full, first))
 
     def _complete_oldest(self) -> None:

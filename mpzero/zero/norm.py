@@ -1,4 +1,4 @@
-"""The global gradient norm over TP and DP ranks, and clipping by it.
+"""The global gradient norm over TP and DP ranks (and the expert grid's), and clipping by it.
 
 norm = sqrt(sum of squared gradient entries of the whole unsharded model). Each rank sums squares
 over its own DP slices (DP slices are disjoint and cover every parameter; unpartitioned buffers count
@@ -29,12 +29,17 @@ from mpzero.zero.step_grads import Fp32Buckets
 
 
 def norm_runs(layouts: list[FlatLayout], placements: dict[str, TensorPlacement], tp_rank: int,
-              dp_rank: int) -> list[tuple[int, int, int]]:
+              dp_rank: int, bucket_ranks: list[tuple[int, int]] | None = None) -> list[tuple[int, int, int]]:
     """(bucket, start, end) slices of this rank's gradient shards that count towards the norm; parameters that lie
     side by side in a bucket make one slice (one fp64 pass, not one per parameter: a GPU launches a few kernels per
-    slice). A pipeline stage's copy of a tied parameter counts on the stage that holds the original."""
+    slice). A pipeline stage's copy of a tied parameter counts on the stage that holds the original.
+    `bucket_ranks`: per bucket, this rank's place in the TP and DP groups of the bucket's family (zero/families.py:
+    an expert bucket counts on expert-TP rank 0 when replicated there, on every EP rank, which holds other experts,
+    and on the expert-DP rank that owns the slice, so every expert counts exactly once); default (tp_rank,
+    dp_rank) for every bucket."""
     runs = []
     for bucket, layout in enumerate(layouts):
+        tp_rank, dp_rank = bucket_ranks[bucket] if bucket_ranks is not None else (tp_rank, dp_rank)
         if layout.parts == 1 and dp_rank != 0:
             continue  # replicated over DP (stage 0): every DP rank holds the same reduced gradients
         for i, start, end in layout.owned_pieces():

@@ -47,6 +47,7 @@ from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
+from mpzero.zero.families import families_by_bucket, make_stage, parameter_families
 from mpzero.zero.device_step import DeviceStep, launch_step, steps_on_device
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
@@ -55,9 +56,6 @@ from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared,
 from mpzero.zero.reports import OptimizerReports
 from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 from mpzero.zero.scaler import make_loss_scaler
-from mpzero.zero.stage3 import Stage3
-from mpzero.zero.stage_base import ZeroStage
-from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.state import consolidated_weights
 
 if TYPE_CHECKING:
@@ -76,19 +74,6 @@ class GradientCheck:
     """What a step reads from the device, in one copy (`ZeroOptimizer.check_gradients`)."""
     norm: float  # global norm before clipping; inf or nan when any rank's gradients overflowed
     read_with: tuple[float, ...]  # the caller's scalars, in the order given
-
-
-def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
-               precision: PrecisionConfig, units, offload: OffloadConfig, directory: str | None) -> ZeroStage:
-    first = named_params[0][1]
-    device = groups.device if is_deferred(first) else first.device  # a deferred model is made on the run's device
-    if zero.stage == 3:
-        return Stage3(model, named_params, groups.dp, precision, zero, device, units, offload=offload,
-                      directory=directory)
-    if units is not None:
-        raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
-    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](named_params, groups.dp, precision, zero, device, offload,
-                                                         directory)
 
 
 class ZeroOptimizer(OptimizerReports):
@@ -142,7 +127,11 @@ class ZeroOptimizer(OptimizerReports):
         self.scaler = make_loss_scaler(precision)
         self.stage.write_gradients_together(set(getattr(model, "compiled_backward_parameters", lambda: ())()))
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
-        self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank)
+        self.families = parameter_families(named, groups)  # dense over DP x CP; expert over expert-DP
+        by_bucket = families_by_bucket(self.stage, self.families)
+        self._bucket_groups = [family.group for family in by_bucket]
+        self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank,
+                                    [(family.tp.rank, family.group.rank) for family in by_bucket])
         self._tied_buckets = [b for b, layout in enumerate(self.stage.layouts)
                               if any(is_pipeline_tied(param) for param in layout.params)]
         if self._tied_buckets and self.stage.gradient_file is not None:
@@ -365,7 +354,7 @@ class ZeroOptimizer(OptimizerReports):
         """Full fp32 weights of this TP rank's model, keyed by parameter name, on every DP rank."""
         self.finish_update()
         return self.uncounted(consolidated_weights, self.model, self.stage.layouts, self.masters.masters(),
-                               self.groups.dp)
+                              self._bucket_groups)
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """This rank's own share of the fp32 weights and the rule's states, parameter by parameter, as views:

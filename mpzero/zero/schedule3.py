@@ -129,6 +129,8 @@ class _Ledger:
             self.peak, self.peak_held = self.now, dict(self.held)
 
     def _sub(self, kind: str, u: int, nbytes: int) -> None:
+        if nbytes == 0:  # as `_add`: an empty unit (an expert family's root) holds nothing
+            return
         self.now -= nbytes
         self.held[kind, u] -= nbytes
 

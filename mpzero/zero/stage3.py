@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
+from mpzero.tensor_parallel import is_expert
 from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
@@ -78,6 +79,13 @@ def default_units(model: nn.Module, granularity: str = "layer") -> list[nn.Modul
             if isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2]
 
 
+def expert_units(model: nn.Module) -> list[nn.Module]:
+    """The units of an expert family's stage 3 (families.py): every module that holds expert parameters itself
+    (a mixture-of-experts layer's stacked experts), gathered when it runs; they live inside the layer units of the
+    dense family, whose parameters are the rest of each layer."""
+    return [m for m in model.modules() if any(is_expert(p) for p in m.parameters(recurse=False))]
+
+
 def layer_units(model: nn.Module, units: list[nn.Module], kept: list[int]) -> list[list[int]]:
     """For each transformer layer (`default_units(model)`), in order, the positions in [root] + kept units of
     the units inside it: the structure `schedule3.predicted_trace` takes. `kept`: indices into `units` + 1 of
@@ -104,17 +112,21 @@ class Stage3(ZeroStage):
 
     def __init__(self, model: nn.Module, named_params, dp: CommGroup, precision: PrecisionConfig,
                  zero: ZeroConfig, device, units: list[nn.Module] | None = None,
-                 offload: OffloadConfig | None = None, directory=None):
+                 offload: OffloadConfig | None = None, directory=None, divisor: int | None = None,
+                 meters: tuple[TransientMeter, ConstructionMeters] | None = None):
         """offload: where the parameter shards live (`offload.params`: none, cpu or disk); directory: this rank's
-        own folder for the disk tier's file (an `OffloadDirectory`, or a path the tier locks and creates)."""
+        own folder for the disk tier's file (an `OffloadDirectory`, or a path the tier locks and creates).
+        `divisor` and `meters`: as for stages 0-2 (stages.py). The root may hold no parameter (an expert family's
+        stage: all its parameters are in its units); it is then never gathered."""
         units = default_units(model, zero.units) if units is None else list(units)
         assigned = assign_params(model, units, named_params)
         keep = [0] + [u for u in range(1, len(assigned)) if assigned[u]]  # skip units with nothing to train
         self.modules = [([model] + units)[u] for u in keep]
         self.layouts = [build_layout(assigned[u], dp.size, dp.rank) for u in keep]
-        self.dp, self.prefetch, self.meter = dp, zero.prefetch, TransientMeter()
+        self.dp, self.prefetch = dp, zero.prefetch
+        self.meter, self.construction = meters or (TransientMeter(), ConstructionMeters())
         self.partitioned = dp.size > 1  # at DP 1 the "shard" is the whole unit: nothing to gather or release
-        self.device, self.dtype, self.construction = device, precision.torch_dtype, ConstructionMeters()
+        self.device, self.dtype = device, precision.torch_dtype
         self.tier = None
         if offload is not None and offload.params != "none":
             from mpzero.zero.offload import ParamTier  # only runs that offload parameters
@@ -134,7 +146,7 @@ class Stage3(ZeroStage):
         try:
             self.grads = ShardedGrads(self.layouts, dp, precision.grad_dtype, device, zero.overlap_comm, self.meter,
                                       after_ready=self._grads_ready, host=streamed,
-                                      pin=streamed and offload.pin_memory, file=file)
+                                      pin=streamed and offload.pin_memory, file=file, divisor=divisor)
         except BaseException:
             if file is not None:
                 file.close()
@@ -229,7 +241,7 @@ class Stage3(ZeroStage):
 
     # -- gather / release -------------------------------------------------------------------
     def _start_gather(self, u: int) -> None:
-        if self._gathered[u]:
+        if self._gathered[u] or not self.layouts[u].padded_numel:  # an empty root has nothing to gather
             return
         if self.tier is not None and not self.tier.can_fetch(u):  # every staging slot feeds a gather in flight
             for v in range(len(self.layouts)):

@@ -36,10 +36,14 @@ class _FullParams(ZeroStage):
     parts_of_dp: bool  # partition states across DP (stages 1, 2) or replicate them (stage 0)
 
     def __init__(self, named_params, dp: CommGroup, precision: PrecisionConfig, zero: ZeroConfig, device,
-                 offload: OffloadConfig | None = None, directory=None):
+                 offload: OffloadConfig | None = None, directory=None, divisor: int | None = None,
+                 meters: tuple[TransientMeter, ConstructionMeters] | None = None):
         """`directory`: the disk tier's `OffloadDirectory` (stage 2 with the optimizer on disk keeps its gradient
-        slices there)."""
-        self.dp, self.meter, self.construction = dp, TransientMeter(), ConstructionMeters()
+        slices there). `divisor`: what summed gradients are divided by (default the DP size; grads.py);
+        `meters`: the transient and construction meters, when shared with another family's stage
+        (families.py)."""
+        self.dp, self.divisor = dp, divisor or dp.size
+        self.meter, self.construction = meters or (TransientMeter(), ConstructionMeters())
         self.offload, self.directory = offload or OffloadConfig(), directory
         parts, rank = (dp.size, dp.rank) if self.parts_of_dp else (1, 0)
         self.layouts = bucket_layouts(named_params, zero.bucket_numel, parts, rank)
@@ -115,14 +119,14 @@ class Stage0(_FullParams):
     number, parts_of_dp = 0, False
 
     def _make_grads(self, dtype, device, overlap):
-        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, "all_reduce")
+        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, "all_reduce", self.divisor)
 
 
 class Stage1(_FullParams):
     number, parts_of_dp = 1, True
 
     def _make_grads(self, dtype, device, overlap):
-        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, "reduce_scatter")
+        return ReplicatedGrads(self.layouts, self.dp, dtype, device, overlap, "reduce_scatter", self.divisor)
 
 
 class Stage2(_FullParams):
@@ -132,7 +136,8 @@ class Stage2(_FullParams):
         from mpzero.zero.offload import gradient_file  # the tiers load with the runs that use them (None: no file)
         file = gradient_file(self.offload, self.number, self.directory, self.layouts, dtype, device)
         return ShardedGrads(self.layouts, self.dp, dtype, device, overlap, self.meter,
-                            host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory, file=file)
+                            host=self.offload.streams_grads(self.number), pin=self.offload.pin_memory, file=file,
+                            divisor=self.divisor)
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """Gradients streamed to the host (an offloaded optimizer): the device's gradient bytes in backward,

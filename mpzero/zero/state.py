@@ -21,11 +21,14 @@ def _gather_flat(layout: FlatLayout, shard: torch.Tensor, dp: CommGroup) -> torc
 
 
 def consolidated_weights(model: nn.Module, layouts: list[FlatLayout], masters: list[torch.Tensor],
-                         dp: CommGroup) -> dict[str, torch.Tensor]:
-    """{name: full fp32 tensor} for every parameter (frozen ones from the model), in model order."""
+                         dp: CommGroup | list[CommGroup]) -> dict[str, torch.Tensor]:
+    """{name: full fp32 tensor} for every parameter (frozen ones from the model), in model order. `dp`: the group
+    the buckets are partitioned over, or one per bucket (families.py: expert buckets over the expert-DP group);
+    expert stacks are this rank's experts."""
+    groups = dp if isinstance(dp, list) else [dp] * len(layouts)
     managed = {}
-    for layout, master in zip(layouts, masters):
-        full = _gather_flat(layout, master, dp)
+    for layout, master, group in zip(layouts, masters, groups):
+        full = _gather_flat(layout, master, group)
         for i, name in enumerate(layout.names):
             managed[name] = layout.param_view(full, i).clone()
     return {name: managed[name] if name in managed else p.detach().float().clone()

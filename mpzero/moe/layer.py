@@ -1,0 +1,152 @@
+"""The mixture-of-experts block that takes the transformer layer's MLP slot (Megatron's MoELayer): router, token
+dispatcher, this rank's routed experts, and the shared experts.
+
+    y = sum over each token's k experts of gate x expert(x)  [+ shared_experts(x)]
+
+Tokens are routed in Megatron's order, sequence-major ([s, b] flattened), which is what the capacity's "position"
+policy drops by. Under sequence parallelism (required with MoE at TP > 1, Megatron's rule) each TP rank routes its
+slice; the gates and choices of the whole micro-batch are then gathered over TP, so the capacity drop, the token
+counts and every rank's dispatch see the same routing as one process. With the experts split over TP (expert-TP =
+TP, Megatron's default) the hidden states are gathered too and every TP rank computes its slice of every expert,
+the outputs reduce-scattered back (the dense MLP's pattern); at expert-TP 1 each rank sends its own slice's tokens
+over an EP group that spans the TP ranks (parallel folding) and computes whole experts.
+
+The load-balancing loss (aux_loss: over the micro-batch; seq_aux_loss: per sequence) and the z-loss are computed
+on each rank's own tokens with the micro-batch's counts, so their sum over the TP group is one process's; they
+reach the objective through `MoEMetrics.attach` on the layer's output (metrics.py), in training only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpzero.comm import CommGroup
+from mpzero.moe.dispatch import allgather, alltoall
+from mpzero.moe.metrics import MoEMetrics
+from mpzero.moe.router import TopKRouter
+from mpzero.moe.routing import (Routing, aux_loss_scores, drop_to_capacity, routed_counts, seq_aux_loss,
+                                switch_aux_loss, top_k, z_loss)
+from mpzero.tensor_parallel import gather_from_sequence_parallel, reduce_from_tp, reduce_scatter_to_sequence_parallel
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """How a layer routes and dispatches (the config's --moe-* values; `of(config)`)."""
+    num_experts: int
+    topk: int = 2
+    score_function: str = "softmax"
+    pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    load_balancing: str = "aux_loss"
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float | None = None
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    dispatcher: str = "allgather"
+
+    @staticmethod
+    def of(config) -> MoESettings:
+        return MoESettings(config.num_experts, config.moe_router_topk, config.moe_router_score_function,
+                           config.moe_router_pre_softmax, config.moe_router_num_groups, config.moe_router_group_topk,
+                           config.moe_router_load_balancing_type, config.moe_aux_loss_coeff, config.moe_z_loss_coeff,
+                           config.moe_expert_capacity_factor, config.moe_token_drop_policy,
+                           config.moe_token_dispatcher_type)
+
+
+def _gather(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Every rank's rows in rank order (all-gather forward, reduce-scatter backward)."""
+    return gather_from_sequence_parallel(x.unsqueeze(0), group).squeeze(0)
+
+
+class MoELayer(nn.Module):
+    """`layer`: the global index (the metrics' row); `tp`: the TP group (sequence parallel at TP > 1); `ep` and
+    `etp`: the expert-parallel and expert-TP groups; `experts`: this rank's `GroupedExperts`; `shared`: the shared
+    experts' MLP or None; `sequence_parallel`: x is this TP rank's slice of the sequence (else every TP rank holds
+    the whole micro-batch: inference)."""
+
+    def __init__(self, settings: MoESettings, layer: int, router: TopKRouter, experts: nn.Module,
+                 shared: nn.Module | None, tp: CommGroup, ep: CommGroup, etp: CommGroup, metrics: MoEMetrics,
+                 sequence_parallel: bool):
+        super().__init__()
+        self.settings, self.layer, self.metrics = settings, layer, metrics
+        self.router, self.experts, self.shared_experts = router, experts, shared
+        self.tp, self.ep, self.etp = tp, ep, etp
+        self.sp = sequence_parallel and tp.size > 1
+        self._dispatch = alltoall if settings.dispatcher == "alltoall" else allgather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        tokens = x.transpose(0, 1).reshape(-1, h)  # sequence-major, this rank's slice under SP
+        logits = self.router(tokens)
+        probs, indices = top_k(logits, self.settings.topk, self.settings.score_function, self.settings.pre_softmax,
+                               self.settings.num_groups, self.settings.group_topk, self.router.expert_bias)
+        recording = self.training and torch.is_grad_enabled()
+        losses = self._auxiliary_losses(logits, b) if recording else []
+        routing = self._micro_batch_routing(probs, indices)
+        if recording:
+            counts = torch.bincount(routing.indices[routing.kept], minlength=self.settings.num_experts)
+            self.metrics.record_tokens(self.layer, counts)
+            self.router.count(counts)
+        out = self._experts(tokens, routing)
+        out = out.view(s, b, h).transpose(0, 1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        for loss in losses:
+            out = self.metrics.attach(out, loss)
+        return out
+
+    def _micro_batch_routing(self, probs: torch.Tensor, indices: torch.Tensor) -> Routing:
+        """The whole micro-batch's routing (gathered over TP under SP), capacity applied."""
+        if self.sp:
+            probs, indices = _gather(probs, self.tp), self.tp.all_gather_cat(indices.contiguous(), dim=0)
+        return drop_to_capacity(probs, indices, self.settings.num_experts, self.settings.capacity_factor,
+                                self.settings.drop_policy)
+
+    def _experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """This rank's tokens' weighted expert outputs [T_local, h]."""
+        dispatch = lambda x, r: self._dispatch(x, r, self.experts, self.ep, self.settings.num_experts,  # noqa: E731
+                                               self.metrics)
+        if not self.sp:  # every TP rank holds (and routes) the same tokens: experts split over TP sum their parts
+            out = dispatch(tokens, routing)
+            return reduce_from_tp(out, self.tp) if self.etp.size > 1 else out
+        if self.etp.size > 1:  # experts split over TP: every TP rank computes its part for all the tokens
+            out = dispatch(_gather(tokens, self.tp), routing)
+            return reduce_scatter_to_sequence_parallel(out.unsqueeze(0), self.tp).squeeze(0)
+        mine = slice(self.tp.rank * tokens.shape[0], (self.tp.rank + 1) * tokens.shape[0])
+        return dispatch(tokens, Routing(routing.indices[mine], routing.probs[mine], routing.kept[mine]))
+
+    def _auxiliary_losses(self, logits: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        """This rank's parts of the load-balancing loss and the z-loss (recorded for the log, divided by their
+        coefficients as Megatron logs them)."""
+        st, sp = self.settings, self.tp.size if self.sp else 1
+        losses = []
+        if st.z_loss_coeff:
+            loss = z_loss(logits, st.z_loss_coeff / sp)
+            self.metrics.record_loss("z_loss", self.layer, loss / st.z_loss_coeff)
+            losses.append(loss)
+        if st.load_balancing == "none" or not st.aux_loss_coeff:
+            return losses
+        scores = aux_loss_scores(logits, st.score_function)
+        if st.load_balancing == "aux_loss":
+            counts = self._summed(routed_counts(scores, st.topk))
+            loss = switch_aux_loss(scores, counts, logits.shape[0] * sp, st.topk, st.aux_loss_coeff)
+            name = "load_balancing_loss"
+        else:  # seq_aux_loss: each sequence's own loss, averaged over the batch
+            per_position = scores.view(-1, batch, st.num_experts)
+            chosen = torch.zeros_like(scores, dtype=torch.long).scatter(
+                1, torch.topk(scores, st.topk, dim=1).indices, 1).view(-1, batch, st.num_experts).sum(0)
+            loss = seq_aux_loss(per_position, self._summed(chosen), per_position.shape[0] * sp, batch, st.topk,
+                                st.aux_loss_coeff)
+            name = "seq_load_balancing_loss"
+        self.metrics.record_loss(name, self.layer, loss / st.aux_loss_coeff)
+        return losses + [loss]
+
+    def _summed(self, counts: torch.Tensor) -> torch.Tensor:
+        """Counts over the micro-batch: summed over the TP group's sequence slices."""
+        if self.sp:
+            self.tp.all_reduce(counts)
+        return counts
