@@ -1,4 +1,4 @@
-"""Generate text from an mpzero checkpoint at any TP size, with a KV cache.
+"""Generate text from an mpzero checkpoint at any TP (x EP) size, with a KV cache.
 
     python tools/generate.py --load checkpoints/quickstart --prompt "In the beginning" --max-new-tokens 40
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT --tensor-model-parallel-size 2 \
@@ -14,6 +14,9 @@ Output (rank 0): each prompt followed by its continuation and a blank line, or w
 {"prompt", "text", "tokens", "stop"} line per prompt (stop: end_of_document, max_new_tokens or
 max_position_embeddings); --output FILE writes it there, complete or not at all.
 Under torchrun the world is the TP group: its ranks each hold their heads and vocabulary shard and draw the
+same tokens. A mixture of experts also splits its experts over --expert-model-parallel-size ranks (each expert
+over --expert-tensor-parallel-size, default the TP size), folded over TP x DP as in training: the world is then TP
+x DP with DP = EP x expert-TP / gcd(EP x expert-TP, TP) (EP at the default expert-TP), every rank generating the
 same tokens. Everything (checkpoint, tokenizer, prompt lengths) is checked before any output: a problem is one
 `error:` line and exit code 2.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import sys
 
@@ -65,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eod", action="store_true", help="go on past end-of-document")
     p.add_argument("--batch-size", type=Number(int, low=1), default=8, help="prompts generated together")
     p.add_argument("--tensor-model-parallel-size", type=Number(int, low=1), default=None,
-                   help="default: the world size")
+                   help="default: the world size / --expert-model-parallel-size")
+    p.add_argument("--expert-model-parallel-size", type=Number(int, low=1), default=1,
+                   help="ranks a mixture of experts' experts are split over")
+    p.add_argument("--expert-tensor-parallel-size", type=Number(int, low=1), default=None,
+                   help="ranks each expert is split over (default: the TP size)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole prefix at every step")
     p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
@@ -85,18 +93,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print_error(error)
         raise SystemExit(2) from None
     world_size = dist.get_world_size() if dist.is_initialized() else env.world_size
-    tp_size = args.tensor_model_parallel_size or world_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    tp_size = args.tensor_model_parallel_size or max(world_size // ep, 1)
     try:
-        if tp_size != world_size:
-            _fail(f"--tensor-model-parallel-size {tp_size} must equal the number of processes {world_size}: "
-                  f"generation runs one TP group")
-        groups = init_parallel(tp_size)
+        needed = tp_size * _data_parallel(tp_size, ep, etp)
+        if needed != world_size:
+            _fail(f"--tensor-model-parallel-size {tp_size} with --expert-model-parallel-size {ep} runs on {needed} "
+                  f"processes, not {world_size}: generation runs one TP group (times the expert grid's DP ranks)")
+        groups = init_parallel(tp_size, ep_size=ep, etp_size=etp)
         with single_process():
             prepared, error = groups.world.run_agreed(lambda: _prepare(args), (ConfigError, OSError))
         if error:
             _fail(error)
         config, weights, tokenizer, prompts = prepared
-        model = family_of(config).build(config, groups.tp, device=groups.device)
+        model = family_of(config).build(config, groups.tp, device=groups.device, ep=groups.ep,
+                                        expert_tp=groups.expert_tp)
         load_full_weights(model, weights)
         model.to(DTYPES[args.dtype]).eval()
         del weights
@@ -107,6 +118,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _data_parallel(tp: int, ep: int, etp: int | None) -> int:
+    """The fewest data-parallel ranks that fold an EP x expert-TP grid over TP x DP."""
+    experts = ep * (etp or tp)
+    return experts // math.gcd(experts, tp)
 
 
 def _fail(message: str) -> None:

@@ -378,6 +378,10 @@ def check_expert_run(model: GPTConfig, sizes, dtype: str) -> None:
     if sizes.ep > 1 and sizes.tp > 1 and not model.sequence_parallel:
         raise ConfigError("When using expert parallelism and tensor parallelism, sequence parallelism must be used "
                           "(Megatron's rule): add --sequence-parallel")
+    # a training run's rule (Megatron's); inference (tools/generate.py) runs MoE at TP > 1 on whole sequences
+    if model.num_experts and sizes.tp > 1 and not model.sequence_parallel:
+        raise ConfigError("When using MoE and tensor parallelism, sequence parallelism must be used (Megatron's "
+                          "rule): add --sequence-parallel")
     if model.num_experts and sizes.expert_tp not in (1, sizes.tp):
         raise ConfigError(f"--expert-tensor-parallel-size {sizes.expert_tp} must be 1 or the TP size {sizes.tp}: "
                           f"the experts are split over the TP group itself or not at all")

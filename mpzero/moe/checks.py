@@ -69,9 +69,6 @@ def check_moe(config, tp_size: int) -> None:
         raise ConfigError(f"--moe-router-dtype {config.moe_router_dtype} is not one of {', '.join(ROUTER_DTYPES)}")
     _check_sizes(config, tp_size)
     _check_router(config)
-    if tp_size > 1 and not config.sequence_parallel:
-        raise ConfigError("When using MoE and tensor parallelism, sequence parallelism must be used (Megatron's "
-                          "rule): add --sequence-parallel")
     if config.context_parallel_size > 1:
         raise ConfigError("--num-experts with --context-parallel-size > 1 is not supported yet: the load-balancing "
                           "loss would see each CP rank's half sequences; use CP 1")
