@@ -145,6 +145,8 @@ def test_generate_at_tp_x_ep_gives_hf_greedy_tokens(trained):
                    "--expert-tensor-parallel-size", "1"]):
         ranks = run_ranks(2, _quiet, generate_main, argv + extra)
         assert [r["tokens"] for r in ranks[0]] == [r["tokens"] for r in ranks[1]] == expected, extra
+    code, err = run_ranks(1, tool_result, generate_main, argv + ["--expert-model-parallel-size", "2"])[0]
+    assert code == 2 and err.count("\n") == 1 and "x 2 data-parallel ranks of the expert grid" in err, err
 
 
 def _random_hf(kind, directory):

@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         needed = tp_size * _data_parallel(tp_size, ep, etp)
         if needed != world_size:
-            _fail(f"--tensor-model-parallel-size {tp_size} with --expert-model-parallel-size {ep} runs on {needed} "
-                  f"processes, not {world_size}: generation runs one TP group (times the expert grid's DP ranks)")
+            what = f"--tensor-model-parallel-size {tp_size}" + (
+                "" if needed == tp_size else f" x {needed // tp_size} data-parallel ranks of the expert grid "
+                                             f"(--expert-model-parallel-size {ep})")
+            _fail(f"{what} must equal the number of processes {world_size}: generation runs one TP group (times the "
+                  f"ranks an expert grid folds over)")
         groups = init_parallel(tp_size, ep_size=ep, etp_size=etp)
         with single_process():
             prepared, error = groups.world.run_agreed(lambda: _prepare(args), (ConfigError, OSError))
