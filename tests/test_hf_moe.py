@@ -3,7 +3,8 @@ hf_qwen3_moe.py) against the real transformers classes, built here from configs 
   - a LLaMA with MoE layers trained at EP 2 exports, sharded, to a directory MixtralForCausalLM loads with no
     missing or unexpected key, the per-expert names of the hub's files in it; its logits are mpzero's within 1e-4
     (fp32, the issue's bound) and every layer routes every token to the same experts, at TP 1 x EP 1, EP 2 and
-    TP 2 x EP 2; tools/generate.py at EP 2 and TP 2 x EP 2 generates HF's greedy tokens;
+    TP 2 x EP 2; tools/generate.py at EP 2 and TP 2 x EP 2 generates HF's greedy tokens; one with --qk-layernorm,
+    a dense first layer and --moe-router-pre-softmax exports to Qwen3MoeForCausalLM the same way;
   - a randomly initialized local Mixtral and Qwen3-MoE (q/k norms, a dense first layer, top-k not renormalised)
     import with HF's logits and routing at TP 1 and TP 2 x EP 2, greedy generation equal, and export back to
     HF's own tensors;
@@ -131,6 +132,21 @@ def test_an_ep2_checkpoint_exports_to_mixtral_with_its_logits_and_routing(traine
     names = set(index["weight_map"])
     assert {f"model.layers.1.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w2", "w3")} <= names
     assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    _check_against_hf(checkpoint, _hf_run(_hf(output), IDS))
+
+
+def test_an_ep2_checkpoint_with_qk_norms_and_a_dense_layer_exports_to_qwen3_moe(tmp_path):
+    checkpoint, output = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run_ranks(2, quiet_main, LLAMA + MOE + ["--qk-layernorm", "--moe-layer-freq", "[0,1]", "--moe-router-pre-softmax",
+                                            "--expert-model-parallel-size", "2", "--train-iters", "3",
+                                            "--eval-iters", "0", "--lr", "1e-2", "--save", checkpoint])
+    assert _quiet(export_main, ["--load", checkpoint, "--output", output]) == 0
+    hf = json.load(open(os.path.join(output, "config.json")))
+    assert (hf["model_type"], hf["num_experts"], hf["moe_intermediate_size"], hf["intermediate_size"],
+            hf["mlp_only_layers"], hf["norm_topk_prob"]) == ("qwen3_moe", 4, 24, 48, [0], False)
+    names = set(_files(output))
+    assert {"model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.self_attn.q_norm.weight"} <= names
     _check_against_hf(checkpoint, _hf_run(_hf(output), IDS))
 
 

@@ -11,8 +11,6 @@ are not imported (pass --moe-aux-loss-coeff to train: Megatron's per-layer loss,
 
 from __future__ import annotations
 
-import torch
-
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_llama, hf_moe
 from mpzero.inference.hf_values import check_value_types
@@ -48,15 +46,7 @@ def check_exportable(config: GPTConfig) -> None:
             raise ConfigError(f"this model has {what}: MixtralForCausalLM cannot compute it")
 
 
-def to_hf_state_dict(weights: dict[str, torch.Tensor], config: GPTConfig,
-                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    check_exportable(config)
-    return hf_moe.to_hf_state_dict(weights, config, name_pairs(config), dtype)
-
-
-def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
-    state = {k: t for k, t in hf_moe.unfused(state, NAMES).items() if not hf_llama.OLD_BUFFERS.match(k)}
-    return hf_moe.from_hf_state_dict(state, config, name_pairs(config), source, "MixtralForCausalLM")
+to_hf_state_dict, from_hf_state_dict = hf_moe.converters(name_pairs, NAMES, "MixtralForCausalLM", check_exportable)
 
 
 def hf_config(config: GPTConfig, flags: dict, eod: int | None, dtype: str = "float32") -> dict:

@@ -128,6 +128,20 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, pairs,
     return weights
 
 
+def converters(pairs_of, names: MoENames, hf_class: str, check_exportable):
+    """(to_hf_state_dict(weights, config, dtype), from_hf_state_dict(state, config, source)) of an adapter whose
+    `pairs_of(config)` names its tensors; the import reads the files' names and transformers 5's fused ones."""
+    def to_hf(weights: dict[str, torch.Tensor], config: GPTConfig,
+              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        check_exportable(config)
+        return to_hf_state_dict(weights, config, pairs_of(config), dtype)
+
+    def from_hf(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
+        state = {k: t for k, t in unfused(state, names).items() if not hf_llama.OLD_BUFFERS.match(k)}
+        return from_hf_state_dict(state, config, pairs_of(config), source, hf_class)
+    return to_hf, from_hf
+
+
 def check_routing_exportable(config: GPTConfig, hf_class: str) -> None:
     """One ConfigError line for an MoE choice neither Mixtral nor Qwen3-MoE computes."""
     unsupported = [

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_llama, hf_moe
 from mpzero.inference.hf_values import check_value_types
@@ -50,15 +48,7 @@ def check_exportable(config: GPTConfig) -> None:
         raise ConfigError("this model has no --qk-layernorm: Qwen3MoeForCausalLM normalizes queries and keys")
 
 
-def to_hf_state_dict(weights: dict[str, torch.Tensor], config: GPTConfig,
-                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    check_exportable(config)
-    return hf_moe.to_hf_state_dict(weights, config, name_pairs(config), dtype)
-
-
-def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
-    state = {k: t for k, t in hf_moe.unfused(state, NAMES).items() if not hf_llama.OLD_BUFFERS.match(k)}
-    return hf_moe.from_hf_state_dict(state, config, name_pairs(config), source, "Qwen3MoeForCausalLM")
+to_hf_state_dict, from_hf_state_dict = hf_moe.converters(name_pairs, NAMES, "Qwen3MoeForCausalLM", check_exportable)
 
 
 def hf_config(config: GPTConfig, flags: dict, eod: int | None, dtype: str = "float32") -> dict:
