@@ -3,11 +3,11 @@ hf_qwen3_moe.py) against the real transformers classes, built here from configs 
   - a LLaMA with MoE layers trained at EP 2 exports, sharded, to a directory MixtralForCausalLM loads with no
     missing or unexpected key, the per-expert names of the hub's files in it; its logits are mpzero's within 1e-4
     (fp32, the issue's bound) and every layer routes every token to the same experts, at TP 1 x EP 1, EP 2 and
-    TP 2 x EP 2; tools/generate.py at EP 2 and TP 2 x EP 2 generates HF's greedy tokens; one with --qk-layernorm,
-    a dense first layer and --moe-router-pre-softmax exports to Qwen3MoeForCausalLM the same way;
+    TP 2 x EP 2 (expert-TP 1); tools/generate.py at EP 2 and TP 2 x EP 2 generates HF's greedy tokens; one with
+    --qk-layernorm, a dense first layer and --moe-router-pre-softmax exports to Qwen3MoeForCausalLM the same way;
   - a randomly initialized local Mixtral and Qwen3-MoE (q/k norms, a dense first layer, top-k not renormalised)
-    import with HF's logits and routing at TP 1 and TP 2 x EP 2, greedy generation equal, and export back to
-    HF's own tensors;
+    import with HF's logits and routing at those layouts and at TP 2 x EP 2 with each expert split over TP,
+    greedy generation equal (TP 2 x EP 2), and export back to HF's own tensors;
   - what HF cannot compute, or mpzero cannot, is one line."""
 
 import contextlib
@@ -39,7 +39,8 @@ LOGIT_TOLERANCE = 1e-4
 IDS = [5, 17, 250, 3, 99, 42, 7, 7, 120, 64, 1, 2, 3, 200, 150, 11]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24"]
 LAYOUTS = [(1, 1, None), (1, 2, None), (2, 2, 1)]  # (TP, EP, expert-TP): worlds of 1, 2 and 2 ranks
-WORLD = {(1, 1, None): 1, (1, 2, None): 2, (2, 2, 1): 2}
+EXPERT_TP = (2, 2, None)  # each expert split over TP (the default expert-TP): a world of 4
+WORLD = {(1, 1, None): 1, (1, 2, None): 2, (2, 2, 1): 2, EXPERT_TP: 4}
 
 
 def _quiet(fn, argv):
@@ -96,8 +97,8 @@ def _mpzero_run(checkpoint, ids, tp, ep, etp):
     return logits, chosen
 
 
-def _check_against_hf(checkpoint, theirs):
-    for tp, ep, etp in LAYOUTS:
+def _check_against_hf(checkpoint, theirs, layouts=tuple(LAYOUTS)):
+    for tp, ep, etp in layouts:
         logits, chosen = run_ranks(WORLD[tp, ep, etp], _mpzero_run, checkpoint, IDS, tp, ep, etp)[0]
         torch.testing.assert_close(logits, theirs[0], rtol=0, atol=LOGIT_TOLERANCE)
         assert len(chosen) == len(theirs[1]) and all(torch.equal(a, b) for a, b in zip(chosen, theirs[1]))
@@ -188,7 +189,7 @@ def test_a_random_hf_moe_imports_with_its_logits_routing_and_greedy_tokens(tmp_p
     model = _random_hf(kind, source)
     assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))
     assert _quiet(import_main, ["--input", source, "--save", checkpoint]) == 0
-    _check_against_hf(checkpoint, _hf_run(model, IDS))
+    _check_against_hf(checkpoint, _hf_run(model, IDS), (*LAYOUTS, EXPERT_TP))
     prompts = [IDS[:5], IDS[3:12]]
     cached = run_ranks(2, _mpzero_greedy, checkpoint, prompts, 8)[0]
     assert cached == _hf_greedy(model, prompts, 8)
