@@ -2,16 +2,18 @@
 for 1F1B, interleaved 1F1B (v = 2) and ZB-H1, at several micro-batch counts, beside one process at the same
 global batch.
 
-    python bench/bench_pipeline.py [--pp 2] [--micro-batches 4 8 16] [--iterations 6]
+    python bench/bench_pipeline.py [--pp 2] [--micro-batches 4 8 16] [--hidden 512] [--seq 256] [--iterations 4]
 
 PP ranks are forked processes with one thread each (on 2 cores: one core a rank), fp32, gloo, a small vocabulary
-so that the stages cost alike. Per rank and step: the step's wall time (forward and backward of the global batch,
-after a barrier), its busy time (the executor's compute actions, `run_schedule(timings=...)`, waiting excluded)
-and idle = wall - busy. Beside it: the schedule's closed form (`mpzero.pipeline.bubble`, equal stages) with the
-compute times the ranks measured in the same step (F, B; ZB-H1: F, I, W, each per micro-batch and chunk, the
-ranks' mean), and the schedule simulated with each rank's own times (`simulate`, point-to-point free), which is
-the formula for stages of unequal cost. Goals (issue 43): idle within 10% of the formula; ZB-H1's idle <= 0.4x
-1F1B's at the same m (ZB-H1 holds p micro-batches' inputs on every rank, 1F1B p on its first).
+so that the stages cost alike. Per step: the makespan (after a barrier, the first rank's start to the last rank's
+end of the global batch's forwards and backwards, on the machine's one monotonic clock), each rank's busy time
+(its compute actions, `run_schedule(timings=...)`) and idle = makespan - busy, the formulas' definition; beside
+it the time a rank spent posting its sends and receives (gloo's isend/irecv, which the formulas count as free).
+The schedule's closed form (`mpzero.pipeline.bubble`, equal stages) takes the compute times the ranks measured in
+the same step (F, B; ZB-H1: F, I, W, each per micro-batch and chunk, the ranks' mean); `simulate` runs the
+schedule with each rank's own times (point-to-point free), the formula for stages of unequal cost, and gives the
+micro-batches a rank holds at once. Goals (issue 43): idle within 10% of the formula; ZB-H1's idle <= 0.4x
+1F1B's at the same m.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,7 @@ from mpzero.training.batches import MicroBatches  # noqa: E402
 from pretrain_gpt import _provider  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
+COMPUTE = ("F", "B", "I", "W")
 SCHEDULES = {"1f1b": [], "interleaved": ["--num-virtual-stages-per-pipeline-rank", "2"],
              "zb-h1": ["--enable-zero-bubble"]}
 
@@ -66,35 +70,46 @@ def _rank(a, m: int, flags: list[str]) -> dict:
         else:
             run_schedule(schedule.run, schedule.train_steps, schedule.rank, batches.tokens, batches.labels,
                          state.optimizer, timings=timings)
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
         state.optimizer.step(1e-4)
         if iteration >= a.warmup:
-            records.append((wall, timings))
+            records.append(Step(start, end, timings))
     state.optimizer.close()
-    return _summary(records, schedule)
+    return {"wall": statistics.median(r.end - r.start for r in records), "steps": records}
 
 
-def _summary(records, schedule) -> dict:
-    """Median step wall time; per step this rank's idle time and its compute times (per action kind)."""
-    out = {"wall": statistics.median(wall for wall, _ in records)}
-    if schedule is not None:
-        out["steps"] = [(wall - sum(sum(t) for t in timings.values()),
-                         Times(**{k: statistics.mean(timings.get(k, [0.0])) for k in ("F", "B", "I", "W")}))
-                        for wall, timings in records]
-    return out
+@dataclass(frozen=True)
+class Step:
+    """One rank's iteration: its start and end on the machine's monotonic clock (perf_counter, one clock for all
+    the forked ranks) and its timed actions."""
+    start: float
+    end: float
+    timings: dict
+
+    @property
+    def busy(self) -> float:
+        return sum(sum(self.timings.get(k, [])) for k in COMPUTE)
+
+    @property
+    def times(self) -> Times:
+        return Times(**{k: statistics.mean(self.timings.get(k, [0.0])) for k in COMPUTE})
 
 
-def _formulas(kind: str, pipe, ranks: list[dict]) -> tuple[float, float, float]:
-    """(median idle, the closed form with the ranks' mean times, the simulation with each rank's times), medians
-    over the steps, the idle a median over the ranks."""
-    idle, closed, simulated = [], [], []
-    for step in range(len(ranks[0]["steps"])):
-        times = [r["steps"][step][1] for r in ranks]
-        mean = Times(**{k: statistics.mean(getattr(t, k) for t in times) for k in ("F", "B", "I", "W")})
-        idle.append(statistics.median(r["steps"][step][0] for r in ranks))
-        closed.append(bubble(kind, pipe, mean))
-        simulated.append(statistics.median(simulate(pipe, build(kind, pipe), times).idle))
-    return statistics.median(idle), statistics.median(closed), statistics.median(simulated)
+def _formulas(kind: str, pipe, ranks: list[dict]) -> dict:
+    """Per step: the makespan (first rank's start to last rank's end), each rank's idle = makespan - its compute
+    (the formulas' definition), its time posting sends and receives, the closed form with the ranks' mean times
+    and the simulation with each rank's times; medians over the ranks, then over the steps."""
+    rows = []
+    for i in range(len(ranks[0]["steps"])):
+        steps = [r["steps"][i] for r in ranks]
+        makespan = max(s.end for s in steps) - min(s.start for s in steps)
+        mean = Times(**{k: statistics.mean(getattr(s.times, k) for s in steps) for k in COMPUTE})
+        sim = simulate(pipe, build(kind, pipe), [s.times for s in steps])
+        rows.append({"makespan": makespan, "idle": statistics.median(makespan - s.busy for s in steps),
+                     "post": statistics.median(sum(s.timings.get("post", [])) for s in steps),
+                     "closed": bubble(kind, pipe, mean), "simulated": statistics.median(sim.idle),
+                     "held": max(sim.in_flight)})
+    return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
 
 
 def main(argv=None) -> None:
@@ -102,32 +117,30 @@ def main(argv=None) -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--iterations", type=int, default=4)
     a = p.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f} | {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch "
           f"{a.micro_batch}, fp32, PP {a.pp} ranks of one thread")
-    print("| schedule | m | one process ms | PP ms | speed-up | idle ms | closed form ms | simulated ms | "
-          "idle / simulated |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| schedule | m | one process ms | PP ms | speed-up | idle ms | posting ms | closed form ms | simulated ms "
+          "| idle / simulated | held micro-batches |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in a.micro_batches:
         single = run_ranks(1, _rank, a, m, [], deadline=3600)[0]
         idles = {}
         for kind, flags in SCHEDULES.items():
             ranks = run_ranks(a.pp, _rank, a, m, ["--pipeline-model-parallel-size", str(a.pp)] + flags,
                               deadline=3600)
-            v = 2 if kind == "interleaved" else 1
-            idle, closed, simulated = _formulas(kind, Pipeline(a.pp, v, m), ranks)
-            wall = max(r["wall"] for r in ranks)
-            idles[kind] = idle
-            print(f"| {kind} | {m} | {single['wall'] * 1e3:.1f} | {wall * 1e3:.1f} | {single['wall'] / wall:.2f}x | "
-                  f"{idle * 1e3:.1f} | {closed * 1e3:.1f} | {simulated * 1e3:.1f} | {idle / simulated:.2f} |",
-                  flush=True)
+            f = _formulas(kind, Pipeline(a.pp, 2 if kind == "interleaved" else 1, m), ranks)
+            idles[kind] = f["idle"]
+            print(f"| {kind} | {m} | {single['wall'] * 1e3:.1f} | {f['makespan'] * 1e3:.1f} | "
+                  f"{single['wall'] / f['makespan']:.2f}x | {f['idle'] * 1e3:.1f} | {f['post'] * 1e3:.1f} | "
+                  f"{f['closed'] * 1e3:.1f} | {f['simulated'] * 1e3:.1f} | {f['idle'] / f['simulated']:.2f} | "
+                  f"{f['held']} |", flush=True)
         print(f"ZB-H1 idle / 1F1B idle at m = {m}: {idles['zb-h1'] / idles['1f1b']:.2f}", flush=True)
-
 
 if __name__ == "__main__":
     main()

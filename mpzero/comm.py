@@ -13,6 +13,7 @@ to a collective here is contiguous, checked where the caller could pass a view.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -42,9 +43,19 @@ class CommStats:
         self.calls.clear()
 
 
-# Collectives run eagerly under torch.compile (a graph break around each, compiled code on both sides): their
-# byte counters are Python state that dynamo would otherwise guard on, recompiling at every call.
-_eager = torch.compiler.disable
+def _eager(collective):
+    """A collective that runs eagerly under torch.compile (a graph break around it, compiled code on both sides):
+    its byte counter is Python state that dynamo would otherwise guard on, recompiling at every call.
+    `torch.compiler.disable` is applied only while dynamo traces the call: applied here, at import, it would load
+    torch's compiler into every run, compiled or not (24-42 MB of RSS per process, issue 47). Traced, the call is
+    the disabled function's, a graph break that runs it eagerly; untraced, the function itself."""
+
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(collective)(*args, **kwargs)
+        return collective(*args, **kwargs)
+    return run
 
 
 @dataclass(frozen=True)

@@ -78,3 +78,26 @@ def test_flops_formula_is_megatrons():
     chunked = dataclasses.replace(gpt2, cross_entropy_chunk_size=2048)
     assert chunked.flops_per_token() == pytest.approx(megatron, rel=1e-12)
     assert chunked.flops_per_token(micro_batch_size=4) == pytest.approx(megatron + h * v, rel=1e-12)
+
+
+@pytest.mark.parametrize("moe", [
+    dict(num_experts=4, moe_ffn_hidden_size=16),
+    dict(num_experts=4, moe_router_topk=3, moe_shared_expert_intermediate_size=24, moe_layer_freq=(0, 1),
+         swiglu=True, add_bias_linear=False),
+], ids=["gpt-top2", "swiglu-top3-shared-dense-first"])
+def test_moe_flops_per_token_are_the_active_parameters(moe):
+    """A mixture of experts counts its router (2hE), the k experts each token is routed to and the shared experts
+    (Megatron's MoE terms): FlopCounterMode's count of the per-expert loop's matmuls, exactly (dropless: every
+    token passes through k experts)."""
+    config = dataclasses.replace(NO_DROPOUT, seq_length=12, max_position_embeddings=12, attention_backend="local",
+                                 cross_entropy_chunk_size=0, **moe)
+    counted = run_ranks(1, _counted_flops, config, 3, 12)[0]
+    assert counted == pytest.approx(config.flops_per_token(micro_batch_size=3) * 3 * 12, rel=1e-12)
+    h, f, k = 32, config.expert_ffn_size, config.moe_router_topk
+    dense = dataclasses.replace(config, num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2,
+                                moe_shared_expert_intermediate_size=None, moe_layer_freq=1)
+    matrices = 3 if config.swiglu else 2
+    moe_layers = 2 if moe.get("moe_layer_freq") is None else 1
+    shared = 2 * h * (config.moe_shared_expert_intermediate_size or 0) * matrices
+    per_layer = 2 * h * 4 + k * 2 * h * f * matrices + shared - 2 * h * config.ffn_size * matrices
+    assert config.flops_per_token() == pytest.approx(dense.flops_per_token() + 3 * moe_layers * per_layer, rel=1e-12)

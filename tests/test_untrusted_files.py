@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from mpzero.checkpointing.reader import ADMITTED, read_metadata
+from mpzero.checkpointing.reader import ADMITTED, load_metadata, read_metadata
 from tests.cli import ROOT, TINY, exit_code_and_stderr, quiet_main, tool_result
 from tests.distributed import run_ranks
 
@@ -147,3 +147,15 @@ def test_the_admitted_classes_are_the_ones_real_checkpoints_name(saved):
                                         "torch.distributed.checkpoint.filesystem", "pathlib", "collections",
                                         "builtins"}
     assert {n for m, n in ADMITTED if m == "builtins"} <= {"set", "frozenset"}
+
+
+@pytest.mark.parametrize("damage", ["bytearray", "count", "buffer"])
+def test_a_damaged_count_allocates_nothing_and_prints_nothing(damage, capfd):
+    """A BYTEARRAY8 claiming exabytes made CPython's unpickler fail allocating and print a SystemError past the
+    caller (1 in ~800 random files); counts are read before anything is built, and buffers are never admitted."""
+    huge = (1 << 62).to_bytes(8, "little")
+    data = {"bytearray": b"\x80\x05\x96" + huge + b"ab.", "count": b"\x80\x04\x8e" + huge + b"ab.",
+            "buffer": b"\x80\x05\x96" + (2).to_bytes(8, "little") + b"ab\x98."}[damage]
+    with pytest.raises(pickle.UnpicklingError, match="damaged|metadata never does"):
+        load_metadata(io.BytesIO(data))
+    assert capfd.readouterr().err == ""

@@ -136,6 +136,8 @@ def modeled(setting: ActivationSetting) -> str | None:
     """None when the formula covers this setting; else why not (one phrase)."""
     if setting.compiled_layers:
         return "torch.compile'd layers (--torch-compile) keep what the compiler chooses"
+    if setting.moe_layers:
+        return "mixture-of-experts layers' routing, permuted tokens and experts are not modeled yet (issue 44)"
     cpu_dropout = setting.attention_dropout and setting.mask_bytes != 1
     if setting.flash_attention and cpu_dropout and "stored" in layer_kinds(setting):
         return ("scaled_dot_product_attention with attention dropout runs its math fallback on the CPU, "

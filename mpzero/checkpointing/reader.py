@@ -19,8 +19,10 @@ without `weights_only`). A shard that fails to load is a `ShardReadError` naming
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
+import pickletools
 from typing import Any, BinaryIO
 
 import torch
@@ -94,9 +96,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent reference, which checkpoint metadata never does")
 
 
+# Protocol 5's mutable and out-of-band buffers, which metadata (pickled at protocol 2-4) never holds. A damaged
+# file's BYTEARRAY8 claiming exabytes is worse than a MemoryError: CPython prints a SystemError past the caller.
+_BUFFER_OPCODES = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER"})
+
+
 def load_metadata(f: BinaryIO, admitted: frozenset[tuple[str, str]] = ADMITTED) -> Any:
-    """The object pickled in `f`, built from admitted classes only (ForeignClassError otherwise)."""
-    return _MetadataUnpickler(f, admitted).load()
+    """The object pickled in `f`, built from admitted classes only (ForeignClassError otherwise). Its opcodes are
+    read first (pickletools, which allocates nothing a count claims): a count beyond the file's end or a buffer
+    opcode is an UnpicklingError before anything is built."""
+    data = f.read()
+    try:
+        for opcode, _, position in pickletools.genops(data):
+            if opcode.name in _BUFFER_OPCODES:
+                raise pickle.UnpicklingError(f"it holds {opcode.name} at byte {position}, which metadata never does")
+    except ValueError as error:
+        raise pickle.UnpicklingError(f"it is damaged ({error})") from None
+    return _MetadataUnpickler(io.BytesIO(data), admitted).load()
 
 
 def read_metadata(directory: str | os.PathLike, admitted: frozenset[tuple[str, str]] = ADMITTED) -> Metadata:

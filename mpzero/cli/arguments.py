@@ -26,7 +26,7 @@ from mpzero.cli.flag_ranges import check_ranges, check_rule_flags, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
-from mpzero.moe import check_expert_grid
+from mpzero.moe import NO_MOE_PLAN, check_expert_grid
 from mpzero.optim import RULES
 from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
 from mpzero.planner import RunSections
@@ -295,6 +295,8 @@ def planner_sections(args: argparse.Namespace, vocab_size: int) -> RunSections:
     """The run the flags describe, as the planner takes it (`mpzero.planner.Planner`): its sections resolved by the
     flags' own functions, the layout flags at their given values (a layout replaces them; the pipeline's split
     flags stay and are checked against each layout's pipeline)."""
+    if args.num_experts:
+        raise ConfigError(NO_MOE_PLAN)
     return RunSections(gpt_config(args, vocab_size), zero_config(args), offload_config(args), optimizer_config(args),
                        precision_config(args), args.seq_length, args.global_batch_size, pipeline_section(args))
 
@@ -372,16 +374,13 @@ def _config_path(value: str) -> str:
 
 def check_expert_run(model: GPTConfig, sizes, dtype: str) -> None:
     """The expert grid's flags against the model (mpzero.moe.check_expert_grid) and Megatron's run-level rules."""
-    check_expert_grid(model, sizes.ep, sizes.expert_tp)
-    if sizes.ep > 1 and dtype == "fp16":
-        raise ConfigError("Expert parallelism is not supported with fp16 training (Megatron's rule): use --bf16")
-    if sizes.ep > 1 and sizes.tp > 1 and not model.sequence_parallel:
-        raise ConfigError("When using expert parallelism and tensor parallelism, sequence parallelism must be used "
-                          "(Megatron's rule): add --sequence-parallel")
     # a training run's rule (Megatron's); inference (tools/generate.py) runs MoE at TP > 1 on whole sequences
     if model.num_experts and sizes.tp > 1 and not model.sequence_parallel:
         raise ConfigError("When using MoE and tensor parallelism, sequence parallelism must be used (Megatron's "
                           "rule): add --sequence-parallel")
+    check_expert_grid(model, sizes.ep, sizes.expert_tp)
+    if sizes.ep > 1 and dtype == "fp16":
+        raise ConfigError("Expert parallelism is not supported with fp16 training (Megatron's rule): use --bf16")
     if model.num_experts and sizes.expert_tp not in (1, sizes.tp):
         raise ConfigError(f"--expert-tensor-parallel-size {sizes.expert_tp} must be 1 or the TP size {sizes.tp}: "
                           f"the experts are split over the TP group itself or not at all")

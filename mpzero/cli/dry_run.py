@@ -36,6 +36,7 @@ import torch.distributed as dist
 from mpzero.activations import SavedBytesCounter, activation_formula, activation_line, modeled, rank_report
 from mpzero.context_parallel import cp_comm_line, cp_comm_theory
 from mpzero.errors import ConfigError
+from mpzero.moe import NO_MOE_PLAN
 from mpzero.pipeline import in_flight_report, pipeline_schedule
 from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
                             full_recompute_chunks, hidden_state_bytes, in_flight_bytes, model_shapes, no_data,
@@ -54,6 +55,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError("--world-size and --rank describe the job a --dry-run simulates: add --dry-run (a real "
                               "run takes its world from torchrun)")
         return
+    if args.num_experts:
+        raise ConfigError(NO_MOE_PLAN)
     world, rank = args.world_size or 1, args.rank or 0
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--dry-run --rank {rank} must lie in [0, --world-size {world})")

@@ -13,6 +13,9 @@ import difflib
 _LAYOUT = ("an explicit stage layout string is not supported: mpzero splits the layers evenly, with "
            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or with "
            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
+_EXPERTS_PADDED = ("padding each expert's tokens to its capacity (static shapes) is not in mpzero: the capacity "
+                   "drop keeps only the tokens routed (--moe-expert-capacity-factor)")
+_EXPERTS_OVERLAP = "mpzero does not overlap the MoE layer's communication with computation yet: drop the flag"
 _FUSION = "mpzero has no such fused kernel to turn off (its fused ops are listed on the run's 'fused ops' line)"
 _FSDP = ("mpzero's ZeRO is its data parallelism: --zero-stage 3 shards parameters, gradients and optimizer states "
          "over data-parallel ranks, as FSDP does")
@@ -31,6 +34,13 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--pipeline-model-parallel-layout": _LAYOUT,
     "--hierarchical-context-parallel-sizes": ("hierarchical context parallelism (a2a+p2p) is not in mpzero: "
                                               "use --cp-comm-type p2p, all_gather or a2a"),
+    "--moe-pad-expert-input-to-capacity": _EXPERTS_PADDED,
+    "--moe-shared-expert-overlap": _EXPERTS_OVERLAP,
+    "--overlap-moe-expert-parallel-comm": _EXPERTS_OVERLAP,
+    "--moe-use-upcycling": "upcycling a dense checkpoint into experts is not in mpzero: train the MoE from scratch",
+    "--moe-router-topk-scaling-factor": "the gates are not scaled in mpzero (a factor of 1): drop the flag",
+    "--moe-permute-fusion": _FUSION,
+    "--moe-enable-deepep": "the flex dispatcher (DeepEP) is not in mpzero: use --moe-token-dispatcher-type alltoall",
     "--model-parallel-size": "Megatron's old name: use --tensor-model-parallel-size",
     "--use-torch-fsdp2": _FSDP,
     "--use-megatron-fsdp": _FSDP,

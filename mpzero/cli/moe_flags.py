@@ -5,18 +5,28 @@ mpzero.moe's `check_moe` and `check_expert_grid`, one line each."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from mpzero.cli.checks import CheckError
+from mpzero.cli.checks import CheckError, Text
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
 from mpzero.moe import DISPATCHERS, parse_moe_layer_freq
 
 
-def _layer_freq(text: str):
-    try:
-        return parse_moe_layer_freq(text)
-    except ConfigError as error:
-        raise CheckError(str(error).split(": ", 1)[-1]) from None
+@dataclass(frozen=True)
+class LayerPattern(Text):
+    """--moe-layer-freq's value: an integer, or a non-empty 0/1 pattern parsed by `parse_moe_layer_freq` (a config
+    file's integer too)."""
+
+    __name__ = "layer pattern"
+
+    def __call__(self, value):
+        if not (isinstance(value, int) and not isinstance(value, bool)):
+            super().__call__(value)
+        try:
+            return parse_moe_layer_freq(value)
+        except ConfigError as error:  # the parser names the flag first
+            raise CheckError(str(error).removeprefix("--moe-layer-freq ")) from None
 
 
 def moe_flags(p: argparse.ArgumentParser) -> None:
@@ -31,7 +41,7 @@ def moe_flags(p: argparse.ArgumentParser) -> None:
                      help="ranks each expert is split over, like the dense MLP (default: the TP size)")
     moe.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                      help="an expert's MLP width (default: --ffn-hidden-size)")
-    moe.add_argument("--moe-layer-freq", type=_layer_freq, default=GPTConfig.moe_layer_freq,
+    moe.add_argument("--moe-layer-freq", type=LayerPattern(), default=GPTConfig.moe_layer_freq,
                      help="every N-th layer is MoE (1: all), or a 0/1 per layer such as \"([1]*3+[0])*2\"")
     moe.add_argument("--moe-router-topk", type=int, default=GPTConfig.moe_router_topk,
                      help="experts each token is routed to")

@@ -1,8 +1,11 @@
 """The sum of squares of a flat gradient, accumulated in fp64: the global norm's reduction (mpzero.zero.norm).
 
-The reference casts CHUNK elements at a time to fp64 and takes their dot product. Each chunk needs a 32 MiB fp64
-temporary and three launches (cast, dot, add). Over GPT-2 124M's gradients that is 30 chunks, ~90 launches, and
-20 bytes of memory traffic per element: read 4, write 8 for the copy, read 8 back.
+The reference casts a chunk of elements at a time to fp64, into one buffer reused for every chunk, and takes their
+dot product. On a GPU a chunk is CHUNK elements (a 32 MiB buffer) and costs three launches (cast, dot, add): over
+GPT-2 124M's gradients 30 chunks, ~90 launches, and 20 bytes of memory traffic per element: read 4, write 8 for the
+copy, read 8 back. On a CPU a chunk is CPU_CHUNK elements, a buffer that stays in cache: the copy is written and
+read back there, not in memory, and one buffer is allocated per call (a fresh 32 MiB copy per chunk is mapped anew
+by the allocator and its pages faulted in: 10x the time of the whole sum at 5.3M fp32 gradients, issue 47).
 The Triton kernel reads each element once, in its own dtype, and squares and sums in fp64 registers. It writes
 one partial sum per program, and a torch sum of those (fixed order: the same result on every call) finishes
 it: two launches per tensor, 4 bytes per fp32 element.
@@ -16,7 +19,9 @@ import torch
 
 from mpzero.fused.impl import KernelSpec, dispatch, jit, launch_device, tl, triton
 
-CHUNK = 1 << 22  # elements per fp64 pass of the reference: a 32 MiB temporary, whatever the tensor's size
+CHUNK = 1 << 22  # elements per fp64 pass of the reference on a GPU: a 32 MiB buffer, whatever the tensor's size
+CPU_CHUNK = 1 << 18  # on a CPU: a 2 MiB buffer (bench/bench_norm.py --cpu-chunks: 2^17-2^20 within noise, 2^14-2^16
+# up to 2x slower, each chunk's three ops then cost more than its copy saves)
 BLOCK = 4096  # elements per program of the kernel: 4 per thread at 8 warps, 30K partial sums for 124M elements
 
 
@@ -24,13 +29,21 @@ def sum_of_squares_reference(x: torch.Tensor, scale: float = 1.0) -> torch.Tenso
     """sum((scale x)**2) of a 1-D tensor as an fp64 scalar on x's device, accumulated in fp64 chunk by chunk;
     `scale` applies to the chunk cast to fp32 (the values the step's fp32 gradients will hold)."""
     total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for start in range(0, x.numel(), CHUNK):
-        chunk = x[start:start + CHUNK]
+    size = min(chunk_elements(x.device), x.numel())
+    wide = torch.empty(size, dtype=torch.float64, device=x.device)
+    narrow = torch.empty(size if scale != 1.0 else 0, dtype=torch.float32, device=x.device)
+    for start in range(0, x.numel(), max(size, 1)):
+        chunk = x[start:start + size]
         if scale != 1.0:  # on a copy: fp32 gradients keep their values
-            chunk = chunk.to(torch.float32, copy=True).mul_(scale)
-        chunk = chunk.to(torch.float64)  # exact from fp32, bf16 and fp16
+            chunk = narrow[:chunk.numel()].copy_(chunk).mul_(scale)
+        chunk = wide[:chunk.numel()].copy_(chunk)  # exact from fp32, bf16 and fp16
         total += torch.dot(chunk, chunk)
     return total
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements the reference casts to fp64 at a time on `device`."""
+    return CPU_CHUNK if torch.device(device).type == "cpu" else CHUNK
 
 
 @jit
@@ -54,12 +67,12 @@ def _triton_sum_of_squares(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return partial.sum()
 
 
-def working_bytes(numel: int, impl: str, scaled: bool) -> int:
-    """Device bytes the sum of squares of `numel` elements allocates beside its input, by implementation: the
-    reference's fp64 chunk (and, `scaled`, the fp32 copy it unscales first), the kernel's fp64 partial sums."""
+def working_bytes(numel: int, impl: str, scaled: bool, device: str = "cuda") -> int:
+    """Bytes the sum of squares of `numel` elements allocates on a `device` beside its input, by implementation:
+    the reference's fp64 chunk (and, `scaled`, the fp32 copy it unscales first), the kernel's fp64 partial sums."""
     if impl == "triton":
         return 8 * -(-numel // BLOCK)
-    return (12 if scaled else 8) * min(CHUNK, numel)
+    return (12 if scaled else 8) * min(chunk_elements(device), numel)
 
 
 def sum_of_squares(x: torch.Tensor, scale: float = 1.0, impl: str = "auto") -> torch.Tensor:

@@ -37,13 +37,17 @@ class _Attach(torch.autograd.Function):
 class MoEMetrics:
     """The shared record of a model's MoE layers (module docstring). `moe_layers`: for each of the model's layers
     (the record is indexed by global layer) whether it is MoE; `num_experts`: routed experts per layer;
-    `loss_parts_over_tp`: each TP rank records its sequence slice's part of the losses (sequence parallel)."""
+    `loss_parts_over_tp`: each TP rank records its sequence slice's part of the losses (sequence parallel);
+    `bias_update_rate`: --moe-router-bias-update-rate (the routers' expert bias, report.py); `dispatcher`: the
+    --moe-token-dispatcher-type the comm line names."""
 
     LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
-    def __init__(self, moe_layers: list[bool], num_experts: int, loss_parts_over_tp: bool = False):
+    def __init__(self, moe_layers: list[bool], num_experts: int, loss_parts_over_tp: bool = False,
+                 bias_update_rate: float = 0.0, dispatcher: str = "allgather"):
         self.num_layers, self.num_experts, self.moe_layers = len(moe_layers), num_experts, list(moe_layers)
-        self.loss_parts_over_tp = loss_parts_over_tp
+        self.loss_parts_over_tp, self.bias_update_rate, self.dispatcher = (loss_parts_over_tp, bias_update_rate,
+                                                                           dispatcher)
         self.last_ep = (0, 0)  # the last iteration's EP bytes: (counted, by formula)
         self.backward_scale = 1.0
         self.layers: set[int] = set()  # the MoE layers that recorded something

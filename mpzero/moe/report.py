@@ -15,10 +15,11 @@ interval, through the model's `moe_metrics` (metrics.py; a model without MoE lay
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
-from mpzero.comm import CommGroup
+from mpzero.comm import CommGroup, CommStats
 from mpzero.moe.metrics import MoEMetrics
 from mpzero.moe.router import TopKRouter
 
@@ -27,11 +28,16 @@ def moe_metrics(model) -> MoEMetrics | None:
     return getattr(model, "moe_metrics", None)
 
 
+def _aside(group: CommGroup) -> CommGroup:
+    """The same ranks with a byte counter of their own: the figures' and the bias's reductions are bookkeeping,
+    kept off the lines that count the training's bytes (ZeRO's DP line, the pipeline's)."""
+    return dataclasses.replace(group, stats=CommStats())
+
+
 @contextlib.contextmanager
-def training_iteration(model, ep: CommGroup, loss_scale: float, micro_batches: int, dp: CommGroup,
-                       bias_update_rate: float):
-    """Around one training iteration's passes (module docstring); `dp`: the group the step's token counts are
-    summed over for the expert bias (DP x CP)."""
+def training_iteration(model, ep: CommGroup, loss_scale: float, micro_batches: int, dp: CommGroup):
+    """Around one training iteration's passes (module docstring); `micro_batches`: this rank's; `dp`: the group the
+    step's token counts are summed over for the expert bias (DP x CP)."""
     metrics = moe_metrics(model)
     if metrics is None:
         yield
@@ -44,16 +50,17 @@ def training_iteration(model, ep: CommGroup, loss_scale: float, micro_batches: i
     metrics.micro_batches += micro_batches
     for module in model.modules():
         if isinstance(module, TopKRouter):
-            module.update_expert_bias(bias_update_rate, dp)
+            module.update_expert_bias(metrics.bias_update_rate, _aside(dp))
 
 
-def moe_log(model, tp: CommGroup, dp: CommGroup, pp: CommGroup, ep: CommGroup, dispatcher: str,
+def moe_log(model, tp: CommGroup, dp: CommGroup, pp: CommGroup, ep: CommGroup,
             device: torch.device | None = None) -> tuple[dict[str, str], list[str], dict[str, float]]:
     """(fields for the iteration line, lines, scalars) of the interval since the last call, which starts a new
     one; every rank calls it (all-reduces over TP, DP x CP and PP, on `device`). Empty without MoE layers."""
     metrics = moe_metrics(model)
     if metrics is None:
         return {}, [], {}
+    tp, dp, pp = _aside(tp), _aside(dp), _aside(pp)
     losses, tokens, device = metrics.losses(), metrics.tokens, device or torch.device("cpu")
     per_rank = torch.zeros(metrics.num_layers, dtype=torch.float64, device=device)
     fields, scalars, lines = {}, {}, []
@@ -81,7 +88,7 @@ def moe_log(model, tp: CommGroup, dp: CommGroup, pp: CommGroup, ep: CommGroup, d
             scalars[f"moe/layer-{layer}-max-over-mean-tokens"] = max(row) / mean if mean else 0.0
     measured, theory = metrics.last_ep
     ratio = (1.0 if measured == 0 else float("inf")) if theory == 0 else measured / theory
-    lines.append(f"moe comm | ep {ep.size} | dispatcher {dispatcher} | measured bytes/iter {measured:.0f} | "
+    lines.append(f"moe comm | ep {ep.size} | dispatcher {metrics.dispatcher} | measured bytes/iter {measured:.0f} | "
                  f"theory bytes/iter {theory:.0f} | ratio {ratio:.4f}")
     scalars.update({"moe/ep-comm-bytes-per-iter": measured, "moe/ep-comm-theory-bytes-per-iter": theory})
     metrics.reset()

@@ -15,6 +15,7 @@ from torch import nn
 
 from mpzero.comm import CommGroup
 from mpzero.deferred_init import deferred_parameter
+from mpzero.errors import ConfigError
 from mpzero.tensor_parallel import InitMethod, copy_to_tp, mark_tensor_parallel
 
 ROUTER_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp64": torch.float64}
@@ -28,10 +29,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.weight = mark_tensor_parallel(deferred_parameter((num_experts, hidden_size), init), None)
         self.dtype, self.sp_group = ROUTER_DTYPES[dtype], sp_group
-        self.expert_bias = self.step_tokens = None
-        if expert_bias:  # the bias and the step's token counts per expert (buffers: not trained, on the device)
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-            self.register_buffer("step_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        # the bias and the step's token counts per expert (buffers: not trained, on the device); None without
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None)
+        self.register_buffer("step_tokens", torch.zeros(num_experts, dtype=torch.int64) if expert_bias else None,
+                             persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """[T, h] -> logits [T, E] in the router's dtype."""
@@ -56,3 +57,20 @@ class TopKRouter(nn.Module):
         counts = self.step_tokens.to(torch.float32)
         self.expert_bias += torch.sign(counts.mean() - counts) * rate
         self.step_tokens.zero_()
+
+
+def expert_biases(model: nn.Module) -> dict[str, list[float]]:
+    """{router name: its expert bias} of the model's routers that keep one (--moe-router-enable-expert-bias): a
+    buffer, not a parameter, so the checkpoint's meta carries it (a few floats per layer)."""
+    return {name: module.expert_bias.tolist() for name, module in model.named_modules()
+            if isinstance(module, TopKRouter) and module.expert_bias is not None}
+
+
+def restore_expert_biases(model: nn.Module, saved: dict[str, list[float]], directory: str) -> None:
+    """Each router's expert bias from a checkpoint's `expert_biases`; one line when the checkpoint has none."""
+    for name, module in model.named_modules():
+        if isinstance(module, TopKRouter) and module.expert_bias is not None:
+            if name not in saved:
+                raise ConfigError(f"{directory} holds no expert bias for {name} (saved without "
+                                  f"--moe-router-enable-expert-bias?): load it with --finetune or drop the flag")
+            module.expert_bias.copy_(torch.tensor(saved[name], dtype=torch.float32))

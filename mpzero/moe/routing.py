@@ -93,7 +93,7 @@ def drop_to_capacity(probs: torch.Tensor, indices: torch.Tensor, num_experts: in
 def aux_loss_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     """The scores over all experts the load-balancing loss uses (softmax; sigmoid normalised over the experts)."""
     if score_function == "softmax":
-        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+        return torch.softmax(logits, dim=-1)  # in the router's dtype (fp32 logits, fp64 when asked)
     scores = torch.sigmoid(logits)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from mpzero.comm import CommGroup
 from mpzero.pipeline.schedules import Pipeline, Step
 from mpzero.pipeline.simulate import simulate
+from mpzero.zero.accounting import counted_ratio
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,7 @@ class PipelineCommReport:
 
     @property
     def ratio(self) -> float:
-        if self.theory == 0:
-            return 1.0 if self.measured == 0 else float("inf")
-        return self.measured / self.theory
+        return counted_ratio(self.measured, self.theory)
 
     def line(self) -> str:
         pipe = self.pipe

@@ -107,8 +107,9 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
     its tokens, divided by m when training) on the stage that ends the model, zero elsewhere, as a device scalar.
     `tokens(mb)` / `labels(mb)`: a micro-batch's inputs and labels (asked only where the model begins / ends). Without an
     optimizer (evaluation) the schedule holds forwards only. `counting(chunk, mb)`: a context manager around each
-    forward (activation counting), or None. `timings`: {kind: [seconds of each compute action]} appended to, on
-    the host clock (bench/bench_pipeline.py: a CPU run, where the host waits for every op)."""
+    forward (activation counting), or None. `timings`: {kind: [seconds of each action]} appended to, on the host
+    clock (bench/bench_pipeline.py: a CPU run, where the host waits for every op): the compute kinds, "post" (a
+    batch of sends and receives posted) and "wait" (for what a compute action receives)."""
     it, pipe, stage = _Iteration(run, rank), run.pipe, run.model.stage
     total = torch.zeros((), device=run.device)
     last = _last_backward(steps)
@@ -118,10 +119,14 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
     for index, step in enumerate(steps):
         action = step[0]
         if action.kind in COMM:
+            posted = time.perf_counter()
             it.post(step)
+            _record(timings, "post", posted)
             continue
         key = (action.chunk, action.micro_batch)
+        waited = time.perf_counter()
         it.wait_for(action)
+        _record(timings, "wait", waited)
         started = time.perf_counter()
         if action.kind == "F":
             loss = _forward(it, key, stage, tokens, labels, counting, pipe.m, optimizer is not None)
@@ -134,10 +139,14 @@ def run_schedule(run: StageRun, steps: list[Step], rank: int, tokens: Callable[[
                 run.store.run(key)
         if held is not None:
             held.step(action.kind, action.chunk, run.store.held_bytes if run.store is not None else 0)
-        if timings is not None:
-            timings.setdefault(action.kind, []).append(time.perf_counter() - started)
+        _record(timings, action.kind, started)
     it.finish()
     return total
+
+
+def _record(timings: dict | None, kind: str, started: float) -> None:
+    if timings is not None:
+        timings.setdefault(kind, []).append(time.perf_counter() - started)
 
 
 def _last_backward(steps: list[Step]) -> int:

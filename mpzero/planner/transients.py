@@ -20,9 +20,9 @@ Working tensors of a step (`compute_transients`), an estimate from what the code
   scores (on CUDA, or --attention-backend local), the same three fp32 tensors per head for a tile of at most
   TILE_ROWS query rows over their largest block's s/CP keys (the own chunks'), none on the CPU's flash kernel;
   a2a's attention runs over all s tokens for a/CP heads;
-- the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements; + its fp32 unscaled cast, 4 x, for
-  fp16's loss-scaled gradients; on a GPU, whose `sum_of_squares` kernel upcasts in registers, 8 bytes per 4096
-  elements of the largest run), then, with gradients in the parameters' dtype (fp16, bf16 with
+- the optimizer step: the global norm's fp64 chunk (8 x up to 4M elements, on a CPU 256K; + its fp32 unscaled cast,
+  4 x, for fp16's loss-scaled gradients; on a GPU, whose `sum_of_squares` kernel upcasts in registers, 8 bytes
+  per 4096 elements of the largest run), then, with gradients in the parameters' dtype (fp16, bf16 with
   --grad-reduce-in-bf16), the fp32 cast of one bucket's shard at a time (4 x the largest shard: `Fp32Buckets`;
   with an offloaded optimizer two sub-groups' pieces, 4 x 2 min(G, S): `accounting.step_fp32_bytes`); the larger
   of the two.
@@ -73,5 +73,5 @@ def compute_transients(config, tp: int, micro_batch: int, seq: int, e: int, g: i
             "vocabulary gradients": vocabulary * e * v * h,
             "attention backward": attention,
             "optimizer step": max(sum_of_squares_bytes(largest_run, planned_impl("sum_of_squares", device),
-                                                       scaled=loss_scaled and g < 4),
+                                                       scaled=loss_scaled and g < 4, device=device),
                                   4 * fp32_grad_numel if g < 4 else 0)}

@@ -15,6 +15,7 @@ from mpzero.activations import SavedBytesCounter, report_activation_memory
 from mpzero.checkpointing import load_checkpoint, save_checkpoint
 from mpzero.context_parallel import cp_comm_line
 from mpzero.errors import TrainingError
+from mpzero.moe import expert_biases, moe_log, restore_expert_biases, training_iteration
 from mpzero.parallel import ParallelGroups
 from mpzero.pipeline import in_flight_report
 from mpzero.training.config import RunConfig
@@ -119,7 +120,9 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
     # as in Megatron, skipped (fp16 overflow) steps do not count
     lr = run.schedule.lr(progress.iteration - progress.skipped)
     cp_mark = groups.cp.stats.total()
-    loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
+    micro_batches = training.global_batch_size // (training.micro_batch_size * groups.dp_size)
+    with training_iteration(state.model.module, groups.ep, state.optimizer.loss_scale, micro_batches, groups.dp_cp):
+        loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
     cp_bytes = groups.cp.stats.total() - cp_mark  # the CP attention's exchanges, forward and backward
     if pending is not None:  # launched with no host synchronisation, its result left for a later read
         progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
@@ -164,6 +167,10 @@ def save(run: RunConfig, state: TrainingState, progress: Progress, data_tokenize
             "architecture": state.model.architecture, "lr_schedule": dataclasses.asdict(run.schedule)}
     if run.data.tokenizer is not None:
         meta["tokenizer"] = {**run.data.tokenizer, "data": data_tokenizers}
+    biases = {name: bias for stage in state.groups.pp.all_gather_objects(expert_biases(state.model.module))
+              for name, bias in stage.items()}  # every pipeline stage's routers
+    if biases:
+        meta["moe_expert_bias"] = biases
     where = save_checkpoint(run.checkpoint.save, progress.iteration, state.model.module, state.optimizer, state.rng,
                             state.groups, meta)
     if state.groups.is_logging_rank:
@@ -258,6 +265,7 @@ def _load(run: RunConfig, state: TrainingState) -> tuple[int, int, int]:
                   f"continuing with this run's flags", flush=True)
     if checkpoint.finetune:
         return 0, 0, 0
+    restore_expert_biases(state.model.module, meta.get("moe_expert_bias", {}), checkpoint.load)
     return meta["iteration"], meta["consumed_samples"], meta["skipped_iterations"]
 
 
@@ -296,13 +304,15 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
         micro_batches = training.global_batch_size // (training.micro_batch_size * groups.dp_size)
         comm_lines.append(cp_comm_line(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                                        run.precision.torch_dtype.itemsize, micro_batches, step.cp_bytes))
+    moe_fields, moe_lines, moe_scalars = moe_log(state.model.module, groups.tp, groups.dp_cp, groups.pp, groups.ep,
+                                                 groups.device)  # the MoE layers' losses and token counts
     if groups.is_logging_rank:
         extra = {"tokens/s": f"{tokens_per_s:.0f}", "TFLOP/s/rank": f"{tflops:.4f}",
-                 **({} if mfu is None else {"MFU": f"{mfu:.3f}"})}
+                 **({} if mfu is None else {"MFU": f"{mfu:.3f}"}), **moe_fields}
         print(iteration_line(iteration, training.train_iters, consumed, seconds * 1000, lr,
                              training.global_batch_size, loss, stats.loss_scale, grad_norm, interval.skipped,
                              nan=0, extra=extra), flush=True)
-        for line in comm_lines:
+        for line in comm_lines + moe_lines:
             print(line, flush=True)
     applied = {"lm loss": loss} if interval.losses else {}  # no point plotted for an all-skipped interval
     model_states = state.optimizer.memory_report()
@@ -313,7 +323,7 @@ def _log_interval(interval: Interval, progress: Progress, step: StepResult, run:
                          **{f"mem-max-bytes/rank-{r}": b for r, b in enumerate(memory)},
                          "zero/memory-bytes": model_states.measured, "zero/memory-formula-bytes": model_states.formula,
                          "zero/comm-bytes-per-iter": comm.measured, "zero/comm-theory-bytes-per-iter": comm.theory,
-                         **_offload_scalars(state.optimizer, comm)}, iteration)
+                         **_offload_scalars(state.optimizer, comm), **moe_scalars}, iteration)
 
 
 def _offload_scalars(optimizer: ZeroOptimizer, comm) -> dict[str, float]:

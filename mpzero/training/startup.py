@@ -16,6 +16,7 @@ from mpzero.data import build_gpt_datasets, check_checkpoint_tokenizer, check_da
 from mpzero.context_parallel import block_kernel
 from mpzero.errors import ConfigError
 from mpzero.fused import fused_attention_refusal, resolve_impl, resolved_impls
+from mpzero.moe import experts_impl
 from mpzero.nodes import check_nodes
 from mpzero.parallel import ParallelGroups
 from mpzero.path_views import check_same_views
@@ -36,7 +37,8 @@ def fused_ops(run: RunConfig, device: torch.device) -> dict[str, str]:
     return {**resolved_impls(device), "attention": attention,
             "cross_entropy": resolve_impl("cross_entropy", device, run.model.cross_entropy_impl),
             "cuda_graphs": run.model.cuda_graphs(device),
-            "fp8": run.model.fp8.describe() if run.model.fp8 is not None else "none"}
+            "fp8": run.model.fp8.describe() if run.model.fp8 is not None else "none",
+            **({"moe_experts": experts_impl(run.model.moe_grouped_gemm)} if run.model.num_experts else {})}
 
 
 def start(run: RunConfig, groups: ParallelGroups) -> tuple[tuple, dict]:

@@ -59,6 +59,13 @@ class PeakReport:
         return self.measured / self.formula
 
 
+def counted_ratio(measured: float, formula: float) -> float:
+    """measured / formula, the figure every report prints: 1 where both are 0, infinite where only the formula is."""
+    if formula == 0:
+        return 1.0 if measured == 0 else float("inf")
+    return measured / formula
+
+
 @dataclass(frozen=True)
 class TierReport:
     """Bytes one rank holds in an offload tier ("host", "disk", "host buffers") against its formula."""
@@ -69,9 +76,7 @@ class TierReport:
 
     @property
     def ratio(self) -> float:
-        if self.formula == 0:
-            return 1.0 if self.measured == 0 else float("inf")
-        return self.measured / self.formula
+        return counted_ratio(self.measured, self.formula)
 
     def fields(self) -> str:
         key = self.name.replace(" ", "-")
@@ -94,10 +99,8 @@ class MemoryReport:
     construction: tuple[TierReport, ...] = ()  # construction peak (device) and working set (host), construction.py
 
     @property
-    def ratio(self) -> float:
-        if self.formula == 0:  # everything offloaded (stage 3, parameters and optimizer off the device)
-            return 1.0 if self.measured == 0 else float("inf")
-        return self.measured / self.formula
+    def ratio(self) -> float:  # a formula of 0: everything offloaded (stage 3, parameters and optimizer off device)
+        return counted_ratio(self.measured, self.formula)
 
     def line(self) -> str:
         peak = "" if self.peak is None else (
@@ -119,7 +122,7 @@ class TransferReport:
     theory_text: str
 
     def fields(self) -> str:
-        ratio = (1.0 if self.measured == 0 else float("inf")) if self.theory == 0 else self.measured / self.theory
+        ratio = counted_ratio(self.measured, self.theory)
         return (f" | {self.name} bytes/iter {self.measured:.0f} | {self.name} theory {self.theory_text} | "
                 f"{self.name} theory bytes/iter {self.theory:.0f} | {self.name} ratio {ratio:.4f}")
 
@@ -136,9 +139,7 @@ class CommReport:
 
     @property
     def ratio(self) -> float:
-        if self.theory == 0:
-            return 1.0 if self.measured == 0 else float("inf")
-        return self.measured / self.theory
+        return counted_ratio(self.measured, self.theory)
 
     def line(self) -> str:
         return (f"zero comm | stage {self.stage} | dp {self.dp_size} | micro-batches {self.micro_batches} | "

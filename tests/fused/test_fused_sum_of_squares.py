@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpzero.fused import sum_of_squares, sum_of_squares_bytes, sum_of_squares_reference
-from mpzero.fused.squares import BLOCK, CHUNK
+from mpzero.fused.squares import BLOCK, CHUNK, CPU_CHUNK
 from tests.fused.helpers import DTYPES, needs_triton
 
 
@@ -25,16 +25,37 @@ def _gradients(n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -13], ids=["unscaled", "loss-scaled"])
 def test_the_reference_is_the_exact_sum_to_fp64_rounding(dtype, scale, monkeypatch):
-    monkeypatch.setattr("mpzero.fused.squares.CHUNK", 1000)  # several chunks, the last partial
+    monkeypatch.setattr("mpzero.fused.squares.CPU_CHUNK", 1000)  # several chunks, the last partial
     x = _gradients(3 * 1000 + 17, dtype)
     assert sum_of_squares_reference(x, scale).item() == pytest.approx(_exact(x, scale), rel=1e-14)
 
 
+def _chunk_by_chunk(x: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
+    """The reference's arithmetic with a fresh fp64 copy of each chunk, as it was before it reused one buffer."""
+    total = torch.zeros((), dtype=torch.float64)
+    for part in x.split(chunk):
+        part = part.to(torch.float32, copy=True).mul_(scale) if scale != 1.0 else part
+        part = part.to(torch.float64)
+        total += torch.dot(part, part)
+    return total
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -13], ids=["unscaled", "loss-scaled"])
+def test_one_reused_buffer_gives_the_bits_of_a_fresh_copy_per_chunk(dtype, scale):
+    x = _gradients(2 * CPU_CHUNK + 17, dtype)
+    assert torch.equal(sum_of_squares_reference(x, scale), _chunk_by_chunk(x, CPU_CHUNK, scale))
+    run = x[:CPU_CHUNK]  # a run of at most one chunk: one fp64 dot product, the same bits at any chunk size
+    assert torch.equal(sum_of_squares_reference(run, scale), _chunk_by_chunk(run, CHUNK, scale))
+
+
 def test_the_working_bytes_the_planner_reads():
-    # the reference: one fp64 chunk of at most 4M elements (+ its fp32 unscaled copy); the kernel: its partial sums
-    assert CHUNK == 1 << 22
-    assert sum_of_squares_bytes(10 * CHUNK, "torch", scaled=False) == 8 * CHUNK
-    assert sum_of_squares_bytes(1000, "torch", scaled=True) == 12 * 1000
+    # the reference: one fp64 chunk (+ its fp32 unscaled copy) of at most 256K elements on a CPU, 4M on a GPU;
+    # the kernel: its partial sums
+    assert (CPU_CHUNK, CHUNK) == (1 << 18, 1 << 22)
+    assert sum_of_squares_bytes(10 * CHUNK, "torch", scaled=False, device="cpu") == 8 * CPU_CHUNK
+    assert sum_of_squares_bytes(10 * CHUNK, "torch", scaled=False, device="cuda") == 8 * CHUNK
+    assert sum_of_squares_bytes(1000, "torch", scaled=True, device="cpu") == 12 * 1000
     assert sum_of_squares_bytes(124_475_904, "triton", scaled=True) == 8 * 30390  # ceil(124475904 / 4096)
 
 

@@ -1,0 +1,120 @@
+"""Mixture of experts through the command line (pretrain_gpt.main on forked gloo ranks), dropout off, fp32: every
+expert-parallel layout trains the losses, validation losses and gradient norms of one process within 1e-5
+relative (the bar of every TP x DP x ZeRO layout: the experts' gradients are summed over the EP ranks' tokens in
+another order), with the load-balancing loss and the z-loss on; the figures the log prints (the auxiliary losses,
+the tokens per expert, the EP bytes against their formula) are the same at every layout. The slow compositions
+are product tests; the normal suite keeps one of each axis (EP over DP, TP x EP, ZeRO 3 with experts, the
+allgather dispatcher, capacity drops, LLaMA with shared experts and sigmoid routing)."""
+
+import re
+
+import pytest
+
+from tests.cli import assert_close_lists, main_capturing_stdout, quiet_main
+from tests.distributed import run_ranks
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", "128",
+        "--log-interval", "100", "--eval-iters", "1", "--eval-interval", "2",
+        "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2",
+        "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall"]
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+SHARED_SIGMOID = ["--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid"]
+
+
+def ep(size, *more):
+    return ["--expert-model-parallel-size", str(size), *more]
+
+
+_REFERENCES = {}
+
+
+def _reference(argv: list[str]) -> dict:
+    key = tuple(argv)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_ranks(1, quiet_main, argv)[0]
+    return _REFERENCES[key]
+
+
+def _assert_matches_one_process(world: int, model: list[str], layout: list[str]) -> None:
+    reference = _reference(BASE + model)
+    for history in run_ranks(world, quiet_main, BASE + model + layout):
+        assert_close_lists(history["losses"], reference["losses"])
+        assert_close_lists(history["valid_losses"], reference["valid_losses"])
+        assert_close_lists(history["grad_norms"], reference["grad_norms"])
+
+
+@pytest.mark.parametrize("world,model,layout", [
+    (2, [], ep(2)),
+    (4, LLAMA + SHARED_SIGMOID, ep(4, "--zero-stage", "3")),
+    (4, LLAMA, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
+    (2, [], ep(2, "--moe-token-dispatcher-type", "allgather", "--zero-stage", "1")),
+    (2, ["--moe-expert-capacity-factor", "1.0"], ep(2, "--zero-stage", "2")),
+], ids=["ep2", "llama-shared-sigmoid-ep4-zero3", "tp2-ep2-sp", "allgather-zero1", "capacity-zero2"])
+def test_expert_parallel_layouts_match_one_process(world, model, layout):
+    _assert_matches_one_process(world, model, layout)
+
+
+@pytest.mark.product
+@pytest.mark.parametrize("world,model,layout", [
+    (4, [], ep(2, "--zero-stage", "0")),
+    (4, [], ep(2, "--zero-stage", "1")),
+    (4, [], ep(2, "--zero-stage", "2")),
+    (4, [], ep(2, "--zero-stage", "3")),
+    (4, [], ep(4)),
+    (4, [], ep(2, "--zero-stage", "1", "--offload-optimizer", "cpu")),
+    (4, LLAMA, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
+                  "2")),
+    (4, LLAMA, ep(1, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
+                  "1")),
+    (2, ["--moe-router-topk", "1", "--moe-router-pre-softmax"], ep(2)),
+    (4, ["--num-experts", "8", "--moe-router-topk", "8"], ep(4)),
+    (2, ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"], ep(2)),
+    (2, ["--moe-router-load-balancing-type", "seq_aux_loss"], ep(2)),
+    (4, ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], ep(4)),
+    (2, ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "position"], ep(2)),
+    (2, ["--moe-layer-freq", "[0,1]"], ep(2)),
+    (2, [], ep(2, "--recompute-granularity", "full", "--recompute-method", "uniform")),
+    (4, LLAMA + SHARED_SIGMOID, ep(4, "--moe-token-dispatcher-type", "allgather")),
+], ids=["zero0", "zero1", "zero2", "zero3", "ep4", "offload-optimizer", "tp2-etp2-ep2", "tp2-etp1-ep1", "top1",
+        "top8", "expert-bias", "seq-aux-loss", "group-limited", "capacity-position", "layer-freq", "full-recompute",
+        "allgather-ep4"])
+def test_expert_parallel_compositions_match_one_process(world, model, layout):
+    _assert_matches_one_process(world, model, layout)
+
+
+FIGURES = re.compile(r"load_balancing_loss: (\S+) \| z_loss: (\S+) \|")
+
+
+def _logged(argv):
+    return main_capturing_stdout(argv)[1]
+
+
+def test_the_log_line_says_the_auxiliary_losses_and_the_tokens_per_expert():
+    """The iteration line carries the load-balancing and z-losses (Megatron's averages over layers and
+    micro-batches, divided by their coefficients), the same at EP 2 as in one process; a line per MoE layer says
+    how many tokens each expert received (every token k times: 2 x 8 x 16 per layer); the EP bytes counted equal
+    their formula."""
+    argv = BASE + ["--log-interval", "1", "--train-iters", "2"]
+    one = run_ranks(1, _logged, argv)[0]
+    two = run_ranks(2, _logged, argv + ep(2))[0]
+    for out in (one, two):
+        figures = [tuple(map(float, m)) for m in FIGURES.findall(out)]
+        assert len(figures) == 2 and all(v > 0 for f in figures for v in f), out
+        tokens = [list(map(int, line.split("|")[-1].split())) for line in out.splitlines()
+                  if line.startswith("moe tokens per expert")]
+        assert len(tokens) == 4 and all(sum(row) == 2 * 8 * 16 and len(row) == 4 for row in tokens), out
+    assert_close_lists([v for m in FIGURES.findall(two) for v in map(float, m)],
+                       [v for m in FIGURES.findall(one) for v in map(float, m)])
+    ratios = re.findall(r"moe comm \| ep 2 \| dispatcher alltoall \| measured bytes/iter (\d+) \| theory bytes/iter "
+                        r"(\d+) \| ratio 1.0000", two)
+    assert len(ratios) == 2 and all(int(a) > 0 for a, _ in ratios), two
+    # the dense and expert families each on their own group, counted = formula: memory exactly, DP bytes but for
+    # the loss's own fp32 all-reduce (2 x 4 (N-1)/N = 4 bytes at DP 2), as in a dense run
+    assert re.search(r"zero memory \| stage 1 \| dp 2 \| params \d+ \| expert params \d+ \| expert dp 1 \| .* "
+                     r"formula 8P\+8P/N\+8Pe\+8Pe/Ne \| formula bytes \d+ \| ratio 1.0000", two), two
+    comm = re.findall(r"zero comm .* measured bytes/iter (\d+) \| theory \S+ \| theory bytes/iter (\d+)", two)
+    assert len(comm) == 2 and all(int(measured) - int(theory) == 4 for measured, theory in comm), comm
