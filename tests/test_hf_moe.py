@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from mpzero.inference import SamplingConfig, generate, gpt_config_from_meta, load_full_weights
 from mpzero.models import GPTModel
-from mpzero.moe import MoELayer, top_k
+from mpzero.moe import MoELayer, restore_expert_biases, top_k
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_from_tp
 from tests.cli import quiet_main, tool_result
@@ -164,6 +164,32 @@ def test_generate_at_tp_x_ep_gives_hf_greedy_tokens(trained):
         assert [r["tokens"] for r in ranks[0]] == [r["tokens"] for r in ranks[1]] == expected, extra
     code, err = run_ranks(1, tool_result, generate_main, argv + ["--expert-model-parallel-size", "2"])[0]
     assert code == 2 and err.count("\n") == 1 and "x 2 data-parallel ranks of the expert grid" in err, err
+
+
+def _greedy_with_biases(checkpoint, prompts, new_tokens):
+    """Greedy tokens of the checkpoint at TP 1 x EP 1 with its routers' expert biases, and those biases."""
+    model, _ = _mpzero_model(checkpoint, 1, 1, None)
+    biases = read_consolidated(checkpoint, None)["meta"]["moe_expert_bias"]
+    restore_expert_biases(model, biases, checkpoint)
+    sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True, stop_at_eod=False)
+    return generate(model, prompts, sampling, eod=0), biases
+
+
+def test_generate_routes_with_the_trained_expert_bias_at_any_ep(tmp_path):
+    """Aux-loss-free balancing (sigmoid scores, --moe-router-enable-expert-bias): the bias steers the choice, so
+    tools/generate.py restores it from the checkpoint at every layout."""
+    checkpoint = str(tmp_path / "ckpt")
+    run_ranks(2, quiet_main, LLAMA + MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                            "--moe-router-bias-update-rate", "0.05", "--expert-model-parallel-size",
+                                            "2", "--train-iters", "3", "--eval-iters", "0", "--save", checkpoint])
+    prompts = [IDS[:5], IDS[3:12]]
+    expected, biases = run_ranks(1, _greedy_with_biases, checkpoint, prompts, 6)[0]
+    assert biases and all(any(b != 0 for b in bias) for bias in biases.values()), biases
+    argv = ["--load", checkpoint, "--greedy", "--max-new-tokens", "6", "--ignore-eod", "--tensor-model-parallel-size",
+            "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    argv += [arg for p in prompts for arg in ("--prompt", " ".join(map(str, p)))]
+    ranks = run_ranks(2, _quiet, generate_main, argv)
+    assert [r["tokens"] for r in ranks[0]] == expected
 
 
 def _random_hf(kind, directory):

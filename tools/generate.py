@@ -43,6 +43,7 @@ from mpzero.launcher_env import launcher_env
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
 from mpzero.models import family_of
+from mpzero.moe import restore_expert_biases
 from mpzero.parallel import init_parallel
 from mpzero.checkpointing.consolidated import read_consolidated
 
@@ -108,10 +109,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             prepared, error = groups.world.run_agreed(lambda: _prepare(args), (ConfigError, OSError))
         if error:
             _fail(error)
-        config, weights, tokenizer, prompts = prepared
+        config, (weights, biases, directory), tokenizer, prompts = prepared
         model = family_of(config).build(config, groups.tp, device=groups.device, ep=groups.ep,
                                         expert_tp=groups.expert_tp)
         load_full_weights(model, weights)
+        restore_expert_biases(model, biases, directory)  # aux-loss-free balancing steers the choice: the trained one
         model.to(DTYPES[args.dtype]).eval()
         del weights
         results = _generate_all(model, tokenizer, prompts, _sampling(args), not args.no_kv_cache, args.batch_size)
@@ -142,7 +144,8 @@ def _sampling(args) -> SamplingConfig:
 
 
 def _prepare(args):
-    """(model config, full weights, tokenizer, [(prompt text, ids)]), every input checked."""
+    """(model config, (full weights, the routers' expert biases, the checkpoint), tokenizer, [(prompt text, ids)]),
+    every input checked."""
     _sampling(args).validate()
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -173,7 +176,11 @@ def _prepare(args):
         prompts.append((text, ids))
     weights = read_consolidated(args.load, iteration)["model"]
     check_gpt_weights(weights, config, directory)
-    return config, weights, tokenizer, prompts
+    biases = meta.get("moe_expert_bias") or {}
+    if config.moe_router_enable_expert_bias and not biases:
+        raise ConfigError(f"checkpoint {directory} holds no expert bias (--moe-router-enable-expert-bias): its "
+                          f"routing cannot be reproduced")
+    return config, (weights, biases, directory), tokenizer, prompts
 
 
 def _read_prompts(args) -> list[str]:
