@@ -235,6 +235,7 @@ def _mpzero_greedy(checkpoint, prompts, new_tokens):
     ({"model_type": "qwen3_moe", "use_sliding_window": True}, "has use_sliding_window true"),
     ({"model_type": "mixtral", "sliding_window": 16}, "has sliding_window 16"),
     ({"model_type": "mixtral", "num_experts_per_tok": 5}, "--moe-router-topk 5 must lie between 1 and"),
+    ({"model_type": "mixtral", "num_experts_per_tok": 1}, "one expert with its gate renormalised to 1"),
     ({"model_type": "qwen3_moe", "mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list"),
 ])
 def test_an_hf_moe_mpzero_cannot_compute_is_one_line(tmp_path, change, message):

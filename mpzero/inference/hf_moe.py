@@ -162,6 +162,10 @@ def moe_config(dense: GPTConfig, experts, topk, width, layer_freq, pre_softmax: 
     for key, value in (("experts", experts), ("experts per token", topk), ("expert width", width)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{source}: its {key} is {value!r}, not a positive integer")
+    if topk == 1 and not pre_softmax:
+        raise ConfigError(f"{source} routes each token to one expert with its gate renormalised to 1: mpzero's "
+                          f"softmax router at top-1 takes --moe-router-pre-softmax (Megatron's rule), whose gate is "
+                          f"the probability, so it would compute another model")
     config = dataclasses.replace(dense, num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width,
                                  moe_layer_freq=layer_freq, moe_router_pre_softmax=pre_softmax)
     try:
