@@ -162,8 +162,10 @@ def test_generate_at_tp_x_ep_gives_hf_greedy_tokens(trained):
                    "--expert-tensor-parallel-size", "1"]):
         ranks = run_ranks(2, _quiet, generate_main, argv + extra)
         assert [r["tokens"] for r in ranks[0]] == [r["tokens"] for r in ranks[1]] == expected, extra
-    code, err = run_ranks(1, tool_result, generate_main, argv + ["--expert-model-parallel-size", "2"])[0]
-    assert code == 2 and err.count("\n") == 1 and "x 2 data-parallel ranks of the expert grid" in err, err
+    for world, extra, message in ((1, ["--expert-model-parallel-size", "2"], "x 2 data-parallel ranks of the expert"),
+                                  (3, ["--expert-model-parallel-size", "3"], "--num-experts 4 is not a multiple of")):
+        code, err = run_ranks(world, tool_result, generate_main, argv + extra)[0]
+        assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
 def _greedy_with_biases(checkpoint, prompts, new_tokens):

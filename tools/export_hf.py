@@ -1,12 +1,13 @@
-"""Export an mpzero checkpoint (any TP x DP x ZeRO x EP layout) as a Hugging Face GPT-2, Llama or Mixtral directory.
+"""Export an mpzero checkpoint (any TP x DP x ZeRO x EP layout) as a Hugging Face GPT-2, Llama or MoE directory.
 
     python tools/export_hf.py --load checkpoints/quickstart --output hf/kjv
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/kjv')"
 
 A LLaMA-family checkpoint (RMSNorm, SwiGLU, RoPE; mpzero.inference.hf_llama) becomes a LlamaForCausalLM directory
 (config.json with num_key_value_heads, rope_theta, rms_norm_eps, tie_word_embeddings, intermediate_size); one with
-mixture-of-experts layers a MixtralForCausalLM directory (mpzero.inference.hf_mixtral; the experts under the per-expert
-names of the hub's files, `block_sparse_moe.experts.E.w1/w2/w3`).
+mixture-of-experts layers a MixtralForCausalLM directory (mpzero.inference.hf_mixtral), or with --qk-layernorm too a
+Qwen3MoeForCausalLM one (hf_qwen3_moe), the experts under the per-expert names of the hub's files
+(`block_sparse_moe.experts.E.w1/w2/w3`, `mlp.experts.E.gate_proj/up_proj/down_proj`).
 
 Writes config.json (every architecture choice that changes the logits: activation, LayerNorm epsilon, tied or
 untied output weights, the real vocabulary without its padding), model.safetensors (or, past --max-shard-size,

@@ -43,7 +43,7 @@ from mpzero.launcher_env import launcher_env
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
 from mpzero.models import family_of
-from mpzero.moe import restore_expert_biases
+from mpzero.moe import check_expert_grid, restore_expert_biases
 from mpzero.parallel import init_parallel
 from mpzero.checkpointing.consolidated import read_consolidated
 
@@ -97,16 +97,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     tp_size = args.tensor_model_parallel_size or max(world_size // ep, 1)
     try:
-        needed = tp_size * _data_parallel(tp_size, ep, etp)
-        if needed != world_size:
-            what = f"--tensor-model-parallel-size {tp_size}" + (
-                "" if needed == tp_size else f" x {needed // tp_size} data-parallel ranks of the expert grid "
-                                             f"(--expert-model-parallel-size {ep})")
-            _fail(f"{what} must equal the number of processes {world_size}: generation runs one TP group (times the "
-                  f"ranks an expert grid folds over)")
-        groups = init_parallel(tp_size, ep_size=ep, etp_size=etp)
+        groups = _groups(tp_size, ep, etp, world_size)
         with single_process():
-            prepared, error = groups.world.run_agreed(lambda: _prepare(args), (ConfigError, OSError))
+            prepared, error = groups.world.run_agreed(lambda: _prepare(args, groups.ep.size, groups.expert_tp.size),
+                                                      (ConfigError, OSError))
         if error:
             _fail(error)
         config, (weights, biases, directory), tokenizer, prompts = prepared
@@ -125,10 +119,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _data_parallel(tp: int, ep: int, etp: int | None) -> int:
-    """The fewest data-parallel ranks that fold an EP x expert-TP grid over TP x DP."""
+def _groups(tp: int, ep: int, etp: int | None, world_size: int):
+    """The TP group times the fewest data-parallel ranks that fold the EP x expert-TP grid over TP x DP (every
+    rank generates the same tokens); a world of another size, or an expert-TP other than 1 or TP, is one line."""
     experts = ep * (etp or tp)
-    return experts // math.gcd(experts, tp)
+    needed = tp * (experts // math.gcd(experts, tp))
+    if needed != world_size:
+        what = f"--tensor-model-parallel-size {tp}" + (
+            "" if needed == tp else f" x {needed // tp} data-parallel ranks of the expert grid "
+                                    f"(--expert-model-parallel-size {ep})")
+        _fail(f"{what} must equal the number of processes {world_size}: generation runs one TP group (times the "
+              f"ranks an expert grid folds over)")
+    if etp not in (None, 1, tp):
+        _fail(f"--expert-tensor-parallel-size {etp} must be 1 or the TP size {tp}: the experts are split over the TP "
+              f"group itself or not at all")
+    return init_parallel(tp, ep_size=ep, etp_size=etp)
 
 
 def _fail(message: str) -> None:
@@ -143,7 +148,7 @@ def _sampling(args) -> SamplingConfig:
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eod=not args.ignore_eod)
 
 
-def _prepare(args):
+def _prepare(args, ep_size: int, etp_size: int):
     """(model config, (full weights, the routers' expert biases, the checkpoint), tokenizer, [(prompt text, ids)]),
     every input checked."""
     _sampling(args).validate()
@@ -157,6 +162,7 @@ def _prepare(args):
     directory, iteration = resolve_iteration(args.load, args.iteration)
     meta = read_meta_file(directory, previous_advice(args.load, iteration))
     config = gpt_config_from_meta(meta, directory)
+    check_expert_grid(config, ep_size, etp_size)
     overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
     tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size, meta,
                                                                                      directory)
