@@ -18,7 +18,7 @@ import runpy
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from mpzero.inference import SamplingConfig, generate, gpt_config_from_meta, load_full_weights
@@ -249,6 +249,31 @@ def test_an_hf_moe_mpzero_cannot_compute_is_one_line(tmp_path, change, message):
     code, err = tool_result(import_main, ["--input", str(tmp_path / "hf"), "--save", str(tmp_path / "out")])
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "has no model.layers.1.block_sparse_moe.experts.2.w3.weight: not a complete MixtralForCausalLM"),
+    ("extra", "holds model.layers.1.block_sparse_moe.experts.4.w1.weight, which a MixtralForCausalLM of its"),
+    ("misshapen", "experts.0.w3.weight, model.layers.0.block_sparse_moe.experts.1.w1.weight and 5 more do not have "
+                  "the shapes a MixtralForCausalLM of its config.json has (together [4, 48, 32])"),
+])
+def test_expert_tensors_missing_extra_or_misshapen_are_one_line(tmp_path, case, message):
+    source = str(tmp_path / "hf")
+    _random_hf("mixtral", source)
+    state = _files(source)
+    for name in os.listdir(source):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            os.remove(os.path.join(source, name))
+    expert = "model.layers.{}.block_sparse_moe.experts.{}.{}.weight"
+    if case == "missing":
+        del state[expert.format(1, 2, "w3")]
+    elif case == "extra":
+        state[expert.format(1, 4, "w1")] = state[expert.format(1, 0, "w1")].clone()
+    else:
+        state[expert.format(0, 0, "w1")] = state[expert.format(0, 0, "w1")][:-1]
+    save_file(state, os.path.join(source, "model.safetensors"))
+    code, err = tool_result(import_main, ["--input", source, "--save", str(tmp_path / "out")])
+    assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize("flags, message", [

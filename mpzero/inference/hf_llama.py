@@ -105,25 +105,33 @@ def fuse(parts: dict[str, torch.Tensor], config: GPTConfig) -> torch.Tensor:
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
-    """mpzero's full fp32 weights by name from an HF Llama state dict; a missing, unexpected or misshapen tensor
+def _fuse_or_copy(parts: dict, config: GPTConfig) -> torch.Tensor:
+    return parts[COPY] if COPY in parts else fuse(parts, config)
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str, pairs=None,
+                       hf_class: str = "LlamaForCausalLM", fuse_parts=_fuse_or_copy) -> dict[str, torch.Tensor]:
+    """mpzero's full fp32 weights by name from an HF Llama state dict (or, with their `pairs` and
+    `fuse_parts(parts, config)`, another LLaMA-like class's: hf_moe.py); a missing, unexpected or misshapen tensor
     is one ConfigError line."""
-    pairs = name_pairs(config)
-    state = hf_gpt2.known_tensors(state, config, pairs, OLD_BUFFERS, source, "Llama", "LlamaForCausalLM")
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    pairs = pairs or name_pairs(config)
+    family = "Llama" if hf_class == "LlamaForCausalLM" else hf_class
+    state = hf_gpt2.known_tensors(state, config, pairs, OLD_BUFFERS, source, family, hf_class)
+    grouped: dict[str, dict] = {}
     for ours, theirs, kind in pairs:
         if theirs not in state:
-            raise ConfigError(f"{source} has no {theirs}: not a complete LlamaForCausalLM of its config.json")
+            raise ConfigError(f"{source} has no {theirs}: not a complete {hf_class} of its config.json")
         grouped.setdefault(ours, {})[kind] = state[theirs].float()
     shapes, weights = expected_shapes(config), {}
     for ours, parts in grouped.items():
         try:
-            full = parts[COPY] if COPY in parts else fuse(parts, config)
+            full = fuse_parts(parts, config)
         except RuntimeError:  # a part of another size than its config.json says
             full = None
         if full is None or tuple(full.shape) != shapes[ours]:
             names = [theirs for o, theirs, _ in pairs if o == ours]
-            raise ConfigError(f"{source}: {', '.join(names)} do not have the shapes a Llama of its config.json has "
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ConfigError(f"{source}: {shown} do not have the shapes a {family} of its config.json has "
                               f"(together {list(shapes[ours])})")
         weights[ours] = full.contiguous().clone()
     return weights

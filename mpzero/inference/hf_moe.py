@@ -26,7 +26,6 @@ import torch
 
 from mpzero.errors import ConfigError
 from mpzero.inference import hf_llama
-from mpzero.inference.weights import expected_shapes
 from mpzero.models import GPTConfig
 
 GATE, UP, DOWN = "expert-gate", "expert-up", "expert-down"  # kinds (kind, expert) of one expert's HF tensor
@@ -100,34 +99,6 @@ def unfused(state: dict[str, torch.Tensor], names: MoENames) -> dict[str, torch.
     return out
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, pairs, source: str,
-                       hf_class: str) -> dict[str, torch.Tensor]:
-    """mpzero's full fp32 weights by name from an HF file's state dict; a missing, unexpected or misshapen tensor
-    is one ConfigError line."""
-    if not config.untie_embeddings_and_output_weights:
-        state = {k: t for k, t in state.items() if k != "lm_head.weight"}  # HF reads the embedding
-    unexpected = sorted(set(state) - {theirs for _, theirs, _ in pairs})
-    if unexpected:
-        raise ConfigError(f"{source} holds {unexpected[0]}, which a {hf_class} of its config.json does not have "
-                          f"({len(unexpected)} such tensors): not a {hf_class} this mpzero can import")
-    grouped: dict[str, dict] = {}
-    for ours, theirs, kind in pairs:
-        if theirs not in state:
-            raise ConfigError(f"{source} has no {theirs}: not a complete {hf_class} of its config.json")
-        grouped.setdefault(ours, {})[kind] = state[theirs].float()
-    shapes, weights = expected_shapes(config), {}
-    for ours, parts in grouped.items():
-        try:
-            full = _fuse(parts, config)
-        except RuntimeError:  # a part of another size than its config.json says
-            full = None
-        if full is None or tuple(full.shape) != shapes[ours]:
-            raise ConfigError(f"{source}: the tensors of {ours} do not have the shapes a {hf_class} of its "
-                              f"config.json has (together {list(shapes[ours])})")
-        weights[ours] = full.contiguous().clone()
-    return weights
-
-
 def converters(pairs_of, names: MoENames, hf_class: str, check_exportable):
     """(to_hf_state_dict(weights, config, dtype), from_hf_state_dict(state, config, source)) of an adapter whose
     `pairs_of(config)` names its tensors; the import reads the files' names and transformers 5's fused ones."""
@@ -137,8 +108,7 @@ def converters(pairs_of, names: MoENames, hf_class: str, check_exportable):
         return to_hf_state_dict(weights, config, pairs_of(config), dtype)
 
     def from_hf(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
-        state = {k: t for k, t in unfused(state, names).items() if not hf_llama.OLD_BUFFERS.match(k)}
-        return from_hf_state_dict(state, config, pairs_of(config), source, hf_class)
+        return hf_llama.from_hf_state_dict(unfused(state, names), config, source, pairs_of(config), hf_class, _fuse)
     return to_hf, from_hf
 
 
