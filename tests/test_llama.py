@@ -86,16 +86,6 @@ def test_tp2_dp2_matches_single_process(reference, stage, modes):
     assert_close_lists(history["valid_losses"], reference["valid_losses"])
 
 
-def test_qk_layernorm_at_tp2_matches_single_process():
-    """--qk-layernorm (Qwen3's q_norm and k_norm): the [head_dim] weights see other heads on each TP rank, so
-    their gradients are summed over TP; the losses and gradient norms are one process's."""
-    argv = LLAMA + ["--qk-layernorm", "--train-iters", "4", "--eval-iters", "0"]
-    one = run_ranks(1, main_capturing_stdout, argv)[0][0]
-    tp2 = run_ranks(2, main_capturing_stdout, argv + ["--tensor-model-parallel-size", "2"])[0][0]
-    assert_close_lists(tp2["losses"], one["losses"])
-    assert_close_lists(tp2["grad_norms"], one["grad_norms"])
-
-
 @pytest.mark.parametrize("biases", [False, True], ids=["no-bias", "bias"])  # bias: fc1's 1-D [gate; up] chunks too
 def test_a_tp2_checkpoint_reloads_at_tp1_with_the_same_next_losses(tmp_path, biases):
     flags = [f for f in LLAMA if not (biases and f == "--disable-bias-linear")]

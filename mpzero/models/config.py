@@ -372,6 +372,7 @@ class GPTConfig(TransformerArchitecture):
             ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
             rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
             rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions,
+            qk_layernorm=self.qk_layernorm,
             cp=self.context_parallel_size, cp_comm_type=self.cp_comm_type,
             moe_layers=sum(self.is_moe_layer(i) for i in range(self.num_layers)))
 
