@@ -97,3 +97,12 @@ def test_config_file_values_are_checked_like_the_flags(tmp_path, text, message):
         return
     code, stderr = run_ranks(1, exit_code_and_stderr, TINY + ["--config", str(path)])[0]
     assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
+
+
+def test_experts_with_the_disk_tier_for_parameters_or_gradients_is_one_line(tmp_path):
+    """The disk tier keeps one file per rank for the parameters and gradients, and experts are partitioned over
+    their own group; the optimizer's states on disk at stage 1 are taken (test_moe_layouts covers cpu offload)."""
+    argv = TINY + MOE + ["--zero-stage", "3", "--offload-optimizer", "disk", "--offload-path", str(tmp_path)]
+    code, stderr = run_ranks(1, exit_code_and_stderr, argv)[0]
+    assert code == 2 and stderr.count("\n") == 1 and "expert parameters are partitioned apart" in stderr, stderr
+    assert not list(tmp_path.iterdir())  # nothing left behind

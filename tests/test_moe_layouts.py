@@ -68,6 +68,8 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
     (4, [], ep(2, "--zero-stage", "3")),
     (4, [], ep(4)),
     (4, [], ep(2, "--zero-stage", "1", "--offload-optimizer", "cpu")),
+    (2, [], ep(2, "--zero-stage", "2", "--offload-optimizer", "cpu")),
+    (2, [], ep(2, "--zero-stage", "3", "--offload-params", "cpu", "--offload-optimizer", "cpu")),
     (4, LLAMA, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
                   "2")),
     (4, LLAMA, ep(1, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
@@ -87,7 +89,8 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
     (2, [], ep(2, "--offload-activations", "cpu")),
     (4, ["--num-layers", "4"], ep(2, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
                                   "2")),
-], ids=["zero0", "zero1", "zero2", "zero3", "ep4", "offload-optimizer", "tp2-etp2-ep2", "tp2-etp1-ep1", "top1",
+], ids=["zero0", "zero1", "zero2", "zero3", "ep4", "offload-optimizer", "zero2-offload-optimizer",
+                                                              "zero3-offload-params", "tp2-etp2-ep2", "tp2-etp1-ep1", "top1",
         "top8", "expert-bias", "seq-aux-loss", "group-limited", "capacity-position", "layer-freq", "full-recompute",
         "allgather-ep4", "pp2-zero-bubble", "tp2-sp-selective", "full-block", "offload-activations",
         "pp2-interleaved-ep2"])

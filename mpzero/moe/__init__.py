@@ -13,5 +13,6 @@ from mpzero.moe.routing import (Routing, aux_loss_scores, capacity, drop_to_capa
                                 switch_aux_loss, top_k, z_loss)
 
 __all__ = ["NO_MOE_PLAN", "check_expert_grid", "check_moe", "parse_moe_layer_freq", "DISPATCHERS", "GroupedExperts",
-           "experts_impl", "MoELayer", "MoESettings", "MoEMetrics", "moe_log", "moe_metrics", "training_iteration", "TopKRouter", "expert_biases", "restore_expert_biases", "Routing", "aux_loss_scores",
-           "capacity", "drop_to_capacity", "routed_counts", "seq_aux_loss", "switch_aux_loss", "top_k", "z_loss"]
+           "experts_impl", "MoELayer", "MoESettings", "MoEMetrics", "moe_log", "moe_metrics", "training_iteration",
+           "TopKRouter", "expert_biases", "restore_expert_biases", "Routing", "aux_loss_scores", "capacity",
+           "drop_to_capacity", "routed_counts", "seq_aux_loss", "switch_aux_loss", "top_k", "z_loss"]

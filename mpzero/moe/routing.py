@@ -103,7 +103,8 @@ def routed_counts(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.long).scatter(1, torch.topk(scores, k, dim=1).indices, 1).sum(0)
 
 
-def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, total_tokens: int, k: int, coeff: float) -> torch.Tensor:
+def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, total_tokens: int, k: int,
+                    coeff: float) -> torch.Tensor:
     """E coeff / (k T^2) x sum_i (sum_t p_ti) c_i (module docstring); `total_tokens` T counts every rank's."""
     num_experts = scores.shape[-1]
     return (scores.sum(dim=0) * counts).sum() * (num_experts * coeff / (k * total_tokens * total_tokens))

@@ -15,7 +15,7 @@ the whole is bucket b - offset of the family holding it (`locate`); the front's 
 one stage's.
 
 A model without expert parameters has one family, and the optimizer uses its stage as it is: the path of every
-run before families existed, unchanged.
+run before families existed, unchanged. `make_stage` is the optimizer's one call: the stage, or the families'.
 """
 
 from __future__ import annotations
@@ -26,10 +26,16 @@ import torch
 from torch import nn
 
 from mpzero.comm import CommGroup
+from mpzero.deferred_init import is_deferred
+from mpzero.errors import ConfigError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_expert
-from mpzero.zero.construction import InitialSlices
+from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
+from mpzero.zero.construction import ConstructionMeters, InitialSlices
+from mpzero.zero.meter import TransientMeter
+from mpzero.zero.stage3 import Stage3, expert_units
 from mpzero.zero.stage_base import ZeroStage
+from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 
 
@@ -187,3 +193,42 @@ class StageFamilies(ZeroStage):
     def close(self) -> None:
         for stage in self.stages:
             stage.close()
+
+
+def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
+               precision: PrecisionConfig, units, offload: OffloadConfig, directory: str | None) -> ZeroStage:
+    """The stage over `groups.dp`, or with expert parameters one stage per family (families.py)."""
+    families = parameter_families(named_params, groups)
+    if units is not None and zero.stage != 3:
+        raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
+    if len(families) == 1 and families[0].name == "dense":
+        return _family_stage(model, families[0], zero, precision, units, offload, directory, groups)
+    if offload.params == "disk" or offload.grads_tier(zero.stage) == "disk":
+        raise ConfigError("expert parameters are partitioned apart from the dense ones, and the disk tier keeps one "
+                          "file per rank for parameters and gradients: offload them to cpu, or keep "
+                          "--offload-optimizer disk at --zero-stage 1")
+    meters = (TransientMeter(), ConstructionMeters())
+    stages = []
+    for family in families:
+        family_units = expert_units(model) if family.name == "expert" else units
+        stages.append(_family_stage(model, family, zero, precision, family_units, offload, directory, groups, meters))
+    return StageFamilies(stages)
+
+
+def _family_stage(model, family: Family, zero: ZeroConfig, precision: PrecisionConfig, units, offload: OffloadConfig,
+                  directory, groups: ParallelGroups, meters=None) -> ZeroStage:
+    first = family.named_params[0][1]
+    device = groups.device if is_deferred(first) else first.device  # a deferred model is made on the run's device
+    divisor = None if family.divisor == family.group.size else family.divisor
+    if zero.stage == 3:
+        return Stage3(model, family.named_params, family.group, precision, zero, device, units, offload=offload,
+                      directory=directory, divisor=divisor, meters=meters)
+    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](family.named_params, family.group, precision, zero, device,
+                                                         offload, directory, divisor=divisor, meters=meters)
+
+
+def families_by_bucket(stage: ZeroStage, families: list[Family]) -> list[Family]:
+    """The family of each of the stage's buckets, in order (`make_stage`'s stage: one per family, or the only
+    family's own)."""
+    stages = stage.stages if isinstance(stage, StageFamilies) else [stage]
+    return [family for family, one in zip(families, stages) for _ in one.layouts]

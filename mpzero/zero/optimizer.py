@@ -45,9 +45,9 @@ from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.construction import ConstructionMeters, construction_working_set
+from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
-from mpzero.zero.families import Family, StageFamilies, parameter_families
+from mpzero.zero.families import families_by_bucket, make_stage, parameter_families
 from mpzero.zero.device_step import DeviceStep, launch_step, steps_on_device
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
@@ -56,10 +56,6 @@ from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared,
 from mpzero.zero.reports import OptimizerReports
 from mpzero.zero.step_grads import FileGrads, Fp32Buckets
 from mpzero.zero.scaler import make_loss_scaler
-from mpzero.zero.meter import TransientMeter
-from mpzero.zero.stage3 import Stage3, expert_units
-from mpzero.zero.stage_base import ZeroStage
-from mpzero.zero.stages import Stage0, Stage1, Stage2
 from mpzero.zero.state import consolidated_weights
 
 if TYPE_CHECKING:
@@ -78,38 +74,6 @@ class GradientCheck:
     """What a step reads from the device, in one copy (`ZeroOptimizer.check_gradients`)."""
     norm: float  # global norm before clipping; inf or nan when any rank's gradients overflowed
     read_with: tuple[float, ...]  # the caller's scalars, in the order given
-
-
-def make_stage(model: nn.Module, named_params, groups: ParallelGroups, zero: ZeroConfig,
-               precision: PrecisionConfig, units, offload: OffloadConfig, directory: str | None) -> ZeroStage:
-    """The stage over `groups.dp`, or with expert parameters one stage per family (families.py)."""
-    families = parameter_families(named_params, groups)
-    if units is not None and zero.stage != 3:
-        raise ConfigError(f"units are a ZeRO stage 3 setting, but --zero-stage is {zero.stage}: drop them")
-    if len(families) == 1 and families[0].name == "dense":
-        return _family_stage(model, families[0], zero, precision, units, offload, directory, groups)
-    if offload.params == "disk" or offload.grads_tier(zero.stage) == "disk":
-        raise ConfigError("expert parameters are partitioned apart from the dense ones, and the disk tier keeps one "
-                          "file per rank for parameters and gradients: offload them to cpu, or keep "
-                          "--offload-optimizer disk at --zero-stage 1")
-    meters = (TransientMeter(), ConstructionMeters())
-    stages = []
-    for family in families:
-        family_units = expert_units(model) if family.name == "expert" else units
-        stages.append(_family_stage(model, family, zero, precision, family_units, offload, directory, groups, meters))
-    return StageFamilies(stages)
-
-
-def _family_stage(model, family: Family, zero: ZeroConfig, precision: PrecisionConfig, units, offload: OffloadConfig,
-                  directory, groups: ParallelGroups, meters=None) -> ZeroStage:
-    first = family.named_params[0][1]
-    device = groups.device if is_deferred(first) else first.device  # a deferred model is made on the run's device
-    divisor = None if family.divisor == family.group.size else family.divisor
-    if zero.stage == 3:
-        return Stage3(model, family.named_params, family.group, precision, zero, device, units, offload=offload,
-                      directory=directory, divisor=divisor, meters=meters)
-    return {0: Stage0, 1: Stage1, 2: Stage2}[zero.stage](family.named_params, family.group, precision, zero, device,
-                                                         offload, directory, divisor=divisor, meters=meters)
 
 
 class ZeroOptimizer(OptimizerReports):
@@ -164,11 +128,10 @@ class ZeroOptimizer(OptimizerReports):
         self.stage.write_gradients_together(set(getattr(model, "compiled_backward_parameters", lambda: ())()))
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self.families = parameter_families(named, groups)  # dense over DP x CP; expert over expert-DP
-        self._bucket_groups = [family.group for family, stage in zip(self.families, self._family_stages())
-                               for _ in stage.layouts]
+        by_bucket = families_by_bucket(self.stage, self.families)
+        self._bucket_groups = [family.group for family in by_bucket]
         self._norm_runs = norm_runs(self.stage.layouts, self.placements, groups.tp_rank, groups.dp_rank,
-                                    [(family.tp.rank, family.group.rank) for family, stage in
-                                     zip(self.families, self._family_stages()) for _ in stage.layouts])
+                                    [(family.tp.rank, family.group.rank) for family in by_bucket])
         self._tied_buckets = [b for b, layout in enumerate(self.stage.layouts)
                               if any(is_pipeline_tied(param) for param in layout.params)]
         if self._tied_buckets and self.stage.gradient_file is not None:
@@ -187,10 +150,6 @@ class ZeroOptimizer(OptimizerReports):
         self._halted = None  # launch_step: a device flag, set for good once a launched step met a non-finite value
         self.step_fp32_peak = 0  # the most fp32 gradient bytes a step held at once (low-precision gradients)
         self._start_counting()
-
-    def _family_stages(self) -> list[ZeroStage]:
-        """Each family's stage (families.py), in the order of `self.families`."""
-        return self.stage.stages if isinstance(self.stage, StageFamilies) else [self.stage]
 
     def _make_masters(self, offload: OffloadConfig, directory: OffloadDirectory | None) -> MasterStore:
         """The master store, taking the stage's starting values one bucket at a time as the stage makes them
