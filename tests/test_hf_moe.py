@@ -7,7 +7,8 @@ hf_qwen3_moe.py) against the real transformers classes, built here from configs 
     --qk-layernorm, a dense first layer and --moe-router-pre-softmax exports to Qwen3MoeForCausalLM the same way;
   - a randomly initialized local Mixtral and Qwen3-MoE (q/k norms, a dense first layer, top-k not renormalised)
     import with HF's logits and routing at those layouts and at TP 2 x EP 2 with each expert split over TP,
-    greedy generation equal (TP 2 x EP 2), and export back to HF's own tensors;
+    greedy generation equal (TP 2 x EP 2), export back to HF's own tensors, and train on with the flags the import
+    prints at EP 1 and EP 2 with the same losses;
   - what HF cannot compute, or mpzero cannot, is one line."""
 
 import contextlib
@@ -15,6 +16,7 @@ import io
 import json
 import os
 import runpy
+import shlex
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from mpzero.models import GPTModel
 from mpzero.moe import MoELayer, restore_expert_biases, top_k
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import gather_from_tp
-from tests.cli import quiet_main, tool_result
+from tests.cli import assert_close_lists, main_capturing_stdout, quiet_main, tool_result
 from tests.distributed import run_ranks
 from tests.test_llama import LLAMA
 from tests.trained_gpt import TOOLS
@@ -41,6 +43,9 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 LAYOUTS = [(1, 1, None), (1, 2, None), (2, 2, 1)]  # (TP, EP, expert-TP): worlds of 1, 2 and 2 ranks
 EXPERT_TP = (2, 2, None)  # each expert split over TP (the default expert-TP): a world of 4
 WORLD = {(1, 1, None): 1, (1, 2, None): 2, (2, 2, 1): 2, EXPERT_TP: 4}
+FINETUNE = ["--seq-length", "16", "--mock-data", "--vocab-size", "300", "--micro-batch-size", "2", "--lr", "1e-3",
+            "--global-batch-size", "8", "--train-iters", "2", "--eval-iters", "0", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--log-interval", "1"]
 
 
 def _quiet(fn, argv):
@@ -216,8 +221,15 @@ def test_a_random_hf_moe_imports_with_its_logits_routing_and_greedy_tokens(tmp_p
     source, checkpoint, again = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "again")
     model = _random_hf(kind, source)
     assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))
-    assert _quiet(import_main, ["--input", source, "--save", checkpoint]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert import_main(["--input", source, "--save", checkpoint]) == 0
     _check_against_hf(checkpoint, _hf_run(model, IDS), (*LAYOUTS, EXPERT_TP))
+    flags = shlex.split(printed.getvalue().split("--finetune ", 1)[1].split("--seq-length N")[0])  # as printed
+    run = flags + FINETUNE + ["--load", checkpoint, "--finetune"]  # trains on from it at EP 1 and EP 2 alike
+    ep1, ep2 = (run_ranks(n, main_capturing_stdout, run + ["--expert-model-parallel-size", str(n)])[0][0]["losses"]
+                for n in (1, 2))
+    assert len(ep1) == 2 and assert_close_lists(ep2, ep1) is None
     prompts = [IDS[:5], IDS[3:12]]
     cached = run_ranks(2, _mpzero_greedy, checkpoint, prompts, 8)[0]
     assert cached == _hf_greedy(model, prompts, 8)
