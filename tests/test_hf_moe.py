@@ -1,15 +1,14 @@
 """tools/export_hf.py and tools/import_hf.py for mixtures of experts (mpzero/inference/hf_moe.py, hf_mixtral.py,
 hf_qwen3_moe.py) against the real transformers classes, built here from configs (nothing downloaded):
-  - a LLaMA with MoE layers trained at EP 2 exports, sharded, to a directory MixtralForCausalLM loads with no
-    missing or unexpected key, the per-expert names of the hub's files in it; its logits are mpzero's within 1e-4
-    (fp32, the issue's bound) and every layer routes every token to the same experts, at TP 1 x EP 1, EP 2 and
-    TP 2 x EP 2 (expert-TP 1); tools/generate.py at EP 2 and TP 2 x EP 2 generates HF's greedy tokens; one with
-    --qk-layernorm, a dense first layer and --moe-router-pre-softmax exports to Qwen3MoeForCausalLM the same way;
+  - a LLaMA with MoE layers trained at EP 2 exports, sharded, with the hub's per-expert names, to a directory
+    MixtralForCausalLM loads with no missing or unexpected key; logits within 1e-4 (fp32, the issue's bound) and
+    the same experts chosen at TP 1 x EP 1, EP 2 and TP 2 x EP 2 (expert-TP 1); tools/generate.py at EP 2 and TP 2 x
+    EP 2 gives HF's greedy tokens; with --qk-layernorm, a dense layer and --moe-router-pre-softmax: Qwen3-MoE;
   - a randomly initialized local Mixtral and Qwen3-MoE (q/k norms, a dense first layer, top-k not renormalised)
     import with HF's logits and routing at those layouts and at TP 2 x EP 2 with each expert split over TP,
     greedy generation equal (TP 2 x EP 2), export back to HF's own tensors, and train on with the flags the import
     prints at EP 1 and EP 2 with the same losses;
-  - what HF cannot compute, or mpzero cannot, is one line."""
+  - transformers 5's in-memory fused expert names import too; what HF cannot compute, or mpzero cannot, is one line."""
 
 import contextlib
 import io
@@ -17,6 +16,7 @@ import json
 import os
 import runpy
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -48,8 +48,8 @@ FINETUNE = ["--seq-length", "16", "--mock-data", "--vocab-size", "300", "--micro
             "--attention-dropout", "0", "--log-interval", "1"]
 
 
-def _quiet(fn, argv):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+def _quiet(fn, argv, stdout=None):
+    with contextlib.redirect_stdout(stdout or io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return fn(argv)
 
 
@@ -173,10 +173,10 @@ def test_generate_at_tp_x_ep_gives_hf_greedy_tokens(trained):
         assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def _greedy_with_biases(checkpoint, prompts, new_tokens):
-    """Greedy tokens of the checkpoint at TP 1 x EP 1 with its routers' expert biases, and those biases."""
-    model, _ = _mpzero_model(checkpoint, 1, 1, None)
-    biases = read_consolidated(checkpoint, None)["meta"]["moe_expert_bias"]
+def _mpzero_greedy(checkpoint, prompts, new_tokens, tp=1, ep=1, etp=None):
+    """Greedy tokens of the checkpoint at TP x EP (x expert-TP), its routers' expert biases restored, and those."""
+    model, _ = _mpzero_model(checkpoint, tp, ep, etp)
+    biases = read_consolidated(checkpoint, None)["meta"].get("moe_expert_bias", {})
     restore_expert_biases(model, biases, checkpoint)
     sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True, stop_at_eod=False)
     return generate(model, prompts, sampling, eod=0), biases
@@ -190,7 +190,7 @@ def test_generate_routes_with_the_trained_expert_bias_at_any_ep(tmp_path):
                                             "--moe-router-bias-update-rate", "0.05", "--expert-model-parallel-size",
                                             "2", "--train-iters", "3", "--eval-iters", "0", "--save", checkpoint])
     prompts = [IDS[:5], IDS[3:12]]
-    expected, biases = run_ranks(1, _greedy_with_biases, checkpoint, prompts, 6)[0]
+    expected, biases = run_ranks(1, _mpzero_greedy, checkpoint, prompts, 6)[0]
     assert biases and all(any(b != 0 for b in bias) for bias in biases.values()), biases
     argv = ["--load", checkpoint, "--greedy", "--max-new-tokens", "6", "--ignore-eod", "--tensor-model-parallel-size",
             "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
@@ -222,8 +222,7 @@ def test_a_random_hf_moe_imports_with_its_logits_routing_and_greedy_tokens(tmp_p
     model = _random_hf(kind, source)
     assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-        assert import_main(["--input", source, "--save", checkpoint]) == 0
+    assert _quiet(import_main, ["--input", source, "--save", checkpoint], printed) == 0
     _check_against_hf(checkpoint, _hf_run(model, IDS), (*LAYOUTS, EXPERT_TP))
     flags = shlex.split(printed.getvalue().split("--finetune ", 1)[1].split("--seq-length N")[0])  # as printed
     run = flags + FINETUNE + ["--load", checkpoint, "--finetune"]  # trains on from it at EP 1 and EP 2 alike
@@ -231,17 +230,10 @@ def test_a_random_hf_moe_imports_with_its_logits_routing_and_greedy_tokens(tmp_p
                 for n in (1, 2))
     assert len(ep1) == 2 and assert_close_lists(ep2, ep1) is None
     prompts = [IDS[:5], IDS[3:12]]
-    cached = run_ranks(2, _mpzero_greedy, checkpoint, prompts, 8)[0]
-    assert cached == _hf_greedy(model, prompts, 8)
+    assert run_ranks(2, _mpzero_greedy, checkpoint, prompts, 8, 2, 2, 1)[0][0] == _hf_greedy(model, prompts, 8)
     assert _quiet(export_main, ["--load", checkpoint, "--output", again]) == 0  # import -> export: HF's tensors
     original, exported = _files(source), _files(again)
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
-
-
-def _mpzero_greedy(checkpoint, prompts, new_tokens):
-    model, _ = _mpzero_model(checkpoint, 2, 2, 1)
-    sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True, stop_at_eod=False)
-    return generate(model, prompts, sampling, eod=0)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -268,24 +260,28 @@ def test_an_hf_moe_mpzero_cannot_compute_is_one_line(tmp_path, change, message):
     ("extra", "holds model.layers.1.block_sparse_moe.experts.4.w1.weight, which a MixtralForCausalLM of its"),
     ("misshapen", "experts.0.w3.weight, model.layers.0.block_sparse_moe.experts.1.w1.weight and 5 more do not have "
                   "the shapes a MixtralForCausalLM of its config.json has (together [4, 48, 32])"),
+    ("fused", None),  # transformers 5's in-memory names (a state_dict() saved as is) import too
 ])
-def test_expert_tensors_missing_extra_or_misshapen_are_one_line(tmp_path, case, message):
+def test_expert_tensors_fused_missing_extra_or_misshapen(tmp_path, case, message):
     source = str(tmp_path / "hf")
-    _random_hf("mixtral", source)
-    state = _files(source)
-    for name in os.listdir(source):
-        if name.endswith(".safetensors") or name.endswith(".index.json"):
-            os.remove(os.path.join(source, name))
+    model = _random_hf("mixtral", source)
+    state = {k: t.detach().contiguous() for k, t in model.state_dict().items()} if case == "fused" else _files(source)
+    shutil.copytree(source, tmp_path / "in", ignore=shutil.ignore_patterns("*.safetensors*"))  # config.json
     expert = "model.layers.{}.block_sparse_moe.experts.{}.{}.weight"
     if case == "missing":
         del state[expert.format(1, 2, "w3")]
     elif case == "extra":
         state[expert.format(1, 4, "w1")] = state[expert.format(1, 0, "w1")].clone()
-    else:
+    elif case == "misshapen":
         state[expert.format(0, 0, "w1")] = state[expert.format(0, 0, "w1")][:-1]
-    save_file(state, os.path.join(source, "model.safetensors"))
-    code, err = tool_result(import_main, ["--input", source, "--save", str(tmp_path / "out")])
-    assert code == 2 and err.count("\n") == 1 and message in err, err
+    save_file(state, str(tmp_path / "in" / "model.safetensors"))
+    code, err = tool_result(import_main, ["--input", str(tmp_path / "in"), "--save", str(tmp_path / "out")])
+    if message is None:
+        weights = read_consolidated(str(tmp_path / "out"), None)["model"]
+        experts = model.model.layers[1].mlp.experts
+        assert code == 0 and torch.equal(weights["layers.1.mlp.experts.weight1"], experts.gate_up_proj.detach())
+    else:
+        assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize("flags, message", [
