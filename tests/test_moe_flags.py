@@ -7,7 +7,7 @@ import pytest
 from mpzero.cli.arguments import parse_args, run_config
 from mpzero.errors import ConfigError
 from mpzero.moe import parse_moe_layer_freq
-from tests.cli import TINY, exit_code_and_stderr
+from tests.cli import TINY, exit_code_and_stderr, tool_result
 from tests.distributed import run_ranks
 
 MOE = ["--num-experts", "4"]
@@ -106,3 +106,9 @@ def test_experts_with_the_disk_tier_for_parameters_or_gradients_is_one_line(tmp_
     code, stderr = run_ranks(1, exit_code_and_stderr, argv)[0]
     assert code == 2 and stderr.count("\n") == 1 and "expert parameters are partitioned apart" in stderr, stderr
     assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_the_planner_refuses_experts_in_one_line():
+    import tools.plan_memory as plan_memory
+    code, stderr = tool_result(plan_memory.main, ["--world-size", "8", "--device-memory", "80"] + TINY + MOE)
+    assert code == 2 and stderr.count("\n") == 1 and "do not count expert parameters yet" in stderr, stderr

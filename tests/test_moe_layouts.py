@@ -84,6 +84,9 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
     (2, [], ep(2, "--recompute-granularity", "full", "--recompute-method", "uniform")),
     (4, LLAMA + SHARED_SIGMOID, ep(4, "--moe-token-dispatcher-type", "allgather")),
     (2, [], ep(1, "--pipeline-model-parallel-size", "2", "--enable-zero-bubble")),
+    (2, ["--moe-router-dtype", "fp64"], ep(2)),
+    (2, ["--moe-grouped-gemm"], ep(2)),
+    (4, LLAMA + SHARED_SIGMOID, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
     (4, LLAMA, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations")),
     (2, [], ep(2, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")),
     (2, [], ep(2, "--offload-activations", "cpu")),
@@ -92,7 +95,8 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
 ], ids=["zero0", "zero1", "zero2", "zero3", "ep4", "offload-optimizer", "zero2-offload-optimizer",
                                                               "zero3-offload-params", "tp2-etp2-ep2", "tp2-etp1-ep1", "top1",
         "top8", "expert-bias", "seq-aux-loss", "group-limited", "capacity-position", "layer-freq", "full-recompute",
-        "allgather-ep4", "pp2-zero-bubble", "tp2-sp-selective", "full-block", "offload-activations",
+        "allgather-ep4", "pp2-zero-bubble", "router-fp64", "grouped-gemm", "tp2-sp-shared",
+        "tp2-sp-selective", "full-block", "offload-activations",
         "pp2-interleaved-ep2"])
 def test_expert_parallel_compositions_match_one_process(world, model, layout):
     _assert_matches_one_process(world, model, layout)
@@ -143,3 +147,10 @@ def test_bf16_experts_match_one_bf16_process_within_rounding():
     reference = _reference(BASE + LLAMA + ["--bf16"])
     history = run_ranks(2, quiet_main, BASE + LLAMA + ["--bf16"] + ep(2))[0]
     assert_close_lists(history["losses"], reference["losses"], rel=1e-2)
+
+
+@pytest.mark.product
+def test_optimizer_states_on_disk_at_ep_2(tmp_path):
+    """--offload-optimizer disk at ZeRO 1: the masters and moments of both families in the rank's one file."""
+    _assert_matches_one_process(2, [], ep(2, "--zero-stage", "1", "--offload-optimizer", "disk", "--offload-path",
+                                         str(tmp_path)))
