@@ -177,7 +177,7 @@ def _gpt2_dir(path, exported, **config):
 
 @pytest.mark.parametrize("case,message", [
     ("empty", "is not a Hugging Face model directory (no config.json)"),
-    ("bert", "has model_type 'bert': only 'gpt2' and 'llama' models import"),
+    ("bert", "has model_type 'bert': only 'gpt2', 'llama', 'mixtral' and 'qwen3_moe' models import"),
     ("relu", "has activation_function 'relu'"),
     ("narrow_mlp", "has n_inner 128"),
     ("missing_tensor", "has no transformer.h.1.mlp.c_proj.bias"),

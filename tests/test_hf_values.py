@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from mpzero.cli.flag_ranges import RANGES
 from mpzero.errors import ConfigError
-from mpzero.inference import hf_gpt2, hf_llama
+from mpzero.inference import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_moe
 from mpzero.inference.hf import ADAPTERS
 from tests.cli import tool_result
 from tests.trained_gpt import TOOLS
@@ -31,7 +31,16 @@ FAMILIES = {"gpt2": (hf_gpt2, hf_gpt2.gpt_config_from_hf, {"model_type": "gpt2",
                                                            "n_head": 4, "n_positions": 64, "vocab_size": 300}),
             "llama": (hf_llama, hf_llama.config_from_hf, {"model_type": "llama", "hidden_size": 32,
                                                           "intermediate_size": 48, "num_hidden_layers": 1,
-                                                          "num_attention_heads": 4, "vocab_size": 300})}
+                                                          "num_attention_heads": 4, "vocab_size": 300}),
+            "mixtral": (hf_mixtral, hf_mixtral.config_from_hf, {"model_type": "mixtral", "hidden_size": 32,
+                                                                "intermediate_size": 48, "num_hidden_layers": 1,
+                                                                "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                                "vocab_size": 300, "num_local_experts": 4,
+                                                                "num_experts_per_tok": 2}),
+            "qwen3_moe": (hf_qwen3_moe, hf_qwen3_moe.config_from_hf, {
+                "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "num_experts": 4,
+                "moe_intermediate_size": 24, "num_experts_per_tok": 2})}
 assert {name: module.HF_FLAGS for name, (module, _, _) in FAMILIES.items()} == {
     name: adapter.hf_flags for name, adapter in ADAPTERS.items()}, "every adapter is tested here"
 

@@ -1,13 +1,17 @@
-"""Export an mpzero checkpoint (any TP x DP x ZeRO layout) as a Hugging Face GPT-2 or Llama directory.
+"""Export an mpzero checkpoint (any TP x DP x ZeRO x EP layout) as a Hugging Face GPT-2, Llama or MoE directory.
 
     python tools/export_hf.py --load checkpoints/quickstart --output hf/kjv
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/kjv')"
 
 A LLaMA-family checkpoint (RMSNorm, SwiGLU, RoPE; mpzero.inference.hf_llama) becomes a LlamaForCausalLM directory
-(config.json with num_key_value_heads, rope_theta, rms_norm_eps, tie_word_embeddings, intermediate_size).
+(config.json with num_key_value_heads, rope_theta, rms_norm_eps, tie_word_embeddings, intermediate_size); one with
+mixture-of-experts layers a MixtralForCausalLM directory (mpzero.inference.hf_mixtral), or with --qk-layernorm too a
+Qwen3MoeForCausalLM one (hf_qwen3_moe), the experts under the per-expert names of the hub's files
+(`block_sparse_moe.experts.E.w1/w2/w3`, `mlp.experts.E.gate_proj/up_proj/down_proj`).
 
 Writes config.json (every architecture choice that changes the logits: activation, LayerNorm epsilon, tied or
-untied output weights, the real vocabulary without its padding), model.safetensors, generation_config.json,
+untied output weights, the real vocabulary without its padding), model.safetensors (or, past --max-shard-size,
+model-0000i-of-0000N.safetensors and model.safetensors.index.json, as save_pretrained shards), generation_config.json,
 the tokenizer (GPT-2 BPE: vocab.json, merges.txt and tokenizer_config.json, loadable with AutoTokenizer;
 HuggingFaceTokenizer: tokenizer.json and tokenizer_config.json, the same;
 SentencePiece: sentencepiece.model) and README.md saying where it came from and how to load the tokenizer.
@@ -35,6 +39,7 @@ from mpzero.files import (check_parents_creatable, copy_atomically, directory_be
                           replace_output_directory, write_atomically)
 from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
 from mpzero.inference.hf import ADAPTERS, adapter_for_config
+from mpzero.inference.hf_shards import INDEX, SHARD_NAME, index, parse_size, shards
 from mpzero.checkpointing.consolidated import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
@@ -42,14 +47,15 @@ README_TITLES = {adapter.title for adapter in ADAPTERS.values()}
 # every file an export writes (the tokenizer's depend on the run's): --overwrite replaces only a directory of these
 EXPORTED_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "README.md", "vocab.json",
                             "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "sentencepiece.model",
-                            "tokenizer.json"})
+                            "tokenizer.json", INDEX})
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 
 
 def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", overwrite: bool = False,
-           tokenizer_overrides: dict | None = None) -> str:
+           tokenizer_overrides: dict | None = None, max_shard_size: str = "5GB") -> str:
     """Writes the HF directory `output`; returns the line to print. Everything is checked before writing."""
     serialize = _safetensors_writer()
+    shard_bytes = parse_size(max_shard_size)
     _check_output(output, overwrite, load)
     directory, iteration = resolve_iteration(load, iteration)
     meta = read_meta_file(directory, previous_advice(load, iteration))
@@ -68,7 +74,11 @@ def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", o
     tmp = directory_beside(output)  # a fresh name: never a directory of the user's
     try:
         # the bytes in memory, then through mpzero's writer (safetensors' own save_file opens the name itself)
-        write_atomically(os.path.join(tmp, "model.safetensors"), serialize(state, metadata={"format": "pt"}))
+        files = shards(state, shard_bytes)
+        for name, tensors in files:
+            write_atomically(os.path.join(tmp, name), serialize(tensors, metadata={"format": "pt"}))
+        if index(files) is not None:
+            _write_json(tmp, INDEX, index(files))
         _write_json(tmp, "config.json", adapter.hf_config(config, flags, eod, dtype_name))
         _write_json(tmp, "generation_config.json", {"bos_token_id": eod, "eos_token_id": eod})
         note = _write_tokenizer(tmp, output, run_tok, tokenizer, config.max_position_embeddings)
@@ -101,7 +111,9 @@ def _check_output(output: str, overwrite: bool, load: str) -> None:
 
 def _not_an_export(output: str) -> str | None:
     """What shows that `output` is not a directory this tool wrote, or None."""
-    foreign = foreign_files(output, EXPORTED_FILES)
+    shard_files = {name for name in os.listdir(output) if SHARD_NAME.match(name)} if os.path.isdir(output) else set()
+    names = EXPORTED_FILES | shard_files
+    foreign = foreign_files(output, frozenset(names))
     if foreign:
         return foreign
     try:
@@ -176,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path("dir", exists=False, writable=True), required=True,
                    help="the Hugging Face model directory to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="of the stored weights (default fp32)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="the largest safetensors file (as save_pretrained: 5GB, 500MB); larger models are sharded")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output, if it is an earlier export (nothing else is ever replaced)")
     add_tokenizer_flags(p, "default: the run's (meta.json)")
@@ -183,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
     with single_process():  # no process group here: DCP's warning about that says nothing
         return exit_code(lambda: print(export(args.load, args.iteration, args.output, args.dtype, args.overwrite,
-                                              overrides), flush=True), INPUT_ERRORS)
+                                              overrides, args.max_shard_size), flush=True), INPUT_ERRORS)
 
 
 if __name__ == "__main__":

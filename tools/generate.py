@@ -1,4 +1,4 @@
-"""Generate text from an mpzero checkpoint at any TP size, with a KV cache.
+"""Generate text from an mpzero checkpoint at any TP (x EP) size, with a KV cache.
 
     python tools/generate.py --load checkpoints/quickstart --prompt "In the beginning" --max-new-tokens 40
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT --tensor-model-parallel-size 2 \
@@ -14,6 +14,9 @@ Output (rank 0): each prompt followed by its continuation and a blank line, or w
 {"prompt", "text", "tokens", "stop"} line per prompt (stop: end_of_document, max_new_tokens or
 max_position_embeddings); --output FILE writes it there, complete or not at all.
 Under torchrun the world is the TP group: its ranks each hold their heads and vocabulary shard and draw the
+same tokens. A mixture of experts also splits its experts over --expert-model-parallel-size ranks (each expert
+over --expert-tensor-parallel-size, default the TP size), folded over TP x DP as in training: the world is then TP
+x DP with DP = EP x expert-TP / gcd(EP x expert-TP, TP) (EP at the default expert-TP), every rank generating the
 same tokens. Everything (checkpoint, tokenizer, prompt lengths) is checked before any output: a problem is one
 `error:` line and exit code 2.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import sys
 
@@ -39,6 +43,7 @@ from mpzero.launcher_env import launcher_env
 from mpzero.inference import (SamplingConfig, check_gpt_weights, generate, gpt_config_from_meta,
                               load_full_weights, run_tokenizer)
 from mpzero.models import family_of
+from mpzero.moe import check_expert_grid, restore_expert_biases
 from mpzero.parallel import init_parallel
 from mpzero.checkpointing.consolidated import read_consolidated
 
@@ -65,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eod", action="store_true", help="go on past end-of-document")
     p.add_argument("--batch-size", type=Number(int, low=1), default=8, help="prompts generated together")
     p.add_argument("--tensor-model-parallel-size", type=Number(int, low=1), default=None,
-                   help="default: the world size")
+                   help="default: the world size / --expert-model-parallel-size")
+    p.add_argument("--expert-model-parallel-size", type=Number(int, low=1), default=1,
+                   help="ranks a mixture of experts' experts are split over")
+    p.add_argument("--expert-tensor-parallel-size", type=Number(int, low=1), default=None,
+                   help="ranks each expert is split over (default: the TP size)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole prefix at every step")
     p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
@@ -85,19 +94,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print_error(error)
         raise SystemExit(2) from None
     world_size = dist.get_world_size() if dist.is_initialized() else env.world_size
-    tp_size = args.tensor_model_parallel_size or world_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    tp_size = args.tensor_model_parallel_size or max(world_size // ep, 1)
     try:
-        if tp_size != world_size:
-            _fail(f"--tensor-model-parallel-size {tp_size} must equal the number of processes {world_size}: "
-                  f"generation runs one TP group")
-        groups = init_parallel(tp_size)
+        groups = _groups(tp_size, ep, etp, world_size)
         with single_process():
-            prepared, error = groups.world.run_agreed(lambda: _prepare(args), (ConfigError, OSError))
+            prepared, error = groups.world.run_agreed(lambda: _prepare(args, groups.ep.size, groups.expert_tp.size),
+                                                      (ConfigError, OSError))
         if error:
             _fail(error)
-        config, weights, tokenizer, prompts = prepared
-        model = family_of(config).build(config, groups.tp, device=groups.device)
+        config, (weights, biases, directory), tokenizer, prompts = prepared
+        model = family_of(config).build(config, groups.tp, device=groups.device, ep=groups.ep,
+                                        expert_tp=groups.expert_tp)
         load_full_weights(model, weights)
+        restore_expert_biases(model, biases, directory)  # aux-loss-free balancing steers the choice: the trained one
         model.to(DTYPES[args.dtype]).eval()
         del weights
         results = _generate_all(model, tokenizer, prompts, _sampling(args), not args.no_kv_cache, args.batch_size)
@@ -107,6 +117,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _groups(tp: int, ep: int, etp: int | None, world_size: int):
+    """The TP group times the fewest data-parallel ranks that fold the EP x expert-TP grid over TP x DP (every
+    rank generates the same tokens); a world of another size, or an expert-TP other than 1 or TP, is one line."""
+    experts = ep * (etp or tp)
+    needed = tp * (experts // math.gcd(experts, tp))
+    if needed != world_size:
+        what = f"--tensor-model-parallel-size {tp}" + (
+            "" if needed == tp else f" x {needed // tp} data-parallel ranks of the expert grid "
+                                    f"(--expert-model-parallel-size {ep})")
+        _fail(f"{what} must equal the number of processes {world_size}: generation runs one TP group (times the "
+              f"ranks an expert grid folds over)")
+    if etp not in (None, 1, tp):
+        _fail(f"--expert-tensor-parallel-size {etp} must be 1 or the TP size {tp}: the experts are split over the TP "
+              f"group itself or not at all")
+    return init_parallel(tp, ep_size=ep, etp_size=etp)
 
 
 def _fail(message: str) -> None:
@@ -121,8 +148,9 @@ def _sampling(args) -> SamplingConfig:
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eod=not args.ignore_eod)
 
 
-def _prepare(args):
-    """(model config, full weights, tokenizer, [(prompt text, ids)]), every input checked."""
+def _prepare(args, ep_size: int, etp_size: int):
+    """(model config, (full weights, the routers' expert biases, the checkpoint), tokenizer, [(prompt text, ids)]),
+    every input checked."""
     _sampling(args).validate()
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -134,6 +162,7 @@ def _prepare(args):
     directory, iteration = resolve_iteration(args.load, args.iteration)
     meta = read_meta_file(directory, previous_advice(args.load, iteration))
     config = gpt_config_from_meta(meta, directory)
+    check_expert_grid(config, ep_size, etp_size)
     overrides = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
     tokenizer = run_tokenizer(meta.get("config") or {}, args.load, overrides).build(config.vocab_size, meta,
                                                                                      directory)
@@ -153,7 +182,11 @@ def _prepare(args):
         prompts.append((text, ids))
     weights = read_consolidated(args.load, iteration)["model"]
     check_gpt_weights(weights, config, directory)
-    return config, weights, tokenizer, prompts
+    biases = meta.get("moe_expert_bias") or {}
+    if config.moe_router_enable_expert_bias and not biases:
+        raise ConfigError(f"checkpoint {directory} holds no expert bias (--moe-router-enable-expert-bias): its "
+                          f"routing cannot be reproduced")
+    return config, (weights, biases, directory), tokenizer, prompts
 
 
 def _read_prompts(args) -> list[str]:

@@ -1,4 +1,4 @@
-"""Import a local Hugging Face GPT-2 or Llama directory (saved by `save_pretrained`) as an mpzero checkpoint.
+"""Import a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory (`save_pretrained`) as an mpzero checkpoint.
 
     python tools/import_hf.py --input hf/gpt2 --save checkpoints/gpt2
     torchrun --nproc_per_node 4 pretrain_gpt.py --load checkpoints/gpt2 --finetune --save checkpoints/ft \
@@ -10,7 +10,9 @@ from-consolidated does) whose meta.json states the model, so `--load ... --finet
 TP x DP x ZeRO layout with the same logits, and tools/generate.py and tools/export_hf.py read it. The tokenizer
 files (vocab.json + merges.txt, or sentencepiece.model) are copied to SAVE/tokenizer/ and recorded. A model
 mpzero's GPT cannot compute (another model type, activation, MLP width, attention scaling) or a directory that
-is not a GPT-2 or Llama model is one `error:` line and exit code 2; --save appears complete or not at all.
+is not a GPT-2, Llama, Mixtral or Qwen3-MoE model is one `error:` line and exit code 2; --save appears complete
+or not at all. A mixture of experts' files hold one tensor per expert (the hub's names; transformers 5 converts
+them on load and save, mpzero.inference.hf_moe), and its checkpoint then trains and generates at any TP x EP.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def _tokenizer(input_dir: str, vocab_size: int, save: str) -> tuple[list[str], d
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--input", type=Path("dir"), required=True,
-                   help="a local Hugging Face GPT-2 or Llama directory (save_pretrained)")
+                   help="a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory (save_pretrained)")
     p.add_argument("--save", type=Path("dir", exists=False, writable=True), required=True,
                    help="a new directory for the mpzero checkpoint")
     args = p.parse_args(argv)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from mpzero.activations.outside import embedding_terms, head_terms, kept_chunk_tokens, outside_terms
+from mpzero.activations.qk_norm import qk_norm_terms, regrouped, regrouped_q_kept
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, Term,
                                         check_setting)
 from mpzero.activations.setting import GRANULARITIES, METHODS  # noqa: F401  (re-exported)
@@ -269,6 +270,8 @@ def _named_terms(st: ActivationSetting, core: bool) -> list[Term]:
     if e < 4:
         copies = 4 if ln_torch and not st.rms_norm else 2  # weight and bias (LayerNorm reference) or weight only
         terms.append(Term(f"{norm} fp32 parameter copies", f"{4 * copies}h", 4 * copies * h))
+    if core:
+        terms += qk_norm_terms(st, st.flash_attention, _a2a(st))
     if core and st.flash_attention:
         terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
         if _a2a(st) > 1:
@@ -302,7 +305,7 @@ def _attention_inputs(st: ActivationSetting, core: bool, flash: bool) -> Fractio
         return 1 + 2 * r
     if not flash:
         return Fraction(3)
-    q_copy = 1 if st.rotary or (groups != a and groups // (t * _a2a(st)) > 1) else 0
+    q_copy = 1 if st.rotary or (regrouped(st, _a2a(st)) and regrouped_q_kept(st)) else 0
     return 1 + 2 * r + q_copy + (r if st.rotary else 0)
 
 

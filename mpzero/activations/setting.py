@@ -53,6 +53,7 @@ class ActivationSetting:
     rms_norm: bool = False  # RMSNorm instead of LayerNorm
     swiglu: bool = False  # the gated MLP: [gate; up] output 2f, SiLU output f, down-projection input f
     rotary: bool = False  # RoPE: rotated copies of q and k
+    qk_layernorm: bool = False  # --qk-layernorm: what the q and k norms keep (activations/qk_norm.py)
     learned_positions: bool = True  # position ids kept by the learned position embedding
     cp: int = 1  # context-parallel ranks (mpzero.context_parallel); the sequence is cp x seq_length tokens
     cp_comm_type: str = "p2p"  # with cp > 1: p2p and all_gather keep what flash keeps; a2a runs its core on a/cp

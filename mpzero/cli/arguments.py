@@ -371,12 +371,13 @@ def _config_path(value: str) -> str:
 
 def check_expert_run(model: GPTConfig, sizes, dtype: str) -> None:
     """The expert grid's flags against the model (mpzero.moe.check_expert_grid) and Megatron's run-level rules."""
+    # a training run's rule (Megatron's); inference (tools/generate.py) runs MoE at TP > 1 on whole sequences
+    if model.num_experts and sizes.tp > 1 and not model.sequence_parallel:
+        raise ConfigError("When using MoE and tensor parallelism, sequence parallelism must be used (Megatron's "
+                          "rule): add --sequence-parallel")
     check_expert_grid(model, sizes.ep, sizes.expert_tp)
     if sizes.ep > 1 and dtype == "fp16":
         raise ConfigError("Expert parallelism is not supported with fp16 training (Megatron's rule): use --bf16")
-    if sizes.ep > 1 and sizes.tp > 1 and not model.sequence_parallel:
-        raise ConfigError("When using expert parallelism and tensor parallelism, sequence parallelism must be used "
-                          "(Megatron's rule): add --sequence-parallel")
     if model.num_experts and sizes.expert_tp not in (1, sizes.tp):
         raise ConfigError(f"--expert-tensor-parallel-size {sizes.expert_tp} must be 1 or the TP size {sizes.tp}: "
                           f"the experts are split over the TP group itself or not at all")

@@ -57,6 +57,8 @@ def gpt_flags(p: argparse.ArgumentParser) -> None:
                        help="key/value heads with --group-query-attention (default 1); divisible by TP")
     model.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                        help="no biases in the attention and MLP linears (LLaMA)")
+    model.add_argument("--qk-layernorm", action="store_true",
+                       help="--normalization over each head's queries and keys before RoPE (Qwen3, OLMo 2)")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=GPTConfig.make_vocab_size_divisible_by)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="an output projection of its own instead of the input embedding's transpose")

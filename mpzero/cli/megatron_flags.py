@@ -83,7 +83,6 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--rotary-interleaved": "RoPE rotates halves (Hugging Face's convention); the interleaved form is " + _NOT_YET,
     "--use-rope-scaling": "RoPE scaling (Llama 3.1) is " + _NOT_YET,
     "--rope-scaling-factor": "RoPE scaling (Llama 3.1) is " + _NOT_YET,
-    "--qk-layernorm": "normalized queries and keys are " + _NOT_YET,
     "--add-qkv-bias": "a bias on QKV alone (Qwen2) is " + _NOT_YET + ": biases are all on or --disable-bias-linear",
     "--squared-relu": "the MLP is GELU (--openai-gelu: tanh) or --swiglu; squared ReLU is " + _NOT_YET,
     "--apply-layernorm-1p": _NOT_YET,

@@ -1,7 +1,9 @@
 """The Hugging Face adapters of mpzero's model families, one record each: GPT-2 (`GPT2LMHeadModel`, hf_gpt2.py) and
 LLaMA (`LlamaForCausalLM`, hf_llama.py), keyed by config.json's model_type, which each family's record names
-(`ModelFamily.hf_model_type`). tools/export_hf.py picks the adapter by the checkpoint's config through its family,
-and tools/import_hf.py by config.json's model_type; neither names a family."""
+(`ModelFamily.hf_model_type`); a LLaMA-family model with mixture-of-experts layers is Mixtral
+(`MixtralForCausalLM`, hf_mixtral.py), or, with --qk-layernorm too, Qwen3-MoE (`Qwen3MoeForCausalLM`,
+hf_qwen3_moe.py). tools/export_hf.py picks the adapter by the checkpoint's config through its family, and
+tools/import_hf.py by config.json's model_type; neither names a family."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.inference import hf_gpt2, hf_llama
+from mpzero.inference import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_moe
 from mpzero.models import GPTConfig, family_of
 
 
@@ -37,7 +39,8 @@ def _check_gpt2(config: GPTConfig) -> None:
     unsupported = [(config.group_query_attention, "grouped-query attention"),
                    (not config.add_bias_linear, "--disable-bias-linear"),
                    (config.ffn_size != 4 * config.hidden_size, f"--ffn-hidden-size {config.ffn_size}"),
-                   (not config.learned_positions, "no learned position embedding")]
+                   (not config.learned_positions, "no learned position embedding"),
+                   (config.qk_layernorm, "--qk-layernorm")]
     for bad, what in unsupported:
         if bad:
             raise ConfigError(f"this model has {what}: GPT2LMHeadModel cannot compute it")
@@ -54,15 +57,32 @@ LLAMA = HFAdapter("llama", "LlamaForCausalLM", "# LLaMA exported from mpzero", h
                   lambda c: (f"{c.query_groups} key/value heads, SwiGLU width {c.ffn_size}, RoPE theta "
                              f"{c.rotary_base:g}, RMSNorm eps {c.layernorm_epsilon:g}"),
                   ("model.embed_tokens.weight",), hf_llama.HF_FLAGS)
-ADAPTERS = {adapter.model_type: adapter for adapter in (GPT2, LLAMA)}
+MIXTRAL = HFAdapter("mixtral", "MixtralForCausalLM", "# Mixtral exported from mpzero", hf_mixtral.config_from_hf,
+                    hf_mixtral.check_exportable, hf_mixtral.to_hf_state_dict, hf_mixtral.from_hf_state_dict,
+                    hf_mixtral.hf_config, hf_mixtral.model_flags, hf_mixtral.command_line, hf_mixtral.describe,
+                    ("model.embed_tokens.weight",), hf_mixtral.HF_FLAGS)
+QWEN3_MOE = HFAdapter("qwen3_moe", "Qwen3MoeForCausalLM", "# Qwen3-MoE exported from mpzero",
+                      hf_qwen3_moe.config_from_hf, hf_qwen3_moe.check_exportable, hf_qwen3_moe.to_hf_state_dict,
+                      hf_qwen3_moe.from_hf_state_dict, hf_qwen3_moe.hf_config, hf_qwen3_moe.model_flags,
+                      hf_qwen3_moe.command_line, hf_qwen3_moe.describe, ("model.embed_tokens.weight",),
+                      hf_qwen3_moe.HF_FLAGS)
+ADAPTERS = {adapter.model_type: adapter for adapter in (GPT2, LLAMA, MIXTRAL, QWEN3_MOE)}
+
+
+def _moe_adapter(config: GPTConfig) -> HFAdapter | None:
+    """A LLaMA-family model with MoE layers: Qwen3-MoE with --qk-layernorm, else Mixtral."""
+    if family_of(config).hf_model_type != "llama":
+        return None
+    return QWEN3_MOE if config.qk_layernorm else MIXTRAL
 
 
 def adapter_for_config(config: GPTConfig) -> HFAdapter:
     """The adapter of this model's family; a model neither HF class computes is one ConfigError line."""
     family = family_of(config)
-    adapter = ADAPTERS.get(family.hf_model_type)
+    adapter = _moe_adapter(config) if config.num_experts else ADAPTERS.get(family.hf_model_type)
     if adapter is None:
-        raise ConfigError(f"the {family.name} family has no Hugging Face class to export to")
+        raise ConfigError(f"the {family.name} family has no Hugging Face class to export to"
+                          + (" with mixture-of-experts layers" if config.num_experts else ""))
     adapter.check_exportable(config)
     return adapter
 
@@ -87,6 +107,7 @@ def adapter_for_hf(hf: dict, source: str) -> HFAdapter:
     model_type = hf.get("model_type")
     adapter = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
     if adapter is None:
-        raise ConfigError(f"{source} has model_type {hf.get('model_type')!r}: only "
-                          f"{' and '.join(repr(k) for k in ADAPTERS)} models import")
+        known = [repr(k) for k in ADAPTERS]
+        raise ConfigError(f"{source} has model_type {hf.get('model_type')!r}: only {', '.join(known[:-1])} and "
+                          f"{known[-1]} models import")
     return adapter

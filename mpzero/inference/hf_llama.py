@@ -41,11 +41,12 @@ HF_FLAGS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermedi
             "max_position_embeddings": "max_position_embeddings", "initializer_range": "init_method_std",
             "rms_norm_eps": "layernorm_epsilon", "attention_dropout": "attention_dropout",
             "pretraining_tp": "tensor_model_parallel_size", "rope_theta": "rotary_base"}
-_OLD_BUFFERS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # older releases saved it
+OLD_BUFFERS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # older releases saved it
 
 
-def name_pairs(config: GPTConfig) -> list[tuple[str, str, str]]:
-    """(mpzero name, HF name, conversion) for every HF tensor; one fused mpzero tensor gives several HF ones."""
+def name_pairs(config: GPTConfig, moe_pairs=None) -> list[tuple[str, str, str]]:
+    """(mpzero name, HF name, conversion) for every HF tensor; one fused mpzero tensor gives several HF ones.
+    `moe_pairs(layer)`: a mixture-of-experts layer's MLP pairs (hf_moe.py), in place of the dense MLP's."""
     pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight", COPY)]
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -53,12 +54,15 @@ def name_pairs(config: GPTConfig) -> list[tuple[str, str, str]]:
                   (ours + "post_attention_layernorm.weight", theirs + "post_attention_layernorm.weight", COPY)]
         kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
         for kind in kinds:
-            pairs += [(f"{ours}attention.qkv.{kind}", f"{theirs}self_attn.{p}_proj.{kind}", part)
-                      for p, part in (("q", Q), ("k", K), ("v", V))]
-            pairs += [(f"{ours}attention.dense.{kind}", f"{theirs}self_attn.o_proj.{kind}", COPY),
-                      (f"{ours}mlp.fc1.{kind}", f"{theirs}mlp.gate_proj.{kind}", GATE),
-                      (f"{ours}mlp.fc1.{kind}", f"{theirs}mlp.up_proj.{kind}", UP),
-                      (f"{ours}mlp.fc2.{kind}", f"{theirs}mlp.down_proj.{kind}", COPY)]
+            pairs += [(f"{ours}attention.qkv.{kind}", f"{theirs}self_attn.{p}_proj.{kind}", which)
+                      for p, which in (("q", Q), ("k", K), ("v", V))]
+            pairs.append((f"{ours}attention.dense.{kind}", f"{theirs}self_attn.o_proj.{kind}", COPY))
+            if not config.is_moe_layer(i):
+                pairs += [(f"{ours}mlp.fc1.{kind}", f"{theirs}mlp.gate_proj.{kind}", GATE),
+                          (f"{ours}mlp.fc1.{kind}", f"{theirs}mlp.up_proj.{kind}", UP),
+                          (f"{ours}mlp.fc2.{kind}", f"{theirs}mlp.down_proj.{kind}", COPY)]
+        if config.is_moe_layer(i):
+            pairs += moe_pairs(i)
     pairs.append(("final_layernorm.weight", "model.norm.weight", COPY))
     if config.untie_embeddings_and_output_weights:
         pairs.append(("output_layer.weight", "lm_head.weight", COPY))
@@ -71,7 +75,7 @@ def _qkv_groups(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     return t.reshape(g, config.num_attention_heads // g + 2, config.head_dim, *t.shape[1:])
 
 
-def _part(t: torch.Tensor, kind: str, config: GPTConfig) -> torch.Tensor:
+def part(t: torch.Tensor, kind: str, config: GPTConfig) -> torch.Tensor:
     """The HF tensor `kind` cut out of mpzero's fused tensor `t`."""
     if kind in (GATE, UP):
         return t.chunk(2, dim=0)[0 if kind == GATE else 1]
@@ -86,11 +90,11 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], config: GPTConfig,
                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """HF LlamaForCausalLM's state dict (as `save_pretrained` stores it) from mpzero's full weights by name."""
     check_exportable(config)
-    return {theirs: _part(weights[ours], kind, config).to(dtype).contiguous().clone()
+    return {theirs: part(weights[ours], kind, config).to(dtype).contiguous().clone()
             for ours, theirs, kind in name_pairs(config)}
 
 
-def _fuse(parts: dict[str, torch.Tensor], config: GPTConfig) -> torch.Tensor:
+def fuse(parts: dict[str, torch.Tensor], config: GPTConfig) -> torch.Tensor:
     """mpzero's fused tensor from its HF parts (q, k, v or gate, up)."""
     if GATE in parts:
         return torch.cat([parts[GATE], parts[UP]], dim=0)
@@ -101,25 +105,33 @@ def _fuse(parts: dict[str, torch.Tensor], config: GPTConfig) -> torch.Tensor:
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
-    """mpzero's full fp32 weights by name from an HF Llama state dict; a missing, unexpected or misshapen tensor
+def _fuse_or_copy(parts: dict, config: GPTConfig) -> torch.Tensor:
+    return parts[COPY] if COPY in parts else fuse(parts, config)
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source: str, pairs=None,
+                       hf_class: str = "LlamaForCausalLM", fuse_parts=_fuse_or_copy) -> dict[str, torch.Tensor]:
+    """mpzero's full fp32 weights by name from an HF Llama state dict (or, with their `pairs` and
+    `fuse_parts(parts, config)`, another LLaMA-like class's: hf_moe.py); a missing, unexpected or misshapen tensor
     is one ConfigError line."""
-    pairs = name_pairs(config)
-    state = hf_gpt2.known_tensors(state, config, pairs, _OLD_BUFFERS, source, "Llama", "LlamaForCausalLM")
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    pairs = pairs or name_pairs(config)
+    family = "Llama" if hf_class == "LlamaForCausalLM" else hf_class
+    state = hf_gpt2.known_tensors(state, config, pairs, OLD_BUFFERS, source, family, hf_class)
+    grouped: dict[str, dict] = {}
     for ours, theirs, kind in pairs:
         if theirs not in state:
-            raise ConfigError(f"{source} has no {theirs}: not a complete LlamaForCausalLM of its config.json")
+            raise ConfigError(f"{source} has no {theirs}: not a complete {hf_class} of its config.json")
         grouped.setdefault(ours, {})[kind] = state[theirs].float()
     shapes, weights = expected_shapes(config), {}
     for ours, parts in grouped.items():
         try:
-            full = parts[COPY] if COPY in parts else _fuse(parts, config)
+            full = fuse_parts(parts, config)
         except RuntimeError:  # a part of another size than its config.json says
             full = None
         if full is None or tuple(full.shape) != shapes[ours]:
             names = [theirs for o, theirs, _ in pairs if o == ours]
-            raise ConfigError(f"{source}: {', '.join(names)} do not have the shapes a Llama of its config.json has "
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ConfigError(f"{source}: {shown} do not have the shapes a {family} of its config.json has "
                               f"(together {list(shapes[ours])})")
         weights[ours] = full.contiguous().clone()
     return weights
@@ -127,6 +139,13 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, source
 
 def check_exportable(config: GPTConfig) -> None:
     """One ConfigError line for a LLaMA-family choice LlamaForCausalLM cannot express."""
+    check_llama_parts(config, "LlamaForCausalLM")
+    if config.qk_layernorm:
+        raise ConfigError("this model has --qk-layernorm: LlamaForCausalLM cannot compute it")
+
+
+def check_llama_parts(config: GPTConfig, hf_class: str) -> None:
+    """One ConfigError line for a choice none of HF's LLaMA-like classes (Llama, Mixtral, Qwen3-MoE) computes."""
     unsupported = [
         (config.normalization != "RMSNorm", f"--normalization {config.normalization} (Llama: RMSNorm)"),
         (not config.swiglu, "a GELU MLP (Llama: --swiglu)"),
@@ -136,13 +155,18 @@ def check_exportable(config: GPTConfig) -> None:
     ]
     for bad, what in unsupported:
         if bad:
-            raise ConfigError(f"this model has {what}: LlamaForCausalLM cannot compute it")
+            raise ConfigError(f"this model has {what}: {hf_class} cannot compute it")
 
 
 def hf_config(config: GPTConfig, flags: dict, eod: int | None, dtype: str = "float32") -> dict:
     """config.json for `LlamaForCausalLM.from_pretrained`: every choice that changes the logits carried over.
     RoPE's theta both ways: `rope_parameters` (transformers v5) and `rope_theta` (v4)."""
     check_exportable(config)
+    return config_json(config, flags, eod, dtype)
+
+
+def config_json(config: GPTConfig, flags: dict, eod: int | None, dtype: str) -> dict:
+    """hf_config's values, unchecked (Mixtral's and Qwen3-MoE's start from them)."""
     theta = float(config.rotary_base)
     return {**HF_DEFAULTS, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,

@@ -21,6 +21,7 @@ from torch import nn
 from mpzero.comm import CommGroup
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig, family_of
+from mpzero.moe import MoELayer
 from mpzero.tensor_parallel import RNGStatesTracker, placements, tp_slice
 
 # The GPTConfig fields a checkpoint must state (meta["architecture"], else the run's flags in meta["config"]).
@@ -28,7 +29,9 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "m
 OPTIONAL = ("layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "init_method_std",
             "make_vocab_size_divisible_by", "normalization", "swiglu", "ffn_hidden_size", "position_embedding_type",
             "add_position_embedding", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
-            "add_bias_linear")
+            "add_bias_linear", "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+            "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
+            "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
 
 
 def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
@@ -41,6 +44,8 @@ def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:
         raise ConfigError(f"checkpoint {directory} does not state its model's --{missing[0].replace('_', '-')} in "
                           f"meta.json: not a GPT checkpoint written by pretrain_gpt.py or tools/import_hf.py")
     known = {name: saved[name] for name in REQUIRED + OPTIONAL if saved.get(name) is not None}
+    if isinstance(known.get("moe_layer_freq"), list):  # a 0/1 pattern, stored as a JSON list
+        known["moe_layer_freq"] = tuple(known["moe_layer_freq"])
     groups = known.get("num_query_groups")  # the architecture record states the groups, not the flag turning them on
     if groups is not None and groups != known["num_attention_heads"]:
         known["group_query_attention"] = True
@@ -75,18 +80,33 @@ def check_gpt_weights(weights: dict[str, torch.Tensor], config: GPTConfig, sourc
 
 
 def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into this TP rank's parameters: sharded ones padded (the vocabulary) and sliced along
-    their partition dimension, replicated ones whole."""
-    tp_size, tp_rank = model.tp.size, model.tp.rank
-    where = placements(model.named_parameters())
+    """Copy full tensors into this rank's parameters: sharded ones padded (the vocabulary) and sliced along
+    their partition dimension, replicated ones whole; an expert stack cut to this expert-parallel rank's experts
+    first, then each expert split over its expert-TP group."""
+    where, grids = placements(model.named_parameters()), _expert_groups(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             full, placement = weights[name].float(), where[name]
+            tp = model.tp
+            if placement.expert:
+                ep, tp = grids[name]
+                local = full.size(0) // ep.size
+                full = full[ep.rank * local:(ep.rank + 1) * local]
             if placement.partition_dim is not None:
                 dim = placement.partition_dim
-                padded = placement.local_shape[dim] * tp_size
+                padded = placement.local_shape[dim] * tp.size
                 if full.size(dim) < padded:  # zero rows past the real vocabulary, as the model starts with
                     pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded - full.size(dim)]
                     full = F.pad(full, pad)
-                full = tp_slice(full, dim, tp_size, tp_rank, placement.chunks)
+                full = tp_slice(full, dim, tp.size, tp.rank, placement.chunks)
             param.copy_(full)
+
+
+def _expert_groups(model: nn.Module) -> dict[str, tuple[CommGroup, CommGroup]]:
+    """{expert parameter name: (its EP group, its expert-TP group)}, from the MoE layers that hold them."""
+    groups = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            for name, _ in module.experts.named_parameters():
+                groups[f"{prefix}.experts.{name}"] = (module.ep, module.etp)
+    return groups

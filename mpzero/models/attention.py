@@ -21,6 +21,7 @@ from mpzero.comm import CommGroup
 from mpzero.context_parallel import (ContextParallel, block_kernel, context_attention, heads_to_sequence,
                                      sequence_to_heads)
 from mpzero.fused import resolve_attention_backend, scaled_masked_softmax
+from mpzero.models.blocks import norm
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.tensor_parallel import ColumnParallelLinear, InitMethod, RNGStatesTracker, RowParallelLinear, recompute
 
@@ -37,6 +38,7 @@ class AttentionConfig:
     backend: str = "auto"  # --attention-backend, resolved per device with the dropout (mpzero.fused.impl)
     softmax_impl: str = "auto"  # the local backend's scale + mask + softmax (mpzero.fused)
     selective: bool = False  # selective recomputation: the core attention recomputed in backward
+    qk_norm: tuple | None = None  # --qk-layernorm: (normalization, eps, impl) over each head's q and k; None: off
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +74,10 @@ class SelfAttention(nn.Module):
         width = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim  # 3h without GQA
         self.qkv = ColumnParallelLinear(h, width, tp, init, bias=bias, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, tp, output_init, bias=bias, sequence_parallel=sp)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_norm is not None:  # [head_dim] weights shared by the heads of every TP rank: their gradients
+            normalization, eps, impl = config.qk_norm  # are summed over TP (each rank's heads give a part)
+            self.q_layernorm, self.k_layernorm = (norm(normalization, self.head_dim, eps, impl, tp) for _ in "qk")
 
     def backend(self, device: torch.device) -> str:
         """flash, fused, unfused or local: the core attention this module runs on `device`."""
@@ -109,6 +115,8 @@ class SelfAttention(nn.Module):
         q, k, v = x.split([per_group, 1, 1], dim=3)
         q = q.reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        if self.q_layernorm is not None:  # before RoPE, as Megatron's and HF Qwen3's q_norm and k_norm
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, start)  # a method, not a module call: no hooks inside a replay
         return q, k, v

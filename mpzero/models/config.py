@@ -58,6 +58,7 @@ class TransformerArchitecture:
     group_query_attention: bool = False  # --group-query-attention: K/V heads shared by groups of query heads
     num_query_groups: int | None = None  # --num-query-groups: K/V heads with --group-query-attention (default 1)
     add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in QKV, projection and MLP linears)
+    qk_layernorm: bool = False  # --qk-layernorm: --normalization over each head's q and k (Qwen3's q_norm, k_norm)
     # Mixture of experts (mpzero/moe), Megatron's flags with Megatron's meanings; None experts: a dense model
     num_experts: int | None = None  # --num-experts: routed experts of each MoE layer
     moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size: an expert's width; None: --ffn-hidden-size's
@@ -154,8 +155,8 @@ class TransformerArchitecture:
         is refused even where the tensor shapes agree (4 heads saved, 8 loaded: same QKV shape, other rows)."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
                  "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "normalization",
-                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear", "num_experts", "moe_router_topk",
-                 "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
+                 "swiglu", "rotary_base", "rotary_percent", "add_bias_linear", "qk_layernorm", "num_experts",
+                 "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
                  "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
         position = ("learned_absolute" if self.learned_positions
                     else "rope" if self.position_embedding_type == "rope" else "none")
@@ -371,6 +372,7 @@ class GPTConfig(TransformerArchitecture):
             ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups,
             rms_norm=self.normalization == "RMSNorm", swiglu=self.swiglu,
             rotary=self.position_embedding_type == "rope", learned_positions=self.learned_positions,
+            qk_layernorm=self.qk_layernorm,
             cp=self.context_parallel_size, cp_comm_type=self.cp_comm_type,
             moe_layers=sum(self.is_moe_layer(i) for i in range(self.num_layers)))
 

@@ -70,6 +70,7 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
                      rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
                      num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
+                     qk_layernorm=args.qk_layernorm,
                      context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
                      fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
                      fp8_auto_filter_small_kn=args.fp8_auto_filter_small_kn,
@@ -96,7 +97,8 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
                      (4B), backward the inputs gathered again, their gradients reduce-scattered and the outputs'
                      gradients gathered (6B), plus the LayerNorms' fp32 weight and bias gradients (2 x 2 x 8h)
                      and the row-parallel biases' (2 x 2ph) all-reduced (RMSNorm: weights only; none
-                     of the biases with --disable-bias-linear)
+                     of the biases with --disable-bias-linear); --qk-layernorm: the q and k norms' fp32 weight
+                     gradients all-reduced (2 x 2 x 4d), with or without SP
       recomputation  full: each recomputed layer's forward again (4B); distributed checkpoints: each one
                      all-gathered before its replay (B); selective: none (the core attention has no TP traffic)
       outside        the embedding's all-reduce (2B; sequence parallel + its slice's gradient gathered, B), the
@@ -124,6 +126,8 @@ def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq:
     norm_params = 1 if config.normalization == "RMSNorm" else 2  # RMSNorm: no bias
     biases = 4 * h * p if config.add_bias_linear else 0
     layer = (10 * B + 16 * norm_params * h + biases) if sp else 8 * B
+    if config.qk_layernorm:  # the q and k norms' fp32 [d] weight gradients, all-reduced at any SP (2 x 2 x 4d)
+        layer += 16 * config.head_dim
     total = sum(chunks) * layer + recomputed * 4 * B
     if config.distribute_saved_activations:
         total += checkpoints * B

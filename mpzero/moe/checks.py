@@ -85,9 +85,6 @@ def check_moe(config, tp_size: int) -> None:
         raise ConfigError(f"--moe-router-dtype {config.moe_router_dtype} is not one of {', '.join(ROUTER_DTYPES)}")
     _check_sizes(config, tp_size)
     _check_router(config)
-    if tp_size > 1 and not config.sequence_parallel:
-        raise ConfigError("When using MoE and tensor parallelism, sequence parallelism must be used (Megatron's "
-                          "rule): add --sequence-parallel")
     if config.torch_compile:
         raise ConfigError("--num-experts with --torch-compile is not supported yet: a mixture-of-experts layer reads "
                           "its routing's split sizes on the host at every micro-batch; drop --torch-compile")
