@@ -33,13 +33,13 @@ from mpzero.checkpointing.checkpoint import previous_advice, read_meta_file
 from mpzero.checkpointing.outputs import (check_apart_from_checkpoints, check_replaceable,
                                           foreign_files)
 from mpzero.checkpointing.verify import resolve_iteration, single_process
-from mpzero.cli import INPUT_ERRORS, ITERATION, Parser, Path, add_tokenizer_flags, exit_code
+from mpzero.cli import INPUT_ERRORS, ITERATION, Parser, Path, Size, add_tokenizer_flags, exit_code
 from mpzero.errors import ConfigError
 from mpzero.files import (check_parents_creatable, copy_atomically, directory_beside, make_parents,
                           replace_output_directory, write_atomically)
 from mpzero.inference import check_gpt_weights, gpt_config_from_meta, run_tokenizer
 from mpzero.inference.hf import ADAPTERS, adapter_for_config
-from mpzero.inference.hf_shards import INDEX, SHARD_NAME, index, parse_size, shards
+from mpzero.inference.hf_shards import INDEX, SHARD_NAME, index, shards
 from mpzero.checkpointing.consolidated import read_consolidated
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
@@ -52,10 +52,10 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 
 
 def export(load: str, iteration: int | None, output: str, dtype: str = "fp32", overwrite: bool = False,
-           tokenizer_overrides: dict | None = None, max_shard_size: str = "5GB") -> str:
+           tokenizer_overrides: dict | None = None, max_shard_size: float = 5e9) -> str:
     """Writes the HF directory `output`; returns the line to print. Everything is checked before writing."""
     serialize = _safetensors_writer()
-    shard_bytes = parse_size(max_shard_size)
+    shard_bytes = int(max_shard_size)
     _check_output(output, overwrite, load)
     directory, iteration = resolve_iteration(load, iteration)
     meta = read_meta_file(directory, previous_advice(load, iteration))
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path("dir", exists=False, writable=True), required=True,
                    help="the Hugging Face model directory to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="of the stored weights (default fp32)")
-    p.add_argument("--max-shard-size", default="5GB",
+    p.add_argument("--max-shard-size", type=Size(low=1.0, low_ok=True), default="5GB",
                    help="the largest safetensors file (as save_pretrained: 5GB, 500MB); larger models are sharded")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output, if it is an earlier export (nothing else is ever replaced)")

@@ -10,24 +10,8 @@ import re
 
 import torch
 
-from mpzero.errors import ConfigError
-
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 INDEX = "model.safetensors.index.json"
-_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10, "MIB": 2 ** 20,
-          "GIB": 2 ** 30}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size as HF writes it ("5GB", "100KB", "2GiB"); anything else is one ConfigError line."""
-    match = _SIZE.match(text) if isinstance(text, str) else None
-    if match is None:
-        raise ConfigError(f"--max-shard-size {text!r} is not a size such as 5GB, 500MB or 2GiB")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    if size < 1:
-        raise ConfigError(f"--max-shard-size {text!r} must be at least one byte")
-    return size
 
 
 def _bytes(t: torch.Tensor) -> int:
