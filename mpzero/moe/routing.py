@@ -99,8 +99,10 @@ def aux_loss_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
 
 
 def routed_counts(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Tokens per expert whose top-k of `scores` include it (the loss's c_i), [E]."""
-    return torch.zeros_like(scores, dtype=torch.long).scatter(1, torch.topk(scores, k, dim=1).indices, 1).sum(0)
+    """Tokens per expert whose top-k of `scores` include it (the loss's c_i), [E]. The choice is made on detached
+    scores: a top-k on the graph would keep its indices for a backward that never comes (its values are dropped)."""
+    chosen = torch.topk(scores.detach(), k, dim=1).indices
+    return torch.zeros_like(scores, dtype=torch.long).scatter(1, chosen, 1).sum(0)
 
 
 def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, total_tokens: int, k: int,

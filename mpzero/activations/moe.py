@@ -1,0 +1,160 @@
+"""The activation terms of a mixture-of-experts layer (mpzero.moe) in place of the dense MLP's, per TP rank and
+micro-batch, each derived from what the layer's autograd graph keeps (counted with saved-tensor hooks, never fitted):
+
+- routing, on the T tokens the rank routes (s b, or s b/t under sequence parallelism), in the router's dtype r
+  (fp32, or fp64 with --moe-router-dtype fp64): the router's input cast to r (r T h; at e = r the sequence-major
+  copy of the norm's output), the weight's r-byte copy when the parameters are not in r (r E h), the top-k
+  indices (8 T k) and the gates' softmax over the k chosen (r T k); with --moe-router-pre-softmax the softmax
+  over all experts (r T E) and the top-k gates (r T k) only where the weighting keeps them (no sequence
+  parallelism, no gather over EP); with the z-loss the logits and their
+  logsumexp (r T E + r T); with the load-balancing loss its softmax over all experts (r T E) and the counts per
+  expert it multiplies (8 E); each auxiliary loss's scalar, kept to receive its gradient (r each);
+- under sequence parallelism the micro-batch's gates gathered over TP (r t T k), which the weighting keeps;
+- the dispatch of the D tokens this rank dispatches (D = t T when the experts are split over TP, else T), k slots
+  each (dropless: all D k kept), R rows entering this rank's experts (data-dependent: the step's count, or the
+  dropless worst case R = (EP D) min(k, E_l), every slot of the group's tokens to this rank's E_l experts):
+  alltoall keeps the slots' token index (8 D k), the slot order (8 D k), the expert input (e R h), each row's
+  activations (GELU input and fc2 input 2 f/etp e, gated [gate; up], SiLU output and down input 4 f/etp e), the
+  expert outputs (e R h); at EP > 1 the (source rank, expert) to expert-major permutation (8 R) and the outputs
+  returned by the second all-to-all (e D k h); allgather keeps the chosen rows' index (8 R), the slot order of the
+  EP group's EP D tokens (8 EP D k), the expert input, activations and outputs, and at EP > 1 the gathered gates
+  (r EP D k); both keep the slots' outputs for the weighting, in r (r D' k h, D' the tokens weighted: D, or EP D
+  for allgather);
+- shared experts: the dense MLP's items at their width (its input e s b h, /t under sequence parallelism).
+
+Not modeled (the line says so): capacity drops, the grouped GEMM, sigmoid scores, group-limited
+routing, the expert bias, seq_aux_loss, expert-TP > 1 without sequence parallelism (inference only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpzero.activations.setting import Term
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What a model's MoE layers keep depends on (`moe_shape(config, ep, etp)`)."""
+    layers: tuple[int, ...]  # the MoE layers' global indices
+    num_experts: int  # E
+    topk: int  # k
+    ffn_size: int  # an expert's f
+    ep: int
+    etp: int
+    dispatcher: str  # "alltoall" or "allgather"
+    router_bytes: int  # r
+    z_loss: bool
+    aux_loss: bool
+    shared_ffn_size: int = 0  # 0: no shared experts
+    pre_softmax: bool = False  # --moe-router-pre-softmax: the softmax over all experts, then the top-k
+    unmodeled: str | None = None  # why the terms are not modeled for this configuration
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
+
+
+def moe_shape(config, ep: int, etp: int) -> MoEShape | None:
+    """The config's MoE shape at EP `ep` and expert-TP `etp`; None for a dense model."""
+    layers = tuple(i for i in range(config.num_layers) if config.is_moe_layer(i))
+    if not layers:
+        return None
+    why = [text for flag, text in (
+        (config.moe_expert_capacity_factor is not None, "capacity drops (--moe-expert-capacity-factor)"),
+        (config.moe_grouped_gemm, "the grouped GEMM (--moe-grouped-gemm)"),
+        (config.moe_router_score_function != "softmax", "sigmoid scores"),
+        (bool(config.moe_router_group_topk), "group-limited routing"),
+        (config.moe_router_enable_expert_bias, "the expert bias"),
+        (config.moe_router_load_balancing_type == "seq_aux_loss" and config.moe_aux_loss_coeff > 0,
+         "seq_aux_loss"),
+        (etp > 1 and not config.sequence_parallel, "expert-TP > 1 without sequence parallelism")) if flag]
+    return MoEShape(layers, config.num_experts, config.moe_router_topk, config.expert_ffn_size, ep, etp,
+                    config.moe_token_dispatcher_type, 8 if config.moe_router_dtype == "fp64" else 4,
+                    bool(config.moe_z_loss_coeff),
+                    config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0,
+                    config.moe_shared_expert_intermediate_size or 0, config.moe_router_pre_softmax,
+                    ("mixture-of-experts layers with " + ", ".join(why) + " are not modeled yet (issue 44)")
+                    if why else None)
+
+
+def dispatched_tokens(st, moe: MoEShape) -> int:
+    """D: the tokens this rank dispatches (its routed T, or the TP group's t T when experts split over TP)."""
+    t_local = routed_tokens(st)
+    return t_local * st.tp if st.sequence_parallel and moe.etp > 1 else t_local
+
+
+def routed_tokens(st) -> int:
+    """T: the tokens this rank routes."""
+    return st.seq_length * st.micro_batch_size // (st.tp if st.sequence_parallel else 1)
+
+
+def worst_case_rows(st, moe: MoEShape) -> int:
+    """The dropless worst case of R: every slot of the EP group's tokens that can reach this rank's experts."""
+    return moe.ep * dispatched_tokens(st, moe) * min(moe.topk, moe.local_experts)
+
+
+def routing_terms(st, moe: MoEShape) -> list[Term]:
+    t, e, r, h, k, n = routed_tokens(st), st.dtype_bytes, moe.router_bytes, st.hidden_size, moe.topk, moe.num_experts
+    terms = [Term("router input", f"{r}Th", r * t * h)]
+    if r != e:
+        terms.append(Term("router weight copy", f"{r}Eh", r * n * h))
+    terms.append(Term("top-k indices", "8Tk", 8 * t * k))
+    if moe.pre_softmax:  # the softmax keeps its output; the gates (top-k values) are kept by the weighting alone,
+        terms.append(Term("softmax over all experts", f"{r}TE", r * t * n))  # when it weights the local ones
+    if not moe.pre_softmax or not (st.sequence_parallel or (moe.dispatcher == "allgather" and moe.ep > 1)):
+        terms.append(Term("top-k gates", f"{r}Tk", r * t * k))
+    if moe.z_loss:
+        terms.append(Term("z-loss logits and logsumexp", f"{r}T(E + 1)", r * t * (n + 1)))
+    if moe.aux_loss:
+        terms.append(Term("aux-loss scores and counts", f"{r}TE + 8E", r * t * n + 8 * n))
+    losses = int(moe.z_loss) + int(moe.aux_loss)
+    if losses:
+        terms.append(Term("auxiliary loss scalars", f"{losses}x{r}", losses * r))
+    return terms
+
+
+def dispatch_terms(st, moe: MoEShape, rows: int) -> list[Term]:
+    """The gates, permutation, experts and weighting terms at R = `rows` entering this rank's experts."""
+    e, r, h, k, ep = st.dtype_bytes, moe.router_bytes, st.hidden_size, moe.topk, moe.ep
+    d = dispatched_tokens(st, moe)
+    c = 4 if st.swiglu else 2  # per row: [gate; up], SiLU output, down input; or GELU input, fc2 input
+    gathered = moe.dispatcher == "allgather" and ep > 1
+    terms = []
+    if st.sequence_parallel and not gathered:
+        terms.append(Term("gates gathered over TP", f"{r}tTk", r * st.tp * routed_tokens(st) * k))
+    if moe.dispatcher == "alltoall":
+        terms.append(Term("slot token index and order", "16Dk", 16 * d * k))
+        if ep > 1:
+            terms += [Term("expert-major permutation", "8R", 8 * rows),
+                      Term("outputs returned", f"{e}Dkh", e * d * k * h)]
+        weighted = d
+    else:
+        terms += [Term("chosen rows index", "8R", 8 * rows), Term("slot order", f"8({ep}D)k", 8 * ep * d * k)]
+        if gathered:
+            terms.append(Term("gates gathered over EP", f"{r}({ep}D)k", r * ep * d * k))
+        weighted = ep * d
+    terms += [Term("expert inputs and outputs", f"{2 * e}Rh", 2 * e * rows * h),
+              Term("expert activations", f"{c * e}Rf" + ("/etp" if moe.etp > 1 else ""),
+                   c * e * rows * moe.ffn_size // moe.etp),
+              Term("weighted slot outputs", f"{r}{'D' if weighted == d else f'({ep}D)'}kh", r * weighted * k * h)]
+    return terms
+
+
+def shared_terms(st, moe: MoEShape) -> list[Term]:
+    """The shared experts: a dense MLP of their width (its input skipped where it is the router's input)."""
+    if not moe.shared_ffn_size:
+        return []
+    s, b, h, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp, st.dtype_bytes
+    f, rep = moe.shared_ffn_size, t if st.sequence_parallel else 1
+    items = (4 if st.swiglu else 2) * f * e
+    terms = [Term("shared experts' activations", f"{items}sb/t" if t > 1 else f"{items}sb", s * b * items // t)]
+    if not (b == 1 and moe.router_bytes == e):  # at b = 1 the router's input is a view of the same norm output
+        terms.insert(0, Term("shared experts' input", f"{e}sbh" + ("/t" if rep > 1 else ""), e * s * b * h // rep))
+    return terms
+
+
+def moe_terms(st, moe: MoEShape, rows: int | None) -> list[Term]:
+    """Every MoE term of one layer at R = `rows` (None: the dropless worst case)."""
+    rows = worst_case_rows(st, moe) if rows is None else rows
+    return routing_terms(st, moe) + dispatch_terms(st, moe, rows) + shared_terms(st, moe)
