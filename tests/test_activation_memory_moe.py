@@ -2,7 +2,8 @@
 saved-tensor hooks, through the command line: each MoE layer's formula at the rows the step's routing counted into
 the rank's experts equals the counted bytes (ratio 1.0000), for both dispatchers at EP 1 and 2, top-1 and top-2,
 shared experts, TP 2 x SP x EP 2 (expert-TP 1 and 2), selective and full recomputation, GPT-2 and LLaMA hosts; the
-dropless worst case the line also prints bounds the counted bytes."""
+dropless worst case the line also prints bounds the counted bytes. The product cases add bf16, the fp64 router,
+sigmoid scores with the expert bias, group-limited routing, seq_aux_loss, the grouped GEMM, PP and b = 1."""
 
 import dataclasses
 import re
@@ -25,6 +26,10 @@ ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
 TOP1_SHARED = ["--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "32"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 SELECTIVE = ["--recompute-activations"]
+SIGMOID_BIAS_GROUPS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                       "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
+SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]
+GROUPED = ["--moe-grouped-gemm"]
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
 
@@ -60,7 +65,9 @@ def _assert_exact(lines: list[str], moe_layers_per_rank: int) -> None:
     (2, ep(2) + ALLGATHER + SELECTIVE, 2),
     (4, LLAMA + TOP1_SHARED + TP2_SP + ep(2), 2),
     (2, ep(2) + FULL_BLOCK, 1),
-], ids=["ep1", "ep2-alltoall", "ep2-allgather-selective", "llama-top1-shared-tp2-sp-ep2", "ep2-full-block"])
+    (2, ep(2) + SIGMOID_BIAS_GROUPS + GROUPED, 2),
+], ids=["ep1", "ep2-alltoall", "ep2-allgather-selective", "llama-top1-shared-tp2-sp-ep2", "ep2-full-block",
+        "ep2-sigmoid-bias-groups-grouped-gemm"])
 def test_moe_layers_count_equals_formula(world, argv, moe_layers):
     _assert_exact(_activation_lines(world, argv), moe_layers)
 
@@ -78,9 +85,14 @@ def test_moe_layers_count_equals_formula(world, argv, moe_layers):
     (4, ["--bf16"] + TP2_SP + ep(2) + ["--expert-tensor-parallel-size", "1"] + SELECTIVE, 2),
     (4, ep(2) + ["--pipeline-model-parallel-size", "2"], 1),
     (1, ["--micro-batch-size", "1", "--moe-shared-expert-intermediate-size", "32"], 2),
+    (2, ep(2) + SIGMOID_BIAS_GROUPS + ALLGATHER, 2),
+    (1, ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"] + SEQ_AUX + GROUPED, 2),
+    (4, LLAMA + TP2_SP + ep(2) + ["--moe-router-score-function", "sigmoid"] + SEQ_AUX + GROUPED, 2),
+    (2, ep(2) + ["--moe-router-score-function", "sigmoid", "--moe-router-topk", "1"], 2),
 ], ids=["llama-allgather-ep1", "bf16-top1-shared", "fp64-router-ep2", "llama-shared-selective-ep2",
         "allgather-full-uniform", "tp2-sp-ep2-etp1", "llama-tp2-sp-ep2-allgather-top1-shared",
-        "bf16-tp2-sp-etp1-selective", "pp2-ep2", "b1-shared"])
+        "bf16-tp2-sp-etp1-selective", "pp2-ep2", "b1-shared", "sigmoid-bias-groups-allgather-ep2",
+        "groups-seq-aux-grouped-gemm", "llama-tp2-sp-ep2-sigmoid-seq-aux-grouped", "sigmoid-top1-ep2"])
 def test_moe_layouts_count_equals_formula(world, argv, moe_layers):
     _assert_exact(_activation_lines(world, argv), moe_layers)
 
@@ -109,13 +121,7 @@ def test_worst_case_is_every_slot_to_this_rank_and_bounds_any_rows():
     assert activation_formula(one_local).layers[0].rows == 2 * 32 * 1  # one local expert: one slot per token
 
 
-@pytest.mark.parametrize("change,phrase", [
-    (dict(moe_expert_capacity_factor=1.0), "capacity drops"),
-    (dict(moe_grouped_gemm=True), "grouped GEMM"),
-    (dict(moe_router_score_function="sigmoid"), "sigmoid scores"),
-    (dict(moe_router_load_balancing_type="seq_aux_loss"), "seq_aux_loss"),
-])
-def test_unmodeled_moe_settings_say_why(change, phrase):
-    why = modeled(_setting(dataclasses.replace(CONFIG, **change)))
-    assert why is not None and phrase in why and "not modeled yet" in why
+def test_capacity_drops_say_they_are_not_modeled():
+    why = modeled(_setting(dataclasses.replace(CONFIG, moe_expert_capacity_factor=1.0)))
+    assert why is not None and "capacity drops" in why and "not modeled yet" in why
     assert modeled(_setting(CONFIG)) is None

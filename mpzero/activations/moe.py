@@ -4,11 +4,14 @@ micro-batch, each derived from what the layer's autograd graph keeps (counted wi
 - routing, on the T tokens the rank routes (s b, or s b/t under sequence parallelism), in the router's dtype r
   (fp32, or fp64 with --moe-router-dtype fp64): the router's input cast to r (r T h; at e = r the sequence-major
   copy of the norm's output), the weight's r-byte copy when the parameters are not in r (r E h), the top-k
-  indices (8 T k) and the gates' softmax over the k chosen (r T k); with --moe-router-pre-softmax the softmax
-  over all experts (r T E) and the top-k gates (r T k) only where the weighting keeps them (no sequence
-  parallelism, no gather over EP); with the z-loss the logits and their
-  logsumexp (r T E + r T); with the load-balancing loss its softmax over all experts (r T E) and the counts per
-  expert it multiplies (8 E); each auxiliary loss's scalar, kept to receive its gradient (r each);
+  indices (8 T k), with group-limited routing the bool mask of the experts outside the best groups (T E; none
+  where the expert bias makes the choice off the graph), and the gates: the softmax over the k chosen (r T k);
+  with --moe-router-pre-softmax the softmax over all experts (r T E), with sigmoid scores the sigmoid's output
+  (r T E) and for k > 1 the chosen scores and their sum (r T (k + 1)), their gates (r T k) kept by the weighting
+  only where it weights the local ones (no sequence parallelism, no gather over EP); with the z-loss the logits
+  and their logsumexp (r T E + r T); with the load-balancing loss its scores over all experts (r T E; sigmoid's
+  output and its sum, r T (E + 1)) and the counts it multiplies (8 E; seq_aux_loss: per sequence, 8 b E); each
+  auxiliary loss's scalar, kept to receive its gradient (r each);
 - under sequence parallelism the micro-batch's gates gathered over TP (r t T k), which the weighting keeps;
 - the dispatch of the D tokens this rank dispatches (D = t T when the experts are split over TP, else T), k slots
   each (dropless: all D k kept), R rows entering this rank's experts (data-dependent: the step's count, or the
@@ -19,11 +22,15 @@ micro-batch, each derived from what the layer's autograd graph keeps (counted wi
   returned by the second all-to-all (e D k h); allgather keeps the chosen rows' index (8 R), the slot order of the
   EP group's EP D tokens (8 EP D k), the expert input, activations and outputs, and at EP > 1 the gathered gates
   (r EP D k); both keep the slots' outputs for the weighting, in r (r D' k h, D' the tokens weighted: D, or EP D
-  for allgather);
+  for allgather); the grouped GEMM adds its offsets (4 E_l) and, with biases, each bias's row index (16 R);
 - shared experts: the dense MLP's items at their width (its input e s b h, /t under sequence parallelism).
 
-Not modeled (the line says so): capacity drops, the grouped GEMM, sigmoid scores, group-limited
-routing, the expert bias, seq_aux_loss, expert-TP > 1 without sequence parallelism (inference only).
+Choices no gradient flows through (the load-balancing counts, the group mask's groups, the expert bias's choice)
+are made on detached scores (mpzero/moe/routing.py): on the graph a top-k whose values are dropped would keep its
+indices in a node backward never reaches, freed with it, and the counter would count them.
+
+Not modeled (the line says so): capacity drops (--moe-expert-capacity-factor), expert-TP > 1 without sequence
+parallelism (inference only).
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ class MoEShape:
     aux_loss: bool
     shared_ffn_size: int = 0  # 0: no shared experts
     pre_softmax: bool = False  # --moe-router-pre-softmax: the softmax over all experts, then the top-k
+    sigmoid: bool = False  # --moe-router-score-function sigmoid
+    group_limited: bool = False  # --moe-router-group-topk: the choice masked to the best groups
+    expert_bias: bool = False  # --moe-router-enable-expert-bias (sigmoid): the choice made off the graph
+    seq_aux_loss: bool = False  # the load-balancing loss per sequence (its counts per sequence, [b, E])
+    grouped_gemm: bool = False  # the experts in one grouped GEMM per matrix
+    bias: bool = False  # the experts' biases (--add-bias-linear)
     unmodeled: str | None = None  # why the terms are not modeled for this configuration
 
     @property
@@ -55,25 +68,24 @@ class MoEShape:
         return self.num_experts // self.ep
 
 
-def moe_shape(config, ep: int, etp: int) -> MoEShape | None:
-    """The config's MoE shape at EP `ep` and expert-TP `etp`; None for a dense model."""
+def moe_shape(config, ep: int, etp: int, grouped_gemm: bool = False) -> MoEShape | None:
+    """The config's MoE shape at EP `ep` and expert-TP `etp` (`grouped_gemm`: the experts run the grouped GEMM,
+    `mpzero.moe.experts_impl`); None for a dense model."""
     layers = tuple(i for i in range(config.num_layers) if config.is_moe_layer(i))
     if not layers:
         return None
     why = [text for flag, text in (
         (config.moe_expert_capacity_factor is not None, "capacity drops (--moe-expert-capacity-factor)"),
-        (config.moe_grouped_gemm, "the grouped GEMM (--moe-grouped-gemm)"),
-        (config.moe_router_score_function != "softmax", "sigmoid scores"),
-        (bool(config.moe_router_group_topk), "group-limited routing"),
-        (config.moe_router_enable_expert_bias, "the expert bias"),
-        (config.moe_router_load_balancing_type == "seq_aux_loss" and config.moe_aux_loss_coeff > 0,
-         "seq_aux_loss"),
         (etp > 1 and not config.sequence_parallel, "expert-TP > 1 without sequence parallelism")) if flag]
+    balancing = config.moe_router_load_balancing_type if config.moe_aux_loss_coeff > 0 else "none"
     return MoEShape(layers, config.num_experts, config.moe_router_topk, config.expert_ffn_size, ep, etp,
                     config.moe_token_dispatcher_type, 8 if config.moe_router_dtype == "fp64" else 4,
-                    bool(config.moe_z_loss_coeff),
-                    config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0,
+                    bool(config.moe_z_loss_coeff), balancing != "none",
                     config.moe_shared_expert_intermediate_size or 0, config.moe_router_pre_softmax,
+                    config.moe_router_score_function == "sigmoid", bool(config.moe_router_group_topk),
+                    config.moe_router_enable_expert_bias,
+                    balancing == "seq_aux_loss",
+                    grouped_gemm, config.add_bias_linear,
                     ("mixture-of-experts layers with " + ", ".join(why) + " are not modeled yet (issue 44)")
                     if why else None)
 
@@ -100,14 +112,21 @@ def routing_terms(st, moe: MoEShape) -> list[Term]:
     if r != e:
         terms.append(Term("router weight copy", f"{r}Eh", r * n * h))
     terms.append(Term("top-k indices", "8Tk", 8 * t * k))
-    if moe.pre_softmax:  # the softmax keeps its output; the gates (top-k values) are kept by the weighting alone,
-        terms.append(Term("softmax over all experts", f"{r}TE", r * t * n))  # when it weights the local ones
-    if not moe.pre_softmax or not (st.sequence_parallel or (moe.dispatcher == "allgather" and moe.ep > 1)):
-        terms.append(Term("top-k gates", f"{r}Tk", r * t * k))
+    if moe.group_limited and not (moe.sigmoid and moe.expert_bias):  # the masked fill keeps its bool mask
+        terms.append(Term("group mask (bool)", "TE", t * n))
+    if moe.sigmoid or moe.pre_softmax:  # the scores over all experts keep their output
+        terms.append(Term(f"{'sigmoid' if moe.sigmoid else 'softmax'} over all experts", f"{r}TE", r * t * n))
+    if moe.sigmoid and k > 1:  # normalised over the k chosen: the division keeps the chosen and their sum
+        terms.append(Term("chosen scores and their sum", f"{r}T(k + 1)", r * t * (k + 1)))
+    local = not (st.sequence_parallel or (moe.dispatcher == "allgather" and moe.ep > 1))
+    if local or not (moe.sigmoid or moe.pre_softmax):  # the post-top-k softmax keeps its output; other gates
+        terms.append(Term("top-k gates", f"{r}Tk", r * t * k))  # are kept by the weighting, when local
     if moe.z_loss:
         terms.append(Term("z-loss logits and logsumexp", f"{r}T(E + 1)", r * t * (n + 1)))
     if moe.aux_loss:
-        terms.append(Term("aux-loss scores and counts", f"{r}TE + 8E", r * t * n + 8 * n))
+        counts = (f"8bE", 8 * st.micro_batch_size * n) if moe.seq_aux_loss else ("8E", 8 * n)
+        scores = (f"{r}T(E + 1)", r * t * (n + 1)) if moe.sigmoid else (f"{r}TE", r * t * n)
+        terms.append(Term("aux-loss scores and counts", f"{scores[0]} + {counts[0]}", scores[1] + counts[1]))
     losses = int(moe.z_loss) + int(moe.aux_loss)
     if losses:
         terms.append(Term("auxiliary loss scalars", f"{losses}x{r}", losses * r))
@@ -134,6 +153,9 @@ def dispatch_terms(st, moe: MoEShape, rows: int) -> list[Term]:
         if gathered:
             terms.append(Term("gates gathered over EP", f"{r}({ep}D)k", r * ep * d * k))
         weighted = ep * d
+    if moe.grouped_gemm:  # the offsets, and with biases each bias's row index
+        terms.append(Term("grouped GEMM offsets" + (" and bias row indices" if moe.bias else ""),
+                          "4E/EP" + (" + 16R" if moe.bias else ""), 4 * moe.local_experts + 16 * rows * moe.bias))
     terms += [Term("expert inputs and outputs", f"{2 * e}Rh", 2 * e * rows * h),
               Term("expert activations", f"{c * e}Rf" + ("/etp" if moe.etp > 1 else ""),
                    c * e * rows * moe.ffn_size // moe.etp),

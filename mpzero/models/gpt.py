@@ -60,7 +60,7 @@ from mpzero.models.kv_cache import KVCache
 from mpzero.models.moe_block import ExpertGrid, moe_block
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.models.stage import LayerStack, ModelStage
-from mpzero.moe import MoEMetrics, check_expert_grid
+from mpzero.moe import MoEMetrics, check_expert_grid, experts_impl
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
                                     linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
@@ -359,7 +359,8 @@ class GPTModel(nn.Module):
                                                  tp_rank=self.tp.rank,
                                                  rng_streams=len(self.rng.states) if self.rng is not None else 1)
         grid = self.expert_grid
-        setting = dataclasses.replace(setting, moe=moe_shape(self.config, grid.ep.size, grid.etp.size))
+        grouped = experts_impl(self.config.moe_grouped_gemm) == "grouped_mm"
+        setting = dataclasses.replace(setting, moe=moe_shape(self.config, grid.ep.size, grid.etp.size, grouped))
         return setting.for_stage(self.stage.chunks, self.stage.first, self.stage.last)
 
     def compiled_backward_parameters(self) -> list[nn.Parameter]:

@@ -46,7 +46,7 @@ def top_k(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_sof
         return torch.softmax(chosen, dim=-1), indices
     scores = torch.sigmoid(logits)
     if expert_bias is not None:
-        _, indices = _choose(scores + expert_bias, k, num_groups, group_topk)
+        _, indices = _choose((scores + expert_bias).detach(), k, num_groups, group_topk)  # the choice alone
         chosen = scores.gather(1, indices)
     else:
         chosen, indices = _choose(scores, k, num_groups, group_topk)
@@ -57,7 +57,9 @@ def _choose(scores: torch.Tensor, k: int, num_groups: int | None, group_topk: in
     if not group_topk:
         return torch.topk(scores, k=k, dim=1)
     tokens, experts = scores.shape
-    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    # the groups only mask the choice (no gradient through them): on the graph their top-k's would keep indices
+    # for a backward that never comes
+    grouped = scores.detach().view(tokens, num_groups, experts // num_groups)
     group_scores = grouped.topk(k // group_topk, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
