@@ -3,7 +3,8 @@ saved-tensor hooks, through the command line: each MoE layer's formula at the ro
 the rank's experts equals the counted bytes (ratio 1.0000), for both dispatchers at EP 1 and 2, top-1 and top-2,
 shared experts, TP 2 x SP x EP 2 (expert-TP 1 and 2), selective and full recomputation, GPT-2 and LLaMA hosts; the
 dropless worst case the line also prints bounds the counted bytes. The product cases add bf16, the fp64 router,
-sigmoid scores with the expert bias, group-limited routing, seq_aux_loss, the grouped GEMM, PP and b = 1."""
+sigmoid scores with the expert bias, group-limited routing, seq_aux_loss, the grouped GEMM, capacity drops (the
+worst case then bounded by the capacity), PP and b = 1."""
 
 import dataclasses
 import re
@@ -30,6 +31,7 @@ SIGMOID_BIAS_GROUPS = ["--moe-router-score-function", "sigmoid", "--moe-router-e
                        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
 SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]
 GROUPED = ["--moe-grouped-gemm"]
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
 
@@ -51,7 +53,8 @@ def _assert_exact(lines: list[str], moe_layers_per_rank: int) -> None:
         ratios = re.findall(r"ratio (\d+\.\d+)", line)
         assert ratios and set(ratios) == {"1.0000"}, line
         moe = re.findall(r"(\d[\d,]*) B counted, formula ([\d,]+) B = [^|]*?\(mixture of experts at R ([\d,]+) "
-                         r"rows counted into this rank's experts; dropless worst case R ([\d,]+): ([\d,]+) B\)", line)
+                         r"rows counted into this rank's experts; (?:dropless worst case|worst case at capacity) "
+                         r"R ([\d,]+): ([\d,]+) B\)", line)
         assert len(moe) == moe_layers_per_rank, line
         for counted, formula, rows, worst_rows, worst in ((int(v.replace(",", "")) for v in m) for m in moe):
             assert counted == formula and rows <= worst_rows and worst >= counted
@@ -66,8 +69,9 @@ def _assert_exact(lines: list[str], moe_layers_per_rank: int) -> None:
     (4, LLAMA + TOP1_SHARED + TP2_SP + ep(2), 2),
     (2, ep(2) + FULL_BLOCK, 1),
     (2, ep(2) + SIGMOID_BIAS_GROUPS + GROUPED, 2),
+    (2, ep(2) + CAPACITY, 2),
 ], ids=["ep1", "ep2-alltoall", "ep2-allgather-selective", "llama-top1-shared-tp2-sp-ep2", "ep2-full-block",
-        "ep2-sigmoid-bias-groups-grouped-gemm"])
+        "ep2-sigmoid-bias-groups-grouped-gemm", "ep2-capacity"])
 def test_moe_layers_count_equals_formula(world, argv, moe_layers):
     _assert_exact(_activation_lines(world, argv), moe_layers)
 
@@ -89,10 +93,15 @@ def test_moe_layers_count_equals_formula(world, argv, moe_layers):
     (1, ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"] + SEQ_AUX + GROUPED, 2),
     (4, LLAMA + TP2_SP + ep(2) + ["--moe-router-score-function", "sigmoid"] + SEQ_AUX + GROUPED, 2),
     (2, ep(2) + ["--moe-router-score-function", "sigmoid", "--moe-router-topk", "1"], 2),
+    (2, ep(2) + CAPACITY + ALLGATHER + ["--moe-token-drop-policy", "position"], 2),
+    (4, LLAMA + TP2_SP + ep(2) + CAPACITY + ["--moe-router-pre-softmax"], 2),
+    (4, TP2_SP + ep(2) + ["--expert-tensor-parallel-size", "1", "--moe-router-score-function", "sigmoid",
+                          "--moe-expert-capacity-factor", "0.5"], 2),
 ], ids=["llama-allgather-ep1", "bf16-top1-shared", "fp64-router-ep2", "llama-shared-selective-ep2",
         "allgather-full-uniform", "tp2-sp-ep2-etp1", "llama-tp2-sp-ep2-allgather-top1-shared",
         "bf16-tp2-sp-etp1-selective", "pp2-ep2", "b1-shared", "sigmoid-bias-groups-allgather-ep2",
-        "groups-seq-aux-grouped-gemm", "llama-tp2-sp-ep2-sigmoid-seq-aux-grouped", "sigmoid-top1-ep2"])
+        "groups-seq-aux-grouped-gemm", "llama-tp2-sp-ep2-sigmoid-seq-aux-grouped", "sigmoid-top1-ep2",
+        "capacity-position-allgather-ep2", "llama-tp2-sp-ep2-capacity-pre-softmax", "tp2-sp-etp1-capacity-sigmoid"])
 def test_moe_layouts_count_equals_formula(world, argv, moe_layers):
     _assert_exact(_activation_lines(world, argv), moe_layers)
 
@@ -114,14 +123,17 @@ def test_worst_case_is_every_slot_to_this_rank_and_bounds_any_rows():
     assert [layer.rows for layer in worst.layers] == [2 * 32 * 2] * 2  # EP x tokens x min(k, local experts)
     assert worst.micro_batch_bytes == worst.worst_case_bytes
     for rows in (0, 1, 64, 127):
-        formula = activation_formula(setting, {0: rows, 1: rows})
+        formula = activation_formula(setting, {0: (rows, 64), 1: (rows, 64)})
         assert formula.worst_case_bytes == worst.micro_batch_bytes
         assert formula.micro_batch_bytes < worst.micro_batch_bytes
     one_local = _setting(dataclasses.replace(CONFIG, num_experts=2), ep=2)
     assert activation_formula(one_local).layers[0].rows == 2 * 32 * 1  # one local expert: one slot per token
 
 
-def test_capacity_drops_say_they_are_not_modeled():
-    why = modeled(_setting(dataclasses.replace(CONFIG, moe_expert_capacity_factor=1.0)))
-    assert why is not None and "capacity drops" in why and "not modeled yet" in why
-    assert modeled(_setting(CONFIG)) is None
+def test_capacity_bounds_the_worst_case():
+    """With capacity drops each source rank sends an expert at most ceil(s b k / E x factor) rows."""
+    capped = _setting(dataclasses.replace(CONFIG, moe_expert_capacity_factor=0.5), ep=2)
+    assert modeled(capped) is None and modeled(_setting(CONFIG)) is None
+    assert activation_formula(capped).layers[0].rows == 2 * 2 * 8  # EP x local experts x ceil(32 x 2 / 4 x 0.5)
+    loose = _setting(dataclasses.replace(CONFIG, moe_expert_capacity_factor=4.0), ep=2)
+    assert activation_formula(loose).layers[0].rows == 2 * 32 * 2  # the dropless bound is the smaller

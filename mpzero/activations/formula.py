@@ -163,9 +163,9 @@ def modeled(setting: ActivationSetting) -> str | None:
 
 
 def activation_formula(setting: ActivationSetting, expert_rows: dict | None = None) -> ActivationFormula:
-    """Per-layer and outside-layer terms for this setting (see the module docstring). `expert_rows`: {layer: R},
-    the rows the step's routing sent into this rank's experts (counted, `SavedBytesCounter.expert_rows`); a MoE
-    layer without one is taken at its dropless worst case."""
+    """Per-layer and outside-layer terms for this setting (see the module docstring). `expert_rows`: {layer: (R,
+    S)}, the rows the step's routing sent into this rank's experts and the slots it sent (counted,
+    `SavedBytesCounter.expert_rows`); a MoE layer without one is taken at its worst case."""
     check_setting(setting)
     if modeled(setting) is not None:
         raise ValueError(f"no activation formula: {modeled(setting)}")
@@ -219,8 +219,8 @@ def _sbh_text(rep: Fraction, shard: Fraction, attn: Fraction, t: int, sp: bool) 
 
 
 def layer_formula(setting: ActivationSetting, kind: str, index: int | None = None,
-                  rows: int | None = None) -> LayerFormula:
-    """Layer `index`'s terms (a mixture-of-experts layer's at R = `rows`, None: the dropless worst case)."""
+                  rows: tuple[int, int] | None = None) -> LayerFormula:
+    """Layer `index`'s terms (a mixture-of-experts layer's at (R, S) = `rows`, None: the worst case)."""
     st = setting
     s, b, h, t = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp
     e = st.dtype_bytes
@@ -240,11 +240,10 @@ def layer_formula(setting: ActivationSetting, kind: str, index: int | None = Non
     terms = [paper_term] + _named_terms(st, core) + ([rng_term] if kind == "selective" else [])
     if moe is None:
         return LayerFormula(kind, tuple(terms), paper_term.text, host)
-    worst = worst_case_rows(st, moe)
-    rows = worst if rows is None else rows
-    worst_bytes = sum(t.bytes for t in terms + moe_terms(st, moe, worst))
-    return LayerFormula(kind, tuple(terms + moe_terms(st, moe, rows)), paper_term.text, host, rows, worst,
-                        worst_bytes)
+    worst_bytes = sum(t.bytes for t in terms + moe_terms(st, moe, None))
+    counted = rows if rows is not None else (worst_case_rows(st, moe), None)
+    return LayerFormula(kind, tuple(terms + moe_terms(st, moe, rows)), paper_term.text, host, counted[0],
+                        worst_case_rows(st, moe), worst_bytes)
 
 
 def _table2_term(st: ActivationSetting, core: bool, moe: bool = False) -> Term:

@@ -12,29 +12,33 @@ micro-batch, each derived from what the layer's autograd graph keeps (counted wi
   and their logsumexp (r T E + r T); with the load-balancing loss its scores over all experts (r T E; sigmoid's
   output and its sum, r T (E + 1)) and the counts it multiplies (8 E; seq_aux_loss: per sequence, 8 b E); each
   auxiliary loss's scalar, kept to receive its gradient (r each);
-- under sequence parallelism the micro-batch's gates gathered over TP (r t T k), which the weighting keeps;
+- under sequence parallelism the micro-batch's gates gathered over TP (r t T k), which the weighting keeps; with
+  capacity drops (--moe-expert-capacity-factor) the drop's bool mask of the micro-batch's slots (s b k) and the
+  gates times it (r s b k), which the weighting keeps in place of the top-k gates;
 - the dispatch of the D tokens this rank dispatches (D = t T when the experts are split over TP, else T), k slots
-  each (dropless: all D k kept), R rows entering this rank's experts (data-dependent: the step's count, or the
-  dropless worst case R = (EP D) min(k, E_l), every slot of the group's tokens to this rank's E_l experts):
-  alltoall keeps the slots' token index (8 D k), the slot order (8 D k), the expert input (e R h), each row's
-  activations (GELU input and fc2 input 2 f/etp e, gated [gate; up], SiLU output and down input 4 f/etp e), the
-  expert outputs (e R h); at EP > 1 the (source rank, expert) to expert-major permutation (8 R) and the outputs
-  returned by the second all-to-all (e D k h); allgather keeps the chosen rows' index (8 R), the slot order of the
-  EP group's EP D tokens (8 EP D k), the expert input, activations and outputs, and at EP > 1 the gathered gates
-  (r EP D k); both keep the slots' outputs for the weighting, in r (r D' k h, D' the tokens weighted: D, or EP D
-  for allgather); the grouped GEMM adds its offsets (4 E_l) and, with biases, each bias's row index (16 R);
+  each, S of them kept (D k when dropless), R rows entering this rank's experts (data-dependent, both counted by
+  the dispatcher: the formula at the step's counts; the worst case R = (EP D) min(k, E_l), every slot of the
+  group's tokens to this rank's E_l experts, with capacity drops at most EP E_l ceil(s b k / E x factor), and
+  S = D k): alltoall keeps the slots' token index (8 S), the slot order (8 D k), the expert input (e R h), each
+  row's activations (GELU input and fc2 input 2 f/etp e, gated [gate; up], SiLU output and down input 4 f/etp
+  e), the expert outputs (e R h); at EP > 1 the (source rank, expert) to expert-major permutation (8 R) and the
+  outputs returned by the second all-to-all (e S h); allgather keeps the chosen rows' index (8 R), the slot order
+  of the EP group's EP D tokens (8 EP D k), the expert input, activations and outputs, and at EP > 1 the gathered
+  gates (r EP D k); both keep the slots' outputs for the weighting, in r (r D' k h, D' the tokens weighted: D, or
+  EP D for allgather); the grouped GEMM adds its offsets (4 E_l) and, with biases, each bias's row index (16 R);
 - shared experts: the dense MLP's items at their width (its input e s b h, /t under sequence parallelism).
 
-Choices no gradient flows through (the load-balancing counts, the group mask's groups, the expert bias's choice)
-are made on detached scores (mpzero/moe/routing.py): on the graph a top-k whose values are dropped would keep its
-indices in a node backward never reaches, freed with it, and the counter would count them.
+Choices no gradient flows through (the load-balancing counts, the group mask's groups, the expert bias's choice,
+the capacity drop's ranking) are made on detached scores (mpzero/moe/routing.py): on the graph a top-k or scatter
+whose output is dropped would keep its indices in a node backward never reaches, freed with it, and the counter
+would count them.
 
-Not modeled (the line says so): capacity drops (--moe-expert-capacity-factor), expert-TP > 1 without sequence
-parallelism (inference only).
+Not modeled (the line says so): expert-TP > 1 without sequence parallelism (inference only).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mpzero.activations.setting import Term
@@ -61,6 +65,7 @@ class MoEShape:
     seq_aux_loss: bool = False  # the load-balancing loss per sequence (its counts per sequence, [b, E])
     grouped_gemm: bool = False  # the experts in one grouped GEMM per matrix
     bias: bool = False  # the experts' biases (--add-bias-linear)
+    capacity_factor: float | None = None  # --moe-expert-capacity-factor; None: dropless
     unmodeled: str | None = None  # why the terms are not modeled for this configuration
 
     @property
@@ -74,9 +79,7 @@ def moe_shape(config, ep: int, etp: int, grouped_gemm: bool = False) -> MoEShape
     layers = tuple(i for i in range(config.num_layers) if config.is_moe_layer(i))
     if not layers:
         return None
-    why = [text for flag, text in (
-        (config.moe_expert_capacity_factor is not None, "capacity drops (--moe-expert-capacity-factor)"),
-        (etp > 1 and not config.sequence_parallel, "expert-TP > 1 without sequence parallelism")) if flag]
+    why = ["expert-TP > 1 without sequence parallelism"] if etp > 1 and not config.sequence_parallel else []
     balancing = config.moe_router_load_balancing_type if config.moe_aux_loss_coeff > 0 else "none"
     return MoEShape(layers, config.num_experts, config.moe_router_topk, config.expert_ffn_size, ep, etp,
                     config.moe_token_dispatcher_type, 8 if config.moe_router_dtype == "fp64" else 4,
@@ -85,7 +88,7 @@ def moe_shape(config, ep: int, etp: int, grouped_gemm: bool = False) -> MoEShape
                     config.moe_router_score_function == "sigmoid", bool(config.moe_router_group_topk),
                     config.moe_router_enable_expert_bias,
                     balancing == "seq_aux_loss",
-                    grouped_gemm, config.add_bias_linear,
+                    grouped_gemm, config.add_bias_linear, config.moe_expert_capacity_factor,
                     ("mixture-of-experts layers with " + ", ".join(why) + " are not modeled yet (issue 44)")
                     if why else None)
 
@@ -102,8 +105,14 @@ def routed_tokens(st) -> int:
 
 
 def worst_case_rows(st, moe: MoEShape) -> int:
-    """The dropless worst case of R: every slot of the EP group's tokens that can reach this rank's experts."""
-    return moe.ep * dispatched_tokens(st, moe) * min(moe.topk, moe.local_experts)
+    """The worst case of R: every slot of the EP group's tokens that can reach this rank's experts; with capacity
+    drops at most each source rank's capacity per local expert (Megatron's ceil(s b k / E x factor), the routing
+    being the whole micro-batch's)."""
+    rows = moe.ep * dispatched_tokens(st, moe) * min(moe.topk, moe.local_experts)
+    if moe.capacity_factor is None:
+        return rows
+    cap = math.ceil(st.seq_length * st.micro_batch_size * moe.topk / moe.num_experts * moe.capacity_factor)
+    return min(rows, moe.ep * moe.local_experts * cap)
 
 
 def routing_terms(st, moe: MoEShape) -> list[Term]:
@@ -119,6 +128,7 @@ def routing_terms(st, moe: MoEShape) -> list[Term]:
     if moe.sigmoid and k > 1:  # normalised over the k chosen: the division keeps the chosen and their sum
         terms.append(Term("chosen scores and their sum", f"{r}T(k + 1)", r * t * (k + 1)))
     local = not (st.sequence_parallel or (moe.dispatcher == "allgather" and moe.ep > 1))
+    local = local and moe.capacity_factor is None  # else the weighting keeps the kept gates (dispatch_terms)
     if local or not (moe.sigmoid or moe.pre_softmax):  # the post-top-k softmax keeps its output; other gates
         terms.append(Term("top-k gates", f"{r}Tk", r * t * k))  # are kept by the weighting, when local
     if moe.z_loss:
@@ -133,20 +143,24 @@ def routing_terms(st, moe: MoEShape) -> list[Term]:
     return terms
 
 
-def dispatch_terms(st, moe: MoEShape, rows: int) -> list[Term]:
-    """The gates, permutation, experts and weighting terms at R = `rows` entering this rank's experts."""
+def dispatch_terms(st, moe: MoEShape, rows: int, sent: int) -> list[Term]:
+    """The gates, permutation, experts and weighting terms at R = `rows` entering this rank's experts and S =
+    `sent` kept slots of its D tokens (D k when dropless)."""
     e, r, h, k, ep = st.dtype_bytes, moe.router_bytes, st.hidden_size, moe.topk, moe.ep
     d = dispatched_tokens(st, moe)
     c = 4 if st.swiglu else 2  # per row: [gate; up], SiLU output, down input; or GELU input, fc2 input
     gathered = moe.dispatcher == "allgather" and ep > 1
-    terms = []
-    if st.sequence_parallel and not gathered:
-        terms.append(Term("gates gathered over TP", f"{r}tTk", r * st.tp * routed_tokens(st) * k))
+    terms, tt = [], "tT" if st.sequence_parallel else "T"  # the routing's tokens: the micro-batch's s b
+    if moe.capacity_factor is not None:  # the drop's mask, kept by the gates' product with it
+        terms.append(Term("kept-slot mask (bool)", f"{tt}k", st.seq_length * st.micro_batch_size * k))
+    if (st.sequence_parallel or moe.capacity_factor is not None) and not gathered:
+        name = "kept gates" if moe.capacity_factor is not None else "gates gathered over TP"
+        terms.append(Term(name, f"{r}{tt}k", r * st.seq_length * st.micro_batch_size * k))
     if moe.dispatcher == "alltoall":
-        terms.append(Term("slot token index and order", "16Dk", 16 * d * k))
+        terms += [Term("slot token index", "8S", 8 * sent), Term("slot order", "8Dk", 8 * d * k)]
         if ep > 1:
             terms += [Term("expert-major permutation", "8R", 8 * rows),
-                      Term("outputs returned", f"{e}Dkh", e * d * k * h)]
+                      Term("outputs returned", f"{e}Sh", e * sent * h)]
         weighted = d
     else:
         terms += [Term("chosen rows index", "8R", 8 * rows), Term("slot order", f"8({ep}D)k", 8 * ep * d * k)]
@@ -176,7 +190,8 @@ def shared_terms(st, moe: MoEShape) -> list[Term]:
     return terms
 
 
-def moe_terms(st, moe: MoEShape, rows: int | None) -> list[Term]:
-    """Every MoE term of one layer at R = `rows` (None: the dropless worst case)."""
-    rows = worst_case_rows(st, moe) if rows is None else rows
-    return routing_terms(st, moe) + dispatch_terms(st, moe, rows) + shared_terms(st, moe)
+def moe_terms(st, moe: MoEShape, rows: tuple[int, int] | None) -> list[Term]:
+    """Every MoE term of one layer at (R, S) = `rows` (None: the worst case, R's and S = D k)."""
+    if rows is None:
+        rows = (worst_case_rows(st, moe), dispatched_tokens(st, moe) * moe.topk)
+    return routing_terms(st, moe) + dispatch_terms(st, moe, *rows) + shared_terms(st, moe)

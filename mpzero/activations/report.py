@@ -86,14 +86,11 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
         text = f"layers {_ranges(indices)} ({kind}{where}) {shown} B counted, formula {layer.device_bytes:,} B"
         if layer.device_bytes:
             text += f" = {layer.text()}, ratio {_ratio(max(seen), layer.device_bytes)}"
-        if layer.rows is not None:
-            text += (f" (mixture of experts at R {layer.rows:,} rows counted into this rank's experts; dropless "
-                     f"worst case R {layer.worst_rows:,}: {layer.worst_bytes:,} B)")
-        parts.append(text)
+        parts.append(text + _rows_text(setting, layer))
     worst = formula.worst_case_bytes
     parts.append(f"micro-batch {report['total']:,} B counted, formula {formula.micro_batch_bytes:,} B (outside the "
                  f"layers {formula.outside_bytes:,}), ratio {_ratio(report['total'], formula.micro_batch_bytes)}"
-                 + (f", dropless worst case {worst:,} B" if worst != formula.micro_batch_bytes else ""))
+                 + (f", {_bound(setting)} {worst:,} B" if worst != formula.micro_batch_bytes else ""))
     if report["host"] or setting.offload_activations:
         host = [layer.host_bytes for layer in formula.layers]
         host_formula = "not modeled (save_on_cpu copies every saved tensor)" if None in host else f"{sum(host):,} B"
@@ -106,6 +103,19 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
     if setting.recompute_granularity is not None and stored and counted:
         parts.append(f"layers vs stored {sum(counted) / (stored * len(counted)):.2f}x")
     return " | ".join(parts + _in_flight(report))
+
+
+def _bound(setting: ActivationSetting) -> str:
+    capped = setting.moe is not None and setting.moe.capacity_factor is not None
+    return "worst case at capacity" if capped else "dropless worst case"
+
+
+def _rows_text(setting: ActivationSetting, layer) -> str:
+    """A mixture-of-experts layer's counted rows and its worst case (nothing for another layer)."""
+    if layer.rows is None:
+        return ""
+    return (f" (mixture of experts at R {layer.rows:,} rows counted into this rank's experts; {_bound(setting)} "
+            f"R {layer.worst_rows:,}: {layer.worst_bytes:,} B)")
 
 
 def _in_flight(report: dict) -> list[str]:

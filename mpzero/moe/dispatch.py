@@ -77,7 +77,7 @@ def alltoall(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, num
     send = [sum(send_counts[r * local:(r + 1) * local]) for r in range(ep.size)]
     recv = [sum(received[r * local:(r + 1) * local]) for r in range(ep.size)]
     sent_order = order[:sum(send)]
-    note_expert_rows(sum(recv))
+    note_expert_rows(sum(recv), sum(send))
     x = tokens[sent_order // k]
     if ep.size > 1:
         x = _AllToAll.apply(x, ep, recv, send)

@@ -79,12 +79,13 @@ def drop_to_capacity(probs: torch.Tensor, indices: torch.Tensor, num_experts: in
         return Routing(indices, probs, torch.ones_like(indices, dtype=torch.bool))
     tokens, k = indices.shape
     cap = capacity(tokens, k, num_experts, factor)
-    dense = torch.zeros(tokens, num_experts, dtype=probs.dtype, device=probs.device).scatter(1, indices, probs)
+    # the gates only rank the drops (off the graph: a scatter on it would keep the indices for no backward)
+    dense = torch.zeros(tokens, num_experts, dtype=probs.dtype, device=probs.device).scatter(1, indices, probs.detach())
     routed = torch.zeros(tokens, num_experts, dtype=torch.bool, device=probs.device).scatter(1, indices, True)
     if cap >= tokens:
         keep = routed
     elif policy == "probs":  # each expert keeps the tokens of its `cap` highest gates
-        top = torch.topk(dense.detach().masked_fill(~routed, -1.0), k=cap, dim=0).indices
+        top = torch.topk(dense.masked_fill(~routed, -1.0), k=cap, dim=0).indices
         keep = torch.zeros_like(routed).scatter(0, top, True) & routed
     else:  # "position": the first `cap` tokens routed to each expert
         keep = routed & (routed.long().cumsum(dim=0) <= cap)
