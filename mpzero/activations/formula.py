@@ -33,7 +33,7 @@ from what the code saves (never fitted to a count):
   floor((sb - 1)/c): the whole 4sbV/t when sb <= c) instead of the padding mask and the 4sbV/t softmax.
 
 A mixture-of-experts layer has no dense MLP items: its router, dispatch, experts and shared experts' terms are
-`moe.py`'s, at the rows the step routed into this rank's experts (counted) or their dropless worst case.
+`moe.py`'s, at the rows the step routed into this rank's experts (counted) or their worst case.
 
 Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
 With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
@@ -66,7 +66,7 @@ class LayerFormula:
     paper_text: str  # Korthikanti's expression of the paper terms (Table 2's row at e = 2 with dropout)
     host: bool = False  # kept in host memory (--offload-activations cpu): nothing on the device
     rows: int | None = None  # a mixture-of-experts layer's R: rows entering this rank's experts (moe.py)
-    worst_rows: int | None = None  # its dropless worst case
+    worst_rows: int | None = None  # its worst case (dropless, or bounded by the capacity)
     worst_bytes: int | None = None  # the layer's bytes at the worst case
 
     @property
@@ -103,7 +103,7 @@ class ActivationFormula:
 
     @property
     def worst_case_bytes(self) -> int:
-        """A micro-batch's device bytes with every MoE layer at its dropless worst case (the bound to plan with)."""
+        """A micro-batch's device bytes with every MoE layer at its worst case (the bound to plan with)."""
         return self.micro_batch_bytes + sum(layer.worst_bytes - layer.bytes for layer in self.layers
                                             if layer.worst_bytes is not None and not layer.host)
 

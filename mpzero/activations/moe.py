@@ -134,7 +134,7 @@ def routing_terms(st, moe: MoEShape) -> list[Term]:
     if moe.z_loss:
         terms.append(Term("z-loss logits and logsumexp", f"{r}T(E + 1)", r * t * (n + 1)))
     if moe.aux_loss:
-        counts = (f"8bE", 8 * st.micro_batch_size * n) if moe.seq_aux_loss else ("8E", 8 * n)
+        counts = ("8bE", 8 * st.micro_batch_size * n) if moe.seq_aux_loss else ("8E", 8 * n)
         scores = (f"{r}T(E + 1)", r * t * (n + 1)) if moe.sigmoid else (f"{r}TE", r * t * n)
         terms.append(Term("aux-loss scores and counts", f"{scores[0]} + {counts[0]}", scores[1] + counts[1]))
     losses = int(moe.z_loss) + int(moe.aux_loss)
