@@ -10,6 +10,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 from mpzero.activations import activation_formula, modeled, moe_shape
 from mpzero.models import GPTConfig
@@ -113,7 +114,7 @@ CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_si
 
 
 def _setting(config, ep=1, etp=1):
-    setting = config.activation_setting(1, 2, 16, dtype=__import__("torch").float32)
+    setting = config.activation_setting(1, 2, 16, dtype=torch.float32)
     return dataclasses.replace(setting, moe=moe_shape(config, ep, etp))
 
 
