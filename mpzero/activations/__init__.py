@@ -4,10 +4,11 @@ planners; what zero bubble's deferred weight gradients hold in `deferred.py`) an
 hooks), and the line that puts the two side by side (`report.py`)."""
 
 from mpzero.activations.count import (COMPILED_TRUNK, SavedBytesCounter, activation_region, host_offload,
-                                      note_exchange)
+                                      note_exchange, note_expert_rows)
 from mpzero.activations.deferred import deferred_bytes, deferred_layer_terms
 from mpzero.activations.formula import (ActivationFormula, LayerFormula, activation_formula, exchange_term,
                                         layer_formula, layer_kinds, mode_name, modeled, paper_row)
+from mpzero.activations.moe import MoEShape, moe_shape
 from mpzero.activations.outside import embedding_terms, head_terms, kept_chunk_tokens, outside_terms
 from mpzero.activations.report import activation_line, rank_report, report_activation_memory
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
@@ -17,5 +18,6 @@ __all__ = ["COMPILED_TRUNK", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRA
            "ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula",
            "activation_line", "activation_region", "check_setting", "deferred_bytes", "deferred_layer_terms",
            "embedding_terms", "exchange_term", "head_terms", "host_offload", "kept_chunk_tokens", "layer_formula",
-           "layer_kinds", "mode_name", "modeled", "note_exchange", "outside_terms", "paper_row", "rank_report",
+           "layer_kinds", "mode_name", "modeled", "MoEShape", "moe_shape", "note_exchange", "note_expert_rows",
+           "outside_terms", "paper_row", "rank_report",
            "report_activation_memory"]

@@ -18,6 +18,9 @@ tensor itself: counting changes nothing in the computation.
 run a copy within host memory), its packed copies reported to the active counter. Nested saved-tensor hooks
 replace the outer ones, so what the host tier packs is not on the device and not in `device_bytes`.
 
+`note_expert_rows(received, sent)`: the rows a mixture-of-experts layer sent into this rank's experts and the slots
+it sent out, per region.
+
 `note_exchange(nbytes)`: what a context-parallel attention holds for a moment to exchange keys and values (the
 ring's two stacked K/V, the all-gather's), reported to the active counter, which keeps the largest.
 """
@@ -55,6 +58,7 @@ class SavedBytesCounter:
         self.host_bytes: dict = defaultdict(int)
         self.saved_tensors = 0
         self.exchange_peak = 0  # the most K/V exchange buffers a context-parallel attention held (`note_exchange`)
+        self.expert_rows: dict = {}  # {region: (rows its experts received, slots it sent)} (`note_expert_rows`)
         self._seen: set = set()
         self._params: set | None = None
 
@@ -101,6 +105,16 @@ def note_exchange(nbytes: int) -> None:
     (freed once the layer has attended: not saved for backward); the counter counting now keeps the largest."""
     if _ACTIVE:
         _ACTIVE[-1].exchange_peak = max(_ACTIVE[-1].exchange_peak, nbytes)
+
+
+def note_expert_rows(received: int, sent: int = 0) -> None:
+    """Reported by a mixture-of-experts dispatcher: the rows it sent into this rank's experts and the (token, slot)
+    rows it sent out (data-dependent: the activation formula is evaluated at the counted rows), added to the
+    region's count of the counter counting now."""
+    if _ACTIVE:
+        rows = _ACTIVE[-1].expert_rows
+        before = rows.get(_REGION.get(), (0, 0))
+        rows[_REGION.get()] = (before[0] + received, before[1] + sent)
 
 
 def host_offload(enabled: bool):

@@ -32,6 +32,9 @@ from what the code saves (never fitted to a count):
   exponentials (8 bytes) and the last chunk's fp32 exponentials (4 x its c' tokens x V/t, c' = sb - c
   floor((sb - 1)/c): the whole 4sbV/t when sb <= c) instead of the padding mask and the 4sbV/t softmax.
 
+A mixture-of-experts layer has no dense MLP items: its router, dispatch, experts and shared experts' terms are
+`moe.py`'s, at the rows the step routed into this rank's experts (counted) or their worst case.
+
 Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
 With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from mpzero.activations.moe import moe_terms, worst_case_rows
 from mpzero.activations.outside import embedding_terms, head_terms, kept_chunk_tokens, outside_terms
 from mpzero.activations.qk_norm import qk_norm_terms, regrouped, regrouped_q_kept
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, ActivationSetting, Term,
@@ -61,6 +65,9 @@ class LayerFormula:
     terms: tuple[Term, ...]
     paper_text: str  # Korthikanti's expression of the paper terms (Table 2's row at e = 2 with dropout)
     host: bool = False  # kept in host memory (--offload-activations cpu): nothing on the device
+    rows: int | None = None  # a mixture-of-experts layer's R: rows entering this rank's experts (moe.py)
+    worst_rows: int | None = None  # its worst case (dropless, or bounded by the capacity)
+    worst_bytes: int | None = None  # the layer's bytes at the worst case
 
     @property
     def bytes(self) -> int:
@@ -93,6 +100,12 @@ class ActivationFormula:
     setting: ActivationSetting
     layers: tuple[LayerFormula, ...]
     outside: tuple[Term, ...]
+
+    @property
+    def worst_case_bytes(self) -> int:
+        """A micro-batch's device bytes with every MoE layer at its worst case (the bound to plan with)."""
+        return self.micro_batch_bytes + sum(layer.worst_bytes - layer.bytes for layer in self.layers
+                                            if layer.worst_bytes is not None and not layer.host)
 
     @property
     def layer_bytes(self) -> list[int]:
@@ -130,15 +143,16 @@ class ActivationFormula:
     @property
     def stored_layer_bytes(self) -> int:
         """What one layer keeps without recomputation, in this setting (the ratio's denominator)."""
-        return layer_formula(self.setting, "stored").bytes
+        return layer_formula(self.setting, "stored", self.indices[0]).bytes
 
 
 def modeled(setting: ActivationSetting) -> str | None:
     """None when the formula covers this setting; else why not (one phrase)."""
     if setting.compiled_layers:
         return "torch.compile'd layers (--torch-compile) keep what the compiler chooses"
-    if setting.moe_layers:
-        return "mixture-of-experts layers' routing, permuted tokens and experts are not modeled yet (issue 44)"
+    if setting.moe_layers and (setting.moe is None or setting.moe.unmodeled):
+        return (setting.moe.unmodeled if setting.moe is not None else "mixture-of-experts layers' routing, permuted "
+                "tokens and experts are not modeled yet without the model's expert grid (issue 44)")
     cpu_dropout = setting.attention_dropout and setting.mask_bytes != 1
     if setting.flash_attention and cpu_dropout and "stored" in layer_kinds(setting):
         return ("scaled_dot_product_attention with attention dropout runs its math fallback on the CPU, "
@@ -148,12 +162,16 @@ def modeled(setting: ActivationSetting) -> str | None:
     return None
 
 
-def activation_formula(setting: ActivationSetting) -> ActivationFormula:
-    """Per-layer and outside-layer terms for this setting (see the module docstring)."""
+def activation_formula(setting: ActivationSetting, expert_rows: dict | None = None) -> ActivationFormula:
+    """Per-layer and outside-layer terms for this setting (see the module docstring). `expert_rows`: {layer: (R,
+    S)}, the rows the step's routing sent into this rank's experts and the slots it sent (counted,
+    `SavedBytesCounter.expert_rows`); a MoE layer without one is taken at its worst case."""
     check_setting(setting)
     if modeled(setting) is not None:
         raise ValueError(f"no activation formula: {modeled(setting)}")
-    layers = tuple(layer_formula(setting, kind) for kind in layer_kinds(setting))
+    rows = expert_rows or {}
+    layers = tuple(layer_formula(setting, kind, i, rows.get(i))
+                   for kind, i in zip(layer_kinds(setting), setting.layer_indices))
     return ActivationFormula(setting, layers, tuple(outside_terms(setting)))
 
 
@@ -200,7 +218,9 @@ def _sbh_text(rep: Fraction, shard: Fraction, attn: Fraction, t: int, sp: bool) 
     return f"sbh({' + '.join(inner)})"
 
 
-def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
+def layer_formula(setting: ActivationSetting, kind: str, index: int | None = None,
+                  rows: tuple[int, int] | None = None) -> LayerFormula:
+    """Layer `index`'s terms (a mixture-of-experts layer's at (R, S) = `rows`, None: the worst case)."""
     st = setting
     s, b, h, t = st.seq_length, st.micro_batch_size, st.hidden_size, st.tp
     e = st.dtype_bytes
@@ -215,24 +235,30 @@ def layer_formula(setting: ActivationSetting, kind: str) -> LayerFormula:
         return LayerFormula(kind, (Term("checkpointed input", text, e * s * b * h // div, paper=True), rng_term),
                             text, host)
     core = kind == "stored"  # the core attention's tensors are kept (selective recomputes them)
-    paper_term = _table2_term(st, core)
-    terms = [paper_term] + _named_terms(st, core)
-    if kind == "selective":
-        terms.append(rng_term)
-    return LayerFormula(kind, tuple(terms), paper_term.text, host)
+    moe = st.moe if st.moe is not None and index in st.moe.layers else None
+    paper_term = _table2_term(st, core, moe is not None)
+    terms = [paper_term] + _named_terms(st, core) + ([rng_term] if kind == "selective" else [])
+    if moe is None:
+        return LayerFormula(kind, tuple(terms), paper_term.text, host)
+    worst_bytes = sum(t.bytes for t in terms + moe_terms(st, moe, None))
+    counted = rows if rows is not None else (worst_case_rows(st, moe), None)
+    return LayerFormula(kind, tuple(terms + moe_terms(st, moe, rows)), paper_term.text, host, counted[0],
+                        worst_case_rows(st, moe), worst_bytes)
 
 
-def _table2_term(st: ActivationSetting, core: bool) -> Term:
+def _table2_term(st: ActivationSetting, core: bool, moe: bool = False) -> Term:
     """Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t), evaluated
-    for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each)."""
+    for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each). A MoE layer
+    has no dense MLP items (its own terms: moe.py)."""
     s, b, h, a, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp, st.dtype_bytes
     sp, attn_drop, flash = st.sequence_parallel, st.attention_dropout, st.flash_attention
     rep_div = t if sp else 1  # replicated-region tensors: whole per rank, or a 1/t slice of the sequence
     f = Fraction(st.ffn_hidden_size or 4 * h, h)
-    rep_items = [("norm inputs", 2 * e), ("QKV input", e), ("MLP input", e)] + (
+    rep_items = [("norm inputs", 2 * e), ("QKV input", e)] + ([] if moe else [("MLP input", e)]) + (
         [("hidden dropout masks", 2)] if st.hidden_dropout else [])
-    mlp_items = ([("gate and up outputs", 2 * f * e), ("SiLU output", f * e), ("down-projection input", f * e)]
-                 if st.swiglu else [("GELU input", f * e), ("fc2 input", f * e)])
+    mlp_items = [] if moe else (
+        [("gate and up outputs", 2 * f * e), ("SiLU output", f * e), ("down-projection input", f * e)]
+        if st.swiglu else [("GELU input", f * e), ("fc2 input", f * e)])
     shard_items = [("Q, K, V", _attention_inputs(st, core, flash) * e), ("projection input", e)] + mlp_items
     attn_items = ([("softmax output", e), ("value-matmul input (dropout output)", e)]
                   + ([("attention dropout mask", 1)] if attn_drop else [])) if core and not flash else []

@@ -24,7 +24,7 @@ def rank_report(counter: SavedBytesCounter, setting: ActivationSetting | None, i
     pipeline stage's micro-batches held at once, counted against the schedule's formula (an object whose
     `text()` the line ends with: `mpzero.pipeline.in_flight`), or None."""
     why = "the model gives no activation_setting" if setting is None else modeled(setting)
-    formula = activation_formula(setting) if why is None else None
+    formula = activation_formula(setting, _expert_rows(counter)) if why is None else None
     indices = range(max([k for k in counter.device_bytes if isinstance(k, int)], default=-1) + 1)
     if setting is not None:
         indices = setting.layer_indices  # a pipeline stage's layers, by global index
@@ -34,6 +34,11 @@ def rank_report(counter: SavedBytesCounter, setting: ActivationSetting | None, i
             "total": counter.total_bytes, "host": sum(counter.host_bytes.values()), "formula": formula,
             "why": why, "setting": setting, "exchange": counter.exchange_peak,
             "exchange_formula": exchange_term(setting) if setting is not None else None, "in flight": in_flight}
+
+
+def _expert_rows(counter: SavedBytesCounter) -> dict:
+    """{layer: rows its experts received} as the counter saw them (mixture-of-experts layers only)."""
+    return {k: v for k, v in counter.expert_rows.items() if isinstance(k, int)}
 
 
 def _ratio(counted: int, formula: int) -> str:
@@ -70,9 +75,9 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
         parts.append(f"micro-batch {report['total']:,} B counted (no formula: {report['why']})")
         return " | ".join(parts + _in_flight(report))
     groups: dict = {}
-    for i, layer in enumerate(formula.layers):
-        groups.setdefault((layer.kind, layer.host), []).append(i)
-    for (kind, host), positions in groups.items():
+    for i, layer in enumerate(formula.layers):  # a MoE layer's rows are its own: one group each
+        groups.setdefault((layer.kind, layer.host, i if layer.rows is not None else None), []).append(i)
+    for (kind, host, _), positions in groups.items():
         layer = formula.layers[positions[0]]
         seen = sorted({counted[i] for i in positions})
         shown = f"{seen[0]:,}" if len(seen) == 1 else "/".join(f"{c:,}" for c in seen)
@@ -81,9 +86,11 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
         text = f"layers {_ranges(indices)} ({kind}{where}) {shown} B counted, formula {layer.device_bytes:,} B"
         if layer.device_bytes:
             text += f" = {layer.text()}, ratio {_ratio(max(seen), layer.device_bytes)}"
-        parts.append(text)
+        parts.append(text + _rows_text(setting, layer))
+    worst = formula.worst_case_bytes
     parts.append(f"micro-batch {report['total']:,} B counted, formula {formula.micro_batch_bytes:,} B (outside the "
-                 f"layers {formula.outside_bytes:,}), ratio {_ratio(report['total'], formula.micro_batch_bytes)}")
+                 f"layers {formula.outside_bytes:,}), ratio {_ratio(report['total'], formula.micro_batch_bytes)}"
+                 + (f", {_bound(setting)} {worst:,} B" if worst != formula.micro_batch_bytes else ""))
     if report["host"] or setting.offload_activations:
         host = [layer.host_bytes for layer in formula.layers]
         host_formula = "not modeled (save_on_cpu copies every saved tensor)" if None in host else f"{sum(host):,} B"
@@ -96,6 +103,19 @@ def activation_line(rank: int, report: dict, dtype: torch.dtype | None = None) -
     if setting.recompute_granularity is not None and stored and counted:
         parts.append(f"layers vs stored {sum(counted) / (stored * len(counted)):.2f}x")
     return " | ".join(parts + _in_flight(report))
+
+
+def _bound(setting: ActivationSetting) -> str:
+    capped = setting.moe is not None and setting.moe.capacity_factor is not None
+    return "worst case at capacity" if capped else "dropless worst case"
+
+
+def _rows_text(setting: ActivationSetting, layer) -> str:
+    """A mixture-of-experts layer's counted rows and its worst case (nothing for another layer)."""
+    if layer.rows is None:
+        return ""
+    return (f" (mixture of experts at R {layer.rows:,} rows counted into this rank's experts; {_bound(setting)} "
+            f"R {layer.worst_rows:,}: {layer.worst_bytes:,} B)")
 
 
 def _in_flight(report: dict) -> list[str]:
@@ -113,7 +133,7 @@ def report_activation_memory(counter: SavedBytesCounter, model, groups, micro_ba
     why = "no setting" if setting is None else modeled(setting)
     held = None
     if in_flight is not None:
-        held = in_flight(counter, activation_formula(setting) if why is None else None)
+        held = in_flight(counter, activation_formula(setting, _expert_rows(counter)) if why is None else None)
     reports = groups.world.all_gather_objects(rank_report(counter, setting, held))
     if groups.is_logging_rank:
         for rank, report in enumerate(reports):

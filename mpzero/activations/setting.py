@@ -58,7 +58,8 @@ class ActivationSetting:
     cp: int = 1  # context-parallel ranks (mpzero.context_parallel); the sequence is cp x seq_length tokens
     cp_comm_type: str = "p2p"  # with cp > 1: p2p and all_gather keep what flash keeps; a2a runs its core on a/cp
     # heads over the cp x seq_length tokens
-    moe_layers: int = 0  # mixture-of-experts layers (mpzero.moe): what they keep is not modeled yet
+    moe_layers: int = 0  # mixture-of-experts layers (mpzero.moe)
+    moe: object | None = None  # their shape (`mpzero.activations.moe.MoEShape`: the model's, with its EP grid)
     # The pipeline stage (the whole model by default):
     chunks: tuple[tuple[int, ...], ...] | None = None  # its layers' global indices by model chunk; None: all, one
     first_stage: bool = True  # it begins the model: token ids, position ids, the embedding's dropout mask

@@ -39,6 +39,7 @@ What each mode keeps is `mpzero.activations.formula`, counted against it at the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpzero.activations import COMPILED_TRUNK, ActivationSetting, activation_region, host_offload
+from mpzero.activations import COMPILED_TRUNK, ActivationSetting, activation_region, host_offload, moe_shape
 from mpzero.comm import CommGroup
 from mpzero.context_parallel import ContextParallel
 from mpzero.deferred_init import deferred_parameter, materialize_module, name_parameters
@@ -59,7 +60,7 @@ from mpzero.models.kv_cache import KVCache
 from mpzero.models.moe_block import ExpertGrid, moe_block
 from mpzero.models.rotary import RotaryEmbedding
 from mpzero.models.stage import LayerStack, ModelStage
-from mpzero.moe import MoEMetrics, check_expert_grid
+from mpzero.moe import MoEMetrics, check_expert_grid, experts_impl
 from mpzero.tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, VocabParallelEmbedding, copy_to_tp,
                                     linear_with_sequence_gather, mark_pipeline_tied, mark_tensor_parallel, recompute,
                                     scatter_to_sequence_parallel, vocab_parallel_cross_entropy,
@@ -192,7 +193,7 @@ class GPTModel(nn.Module):
             self.moe_metrics = MoEMetrics([config.is_moe_layer(i) for i in range(config.num_layers)],
                                           config.num_experts, config.sequence_parallel and tp.size > 1,
                                           config.moe_router_bias_update_rate, config.moe_token_dispatcher_type)
-        grid = ExpertGrid(ep, expert_tp, self.moe_metrics)
+        self.expert_grid = grid = ExpertGrid(ep, expert_tp, self.moe_metrics)  # its sizes: the activation formula
         if cp is not None and cp.size != config.context_parallel_size:
             raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
                               f"group has {cp.size} rank(s): build it with the run's groups.cp")
@@ -357,6 +358,9 @@ class GPTModel(nn.Module):
         setting = self.config.activation_setting(self.tp.size, micro_batch_size, seq_length, dtype, device,
                                                  tp_rank=self.tp.rank,
                                                  rng_streams=len(self.rng.states) if self.rng is not None else 1)
+        grid = self.expert_grid
+        grouped = experts_impl(self.config.moe_grouped_gemm) == "grouped_mm"
+        setting = dataclasses.replace(setting, moe=moe_shape(self.config, grid.ep.size, grid.etp.size, grouped))
         return setting.for_stage(self.stage.chunks, self.stage.first, self.stage.last)
 
     def compiled_backward_parameters(self) -> list[nn.Parameter]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from mpzero.activations import note_expert_rows
 from mpzero.comm import CommGroup
 from mpzero.moe.routing import Routing
 from mpzero.tensor_parallel import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
@@ -76,6 +77,7 @@ def alltoall(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, num
     send = [sum(send_counts[r * local:(r + 1) * local]) for r in range(ep.size)]
     recv = [sum(received[r * local:(r + 1) * local]) for r in range(ep.size)]
     sent_order = order[:sum(send)]
+    note_expert_rows(sum(recv), sum(send))
     x = tokens[sent_order // k]
     if ep.size > 1:
         x = _AllToAll.apply(x, ep, recv, send)
@@ -111,6 +113,7 @@ def allgather(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, nu
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=local + 1)[:local].tolist()
     chosen = order[:sum(counts)]
+    note_expert_rows(len(chosen))
     y = experts(every[chosen // k], counts)
     slots = y.new_zeros(t * k, y.shape[-1]).index_copy(0, chosen, y)
     out = _weighted(slots.view(t, k, -1), probs)

@@ -138,7 +138,7 @@ class MoELayer(nn.Module):
         else:  # seq_aux_loss: each sequence's own loss, averaged over the batch
             per_position = scores.view(-1, batch, st.num_experts)
             chosen = torch.zeros_like(scores, dtype=torch.long).scatter(
-                1, torch.topk(scores, st.topk, dim=1).indices, 1).view(-1, batch, st.num_experts).sum(0)
+                1, torch.topk(scores.detach(), st.topk, dim=1).indices, 1).view(-1, batch, st.num_experts).sum(0)
             loss = seq_aux_loss(per_position, self._summed(chosen), per_position.shape[0] * sp, batch, st.topk,
                                 st.aux_loss_coeff)
             name = "seq_load_balancing_loss"

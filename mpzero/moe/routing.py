@@ -46,7 +46,7 @@ def top_k(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_sof
         return torch.softmax(chosen, dim=-1), indices
     scores = torch.sigmoid(logits)
     if expert_bias is not None:
-        _, indices = _choose(scores + expert_bias, k, num_groups, group_topk)
+        _, indices = _choose((scores + expert_bias).detach(), k, num_groups, group_topk)  # the choice alone
         chosen = scores.gather(1, indices)
     else:
         chosen, indices = _choose(scores, k, num_groups, group_topk)
@@ -57,7 +57,9 @@ def _choose(scores: torch.Tensor, k: int, num_groups: int | None, group_topk: in
     if not group_topk:
         return torch.topk(scores, k=k, dim=1)
     tokens, experts = scores.shape
-    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    # the groups only mask the choice (no gradient through them): on the graph their top-k's would keep indices
+    # for a backward that never comes
+    grouped = scores.detach().view(tokens, num_groups, experts // num_groups)
     group_scores = grouped.topk(k // group_topk, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
@@ -77,12 +79,13 @@ def drop_to_capacity(probs: torch.Tensor, indices: torch.Tensor, num_experts: in
         return Routing(indices, probs, torch.ones_like(indices, dtype=torch.bool))
     tokens, k = indices.shape
     cap = capacity(tokens, k, num_experts, factor)
-    dense = torch.zeros(tokens, num_experts, dtype=probs.dtype, device=probs.device).scatter(1, indices, probs)
+    # the gates only rank the drops (off the graph: a scatter on it would keep the indices for no backward)
+    dense = torch.zeros(tokens, num_experts, dtype=probs.dtype, device=probs.device).scatter(1, indices, probs.detach())
     routed = torch.zeros(tokens, num_experts, dtype=torch.bool, device=probs.device).scatter(1, indices, True)
     if cap >= tokens:
         keep = routed
     elif policy == "probs":  # each expert keeps the tokens of its `cap` highest gates
-        top = torch.topk(dense.detach().masked_fill(~routed, -1.0), k=cap, dim=0).indices
+        top = torch.topk(dense.masked_fill(~routed, -1.0), k=cap, dim=0).indices
         keep = torch.zeros_like(routed).scatter(0, top, True) & routed
     else:  # "position": the first `cap` tokens routed to each expert
         keep = routed & (routed.long().cumsum(dim=0) <= cap)
@@ -99,8 +102,10 @@ def aux_loss_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
 
 
 def routed_counts(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Tokens per expert whose top-k of `scores` include it (the loss's c_i), [E]."""
-    return torch.zeros_like(scores, dtype=torch.long).scatter(1, torch.topk(scores, k, dim=1).indices, 1).sum(0)
+    """Tokens per expert whose top-k of `scores` include it (the loss's c_i), [E]. The choice is made on detached
+    scores: a top-k on the graph would keep its indices for a backward that never comes (its values are dropped)."""
+    chosen = torch.topk(scores.detach(), k, dim=1).indices
+    return torch.zeros_like(scores, dtype=torch.long).scatter(1, chosen, 1).sum(0)
 
 
 def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, total_tokens: int, k: int,
