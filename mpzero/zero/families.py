@@ -171,16 +171,10 @@ class StageFamilies(ZeroStage):
         return _Sinks(self)
 
     def tier_bytes(self) -> TierBytes:
-        total = TierBytes()
-        for stage in self.stages:
-            total = total + stage.tier_bytes()
-        return total
+        return sum((stage.tier_bytes() for stage in self.stages), TierBytes())
 
     def transfers(self) -> Transfers:
-        total = Transfers()
-        for stage in self.stages:
-            total = total + stage.transfers()
-        return total
+        return sum((stage.transfers() for stage in self.stages), Transfers())
 
     def host_buffer_formula(self) -> tuple[int, str]:
         parts = [stage.host_buffer_formula() for stage in self.stages]
