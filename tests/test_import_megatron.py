@@ -146,11 +146,14 @@ def _without(flags, flag):
 @pytest.mark.parametrize("change,message", [
     (lambda f: _without(f, "--position-embedding-type"), "has no learned position embedding: pass "
                                                           "--position-embedding-type rope"),
-    (lambda f: f + ["--num-attention-heads", "3"], "--num-attention-heads 3 does not divide the checkpoint's hidden"),
+    (lambda f: f + ["--num-attention-heads", "3"],
+     "--num-attention-heads 3 does not divide the checkpoint's attention width 32"),
     (lambda f: f + ["--num-layers", "3"], "--num-layers 3 disagrees with the checkpoint's tensors, which say "
                                           "num_layers 4"),
     (lambda f: f + ["--normalization", "LayerNorm"], "--normalization LayerNorm disagrees"),
     (lambda f: f + ["--num-query-groups", "4"], "--num-query-groups 4 disagrees"),
+    (lambda f: f + ["--kv-channels", "16"], "--kv-channels 16 disagrees with the checkpoint's tensors, which say "
+                                            "kv_channels 8"),
     (lambda f: f + ["--vocab-size", "200"], "--vocab-size 200 is more than the checkpoint's 128 embedding rows"),
     (lambda f: _without(f, "--max-position-embeddings"), "--max-position-embeddings is needed with RoPE"),
     (lambda f: f + ["--ckpt-step", "5"], "has no iter_0000005 directory"),

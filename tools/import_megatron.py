@@ -37,6 +37,7 @@ MODEL_FLAGS = {
     "num_layers": ("--num-layers", POSITIVE, CHECKED), "hidden_size": ("--hidden-size", POSITIVE, CHECKED),
     "ffn_hidden_size": ("--ffn-hidden-size", POSITIVE, CHECKED),
     "num_query_groups": ("--num-query-groups", POSITIVE, CHECKED),
+    "kv_channels": ("--kv-channels", POSITIVE, CHECKED + ": linear_proj's columns / heads"),
     "normalization": ("--normalization", NORMALIZATIONS, CHECKED + ": a LayerNorm has a bias, an RMSNorm none"),
     "swiglu": ("--swiglu", None, CHECKED + ": linear_fc1 twice linear_fc2's width"),
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", None,
