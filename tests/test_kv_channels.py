@@ -9,22 +9,27 @@ heads of 12 (48 != 32) in 2 key/value groups.
   - FLOPs per token equal FlopCounterMode's count of the matmuls, with selective recomputation;
   - the run's activation line, zero memory and comm lines equal their formulas (ratio 1.0000), and the dry run
     prints the real run's lines with the planner's figures (TP bytes included) equal to them;
-  - a checkpoint of another head size is one line."""
+  - a checkpoint of another head size is one line, and so is its export to GPT2LMHeadModel (no head_dim there).
+The Hugging Face and Megatron-LM imports and exports with a head size of their own: test_hf_llama.py,
+test_hf_moe.py (Qwen3-MoE), test_import_megatron.py."""
 
 import dataclasses
+import os
 import re
+import runpy
 
 import pytest
 
 from mpzero.cli.arguments import gpt_config, parse_args, run_config
 from mpzero.errors import ConfigError
 from mpzero.models import GPTConfig
-from tests.cli import TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main
+from tests.cli import TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main, tool_result
 from tests.distributed import run_ranks
 from tests.test_flops import NO_DROPOUT, _counted_flops
 from tests.test_llama import LLAMA
 from tests.test_pipeline import BASE as PIPELINE_BASE
 from tests.test_pipeline import LLAMA as PIPELINE_LLAMA
+from tests.trained_gpt import TOOLS
 
 KV = LLAMA + ["--kv-channels", "12"]
 _REFERENCES: dict = {}
@@ -173,3 +178,12 @@ def test_pipeline_stages_train_like_one_process(flags):
     stdout = _assert_like_one_process(2, ["--pipeline-model-parallel-size", "2", "--log-interval", "1"] + flags,
                                       base=base)
     _ratios_are_one(stdout, ("activation memory", "pipeline comm"))  # zb-h1: the weight-gradient store's terms
+
+
+def test_a_gpt2_with_its_own_head_size_is_refused_by_export(tmp_path):
+    export_main = runpy.run_path(os.path.join(TOOLS, "export_hf.py"))["main"]
+    run_ranks(1, quiet_main, TINY + ["--kv-channels", "12", "--train-iters", "1", "--eval-iters", "0",
+                                     "--save", str(tmp_path / "ckpt")])
+    code, err = tool_result(export_main, ["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")])
+    assert code == 2 and err.count("\n") == 1 and "--kv-channels 12 (GPT-2's heads split n_embd)" in err, err
+    assert not (tmp_path / "hf").exists()

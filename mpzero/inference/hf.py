@@ -41,7 +41,7 @@ def _check_gpt2(config: GPTConfig) -> None:
                    (config.ffn_size != 4 * config.hidden_size, f"--ffn-hidden-size {config.ffn_size}"),
                    (not config.learned_positions, "no learned position embedding"),
                    (config.qk_layernorm, "--qk-layernorm"),
-                   (config.num_attention_heads * config.head_dim != config.hidden_size,
+                   (config.attention_width != config.hidden_size,
                     f"--kv-channels {config.head_dim} (GPT-2's heads split n_embd)")]
     for bad, what in unsupported:
         if bad:

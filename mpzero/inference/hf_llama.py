@@ -247,7 +247,7 @@ def _kv_channels(head_dim: int | None, c: dict) -> int | None:
 
 def has_own_head_size(config: GPTConfig) -> bool:
     """Whether the head size is not hidden / heads: the model needs --kv-channels."""
-    return config.num_attention_heads * config.head_dim != config.hidden_size
+    return config.attention_width != config.hidden_size
 
 
 def model_flags(config: GPTConfig) -> dict:

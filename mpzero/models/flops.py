@@ -45,7 +45,7 @@ def flops_per_token(config, tp_size: int = 1, micro_batch_size: int = 1) -> floa
     vocab = config.padded_vocab_size(tp_size)
     # QKV 2h(a + 2g)d (6h^2 without GQA), projection 2adh, attention 4sad (ad = h unless --kv-channels); RoPE,
     # norms and activations are not matmuls
-    width = config.num_attention_heads * config.head_dim
+    width = config.attention_width
     qkv = 2 * h * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
     layers = [qkv + 2 * width * h + 4 * s * width + mlp_flops(config, i) for i in range(l)]
     recomputed = 0

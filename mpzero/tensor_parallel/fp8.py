@@ -293,5 +293,4 @@ def layer_linears(config) -> list[tuple[str, int, int]]:
     config (`GPTConfig`): QKV and fc1 column-parallel, the attention output and fc2 row-parallel."""
     h, ffn, d = config.hidden_size, config.ffn_size, config.head_dim
     return [("column", h, (config.num_attention_heads + 2 * config.query_groups) * d),
-            ("row", config.num_attention_heads * d, h), ("column", h, 2 * ffn if config.swiglu else ffn),
-            ("row", ffn, h)]
+            ("row", config.attention_width, h), ("column", h, 2 * ffn if config.swiglu else ffn), ("row", ffn, h)]
