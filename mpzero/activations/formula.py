@@ -262,7 +262,7 @@ def _table2_term(st: ActivationSetting, core: bool, moe: bool = False) -> Term:
     mlp_items = [] if moe else (
         [("gate and up outputs", 2 * f * e), ("SiLU output", f * e), ("down-projection input", f * e)]
         if st.swiglu else [("GELU input", f * e), ("fc2 input", f * e)])
-    heads = Fraction(st.attention_width, h)  # q and the projection input are a d wide: h, or --kv-channels' a d
+    heads = Fraction(a * st.head_dim, h)  # q and the projection input are a d wide: h, or --kv-channels' a d
     shard_items = [("Q, K, V", _attention_inputs(st, core, flash) * e * heads), ("projection input", e * heads)] \
         + mlp_items
     attn_items = ([("softmax output", e), ("value-matmul input (dropout output)", e)]
@@ -307,7 +307,7 @@ def _named_terms(st: ActivationSetting, core: bool) -> list[Term]:
         terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
         if _a2a(st) > 1:
             terms.append(Term("attention output before its all-to-all back", f"{e}sbad/t",
-                              e * s * b * st.attention_width // t))
+                              e * s * b * a * st.head_dim // t))
     elif core:
         if st.softmax_impl == "torch":
             if e < 4:

@@ -38,7 +38,7 @@ def qk_norm_terms(st: ActivationSetting, flash: bool, a2a: int) -> list[Term]:
     s, b, a, t, e = st.seq_length, st.micro_batch_size, st.num_attention_heads, st.tp, st.dtype_bytes
     groups = st.num_query_groups or a
     r = Fraction(groups, a)
-    unit = Fraction(s * b * st.attention_width, t)  # one q's elements on this rank (sbh/t unless --kv-channels)
+    unit = Fraction(s * b * a * st.head_dim, t)  # one q's elements on this rank (sbh/t unless --kv-channels)
 
     def term(name: str, text: str, value: Fraction) -> Term:
         return Term(name, text, int(value))

@@ -68,12 +68,8 @@ class ActivationSetting:
 
     @property
     def head_dim(self) -> int:
+        """d: --kv-channels, else h/a (so a d, q's and the projection input's width, is h by default)."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def attention_width(self) -> int:
-        """The query heads' total size a d (h unless --kv-channels): q's and the projection input's width."""
-        return self.num_attention_heads * self.head_dim
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, ...], ...]:
