@@ -9,19 +9,25 @@ heads of 12 (48 != 32) in 2 key/value groups.
   - FLOPs per token equal FlopCounterMode's count of the matmuls, with selective recomputation;
   - the run's activation line, zero memory and comm lines equal their formulas (ratio 1.0000), and the dry run
     prints the real run's lines with the planner's figures (TP bytes included) equal to them;
-  - a checkpoint of another head size is one line, and so is its export to GPT2LMHeadModel (no head_dim there).
+  - a checkpoint of another head size is one line, and so is its export to GPT2LMHeadModel (no head_dim there);
+  - the published Qwen3-30B-A3B config.json (head_dim 128 != 2048 / 32) is a model with HF's 30.5B parameters.
 The Hugging Face and Megatron-LM imports and exports with a head size of their own: test_hf_llama.py,
 test_hf_moe.py (Qwen3-MoE), test_import_megatron.py."""
 
 import dataclasses
+import math
 import os
 import re
 import runpy
 
 import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from mpzero.cli.arguments import gpt_config, parse_args, run_config
 from mpzero.errors import ConfigError
+from mpzero.inference.hf_qwen3_moe import config_from_hf
+from mpzero.inference.weights import expected_shapes
 from mpzero.models import GPTConfig
 from tests.cli import TINY, assert_close_lists, exit_code_and_stderr, main_capturing_stdout, quiet_main, tool_result
 from tests.distributed import run_ranks
@@ -187,3 +193,17 @@ def test_a_gpt2_with_its_own_head_size_is_refused_by_export(tmp_path):
     code, err = tool_result(export_main, ["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")])
     assert code == 2 and err.count("\n") == 1 and "--kv-channels 12 (GPT-2's heads split n_embd)" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_published_qwen3_30b_a3b_config_is_hfs_model():
+    """Qwen3-30B-A3B's config.json (hidden 2048, 32 heads of 128, 4 key/value heads, 128 experts, top 8): mpzero's
+    model of it has HF's parameters, every one (both built on the meta device: nothing allocated)."""
+    hf = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+              num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+              moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    config = config_from_hf({**hf, "model_type": "qwen3_moe"}, "Qwen3-30B-A3B")
+    assert (config.kv_channels, config.attention_width, config.query_groups) == (128, 4096, 4)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).parameters())
+    assert sum(math.prod(shape) for shape in expected_shapes(config).values()) == theirs == 30_532_122_624
