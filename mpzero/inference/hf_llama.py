@@ -230,7 +230,7 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
                        swiglu=True, ffn_hidden_size=c["intermediate_size"], position_embedding_type="rope",
                        add_position_embedding=False, rotary_base=_rope_theta(c, source),
                        group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
-                       add_bias_linear=bool(c["attention_bias"]), kv_channels=_kv_channels(c["head_dim"], c))
+                       add_bias_linear=bool(c["attention_bias"]), kv_channels=_kv_channels(c))
     try:
         config.validate(1)
     except ConfigError as error:
@@ -238,11 +238,10 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
     return config
 
 
-def _kv_channels(head_dim: int | None, c: dict) -> int | None:
+def _kv_channels(c: dict) -> int | None:
     """--kv-channels for HF's head_dim: None where it is the default, hidden_size / num_attention_heads."""
-    default = c["hidden_size"] // c["num_attention_heads"]
-    return None if head_dim is None or (head_dim == default and not c["hidden_size"] % c["num_attention_heads"]) \
-        else head_dim
+    head_dim, hidden, heads = c["head_dim"], c["hidden_size"], c["num_attention_heads"]
+    return None if head_dim is None or head_dim * heads == hidden else head_dim
 
 
 def has_own_head_size(config: GPTConfig) -> bool:
