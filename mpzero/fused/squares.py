@@ -31,10 +31,11 @@ def sum_of_squares_reference(x: torch.Tensor, scale: float = 1.0) -> torch.Tenso
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     size = min(chunk_elements(x.device), x.numel())
     wide = torch.empty(size, dtype=torch.float64, device=x.device)
-    narrow = torch.empty(size if scale != 1.0 else 0, dtype=torch.float32, device=x.device)
+    scaled = isinstance(scale, torch.Tensor) or scale != 1.0  # a tensor: a 0-dim device scale, not read
+    narrow = torch.empty(size if scaled else 0, dtype=torch.float32, device=x.device)
     for start in range(0, x.numel(), max(size, 1)):
         chunk = x[start:start + size]
-        if scale != 1.0:  # on a copy: fp32 gradients keep their values
+        if scaled:  # on a copy: fp32 gradients keep their values
             chunk = narrow[:chunk.numel()].copy_(chunk).mul_(scale)
         chunk = wide[:chunk.numel()].copy_(chunk)  # exact from fp32, bf16 and fp16
         total += torch.dot(chunk, chunk)
@@ -75,12 +76,14 @@ def working_bytes(numel: int, impl: str, scaled: bool, device: str = "cuda") -> 
     return (12 if scaled else 8) * min(chunk_elements(device), numel)
 
 
-def sum_of_squares(x: torch.Tensor, scale: float = 1.0, impl: str = "auto") -> torch.Tensor:
+def sum_of_squares(x: torch.Tensor, scale: float | torch.Tensor = 1.0, impl: str = "auto") -> torch.Tensor:
     """sum((scale x)**2) of a contiguous 1-D tensor (fp32, bf16 or fp16) as an fp64 scalar on x's device."""
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"sum_of_squares takes a contiguous 1-D tensor, got shape {tuple(x.shape)}")
     fn = dispatch("sum_of_squares", x.device, impl,
                   {"torch": sum_of_squares_reference, "triton": _triton_sum_of_squares})
+    if isinstance(scale, torch.Tensor):  # fp16's device loss scale (issue 46): the kernel takes a float at launch
+        fn = sum_of_squares_reference
     return fn(x, scale)
 
 
