@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpzero.parallel import init_parallel
-from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer, settle, settle_values
 from tests.cli import TINY, main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.host_syncs import counting
@@ -81,8 +81,7 @@ def _optimizer_run(stage: int, launched: bool):
         else:
             skipped += opt.step(1e-2 / (step - skipped)).skipped
     if launched:
-        values = [v.item() for v in opt.settle_values()]
-        skipped = opt.settle(values)
+        skipped = settle(opt, [v.item() for v in settle_values(opt)])
     state = {f"{p.name}/{key}": t.clone() for p in opt.owned_pieces() for key, t in p.tensors.items()}
     return state, opt.adam_step(), skipped, opt.loss_scale, lr
 

@@ -11,7 +11,7 @@ loop records them. What changes is when the host learns them:
 - SIGTERM is acted on at the next read: at most --log-interval iterations later (give a scheduler's grace period
   room for that, or use --sync-every-iteration, which reads every iteration as before);
 - fp16: the loss scaler is on the device (zero/device_scaler.py); which iterations overflowed and were skipped, their
-  loss scales and learning rates are read at the next read, with the scaler's state (`ZeroOptimizer.settle`); the
+  loss scales and learning rates are read at the next read, with the scaler's state (`mpzero.zero.settle`); the
   stop after as many overflows in a row at the minimum scale as the synchronising step allows comes at that read too.
   Each launch gets the learning rates of every count of skipped steps it may follow (`lrs`); the device picks one.
 """
@@ -27,7 +27,7 @@ import torch
 from mpzero.errors import TrainingError
 from mpzero.moe import moe_metrics
 from mpzero.training.config import RunConfig
-from mpzero.zero import DeviceStep, StepStats, read_to_host
+from mpzero.zero import DeviceStep, StepStats, read_to_host, settle, settle_values
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,14 @@ class LaunchedSteps:
         pending, self._pending = self._pending, []
         if not pending:
             return []
-        halted, settling = pending[-1].step.halted, self.optimizer.settle_values()
+        halted, settling = pending[-1].step.halted, settle_values(self.optimizer)
         values = [v for p in pending for v in _per_step(p)]
         host = read_to_host(values + settling + ([halted] if halted is not None else []))
         width = len(values) // len(pending)
         steps = [_read_step(p, host[width * i:width * (i + 1)], self.dp_size) for i, p in enumerate(pending)]
         if halted is not None and host[-1]:
             self._stop(pending, steps, pending[-1].iteration)
-        self.optimizer.settle(host[len(values):len(values) + len(settling)])
+        settle(self.optimizer, host[len(values):len(values) + len(settling)])
         return [result(loss, lr, stats, terminated, p.cp_bytes)
                 for p, (loss, lr, stats, terminated) in zip(pending, steps)]
 

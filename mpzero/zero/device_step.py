@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpzero.errors import TrainingError
+from mpzero.zero.device_scaler import DeviceLossScaler
 from mpzero.zero.norm import clip_coefficient_on_device, grad_norm_squared
 from mpzero.zero.step_grads import Fp32Buckets
 
@@ -53,6 +55,50 @@ def steps_on_device(optimizer) -> bool:
             and optimizer.stage.gradient_file is None
             and (rule.skips_with_device_scalars(impl) if optimizer.precision.dtype == "fp16"
                  else rule.skips_on_device(impl)))
+
+
+def launch(optimizer, lr: float | list[float] | None, watch: tuple[torch.Tensor, ...]) -> DeviceStep:
+    """`ZeroOptimizer.launch_step`'s update: fp16's (`launch_fp16_step`) or the others' (`launch_step`)."""
+    lrs = lr if isinstance(lr, list) else [optimizer.lr if lr is None else lr] * (optimizer.unsettled_steps + 1)
+    optimizer.lr = lrs[0]
+    if optimizer.precision.dtype != "fp16":
+        launched = launch_step(optimizer, optimizer.lr, watch)
+        optimizer.scaler.update(False)
+        return launched
+    if len(lrs) != optimizer.unsettled_steps + 1:
+        raise ValueError(f"launch_step: {len(lrs)} learning rates for {optimizer.unsettled_steps + 1} possible "
+                         "counts of skipped steps")
+    launched = launch_fp16_step(optimizer, lrs, watch)
+    optimizer.unsettled_steps += 1
+    return launched
+
+
+def device_scaler(optimizer) -> DeviceLossScaler:
+    """fp16's scaler on the device, made from the host's at the first launched step (device_scaler.py)."""
+    if optimizer._device_scaler is None:
+        optimizer._device_scaler = DeviceLossScaler(optimizer.scaler, optimizer.groups.device)
+    return optimizer._device_scaler
+
+
+def settle_values(optimizer) -> list[torch.Tensor]:
+    """The device values `settle` needs, for the caller's one read (none before an fp16 launched step)."""
+    return [] if optimizer._device_scaler is None else optimizer._device_scaler.state()
+
+
+def settle(optimizer, values: list[float]) -> int:
+    """fp16's launched steps: the host scaler takes `settle_values` as read, the step count drops the steps skipped
+    since the last settle, and their number is returned; a TrainingError when the overflows at the minimum scale
+    ran to the limit (as the synchronising `step` stops)."""
+    if optimizer._device_scaler is None:
+        return 0
+    skipped, longest = optimizer._device_scaler.settle(values)
+    optimizer.masters.step_count -= skipped
+    optimizer.unsettled_steps = 0
+    if longest >= optimizer.precision.max_skips_at_min_scale:
+        raise TrainingError(f"fp16 gradients overflowed at the minimum loss scale {optimizer.scaler.scale:g} for "
+                            f"{longest} iterations in a row (read at iteration {optimizer.iteration}): nothing is "
+                            f"being learned; train in bf16, lower --lr, or lower --min-loss-scale")
+    return skipped
 
 
 def launch_step(optimizer, lr: float, watch: tuple[torch.Tensor, ...]) -> DeviceStep:
@@ -80,7 +126,7 @@ def launch_fp16_step(optimizer, lrs: list[float], watch: tuple[torch.Tensor, ...
     """fp16's update with no device-to-host read (module docstring); `lrs[k]`: the learning rate if k of the steps
     launched since the last settle were skipped."""
     optimizer._add_tied_gradients()
-    scaler = optimizer.device_scaler()
+    scaler = device_scaler(optimizer)
     scale, skipped_before = scaler.scale.clone(), scaler.skipped.clone()
     grads = optimizer._fp32_grads(scaler.inverse())
     cast = isinstance(grads, Fp32Buckets)

@@ -48,8 +48,8 @@ from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, 
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.families import families_by_bucket, make_stage, parameter_families
-from mpzero.zero.device_scaler import DeviceLossScaler, scaled_loss
-from mpzero.zero.device_step import DeviceStep, launch_fp16_step, launch_step, steps_on_device
+from mpzero.zero.device_scaler import scaled_loss
+from mpzero.zero.device_step import DeviceStep, launch, steps_on_device
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared, norm_runs, read_to_host,
@@ -279,55 +279,22 @@ class ZeroOptimizer(OptimizerReports):
         e.g. the loss) was non-finite (with check_for_nan_in_grad). Returns what the caller reads later.
         fp16: an overflow skips the update on the device; `lr` may be a list, `lr[k]` the learning rate if k of the
         `unsettled_steps` launched since the last `settle` were skipped (a float: the same for every k); the caller
-        reads `settle_values()` and hands them to `settle` before it checkpoints or steps synchronously."""
+        reads `device_step.settle_values` and hands them to `device_step.settle` before it checkpoints or steps
+        synchronously."""
         self._check_reduced()
         if not self.steps_on_device:
             raise RuntimeError("launch_step() needs a step that runs on the device: an offloaded optimizer and "
                                "rules that cannot skip on a device flag read the norm first: call step()")
-        lrs = lr if isinstance(lr, list) else [self.lr if lr is None else lr] * (self.unsettled_steps + 1)
-        self.lr = lrs[0]
-        if self.precision.dtype == "fp16":
-            if len(lrs) != self.unsettled_steps + 1:
-                raise ValueError(f"launch_step: {len(lrs)} learning rates for {self.unsettled_steps + 1} "
-                                 "possible counts of skipped steps")
-            launched = launch_fp16_step(self, lrs, watch)
-            self.unsettled_steps += 1
-        else:
-            launched = launch_step(self, self.lr, watch)
-            self.scaler.update(False)
+        launched = launch(self, lr, watch)
         self._last_micro_batches = self._micro_batches
         self.iteration += 1
         self.zero_grad()
         return launched
 
-    def device_scaler(self) -> DeviceLossScaler:
-        """fp16's scaler on the device, made from the host's at the first launched step (device_scaler.py)."""
-        if self._device_scaler is None:
-            self._device_scaler = DeviceLossScaler(self.scaler, self.groups.device)
-        return self._device_scaler
-
-    def settle_values(self) -> list[torch.Tensor]:
-        """The device values `settle` needs, for the caller's one read (nothing before an fp16 launched step)."""
-        return [] if self._device_scaler is None else self._device_scaler.state()
-
-    def settle(self, values: list[float]) -> int:
-        """fp16's launched steps: the host scaler and the step count take `settle_values()` as read; returns how
-        many of the steps launched since the last settle were skipped. A TrainingError when the overflows at the
-        minimum scale ran to the limit (as `step` stops)."""
-        if self._device_scaler is None:
-            return 0
-        skipped, longest = self._device_scaler.settle(values)
-        self.masters.step_count -= skipped
-        self.unsettled_steps = 0
-        if longest >= self.precision.max_skips_at_min_scale:
-            raise TrainingError(f"fp16 gradients overflowed at the minimum loss scale {self.scaler.scale:g} for "
-                                f"{longest} iterations in a row (read at iteration {self.iteration}): nothing is "
-                                f"being learned; train in bf16, lower --lr, or lower --min-loss-scale")
-        return skipped
-
     def step(self, lr: float | None = None) -> StepStats:
         if self.unsettled_steps:
-            raise RuntimeError("step() after launched fp16 steps: settle() them first (the scaler is on the device)")
+            raise RuntimeError("step() after launched fp16 steps: device_step.settle() them first (the scaler is on the "
+                               "device)")
         if self._checked is None:
             self.check_gradients()
         grads, check = self._checked
