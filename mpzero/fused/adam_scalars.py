@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-MASKED_IMPLS = ("torch",)  # the implementations whose arithmetic `adamw_masked_step` repeats bit for bit
+ADAMW_MASKED_IMPLS = ("torch",)  # the implementations `adamw_masked_step` repeats bit for bit
 
 
 def adamw_scalars(lr: float, weight_decay: float, beta1: float, beta2: float, step: int) -> tuple[float, ...]:

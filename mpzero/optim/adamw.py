@@ -10,8 +10,8 @@ from typing import ClassVar
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.fused import ADAMW_DEVICE_SKIP_IMPLS, adamw_step, resolve_impl
-from mpzero.fused.adam_scalars import MASKED_IMPLS, adamw_masked_step, adamw_scalars
+from mpzero.fused import (ADAMW_DEVICE_SKIP_IMPLS, ADAMW_MASKED_IMPLS, adamw_masked_step, adamw_scalars,
+                          adamw_step, resolve_impl)
 from mpzero.optim.rule import UpdateRule
 
 
@@ -49,7 +49,7 @@ class AdamW(UpdateRule):
                    model_copy=model_copy, grad_scale=grad_scale, skip=skip)
 
     def skips_with_device_scalars(self, impl: str) -> bool:
-        return impl in MASKED_IMPLS
+        return impl in ADAMW_MASKED_IMPLS
 
     def masked_scalars(self, lr: float, weight_decay: float, step: int) -> tuple[float, ...]:
         return adamw_scalars(lr, weight_decay, self.beta1, self.beta2, step)

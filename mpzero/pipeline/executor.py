@@ -23,7 +23,7 @@ from mpzero.comm import CommGroup
 from mpzero.pipeline.in_flight import HeldActivations
 from mpzero.pipeline.schedules import COMM, Action, Pipeline, Step, peer
 from mpzero.tensor_parallel import WeightGradStore
-from mpzero.zero.device_scaler import scaled_loss
+from mpzero.zero import scaled_loss
 
 _TAGS = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}  # activations and gradients apart (gloo matches tags)
 

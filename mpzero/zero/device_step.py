@@ -21,8 +21,9 @@ to the host at the caller's read. The update rule must repeat its synchronising 
 (`skips_with_device_scalars`: AdamW's reference, --no-adam-fusion).
 
 Where a step needs the host anyway it is the synchronising one (`steps_on_device` False): an offloaded optimizer (its
-step runs on the host), the delayed update, gradients on disk, and update rules that cannot skip on a device flag
-(SGD, AdamW's reference arithmetic, --no-adam-fusion; in fp16: torch's fused AdamW and the Triton kernel).
+step runs on the host), the delayed update, gradients on disk, and update rules that cannot skip on a device flag:
+in bf16 and fp32 SGD and AdamW's reference arithmetic (--no-adam-fusion); in fp16 SGD, torch's fused AdamW and the
+Triton kernel (which take the learning rate and step count from the host), so fp16 launches with --no-adam-fusion.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpzero.fused.adam_scalars import pick_row
+from mpzero.fused import pick_row
 from mpzero.zero.tiers import OffloadHolder
 from mpzero.zero.config import OptimizerConfig
 from mpzero.zero.flat import FlatLayout

@@ -293,8 +293,7 @@ class ZeroOptimizer(OptimizerReports):
 
     def step(self, lr: float | None = None) -> StepStats:
         if self.unsettled_steps:
-            raise RuntimeError("step() after launched fp16 steps: device_step.settle() them first (the scaler is on the "
-                               "device)")
+            raise RuntimeError("step() after launched fp16 steps: settle() them first (the scaler is on the device)")
         if self._checked is None:
             self.check_gradients()
         grads, check = self._checked
