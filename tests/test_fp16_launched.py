@@ -2,13 +2,15 @@
 synchronising one (--sync-every-iteration): the same losses, gradient norms, learning rates and console lines (loss
 scale, skipped iterations) bit for bit over a run that overflows, backs off and grows its scale several times, under
 a warmup and cosine schedule (a skipped iteration must not advance it), at ZeRO stages 0-3 at DP 2, TP 2 and PP 2;
-the same parameters and AdamW moments at the optimizer; and 0 host reads between log lines (tests/host_syncs.py)."""
+the same parameters and AdamW moments at the optimizer (AdamW's reference, and the Triton kernel under its CPU
+interpreter); and 0 host reads between log lines (tests/host_syncs.py)."""
 
 import re
 
 import pytest
 import torch
 
+from mpzero.fused import triton_available
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer, settle, settle_values
 from tests.cli import TINY, main_capturing_stdout
@@ -63,12 +65,12 @@ def test_fp16_launched_under_model_parallelism_is_the_synchronising_run(layout):
     _assert_launched_is_synchronising(RUN + ["--zero-stage", "1"] + layout)
 
 
-def _optimizer_run(stage: int, launched: bool):
+def _optimizer_run(stage: int, launched: bool, impl: str = "torch"):
     """This rank's parameters, moments and AdamW step count after 6 fp16 steps that overflow at first."""
     groups = init_parallel(tp_size=1)
     model = make_model().half()
     opt = ZeroOptimizer(model, groups, ZeroConfig(stage=stage, bucket_numel=150),
-                        AdamConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, impl="torch"),
+                        AdamConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, impl=impl),
                         PrecisionConfig("fp16", initial_loss_scale=2.0 ** 14, hysteresis=1, loss_scale_window=2))
     skipped = 0
     for step, batches in enumerate(make_batches(6, 2, groups.dp_size), start=1):
@@ -86,10 +88,12 @@ def _optimizer_run(stage: int, launched: bool):
     return state, opt.adam_step(), skipped, opt.loss_scale, lr
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_the_launched_fp16_step_leaves_the_synchronising_parameters_and_moments(stage):
+@pytest.mark.parametrize("stage,impl", [(0, "torch"), (1, "torch"), (2, "torch"), (3, "torch"),
+                                        pytest.param(2, "triton", marks=pytest.mark.skipif(
+                                            not triton_available(), reason="triton not installed"))])
+def test_the_launched_fp16_step_leaves_the_synchronising_parameters_and_moments(stage, impl):
     for (want, want_step, want_skipped, want_scale, _), (got, step, skipped, scale, _) in zip(
-            run_ranks(2, _optimizer_run, stage, False), run_ranks(2, _optimizer_run, stage, True)):
+            run_ranks(2, _optimizer_run, stage, False, impl), run_ranks(2, _optimizer_run, stage, True, impl)):
         assert (step, skipped, scale) == (want_step, want_skipped, want_scale) and 1 <= skipped < 6
         for key in want:
             assert torch.equal(got[key], want[key]), key

@@ -5,16 +5,20 @@ An fp16 overflow skips the update, and a skipped iteration advances neither the 
 step count. When the step is launched before the host knows whether earlier launched steps were skipped, the host
 cannot pick `lr` and `step`; it knows only that k of them were (0 <= k <= the steps launched since it last read). So
 it computes every candidate's scalars as `adamw_reference` computes them (Python doubles, `adamw_scalars`), the
-device picks row k by its own skip counter (`pick_row`), and `adamw_masked_step` runs `adamw_reference`'s
-arithmetic with those 0-dim fp64 values (a kernel rounds them to fp32 as it rounds the floats), writing nothing
-where the device flag `skip` is set.
+device picks row k by its own skip counter (`pick_row`), and `adamw_masked_step` runs the synchronising update's
+arithmetic with those values (the reference's ops with 0-dim fp64 tensors, which a kernel rounds to fp32 as it rounds
+the floats; the Triton kernel reading the row from memory), writing nothing where the device flag `skip` is set.
+torch's fused AdamW takes its learning rate from the host (a tensor one is read on a CPU, rounded to fp32 on CUDA),
+so it has no such path.
 """
 
 from __future__ import annotations
 
 import torch
 
-ADAMW_MASKED_IMPLS = ("torch",)  # the implementations `adamw_masked_step` repeats bit for bit
+from mpzero.fused.adam import _triton_adamw
+
+ADAMW_MASKED_IMPLS = ("torch", "triton")  # the implementations `adamw_masked_step` repeats bit for bit
 
 
 def adamw_scalars(lr: float, weight_decay: float, beta1: float, beta2: float, step: int) -> tuple[float, ...]:
@@ -32,9 +36,16 @@ def pick_row(rows: list[tuple[float, ...]], index: torch.Tensor) -> torch.Tensor
 
 def adamw_masked_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       model_copy: torch.Tensor | None, scalars: torch.Tensor, beta1: float, beta2: float, eps: float,
-                      skip: torch.Tensor) -> None:
-    """`adamw_reference` op for op with `scalars` = `adamw_scalars(...)` as a device tensor; nothing is written where
-    `skip` (a 0-dim bool device tensor) is set. addcdiv's `p + value * m / d` is spelled out: its value is a Scalar."""
+                      skip: torch.Tensor, impl: str = "torch") -> None:
+    """`adamw_step`'s update by `impl` (`ADAMW_MASKED_IMPLS`) with `scalars` = `adamw_scalars(...)` as a device
+    tensor; nothing is written where `skip` (a 0-dim bool device tensor) is set. "torch": `adamw_reference` op for op
+    (addcdiv's `p + value * m / d` spelled out: its value is a Scalar); "triton": the kernel reads the row (rounded
+    to fp32, as the launch rounds the floats) from memory."""
+    if impl == "triton":
+        in_memory = torch.stack([scalars[0], -scalars[1], scalars[2]]).float()
+        _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, 0.0, beta1, beta2, eps, 0.0, 1,
+                      torch.ones((), dtype=torch.float32, device=params.device), skip, in_memory)
+        return
     decay, negative_step_size, bc2_sqrt = scalars[0], scalars[1], scalars[2]
     grads = grads.float()
     new_params = params.mul(decay)

@@ -48,23 +48,29 @@ def chunk_elements(device: torch.device) -> int:
 
 
 @jit
-def _sum_of_squares_kernel(X, Partial, n, scale, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_of_squares_kernel(X, Partial, n, scale, Scale, SCALED: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
+                           BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if SCALE_IN_MEMORY:  # fp16's device loss scale (issue 46), rounded to fp32 as a launch rounds the float
+        scale = tl.load(Scale)
     if SCALED:
         x = x * scale  # an fp32 product, as the reference's mul_ of the fp32 copy
     x = x.to(tl.float64)
     tl.store(Partial + pid, tl.sum(x * x, axis=0))
 
 
-def _triton_sum_of_squares(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def _triton_sum_of_squares(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     n = x.numel()
     partial = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.float64, device=x.device)
+    in_memory = isinstance(scale, torch.Tensor)
     if n:
         with launch_device(x):
-            _sum_of_squares_kernel[(partial.numel(),)](x, partial, n, scale, SCALED=scale != 1.0, BLOCK=BLOCK,
-                                                      num_warps=8)
+            _sum_of_squares_kernel[(partial.numel(),)](x, partial, n, 1.0 if in_memory else scale,
+                                                      scale.float() if in_memory else partial,
+                                                      SCALED=in_memory or scale != 1.0, SCALE_IN_MEMORY=in_memory,
+                                                      BLOCK=BLOCK, num_warps=8)
     return partial.sum()
 
 
@@ -82,14 +88,13 @@ def sum_of_squares(x: torch.Tensor, scale: float | torch.Tensor = 1.0, impl: str
         raise ValueError(f"sum_of_squares takes a contiguous 1-D tensor, got shape {tuple(x.shape)}")
     fn = dispatch("sum_of_squares", x.device, impl,
                   {"torch": sum_of_squares_reference, "triton": _triton_sum_of_squares})
-    if isinstance(scale, torch.Tensor):  # fp16's device loss scale (issue 46): the kernel takes a float at launch
-        fn = sum_of_squares_reference
     return fn(x, scale)
 
 
 def triton_kernel_specs() -> list[KernelSpec]:
     """Compile-only variants: each gradient dtype, unscaled and loss-scaled."""
-    return [KernelSpec(f"sum_of_squares_{dt}{'_scaled' if scaled else ''}", _sum_of_squares_kernel,
-                       {"X": f"*{dt}", "Partial": "*fp64", "n": "i32", "scale": "fp32"},
-                       {"SCALED": scaled, "BLOCK": BLOCK}, 8)
-            for dt in ("fp32", "bf16", "fp16") for scaled in (False, True)]
+    return [KernelSpec(f"sum_of_squares_{dt}{'_scaled' if scaled else ''}{'_in_memory' if in_memory else ''}",
+                       _sum_of_squares_kernel, {"X": f"*{dt}", "Partial": "*fp64", "n": "i32", "scale": "fp32",
+                                                "Scale": "*fp32" if in_memory else "*fp64"},
+                       {"SCALED": scaled, "SCALE_IN_MEMORY": in_memory, "BLOCK": BLOCK}, 8)
+            for dt in ("fp32", "bf16", "fp16") for scaled, in_memory in ((False, False), (True, False), (True, True))]

@@ -54,9 +54,9 @@ class AdamW(UpdateRule):
     def masked_scalars(self, lr: float, weight_decay: float, step: int) -> tuple[float, ...]:
         return adamw_scalars(lr, weight_decay, self.beta1, self.beta2, step)
 
-    def step_masked(self, master, grad, states, scalars, model_copy, skip) -> None:
+    def step_masked(self, master, grad, states, scalars, model_copy, skip, impl: str) -> None:
         adamw_masked_step(master, grad, states["exp_avg"], states["exp_avg_sq"], model_copy, scalars, self.beta1,
-                          self.beta2, self.eps, skip)
+                          self.beta2, self.eps, skip, impl)
 
     @staticmethod
     def add_flags(group: argparse._ArgumentGroup) -> None:

@@ -137,7 +137,7 @@ class DeviceMasters(MasterStore):
         for bucket, start, end, decay, states in self._runs:
             copy = None if self._shares_params else self._param_shards[bucket][start:end]
             self.rule.step_masked(self._masters[bucket][start:end], grads[bucket][start:end], states, rows[decay],
-                                  copy, skip)
+                                  copy, skip, self.impl)
 
     def publish(self) -> None:
         if not self._shares_params:
