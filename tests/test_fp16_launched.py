@@ -13,7 +13,7 @@ import torch
 from mpzero.fused import triton_available
 from mpzero.parallel import init_parallel
 from mpzero.zero import AdamConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer, settle, settle_values
-from tests.cli import TINY, main_capturing_stdout
+from tests.cli import TINY, exit_code_and_stderr, main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.host_syncs import counting
 from tests.zero_toy import make_batches, make_model
@@ -63,6 +63,25 @@ def test_fp16_launched_at_dp2_is_the_synchronising_run(stage):
                                     ["--pipeline-model-parallel-size", "2"]], ids=["tp2", "pp2"])
 def test_fp16_launched_under_model_parallelism_is_the_synchronising_run(layout):
     _assert_launched_is_synchronising(RUN + ["--zero-stage", "1"] + layout)
+
+
+@pytest.mark.parametrize("scale", [["--loss-scale", "1e30"], ["--initial-loss-scale", "1e30", "--min-loss-scale",
+                                                               "1e30"]], ids=["static", "dynamic"])
+def test_fp16_stuck_at_the_minimum_scale_stops_at_the_read_before_saving(tmp_path, scale):
+    argv = RUN + ["--train-iters", "20", "--save", str(tmp_path / "ckpt"), "--save-interval", "100"] + scale
+    code, stderr = run_ranks(1, exit_code_and_stderr, argv)[0]
+    assert code == 1 and stderr.count("\n") == 1
+    assert "overflowed at the minimum loss scale 1e+30 for 12 iterations in a row (read at iteration 12)" in stderr
+    assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_resumed_launched_fp16_run_continues_the_uninterrupted_one(tmp_path):
+    """The checkpoint at a read holds the settled scaler and step count: the resumed run is the uninterrupted one."""
+    whole = run_ranks(1, _run, RUN)[0][0]
+    run_ranks(1, _run, RUN + ["--save", str(tmp_path), "--save-interval", "8", "--exit-interval", "8"])
+    resumed = run_ranks(1, _run, RUN + ["--load", str(tmp_path)])[0][0]
+    assert resumed["losses"] == whole["losses"][8:] and resumed["grad_norms"] == whole["grad_norms"][8:]
+    assert None in whole["grad_norms"][:8] and None in whole["grad_norms"][8:]  # skips before and after the save
 
 
 def _optimizer_run(stage: int, launched: bool, impl: str = "torch"):
