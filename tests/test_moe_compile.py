@@ -14,7 +14,7 @@ from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import seed_everything
 from tests.cli import assert_close_lists, quiet_main
 from tests.distributed import run_ranks
-from tests.test_moe_layouts import BASE
+from tests.test_moe_layouts import BASE, LLAMA
 
 STEPS = 3
 
@@ -68,9 +68,17 @@ def test_compiled_moe_layers_match_eager_and_compile_once(world, dispatcher):
 
 
 @pytest.mark.product
-def test_compiled_moe_run_through_the_cli_matches_eager():
-    argv = BASE + ["--train-iters", "3", "--eval-iters", "0", "--expert-model-parallel-size", "2"]
-    eager = run_ranks(2, quiet_main, argv)[0]
-    compiled = run_ranks(2, quiet_main, argv + ["--torch-compile"], deadline=300)[0]
+@pytest.mark.parametrize("world,flags", [
+    (2, ["--expert-model-parallel-size", "2"]),
+    (4, LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-load-balancing-type", "seq_aux_loss"]),
+], ids=["ep2", "llama-tp2-sp-ep2-bias-seq_aux"])
+def test_compiled_moe_run_through_the_cli_matches_eager(world, flags):
+    """The whole run (the auxiliary losses' backward scale, the expert bias, the log's figures) compiled: the eager
+    run's losses and gradient norms; at TP 2 the counts' all-reduces run eagerly inside the compiled layers."""
+    argv = BASE + ["--train-iters", "3", "--eval-iters", "0"] + flags
+    eager = run_ranks(world, quiet_main, argv)[0]
+    compiled = run_ranks(world, quiet_main, argv + ["--torch-compile"], deadline=300)[0]
     assert_close_lists(compiled["losses"], eager["losses"])
     assert_close_lists(compiled["grad_norms"], eager["grad_norms"])
