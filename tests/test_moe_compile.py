@@ -82,3 +82,8 @@ def test_compiled_moe_run_through_the_cli_matches_eager(world, flags):
     compiled = run_ranks(world, quiet_main, argv + ["--torch-compile"], deadline=300)[0]
     assert_close_lists(compiled["losses"], eager["losses"])
     assert_close_lists(compiled["grad_norms"], eager["grad_norms"])
+
+
+def test_moe_layers_compile_layer_by_layer():
+    # the dispatch's eager region would split a one-region trunk at every MoE layer: each layer compiles alone
+    assert _config(True, "alltoall").trunk_eager_reason(1) == "mixture-of-experts layers dispatch their tokens eagerly"
