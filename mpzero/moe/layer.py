@@ -13,7 +13,7 @@ over an EP group that spans the TP ranks (parallel folding) and computes whole e
 
 The load-balancing loss (aux_loss: over the micro-batch; seq_aux_loss: per sequence) and the z-loss are computed
 on each rank's own tokens with the micro-batch's counts, so their sum over the TP group is one process's; they
-reach the objective through `MoEMetrics.attach` on the layer's output (metrics.py), in training only.
+reach the objective through `MoEMetrics.attach` on the routed experts' output (metrics.py), in training only.
 
 Context parallelism (`cp`, Megatron's tp_cp_group) splits each sequence over the CP ranks: the layer is per token, so
 a rank routes and dispatches the tokens it holds (the EP group may span CP ranks: parallel folding). The counts the
@@ -23,11 +23,11 @@ so the average of CP x part is the sum of the parts, one process's loss; the z-l
 
 Under --torch-compile (each transformer layer compiled, torchtitan's per-block compilation) the router, the top-k,
 the auxiliary losses' arithmetic, the capacity drop and the shared experts compile; what reads the routing on the
-host or keeps Python state runs eagerly, a graph break each (`eager_under_compile`): the dispatch with the experts
-(its split sizes are host integers that change every step: compiled, they would recompile or specialise), the
-figures' recording, and attaching the auxiliary losses (their backward reads the step's scale), as one region
-(`_dispatched`): a layer compiles as two graphs around it. Their shapes do not depend on the routing, so nothing
-recompiles as it changes.
+host or keeps Python state runs eagerly as one region (`_dispatched`, a graph break via `eager_under_compile`): the
+dispatch with the experts (its split sizes are host integers that change every step: compiled, they would
+recompile or specialise), the figures' recording, and attaching the auxiliary losses (their backward reads the
+step's scale). The compiled graphs on either side have shapes that do not depend on the routing, so nothing
+recompiles as it changes (the collectives at TP or CP > 1 break the graph as in a dense layer).
 """
 
 from __future__ import annotations
