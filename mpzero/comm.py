@@ -58,6 +58,9 @@ def _eager(collective):
     return run
 
 
+eager_under_compile = _eager  # for other Python-state work inside compiled modules (the MoE dispatch, moe/layer.py)
+
+
 @dataclass(frozen=True)
 class CommGroup:
     """A process group with its size, this rank's place in it, and a shared byte counter.

@@ -1,8 +1,9 @@
 """A bf16 or fp32 training iteration does not read the device at all between log lines (issue 46): its step is
 launched with the gradient norm, the clipping coefficient and the non-finite check on the device, and the loss,
 norm and SIGTERM flag are read at the next log line (mpzero/training/deferred.py), with the same results bit for bit
-as the synchronising step's. An fp16 iteration, and any with --sync-every-iteration, reads it at most once (issue
-26): the step's finite check and gradient norm, with fp16's overflow check, the loss-scale update, the NaN checks,
+as the synchronising step's. An fp16 iteration with torch's fused AdamW (the CPU default: fp16 launches with the
+Triton kernel and the reference arithmetic, tests/test_fp16_launched.py), and any with --sync-every-iteration, reads
+it at most once (issue 26): the step's finite check and gradient norm, with fp16's overflow check, the loss-scale update, the NaN checks,
 the loss and the SIGTERM flag riding along in the same read. Logging iterations read more and are not counted; nor
 is the first iteration (its one-off memory and activation reports).
 

@@ -11,6 +11,9 @@ Per layer and micro-batch, for the local s/CP tokens of b sequences, t the TP si
 A layer whose forward runs again in backward (full recomputation, or selective: the core attention) exchanges its
 forward's bytes again. Evaluation's forwards are not a training iteration's and are not counted. A pipeline rank
 (`stage`, a `ModelStage`) counts its own layers L, recomputation's rules per model chunk (block: the first N of each).
+A mixture-of-experts layer with a load-balancing loss also sums the loss's token counts over CP (int64, E of them;
+per sequence with seq_aux_loss: b E) once per micro-batch (in the forward that records them: under full
+recomputation the replay), an all-reduce: 2 (CP-1)/CP of their bytes.
 """
 
 from __future__ import annotations
@@ -54,7 +57,24 @@ def cp_comm_theory(config, tp: int, micro_batch: int, seq: int, p: int, micro_ba
     layers, again = sum(chunks), recomputed_forwards(config, chunks)
     total = micro_batches * ((layers + again) * forward + layers * backward)
     text = f"m(({layers}+{again}){ftext}+{layers}({btext}))" if again else f"mL({ftext}+{btext})"
+    moe_layers, counts, counts_text = _moe_counts(config, micro_batch, stage)
+    if moe_layers:
+        cp = config.context_parallel_size
+        total += micro_batches * moe_layers * 2 * (cp - 1) * counts / cp
+        text += f"+m{moe_layers}(2(CP-1)/CP){counts_text}"
     return total, text
+
+
+def _moe_counts(config, micro_batch: int, stage) -> tuple[int, int, str]:
+    """(MoE layers with a load-balancing loss on the rank's stage, bytes of one layer's counts, their formula)."""
+    if (not getattr(config, "num_experts", None) or config.moe_router_load_balancing_type == "none"
+            or not config.moe_aux_loss_coeff):
+        return 0, 0, ""
+    layers = range(config.num_layers) if stage is None else [i for chunk in stage.chunks for i in chunk]
+    moe_layers = sum(1 for i in layers if config.is_moe_layer(i))
+    if config.moe_router_load_balancing_type == "seq_aux_loss":
+        return moe_layers, 8 * micro_batch * config.num_experts, "8bE"
+    return moe_layers, 8 * config.num_experts, "8E"
 
 
 def cp_comm_line(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, measured: float,

@@ -4,6 +4,7 @@ and torch.compile'd); `impl` picks the implementation explicitly (see `mpzero.fu
 torch's fused attention kernels take a run's attention."""
 
 from mpzero.fused.adam import ADAMW_DEVICE_SKIP_IMPLS, adamw_reference, adamw_step
+from mpzero.fused.adam_scalars import ADAMW_MASKED_IMPLS, adamw_masked_step, adamw_scalars, pick_row
 from mpzero.fused.cross_entropy import CrossEntropyMath, chunked_forward, cross_entropy_math
 from mpzero.fused.impl import (ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl,
                                resolve_attention_backend, resolve_impl, resolved_impls, triton_available)
@@ -15,7 +16,8 @@ from mpzero.fused.squares import sum_of_squares, sum_of_squares_reference
 from mpzero.fused.squares import working_bytes as sum_of_squares_bytes
 
 __all__ = [
-    "ADAMW_DEVICE_SKIP_IMPLS", "ATTENTION_BACKENDS", "IMPLS", "adamw_reference", "adamw_step", "AttentionShape",
+    "ADAMW_DEVICE_SKIP_IMPLS", "ADAMW_MASKED_IMPLS", "ATTENTION_BACKENDS", "IMPLS", "adamw_masked_step",
+    "adamw_reference", "adamw_scalars", "adamw_step", "AttentionShape", "pick_row",
     "chunked_forward",
     "cross_entropy_math", "CrossEntropyMath", "fused_attention_refusal", "fused_softmax_supported", "layer_norm",
     "layer_norm_reference", "planned_attention_backend", "planned_impl", "resolve_attention_backend", "resolve_impl",

@@ -42,12 +42,14 @@ def adamw_reference(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, b
 
 @jit
 def _adamw_kernel(P, G, M, V, Copy, n, grad_scale, decay, w1, beta2, w2, step_size, bc2_sqrt, eps, Scale, Skip,
-                  HAS_COPY: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, HAS_SKIP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  Scalars, HAS_COPY: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  SCALARS_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     if SCALE_IN_MEMORY:  # the device's clipping coefficient (fp32), not a launch argument
         grad_scale = tl.load(Scale)
+    if SCALARS_IN_MEMORY:  # fp16's launched step: the row of (decay, step_size, bc2_sqrt) the device picked
+        decay, step_size, bc2_sqrt = tl.load(Scalars), tl.load(Scalars + 1), tl.load(Scalars + 2)
     if HAS_SKIP:  # a set flag: the step writes nothing
         ok = ok & (tl.load(Skip) == 0)
     p = tl.load(P + offs, mask=ok, other=0.0)
@@ -68,7 +70,9 @@ def _adamw_kernel(P, G, M, V, Copy, n, grad_scale, decay, w1, beta2, w2, step_si
 
 
 def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
-                  step, grad_scale, skip=None) -> None:
+                  step, grad_scale, skip=None, in_memory_scalars=None) -> None:
+    """`in_memory_scalars`: fp16's launched step (adam_scalars.py), an fp32 device tensor of (decay, step_size,
+    bc2_sqrt) read in place of those launch arguments (lr, weight_decay and step are then unused)."""
     # Host scalars computed as adamw_reference computes them (Python doubles), rounded to fp32 at launch.
     scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                (1 - beta2 ** step) ** 0.5, eps)
@@ -83,8 +87,10 @@ def _triton_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, bet
     with launch_device(params):
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](params, grads, exp_avg, exp_avg_sq, copy_arg, n, host_scale, *scalars,
                                                 scale_arg, params if skip is None else skip,
+                                                params if in_memory_scalars is None else in_memory_scalars,
                                                 HAS_COPY=model_copy is not None, SCALE_IN_MEMORY=in_memory,
-                                                HAS_SKIP=in_memory, BLOCK=BLOCK, num_warps=8)
+                                                HAS_SKIP=in_memory, SCALARS_IN_MEMORY=in_memory_scalars is not None,
+                                                BLOCK=BLOCK, num_warps=8)
 
 
 def _torch_fused_adamw(params, grads, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps, weight_decay,
@@ -154,11 +160,14 @@ def triton_kernel_specs() -> list[KernelSpec]:
     variants = [(g, c, False) for g, c in (("fp32", None), ("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "bf16"),
                                            ("fp16", "fp16"))]
     variants += [("fp32", None, True), ("fp32", "bf16", True)]  # the launched step's: the coefficient in memory
+    variants += [("fp32", "fp16", "fp16")]  # fp16's launched step: its decay, step size and bias correction too
     for grad_dt, copy_dt, on_device in variants:
         types = {"P": "*fp32", "G": f"*{grad_dt}", "M": "*fp32", "V": "*fp32", "Copy": f"*{copy_dt or 'fp32'}",
                  "n": "i32", "grad_scale": "fp32", **floats, "Scale": "*fp32",
-                 "Skip": "*i1" if on_device else "*fp32"}
-        specs.append(KernelSpec(f"adamw_grad_{grad_dt}_copy_{copy_dt or 'none'}{'_on_device' if on_device else ''}",
-                                _adamw_kernel, types, {"HAS_COPY": copy_dt is not None, "SCALE_IN_MEMORY": on_device,
-                                                       "HAS_SKIP": on_device, "BLOCK": BLOCK}, 8))
+                 "Skip": "*i1" if on_device else "*fp32", "Scalars": "*fp32"}
+        suffix = {False: "", True: "_on_device", "fp16": "_fp16_on_device"}[on_device]
+        specs.append(KernelSpec(f"adamw_grad_{grad_dt}_copy_{copy_dt or 'none'}{suffix}", _adamw_kernel, types,
+                                {"HAS_COPY": copy_dt is not None, "SCALE_IN_MEMORY": bool(on_device),
+                                 "HAS_SKIP": bool(on_device), "SCALARS_IN_MEMORY": on_device == "fp16",
+                                 "BLOCK": BLOCK}, 8))
     return specs

@@ -31,10 +31,11 @@ def sum_of_squares_reference(x: torch.Tensor, scale: float = 1.0) -> torch.Tenso
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     size = min(chunk_elements(x.device), x.numel())
     wide = torch.empty(size, dtype=torch.float64, device=x.device)
-    narrow = torch.empty(size if scale != 1.0 else 0, dtype=torch.float32, device=x.device)
+    scaled = isinstance(scale, torch.Tensor) or scale != 1.0  # a tensor: a 0-dim device scale, not read
+    narrow = torch.empty(size if scaled else 0, dtype=torch.float32, device=x.device)
     for start in range(0, x.numel(), max(size, 1)):
         chunk = x[start:start + size]
-        if scale != 1.0:  # on a copy: fp32 gradients keep their values
+        if scaled:  # on a copy: fp32 gradients keep their values
             chunk = narrow[:chunk.numel()].copy_(chunk).mul_(scale)
         chunk = wide[:chunk.numel()].copy_(chunk)  # exact from fp32, bf16 and fp16
         total += torch.dot(chunk, chunk)
@@ -47,23 +48,29 @@ def chunk_elements(device: torch.device) -> int:
 
 
 @jit
-def _sum_of_squares_kernel(X, Partial, n, scale, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_of_squares_kernel(X, Partial, n, scale, Scale, SCALED: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
+                           BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if SCALE_IN_MEMORY:  # fp16's device loss scale (issue 46), rounded to fp32 as a launch rounds the float
+        scale = tl.load(Scale)
     if SCALED:
         x = x * scale  # an fp32 product, as the reference's mul_ of the fp32 copy
     x = x.to(tl.float64)
     tl.store(Partial + pid, tl.sum(x * x, axis=0))
 
 
-def _triton_sum_of_squares(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def _triton_sum_of_squares(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     n = x.numel()
     partial = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.float64, device=x.device)
+    in_memory = isinstance(scale, torch.Tensor)
     if n:
         with launch_device(x):
-            _sum_of_squares_kernel[(partial.numel(),)](x, partial, n, scale, SCALED=scale != 1.0, BLOCK=BLOCK,
-                                                      num_warps=8)
+            _sum_of_squares_kernel[(partial.numel(),)](x, partial, n, 1.0 if in_memory else scale,
+                                                      scale.float() if in_memory else partial,
+                                                      SCALED=in_memory or scale != 1.0, SCALE_IN_MEMORY=in_memory,
+                                                      BLOCK=BLOCK, num_warps=8)
     return partial.sum()
 
 
@@ -75,7 +82,7 @@ def working_bytes(numel: int, impl: str, scaled: bool, device: str = "cuda") -> 
     return (12 if scaled else 8) * min(chunk_elements(device), numel)
 
 
-def sum_of_squares(x: torch.Tensor, scale: float = 1.0, impl: str = "auto") -> torch.Tensor:
+def sum_of_squares(x: torch.Tensor, scale: float | torch.Tensor = 1.0, impl: str = "auto") -> torch.Tensor:
     """sum((scale x)**2) of a contiguous 1-D tensor (fp32, bf16 or fp16) as an fp64 scalar on x's device."""
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"sum_of_squares takes a contiguous 1-D tensor, got shape {tuple(x.shape)}")
@@ -86,7 +93,8 @@ def sum_of_squares(x: torch.Tensor, scale: float = 1.0, impl: str = "auto") -> t
 
 def triton_kernel_specs() -> list[KernelSpec]:
     """Compile-only variants: each gradient dtype, unscaled and loss-scaled."""
-    return [KernelSpec(f"sum_of_squares_{dt}{'_scaled' if scaled else ''}", _sum_of_squares_kernel,
-                       {"X": f"*{dt}", "Partial": "*fp64", "n": "i32", "scale": "fp32"},
-                       {"SCALED": scaled, "BLOCK": BLOCK}, 8)
-            for dt in ("fp32", "bf16", "fp16") for scaled in (False, True)]
+    return [KernelSpec(f"sum_of_squares_{dt}{'_scaled' if scaled else ''}{'_in_memory' if in_memory else ''}",
+                       _sum_of_squares_kernel, {"X": f"*{dt}", "Partial": "*fp64", "n": "i32", "scale": "fp32",
+                                                "Scale": "*fp32" if in_memory else "*fp64"},
+                       {"SCALED": scaled, "SCALE_IN_MEMORY": in_memory, "BLOCK": BLOCK}, 8)
+            for dt in ("fp32", "bf16", "fp16") for scaled, in_memory in ((False, False), (True, False), (True, True))]

@@ -296,6 +296,8 @@ class GPTConfig(TransformerArchitecture):
         in it must run eagerly (`mpzero.models.gpt.trunk_compilable`)."""
         if tp_size > 1:
             return "at TP > 1 each layer's collectives run eagerly"
+        if self.num_experts:
+            return "mixture-of-experts layers dispatch their tokens eagerly"
         if self.granularity is not None:
             return f"{self.granularity} recomputation runs eagerly around or inside the layers"
         if self.offload_activations == "cpu":

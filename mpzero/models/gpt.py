@@ -193,7 +193,7 @@ class GPTModel(nn.Module):
             self.moe_metrics = MoEMetrics([config.is_moe_layer(i) for i in range(config.num_layers)],
                                           config.num_experts, config.sequence_parallel and tp.size > 1,
                                           config.moe_router_bias_update_rate, config.moe_token_dispatcher_type)
-        self.expert_grid = grid = ExpertGrid(ep, expert_tp, self.moe_metrics)  # its sizes: the activation formula
+        self.expert_grid = grid = ExpertGrid(ep, expert_tp, self.moe_metrics, cp)  # its sizes: the activation formula
         if cp is not None and cp.size != config.context_parallel_size:
             raise ConfigError(f"the model's --context-parallel-size is {config.context_parallel_size} and its CP "
                               f"group has {cp.size} rank(s): build it with the run's groups.cp")

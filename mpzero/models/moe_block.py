@@ -15,10 +15,12 @@ from mpzero.tensor_parallel import InitMethod
 
 @dataclass(frozen=True)
 class ExpertGrid:
-    """What a model's MoE layers share: the expert-parallel and expert-TP groups, and the metrics record."""
+    """What a model's MoE layers share: the expert-parallel and expert-TP groups, the metrics record, and the
+    context-parallel group the load-balancing loss's counts are summed over (None: whole sequences)."""
     ep: CommGroup
     etp: CommGroup
     metrics: MoEMetrics
+    cp: CommGroup | None = None
 
 
 def moe_block(config, layer: int, tp: CommGroup, grid: ExpertGrid, init: InitMethod, output_init: InitMethod,
@@ -36,4 +38,5 @@ def moe_block(config, layer: int, tp: CommGroup, grid: ExpertGrid, init: InitMet
     if config.moe_shared_expert_intermediate_size:
         shared = MLP(h, config.moe_shared_expert_intermediate_size, tp, init, output_init, activation=activation,
                      gated=config.swiglu, bias=config.add_bias_linear, sequence_parallel=sp)
-    return MoELayer(MoESettings.of(config), layer, router, experts, shared, tp, ep, grid.etp, grid.metrics, sp)
+    return MoELayer(MoESettings.of(config), layer, router, experts, shared, tp, ep, grid.etp, grid.metrics, sp,
+                    grid.cp)

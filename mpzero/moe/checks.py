@@ -85,12 +85,10 @@ def check_moe(config, tp_size: int) -> None:
         raise ConfigError(f"--moe-router-dtype {config.moe_router_dtype} is not one of {', '.join(ROUTER_DTYPES)}")
     _check_sizes(config, tp_size)
     _check_router(config)
-    if config.torch_compile:
-        raise ConfigError("--num-experts with --torch-compile is not supported yet: a mixture-of-experts layer reads "
-                          "its routing's split sizes on the host at every micro-batch; drop --torch-compile")
-    if config.context_parallel_size > 1:
-        raise ConfigError("--num-experts with --context-parallel-size > 1 is not supported yet: the load-balancing "
-                          "loss would see each CP rank's half sequences; use CP 1")
+    if config.context_parallel_size > 1 and config.moe_expert_capacity_factor is not None:
+        raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported yet: the "
+                          "capacity drop ranks a whole micro-batch's tokens, which CP splits over ranks; drop it "
+                          "(dropless) or use CP 1")
 
 
 def _no_moe_flags(config) -> None:

@@ -13,7 +13,21 @@ over an EP group that spans the TP ranks (parallel folding) and computes whole e
 
 The load-balancing loss (aux_loss: over the micro-batch; seq_aux_loss: per sequence) and the z-loss are computed
 on each rank's own tokens with the micro-batch's counts, so their sum over the TP group is one process's; they
-reach the objective through `MoEMetrics.attach` on the layer's output (metrics.py), in training only.
+reach the objective through `MoEMetrics.attach` on the routed experts' output (metrics.py), in training only.
+
+Context parallelism (`cp`, Megatron's tp_cp_group) splits each sequence over the CP ranks: the layer is per token, so
+a rank routes and dispatches the tokens it holds (the EP group may span CP ranks: parallel folding). The counts the
+load-balancing loss multiplies are summed over the CP ranks too, and its token total is theirs. Each CP rank's part
+is multiplied by CP: the gradients are averaged over DP x CP (as each rank's lm loss is the mean of its own tokens),
+so the average of CP x part is the sum of the parts, one process's loss; the z-loss, a mean, needs nothing.
+
+Under --torch-compile (each transformer layer compiled, torchtitan's per-block compilation) the router, the top-k,
+the auxiliary losses' arithmetic, the capacity drop and the shared experts compile; what reads the routing on the
+host or keeps Python state runs eagerly as one region (`_dispatched`, a graph break via `eager_under_compile`): the
+dispatch with the experts (its split sizes are host integers that change every step: compiled, they would
+recompile or specialise), the figures' recording, and attaching the auxiliary losses (their backward reads the
+step's scale). The compiled graphs on either side have shapes that do not depend on the routing, so nothing
+recompiles as it changes (the collectives at TP or CP > 1 break the graph as in a dense layer).
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpzero.comm import CommGroup
+from mpzero.comm import CommGroup, eager_under_compile
 from mpzero.moe.dispatch import allgather, alltoall
 from mpzero.moe.metrics import MoEMetrics
 from mpzero.moe.router import TopKRouter
@@ -66,15 +80,16 @@ class MoELayer(nn.Module):
     """`layer`: the global index (the metrics' row); `tp`: the TP group (sequence parallel at TP > 1); `ep` and
     `etp`: the expert-parallel and expert-TP groups; `experts`: this rank's `GroupedExperts`; `shared`: the shared
     experts' MLP or None; `sequence_parallel`: x is this TP rank's slice of the sequence (else every TP rank holds
-    the whole micro-batch: inference)."""
+    the whole micro-batch: inference); `cp`: the context-parallel group (None: whole sequences)."""
 
     def __init__(self, settings: MoESettings, layer: int, router: TopKRouter, experts: nn.Module,
                  shared: nn.Module | None, tp: CommGroup, ep: CommGroup, etp: CommGroup, metrics: MoEMetrics,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, cp: CommGroup | None = None):
         super().__init__()
         self.settings, self.layer, self.metrics = settings, layer, metrics
         self.router, self.experts, self.shared_experts = router, experts, shared
         self.tp, self.ep, self.etp = tp, ep, etp
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self.sp = sequence_parallel and tp.size > 1
         self._dispatch = alltoall if settings.dispatcher == "alltoall" else allgather
 
@@ -87,15 +102,24 @@ class MoELayer(nn.Module):
         recording = self.training and torch.is_grad_enabled()
         losses = self._auxiliary_losses(logits, b) if recording else []
         routing = self._micro_batch_routing(probs, indices)
+        out = self._dispatched(tokens, routing, losses, recording).view(s, b, h).transpose(0, 1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    @eager_under_compile
+    def _dispatched(self, tokens: torch.Tensor, routing: Routing, losses: list[tuple[str, torch.Tensor, torch.Tensor]],
+                    recording: bool) -> torch.Tensor:
+        """The experts' weighted outputs [T_local, h] with the auxiliary `losses` attached ((name, loss, the value
+        the log records)), the figures recorded where `recording`: the one eager region under --torch-compile
+        (module docstring)."""
         if recording:
             counts = torch.bincount(routing.indices[routing.kept], minlength=self.settings.num_experts)
             self.metrics.record_tokens(self.layer, counts)
             self.router.count(counts)
         out = self._experts(tokens, routing)
-        out = out.view(s, b, h).transpose(0, 1)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        for loss in losses:
+        for name, loss, value in losses:
+            self.metrics.record_loss(name, self.layer, value)
             out = self.metrics.attach(out, loss)
         return out
 
@@ -119,34 +143,35 @@ class MoELayer(nn.Module):
         mine = slice(self.tp.rank * tokens.shape[0], (self.tp.rank + 1) * tokens.shape[0])
         return dispatch(tokens, Routing(routing.indices[mine], routing.probs[mine], routing.kept[mine]))
 
-    def _auxiliary_losses(self, logits: torch.Tensor, batch: int) -> list[torch.Tensor]:
-        """This rank's parts of the load-balancing loss and the z-loss (recorded for the log, divided by their
-        coefficients as Megatron logs them)."""
+    def _auxiliary_losses(self, logits: torch.Tensor, batch: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """This rank's parts of the load-balancing loss and the z-loss: (name, loss, the value the log records:
+        divided by its coefficient, as Megatron logs it)."""
         st, sp = self.settings, self.tp.size if self.sp else 1
+        cp = self.cp.size if self.cp is not None else 1
         losses = []
         if st.z_loss_coeff:
             loss = z_loss(logits, st.z_loss_coeff / sp)
-            self.metrics.record_loss("z_loss", self.layer, loss / st.z_loss_coeff)
-            losses.append(loss)
+            losses.append(("z_loss", loss, loss / st.z_loss_coeff))
         if st.load_balancing == "none" or not st.aux_loss_coeff:
             return losses
         scores = aux_loss_scores(logits, st.score_function)
         if st.load_balancing == "aux_loss":
             counts = self._summed(routed_counts(scores, st.topk))
-            loss = switch_aux_loss(scores, counts, logits.shape[0] * sp, st.topk, st.aux_loss_coeff)
+            loss = switch_aux_loss(scores, counts, logits.shape[0] * sp * cp, st.topk, st.aux_loss_coeff * cp)
             name = "load_balancing_loss"
         else:  # seq_aux_loss: each sequence's own loss, averaged over the batch
             per_position = scores.view(-1, batch, st.num_experts)
             chosen = torch.zeros_like(scores, dtype=torch.long).scatter(
                 1, torch.topk(scores.detach(), st.topk, dim=1).indices, 1).view(-1, batch, st.num_experts).sum(0)
-            loss = seq_aux_loss(per_position, self._summed(chosen), per_position.shape[0] * sp, batch, st.topk,
-                                st.aux_loss_coeff)
+            loss = seq_aux_loss(per_position, self._summed(chosen), per_position.shape[0] * sp * cp, batch,
+                                st.topk, st.aux_loss_coeff * cp)
             name = "seq_load_balancing_loss"
-        self.metrics.record_loss(name, self.layer, loss / st.aux_loss_coeff)
-        return losses + [loss]
+        return losses + [(name, loss, loss / st.aux_loss_coeff)]
 
     def _summed(self, counts: torch.Tensor) -> torch.Tensor:
-        """Counts over the micro-batch: summed over the TP group's sequence slices."""
+        """Counts over the micro-batch: summed over the TP group's sequence slices and the CP ranks' parts."""
         if self.sp:
             self.tp.all_reduce(counts)
+        if self.cp is not None:
+            self.cp.all_reduce(counts)
         return counts

@@ -10,7 +10,8 @@ from typing import ClassVar
 import torch
 
 from mpzero.errors import ConfigError
-from mpzero.fused import ADAMW_DEVICE_SKIP_IMPLS, adamw_step, resolve_impl
+from mpzero.fused import (ADAMW_DEVICE_SKIP_IMPLS, ADAMW_MASKED_IMPLS, adamw_masked_step, adamw_scalars,
+                          adamw_step, resolve_impl)
 from mpzero.optim.rule import UpdateRule
 
 
@@ -46,6 +47,16 @@ class AdamW(UpdateRule):
         adamw_step(master, grad, states["exp_avg"], states["exp_avg_sq"], lr=lr, beta1=self.beta1,
                    beta2=self.beta2, eps=self.eps, weight_decay=weight_decay, step=step, impl=impl,
                    model_copy=model_copy, grad_scale=grad_scale, skip=skip)
+
+    def skips_with_device_scalars(self, impl: str) -> bool:
+        return impl in ADAMW_MASKED_IMPLS
+
+    def masked_scalars(self, lr: float, weight_decay: float, step: int) -> tuple[float, ...]:
+        return adamw_scalars(lr, weight_decay, self.beta1, self.beta2, step)
+
+    def step_masked(self, master, grad, states, scalars, model_copy, skip, impl: str) -> None:
+        adamw_masked_step(master, grad, states["exp_avg"], states["exp_avg_sq"], model_copy, scalars, self.beta1,
+                          self.beta2, self.eps, skip, impl)
 
     @staticmethod
     def add_flags(group: argparse._ArgumentGroup) -> None:

@@ -96,6 +96,11 @@ class UpdateRule(ABC):
         when it is set, so a step can be launched before the host knows the gradient norm (issue 46)."""
         return False
 
+    def skips_with_device_scalars(self, impl: str) -> bool:
+        """Whether `masked_scalars` and `step_masked` exist for `impl`: fp16's launched step, whose learning rate
+        and step count the device picks (mpzero/fused/adam_scalars.py)."""
+        return False
+
     def windows(self, run_start: int, run_end: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """The canonical decomposition for offload exactness (see `canonical_windows`)."""
         return canonical_windows(run_start, run_end, lo, hi, self.block)

@@ -23,6 +23,7 @@ from mpzero.comm import CommGroup
 from mpzero.pipeline.in_flight import HeldActivations
 from mpzero.pipeline.schedules import COMM, Action, Pipeline, Step, peer
 from mpzero.tensor_parallel import WeightGradStore
+from mpzero.zero import scaled_loss
 
 _TAGS = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}  # activations and gradients apart (gloo matches tags)
 
@@ -180,7 +181,7 @@ def _backward(it: _Iteration, action: Action, key, stage, optimizer, last: bool)
     # one micro-batch for ZeRO's count: its backward through chunk 0, the last of its chunks on this rank
     with optimizer.backward_window(last, micro_batch=chunk == 0) as scale, deferring:
         if grad is None:
-            (output * scale if scale != 1.0 else output).backward()
+            scaled_loss(output, scale).backward()
         else:
             torch.autograd.backward(output, grad)
     if not stage.begins(chunk):

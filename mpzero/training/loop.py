@@ -83,6 +83,7 @@ def train(run: RunConfig, provider: ModelProvider) -> dict:
             iteration = progress.iteration
             for step in [step] if launched is None else launched.results_after(run, iteration, StepResult):
                 terminated = _record(history, interval, step)
+                progress.skipped += launched is not None and step.stats.skipped  # fp16 overflows, known at the read
             if first:
                 _report_first_iteration(run, state, activations, tensorboard, iteration)
                 first = False
@@ -125,8 +126,11 @@ def train_step(run: RunConfig, state: TrainingState, dataset, progress: Progress
         loss_sum = forward_backward(state, dataset, progress.consumed, training, activations)
     cp_bytes = groups.cp.stats.total() - cp_mark  # the CP attention's exchanges, forward and backward
     if pending is not None:  # launched with no host synchronisation, its result left for a later read
+        # fp16: the device picks lrs[k] by the count k of the launched steps not yet read that it skipped
+        lrs = [run.schedule.lr(progress.iteration - progress.skipped - k)
+               for k in range(state.optimizer.unsettled_steps + 1)]
         progress.iteration, progress.consumed = progress.iteration + 1, progress.consumed + training.global_batch_size
-        return pending.launch(state.optimizer, progress.iteration, lr, loss_sum, termination.received_anywhere(),
+        return pending.launch(state.optimizer, progress.iteration, lrs, loss_sum, termination.received_anywhere(),
                               cp_bytes)
     # The iteration's one device-to-host read: the gradient norm, with the loss and SIGTERM's flag
     check = state.optimizer.check_gradients(read_with=(loss_sum, termination.received_anywhere()))

@@ -14,7 +14,8 @@ from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierRe
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
                                 OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units)
 from mpzero.zero.construction import construction_working_set
-from mpzero.zero.device_step import DeviceStep
+from mpzero.zero.device_scaler import scaled_loss
+from mpzero.zero.device_step import DeviceStep, settle, settle_values
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import read_to_host
@@ -32,5 +33,6 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Devi
            "build_layout", "check_zero_units",
            "comm_theory", "construction_working_set", "default_units", "layer_units",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
-           "predicted_trace", "read_to_host", "recompute_chunks", "stage3_working_set", "state_terms",
+           "predicted_trace", "read_to_host", "recompute_chunks", "scaled_loss", "settle", "settle_values",
+           "stage3_working_set", "state_terms",
            "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]

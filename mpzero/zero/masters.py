@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mpzero.fused import pick_row
 from mpzero.zero.tiers import OffloadHolder
 from mpzero.zero.config import OptimizerConfig
 from mpzero.zero.flat import FlatLayout
@@ -120,6 +121,23 @@ class DeviceMasters(MasterStore):
             self.rule.step(self._masters[bucket][start:end], grads[bucket][start:end], states, lr=lr,
                            weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, impl=self.impl,
                            model_copy=copy, **scaled)
+
+    def step_skippable(self, grads: list[torch.Tensor], lrs: list[float], skipped: torch.Tensor,
+                       grad_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
+        """fp16's launched step (device_scaler.py): `lrs[k]` is the learning rate if `k` of the steps launched since
+        the host last knew were skipped, `skipped` that count on the device (the step count goes back by as many);
+        the gradients times `grad_scale` (None: 1); nothing is written where `skip` is set. The rule
+        `skips_with_device_scalars`."""
+        c = self.config
+        self.step_count += 1
+        if grad_scale is not None:
+            scale_grads_(grads, grad_scale)
+        rows = {decay: pick_row([self.rule.masked_scalars(lr, c.weight_decay if decay else 0.0, self.step_count - k)
+                                 for k, lr in enumerate(lrs)], skipped) for decay in (False, True)}
+        for bucket, start, end, decay, states in self._runs:
+            copy = None if self._shares_params else self._param_shards[bucket][start:end]
+            self.rule.step_masked(self._masters[bucket][start:end], grads[bucket][start:end], states, rows[decay],
+                                  copy, skip, self.impl)
 
     def publish(self) -> None:
         if not self._shares_params:

@@ -48,7 +48,8 @@ from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, 
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
 from mpzero.zero.families import families_by_bucket, make_stage, parameter_families
-from mpzero.zero.device_step import DeviceStep, launch_step, steps_on_device
+from mpzero.zero.device_scaler import scaled_loss
+from mpzero.zero.device_step import DeviceStep, launch, steps_on_device
 from mpzero.zero.flat import DecayRule, mark_weight_decay
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import (ArrivingNorm, clip_coefficient, grad_norm_squared, norm_runs, read_to_host,
@@ -125,6 +126,8 @@ class ZeroOptimizer(OptimizerReports):
             self.close()
             raise
         self.scaler = make_loss_scaler(precision)
+        self._device_scaler = None  # fp16's launched steps: the scaler on the device, from the first launch on
+        self.unsettled_steps = 0  # fp16's launched steps since the host last learned which were skipped (`settle`)
         self.stage.write_gradients_together(set(getattr(model, "compiled_backward_parameters", lambda: ())()))
         self._delayed = None if offload.delayed_update_after is None else DelayedUpdate(self.masters, self.stage)
         self.families = parameter_families(named, groups)  # dense over DP x CP; expert over expert-DP
@@ -203,7 +206,7 @@ class ZeroOptimizer(OptimizerReports):
         """Backward of one micro-batch's loss (already divided by the number of micro-batches).
         Stages 0-1 communicate only when `last_micro_batch`; stages 2-3 reduce every micro-batch."""
         with self.backward_window(last_micro_batch) as scale:
-            (loss * scale if scale != 1.0 else loss).backward()
+            scaled_loss(loss, scale).backward()
 
     @contextlib.contextmanager
     def backward_window(self, last_micro_batch: bool, micro_batch: bool = True):
@@ -212,7 +215,7 @@ class ZeroOptimizer(OptimizerReports):
         backward from the next stage's (already scaled) gradient here. `micro_batch` False: the window adds to the
         micro-batch before it (zero bubble's weight-gradient pass), not counted as one more."""
         self.stage.begin_backward(last_micro_batch)
-        yield self.scaler.scale
+        yield self.scaler.scale if self._device_scaler is None else self._device_scaler.loss_scale(torch.float32)
         self.stage.end_backward()
         self._micro_batches += micro_batch
         self._reduced = last_micro_batch
@@ -270,24 +273,27 @@ class ZeroOptimizer(OptimizerReports):
         an update rule that skips on a device flag)."""
         return steps_on_device(self)
 
-    def launch_step(self, lr: float | None = None, watch: tuple[torch.Tensor, ...] = ()) -> DeviceStep:
+    def launch_step(self, lr: float | list[float] | None = None, watch: tuple[torch.Tensor, ...] = ()) -> DeviceStep:
         """The step with no host synchronisation (device_step.py): the norm, the clipping coefficient and the
         non-finite check stay on the device; nothing is updated once the norm or a `watch` value (device scalars,
-        e.g. the loss) was non-finite (with check_for_nan_in_grad). Returns what the caller reads later."""
+        e.g. the loss) was non-finite (with check_for_nan_in_grad). Returns what the caller reads later.
+        fp16: an overflow skips the update on the device; `lr` may be a list, `lr[k]` the learning rate if k of the
+        `unsettled_steps` launched since the last `settle` were skipped (a float: the same for every k); the caller
+        reads `device_step.settle_values` and hands them to `device_step.settle` before it checkpoints or steps
+        synchronously."""
         self._check_reduced()
         if not self.steps_on_device:
-            raise RuntimeError("launch_step() needs a step that runs on the device: fp16, an offloaded optimizer "
-                               "and rules that cannot skip on a device flag read the norm first: call step()")
-        if lr is not None:
-            self.lr = lr
-        launched = launch_step(self, self.lr, watch)
-        self.scaler.update(False)
+            raise RuntimeError("launch_step() needs a step that runs on the device: an offloaded optimizer and "
+                               "rules that cannot skip on a device flag read the norm first: call step()")
+        launched = launch(self, lr, watch)
         self._last_micro_batches = self._micro_batches
         self.iteration += 1
         self.zero_grad()
         return launched
 
     def step(self, lr: float | None = None) -> StepStats:
+        if self.unsettled_steps:
+            raise RuntimeError("step() after launched fp16 steps: settle() them first (the scaler is on the device)")
         if self._checked is None:
             self.check_gradients()
         grads, check = self._checked
@@ -337,17 +343,19 @@ class ZeroOptimizer(OptimizerReports):
             self._delayed.finish()
             self.step_fp32_peak = max(self.step_fp32_peak, self._delayed.fp32_peak)
 
-    def _fp32_grads(self) -> list[torch.Tensor] | Fp32Buckets:
+    def _fp32_grads(self, inverse: float | torch.Tensor | None = None) -> list[torch.Tensor] | Fp32Buckets:
         """This rank's gradient slices in fp32, divided by the loss scale: fp32 buffers in place (they are zeroed
         after the step anyway); low-precision ones as `Fp32Buckets`, cast as the step reads them: a bucket at a
-        time in memory, a sub-group at a time by an offloaded optimizer (see step_grads.py)."""
-        inverse = 1.0 / self.scaler.scale
+        time in memory, a sub-group at a time by an offloaded optimizer (see step_grads.py). `inverse`: 1 / the
+        scale (fp16's launched step: a device tensor); default the host scaler's."""
+        inverse = 1.0 / self.scaler.scale if inverse is None else inverse
         if self.stage.gradient_file is not None:
             return FileGrads(self.stage.gradient_file, inverse)
         shards = self.stage.grad_shards
         if any(grad.dtype != torch.float32 for grad in shards):
             return Fp32Buckets(shards, inverse)
-        return [grad.mul_(inverse) if inverse != 1.0 else grad for grad in shards]
+        scaled = isinstance(inverse, torch.Tensor) or inverse != 1.0  # a tensor is not read
+        return [grad.mul_(inverse) if scaled else grad for grad in shards]
 
     # -- export and checkpoint (collectives over DP, left out of the communication report) -------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -371,6 +379,7 @@ class ZeroOptimizer(OptimizerReports):
             self.masters.step_count = step
         if loss_scaler is not None:
             self.scaler.load_state_dict(loss_scaler)
+            self._device_scaler, self.unsettled_steps = None, 0  # made again from the loaded state
         if iteration is not None:
             self.iteration = iteration
         self.masters.publish()

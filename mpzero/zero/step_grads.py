@@ -77,7 +77,7 @@ class Fp32Buckets(Sequence):
         if key not in self._cast:
             bucket, lo, hi = key
             grad = self._shard(bucket)[lo:hi].float()  # fp32 (on disk): the region buffer's elements, in place
-            if self.inverse_scale != 1.0:
+            if isinstance(self.inverse_scale, torch.Tensor) or self.inverse_scale != 1.0:  # a tensor: not read
                 grad.mul_(self.inverse_scale)
             if self._coef is not None:
                 grad.mul_(self._coef)

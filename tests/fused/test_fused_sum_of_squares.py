@@ -81,3 +81,12 @@ def test_a_tensor_that_is_not_flat_is_refused():
         sum_of_squares(torch.ones(4, 4))
     with pytest.raises(ValueError, match="contiguous 1-D"):
         sum_of_squares(torch.ones(8)[::2])
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_scale_on_the_device_gives_the_bits_of_the_float(device, impl, dtype):
+    """fp16's launched step unscales by 1 / its device loss scale (issue 46), an fp64 tensor never read."""
+    x, scale = _gradients(2 * BLOCK + 5, dtype).to(device), 1.0 / (2.0 ** 13 * 3)
+    on_device = torch.full((), scale, dtype=torch.float64, device=device)
+    assert torch.equal(sum_of_squares(x, on_device, impl=impl), sum_of_squares(x, scale, impl=impl))

@@ -22,14 +22,15 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
     # Every variant the fused ops launch, enumerated here: LayerNorm and RMSNorm forward and backward per dtype, softmax
     # forward, causal forward and backward per dtype, and AdamW per (gradient dtype, model copy dtype) pair
     # the optimizer uses (fp32 training; bf16/fp16 mixed precision with fp32 or low-precision gradients), and the
-    # norm's sum of squares per gradient dtype, unscaled and loss-scaled.
+    # norm's sum of squares per gradient dtype, unscaled and loss-scaled (by a float or a device scale).
     dtypes = ("fp32", "fp16", "bf16")
     names = ([f"{norm}_{d}_{t}" for norm in ("layer_norm", "rms_norm") for t in dtypes for d in ("fwd", "bwd")]
              + [f"softmax_{d}_{t}" for t in dtypes for d in ("fwd", "fwd_causal", "bwd")]
              + [f"adamw_grad_{g}_copy_{c}" for g, c in (("fp32", "none"), ("fp32", "bf16"), ("fp32", "fp16"),
                                                        ("bf16", "bf16"), ("fp16", "fp16"))]
              + ["adamw_grad_fp32_copy_none_on_device", "adamw_grad_fp32_copy_bf16_on_device"]  # launched steps
-             + [f"sum_of_squares_{t}{s}" for t in dtypes for s in ("", "_scaled")])
+             + ["adamw_grad_fp32_copy_fp16_fp16_on_device"]  # fp16's launched step: its scalars in memory too
+             + [f"sum_of_squares_{t}{s}" for t in dtypes for s in ("", "_scaled", "_scaled_in_memory")])
     expected = {(name, f"sm_{cc}") for name in names for cc in (80, 90)}
-    assert len(expected) == 2 * 34  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5 + 2, squares 6
+    assert len(expected) == 2 * 38  # LayerNorm and RMSNorm 2 x 3 dtypes each, softmax 3 x 3, AdamW 5 + 3, squares 9
     assert compiled == expected
