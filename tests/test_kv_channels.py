@@ -5,7 +5,8 @@ heads of 12 (48 != 32) in 2 key/value groups.
   - through the CLI it trains like one process (fp32, 1e-5 relative) at TP 2 with SP x DP 2 under ZeRO 3, CP 2
     (p2p, a2a) and PP 2 (fast), and at TP 2, CP 2 all_gather, TP 2 x CP 2, PP 2 with zero bubble, DP 2 under
     ZeRO 1, 2 and 3, and with --qk-layernorm at TP 2 (product); GPT-2's attention and half the head rotated
-    (--rotary-percent 0.5) at TP 2 + SP (fast) too;
+    (--rotary-percent 0.5) at TP 2 + SP (fast) too, and a Qwen3-MoE-shaped model (q/k norms, experts) at CP 2,
+    EP 2 and TP 2 + SP x EP 2 (product);
   - FLOPs per token equal FlopCounterMode's count of the matmuls, with selective recomputation;
   - the run's activation line, zero memory and comm lines equal their formulas (ratio 1.0000), and the dry run
     prints the real run's lines with the planner's figures (TP bytes included) equal to them;
@@ -62,7 +63,7 @@ def _ratios_are_one(stdout: str, kinds=("activation memory", "zero memory", "zer
     lines = [line for line in stdout.splitlines() if line.startswith(kinds)]
     assert any(line.startswith("activation memory") for line in lines), stdout[-2000:]
     for line in lines:
-        ratios = re.findall(r"ratio (\S+)", line)
+        ratios = re.findall(r"ratio ([0-9.]+)", line)
         assert ratios and all(r == "1.0000" for r in ratios), line
 
 
@@ -163,6 +164,19 @@ def test_layouts_train_like_one_process(world, extra):
     qk = [f for f in extra if f == "--qk-layernorm"]
     stdout = _assert_like_one_process(world, [f for f in extra if f not in qk], base=tuple(KV + qk))
     _ratios_are_one(stdout)
+
+
+QWEN3_MOE = KV + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24"]
+
+
+@pytest.mark.product
+@pytest.mark.parametrize("world, extra", [
+    (2, ["--context-parallel-size", "2"]), (2, ["--expert-model-parallel-size", "2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"])],
+    ids=["cp2", "ep2", "tp2-sp-ep2"])
+def test_a_qwen3_moe_shaped_model_trains_like_one_process(world, extra):
+    """Qwen3-MoE's shape: q/k norms, experts and a head size of its own, at CP 2, EP 2 and TP 2 + SP x EP 2."""
+    _ratios_are_one(_assert_like_one_process(world, extra, base=tuple(QWEN3_MOE)))
 
 
 @pytest.mark.parametrize("base", [TINY + ["--kv-channels", "12"], KV + ["--rotary-percent", "0.5"]],
