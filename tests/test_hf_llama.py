@@ -1,7 +1,8 @@
 """tools/export_hf.py and tools/import_hf.py against transformers' LlamaForCausalLM (built here from a config:
 nothing is downloaded). A LLaMA trained at TP 2 x DP 2 under ZeRO-3 (GQA, RoPE, RMSNorm, SwiGLU) exports to a
 directory HF loads with no missing or unexpected key, with mpzero's logits at TP 1 and 2 (fp32: 1e-4, the issue's
-bound); a randomly initialized HF Llama (GQA, theta 500000, untied, and tied in sharded safetensors) imports with HF's logits at TP 1 and
+bound), its head size 12 (--kv-channels; hidden 32 / 4 heads would be 8) as head_dim; a randomly initialized HF Llama
+(GQA, theta 500000, untied with head_dim 12, and tied in sharded safetensors) imports with HF's logits at TP 1 and
 2, greedy generation through mpzero's GQA KV cache equals HF's `generate`, and import -> export gives back
 identical tensors."""
 
@@ -46,11 +47,13 @@ def _hf_model(directory):
 def test_a_tp2_zero3_llama_exports_to_llama_for_causal_lm(tmp_path):
     checkpoint, output = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     run_ranks(4, quiet_main, LLAMA + ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "--train-iters", "4",
-                                      "--eval-iters", "0", "--rotary-base", "500000", "--save", checkpoint])
+                                      "--eval-iters", "0", "--rotary-base", "500000", "--kv-channels", "12",
+                                      "--save", checkpoint])
     assert _quiet(export_main, ["--load", checkpoint, "--output", output]) == 0
     hf = json.load(open(os.path.join(output, "config.json")))
     assert (hf["model_type"], hf["num_key_value_heads"], hf["intermediate_size"], hf["rms_norm_eps"],
-            hf["tie_word_embeddings"], hf["rope_parameters"]["rope_theta"]) == ("llama", 2, 48, 1e-6, False, 500000.0)
+            hf["tie_word_embeddings"], hf["rope_parameters"]["rope_theta"], hf["head_dim"]) == (
+        "llama", 2, 48, 1e-6, False, 500000.0, 12)
     with torch.no_grad():
         theirs = _hf_model(output)(torch.tensor(IDS)).logits[0]
     for tp in (1, 2):
@@ -62,7 +65,7 @@ def _random_hf_llama(directory, tied):
     config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
                          rms_norm_eps=1e-6, tie_word_embeddings=tied, initializer_range=0.2, eos_token_id=None,
-                         bos_token_id=None)
+                         bos_token_id=None, head_dim=8 if tied else 12)  # untied: 4 x 12 != 32, --kv-channels
     torch.manual_seed(7)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, max_shard_size="100KB" if tied else "1GB")  # tied: sharded safetensors

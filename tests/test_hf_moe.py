@@ -4,6 +4,8 @@ hf_qwen3_moe.py) against the real transformers classes, built here from configs 
     MixtralForCausalLM loads with no missing or unexpected key; logits within 1e-4 (fp32, the issue's bound) and
     the same experts chosen at TP 1 x EP 1, EP 2 and TP 2 x EP 2 (expert-TP 1); tools/generate.py at EP 2 and TP 2 x
     EP 2 gives HF's greedy tokens; with --qk-layernorm, a dense layer and --moe-router-pre-softmax: Qwen3-MoE;
+  - with --kv-channels 12 (4 heads of 12 at hidden 32, as the published Qwen3-MoE's head_dim 128 at hidden 2048 and
+    32 heads) the Qwen3-MoE export's head_dim is 12, and a random Qwen3-MoE with head_dim 12 imports;
   - a randomly initialized local Mixtral and Qwen3-MoE (q/k norms, a dense first layer, top-k not renormalised)
     import with HF's logits and routing at those layouts and at TP 2 x EP 2 with each expert split over TP,
     greedy generation equal (TP 2 x EP 2), export back to HF's own tensors, and train on with the flags the import
@@ -144,12 +146,13 @@ def test_an_ep2_checkpoint_exports_to_mixtral_with_its_logits_and_routing(traine
 def test_an_ep2_checkpoint_with_qk_norms_and_a_dense_layer_exports_to_qwen3_moe(tmp_path):
     checkpoint, output = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     run_ranks(2, quiet_main, LLAMA + MOE + ["--qk-layernorm", "--moe-layer-freq", "[0,1]", "--moe-router-pre-softmax",
-                                            "--expert-model-parallel-size", "2", "--train-iters", "3",
+                                            "--kv-channels", "12", "--expert-model-parallel-size", "2",
+                                            "--train-iters", "3",
                                             "--eval-iters", "0", "--lr", "1e-2", "--save", checkpoint])
     assert _quiet(export_main, ["--load", checkpoint, "--output", output]) == 0
     hf = json.load(open(os.path.join(output, "config.json")))
     assert (hf["model_type"], hf["num_experts"], hf["moe_intermediate_size"], hf["intermediate_size"],
-            hf["mlp_only_layers"], hf["norm_topk_prob"]) == ("qwen3_moe", 4, 24, 48, [0], False)
+            hf["mlp_only_layers"], hf["norm_topk_prob"], hf["head_dim"]) == ("qwen3_moe", 4, 24, 48, [0], False, 12)
     names = set(_files(output))
     assert {"model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
             "model.layers.0.self_attn.q_norm.weight"} <= names
@@ -207,9 +210,10 @@ def _random_hf(kind, directory):
     if kind == "mixtral":
         config = MixtralConfig(**common, intermediate_size=24, num_local_experts=4,
                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    else:  # a dense first layer (mlp_only_layers), top-k gates not renormalised (norm_topk_prob false)
+    else:  # a dense first layer (mlp_only_layers), top-k gates not renormalised (norm_topk_prob false), and a head
+        # size other than hidden / heads as every published Qwen3-MoE has (head_dim 128, hidden 2048, 32 heads)
         config = Qwen3MoeConfig(**common, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
-                                mlp_only_layers=[0], norm_topk_prob=False, head_dim=8)
+                                mlp_only_layers=[0], norm_topk_prob=False, head_dim=12)  # 4 x 12 != 32: --kv-channels
     torch.manual_seed(11)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory, max_shard_size="60KB")
@@ -237,7 +241,8 @@ def test_a_random_hf_moe_imports_with_its_logits_routing_and_greedy_tokens(tmp_p
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "qwen3_moe", "head_dim": 16}, "head_dim 16 (mpzero's head size is hidden_size / "),
+    ({"model_type": "qwen3_moe", "head_dim": 0}, "head_dim 0 is out of range: it must be >= 1 (it becomes "
+                                                 "--kv-channels)"),
     ({"model_type": "qwen3_moe", "use_sliding_window": True}, "has use_sliding_window true"),
     ({"model_type": "mixtral", "sliding_window": 16}, "has sliding_window 16"),
     ({"model_type": "mixtral", "num_experts_per_tok": 5}, "--moe-router-topk 5 must lie between 1 and"),

@@ -3,7 +3,7 @@ a LLaMA-shaped GPT (RMSNorm, SwiGLU, RoPE theta 500000, 2 key/value groups, unti
 imports with megatron-core's own logits at mpzero TP 1 and 2 (1e-5), and trains on through pretrain_gpt.main from
 the loss of megatron-core's logits; a GPT-2-shaped one (LayerNorm, GELU, learned positions, biases, the output
 tied to the embedding across the pipeline stages, norms under their own names, stored in bf16) imports with its
-logits too.
+logits too, and so does a LLaMA with kv_channels 12 at hidden 32 / 4 heads (product).
 Per-layer keys with the SwiGLU halves stored apart (`singleton_local_shards`) are the `product` case (the same
 conversion, other key parsing). The run's common.pt
 is never opened (a pickle that would run code is left untouched); every bad input is one `error:` line, exit
@@ -138,6 +138,17 @@ def test_per_layer_keys_and_stored_swiglu_halves_import(tmp_path_factory, tmp_pa
     _assert_megatron_logits(str(tmp_path / "imported"), logits)
 
 
+@pytest.mark.product
+def test_a_llama_with_its_own_head_size_imports_with_megatron_cores_logits(tmp_path_factory, tmp_path):
+    """kv_channels 12 at hidden 32 / 4 heads (Qwen3's head_dim 128 at 2048 / 32): the import reads it from
+    linear_proj's columns, prints --kv-channels 12, and computes megatron-core's logits."""
+    spec = {**LLAMA, "config": {**LLAMA["config"], "kv_channels": 12}}
+    root, logits = _saved(tmp_path_factory, spec, "kv")
+    out = _import(["--load", root, "--save", str(tmp_path / "imported"), "--kv-channels", "12"] + LLAMA_FLAGS)
+    assert "--kv-channels 12" in out
+    _assert_megatron_logits(str(tmp_path / "imported"), logits)
+
+
 def _without(flags, flag):
     i = flags.index(flag)
     return flags[:i] + flags[i + 2:]
@@ -146,11 +157,14 @@ def _without(flags, flag):
 @pytest.mark.parametrize("change,message", [
     (lambda f: _without(f, "--position-embedding-type"), "has no learned position embedding: pass "
                                                           "--position-embedding-type rope"),
-    (lambda f: f + ["--num-attention-heads", "3"], "--num-attention-heads 3 does not divide the checkpoint's hidden"),
+    (lambda f: f + ["--num-attention-heads", "3"],
+     "--num-attention-heads 3 does not divide the checkpoint's attention width 32"),
     (lambda f: f + ["--num-layers", "3"], "--num-layers 3 disagrees with the checkpoint's tensors, which say "
                                           "num_layers 4"),
     (lambda f: f + ["--normalization", "LayerNorm"], "--normalization LayerNorm disagrees"),
     (lambda f: f + ["--num-query-groups", "4"], "--num-query-groups 4 disagrees"),
+    (lambda f: f + ["--kv-channels", "16"], "--kv-channels 16 disagrees with the checkpoint's tensors, which say "
+                                            "kv_channels 8"),
     (lambda f: f + ["--vocab-size", "200"], "--vocab-size 200 is more than the checkpoint's 128 embedding rows"),
     (lambda f: _without(f, "--max-position-embeddings"), "--max-position-embeddings is needed with RoPE"),
     (lambda f: f + ["--ckpt-step", "5"], "has no iter_0000005 directory"),

@@ -7,10 +7,11 @@
 Reads Megatron-LM's --save directory (the iteration latest_checkpointed_iteration.txt names, or --ckpt-step), or
 one saved iteration directory: DCP's metadata and the model's tensors, every TP and PP shard of each. GPT-2-shaped
 (LayerNorm, GELU, learned positions, biases) and LLaMA-shaped (RMSNorm, SwiGLU, RoPE, grouped-query attention, no
-biases, untied output) models import, from TE or local layer specs. The layers, widths, key/value groups and those
-choices come from the tensors; --num-attention-heads, and for RoPE --max-position-embeddings, --rotary-base and
---rotary-percent, from you (Megatron's flag names and defaults); any other model flag you pass is checked against
-the tensors. --vocab-size drops Megatron's padding rows. The run's common.pt (a pickle) is never opened.
+biases, untied output) models import, from TE or local layer specs. The layers, widths, head size (--kv-channels),
+key/value groups and those choices come from the tensors; --num-attention-heads, and for RoPE
+--max-position-embeddings, --rotary-base and --rotary-percent, from you (Megatron's flag names and defaults); any
+other model flag you pass is checked against the tensors. --vocab-size drops Megatron's padding rows. The run's
+common.pt (a pickle) is never opened.
 Writes a weights-only checkpoint (iteration 0) that `pretrain_gpt.py --load ... --finetune` continues at any
 TP x DP x ZeRO layout with the same logits, and that tools/generate.py and tools/export_hf.py read. Anything else
 (the legacy torch format, MoE, QK layernorm, MLA, a flag the tensors contradict, a Megatron flag mpzero's GPT does
@@ -37,6 +38,7 @@ MODEL_FLAGS = {
     "num_layers": ("--num-layers", POSITIVE, CHECKED), "hidden_size": ("--hidden-size", POSITIVE, CHECKED),
     "ffn_hidden_size": ("--ffn-hidden-size", POSITIVE, CHECKED),
     "num_query_groups": ("--num-query-groups", POSITIVE, CHECKED),
+    "kv_channels": ("--kv-channels", POSITIVE, CHECKED + ": linear_proj's columns / heads"),
     "normalization": ("--normalization", NORMALIZATIONS, CHECKED + ": a LayerNorm has a bias, an RMSNorm none"),
     "swiglu": ("--swiglu", None, CHECKED + ": linear_fc1 twice linear_fc2's width"),
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", None,

@@ -4,8 +4,9 @@
 layer, its input and its output's gradient, from which W computes the weight gradient. Per layer, e-byte tensors
 (sequence parallel: the column-parallel linears keep their input as this rank's 1/t slice, gathered again in W):
 
-  QKV         input sbh (/t),  output gradient sb(h + 2gh/a)/t   (g K/V groups of a heads; 3sbh/t without GQA)
-  projection  input sbh/t,     output gradient sbh               (the row-parallel product is whole before its
+  QKV         input sbh (/t),  output gradient sb(a + 2g)d/t     (g K/V groups of a heads of size d; 3sbh/t
+                                                                   without GQA and --kv-channels)
+  projection  input sbad/t,    output gradient sbh               (the row-parallel product is whole before its
                                                                    all-reduce or reduce-scatter)
   fc1         input sbh (/t),  output gradient sbf/t             (SwiGLU's [gate; up]: 2sbf/t)
   fc2         input sbf/t,     output gradient sbh
@@ -25,11 +26,12 @@ def deferred_layer_terms(setting: ActivationSetting) -> tuple[Term, ...]:
     f, g = st.ffn_hidden_size or 4 * h, st.num_query_groups or a
     sb = s * b
     rep_div, div = (t, "/t") if st.sequence_parallel else (1, "")
-    qkv = h + 2 * g * h // a
+    d = st.head_dim
+    qkv = (a + 2 * g) * d
     fc1 = 2 * f if st.swiglu else f
     return (Term("QKV input", f"{e}sbh{div}", e * sb * h // rep_div),
-            Term("QKV output gradient", f"{e}sb(h+2gh/a)/t", e * sb * qkv // t),
-            Term("projection input", f"{e}sbh/t", e * sb * h // t),
+            Term("QKV output gradient", f"{e}sb(a+2g)d/t", e * sb * qkv // t),
+            Term("projection input", f"{e}sbad/t", e * sb * a * d // t),
             Term("projection output gradient", f"{e}sbh", e * sb * h),
             Term("fc1 input", f"{e}sbh{div}", e * sb * h // rep_div),
             Term("fc1 output gradient", f"{e}sb{'2' if st.swiglu else ''}f/t", e * sb * fc1 // t),

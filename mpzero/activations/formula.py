@@ -35,14 +35,16 @@ from what the code saves (never fitted to a count):
 A mixture-of-experts layer has no dense MLP items: its router, dispatch, experts and shared experts' terms are
 `moe.py`'s, at the rows the step routed into this rank's experts (counted) or their worst case.
 
-Symbols: s sequence, b micro-batch, h hidden, a heads, t TP size, e activation bytes, m dropout-mask bytes.
+Symbols: s sequence, b micro-batch, h hidden, a heads, d head size (h/a, or --kv-channels), t TP size,
+e activation bytes, m dropout-mask bytes. Where ad != h, the attention's sbh-sized items (q, k, v, the projection
+input, the q/k norms' tensors) are ad/h times their sbh form.
 With sequence parallelism the replicated terms (LayerNorms, dropouts, the first linears' inputs) are /t.
 
 Context parallelism (CP ranks, `mpzero.context_parallel`): s is the rank's s/CP tokens in every term. p2p and
 all_gather keep what flash attention keeps (q, k, v, the output, an fp32 logsumexp); a2a runs the attention
 backend on a/CP heads over CP·s tokens (the [s, s] terms become a·CP s²b/t), and keeps the output before its
-all-to-all back where flash keeps it (es bh/t). While a layer's forward attends, the ring holds two of the
-stacked local K/V (KV = 2 s b g/a h e/t bytes: the one in use, the next in flight) and the all-gather CP + 1 (the
+all-to-all back where flash keeps it (es b ad/t). While a layer's forward attends, the ring holds two of the
+stacked local K/V (KV = 2 s b g d e/t bytes: the one in use, the next in flight) and the all-gather CP + 1 (the
 local one and every rank's): `exchange_term`, beside the line, not part of what is kept.
 """
 
@@ -248,8 +250,9 @@ def layer_formula(setting: ActivationSetting, kind: str, index: int | None = Non
 
 def _table2_term(st: ActivationSetting, core: bool, moe: bool = False) -> Term:
     """Korthikanti's items: (name, coefficient of sbh bytes, replicated?) and the as^2b items (all /t), evaluated
-    for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each). A MoE layer
-    has no dense MLP items (its own terms: moe.py)."""
+    for the family's shapes (GPT-2's give Table 2's: Q, K, V 3e, GELU input and fc2 input 4e each; with a head
+    size d other than h/a the attention's items are ad/h times theirs). A MoE layer has no dense MLP items (its
+    own terms: moe.py)."""
     s, b, h, a, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp, st.dtype_bytes
     sp, attn_drop, flash = st.sequence_parallel, st.attention_dropout, st.flash_attention
     rep_div = t if sp else 1  # replicated-region tensors: whole per rank, or a 1/t slice of the sequence
@@ -259,7 +262,9 @@ def _table2_term(st: ActivationSetting, core: bool, moe: bool = False) -> Term:
     mlp_items = [] if moe else (
         [("gate and up outputs", 2 * f * e), ("SiLU output", f * e), ("down-projection input", f * e)]
         if st.swiglu else [("GELU input", f * e), ("fc2 input", f * e)])
-    shard_items = [("Q, K, V", _attention_inputs(st, core, flash) * e), ("projection input", e)] + mlp_items
+    heads = Fraction(a * st.head_dim, h)  # q and the projection input are a d wide: h, or --kv-channels' a d
+    shard_items = [("Q, K, V", _attention_inputs(st, core, flash) * e * heads), ("projection input", e * heads)] \
+        + mlp_items
     attn_items = ([("softmax output", e), ("value-matmul input (dropout output)", e)]
                   + ([("attention dropout mask", 1)] if attn_drop else [])) if core and not flash else []
     rep = Fraction(sum(c for _, c in rep_items))
@@ -301,7 +306,8 @@ def _named_terms(st: ActivationSetting, core: bool) -> list[Term]:
     if core and st.flash_attention:
         terms.append(Term("flash attention logsumexp fp32", "4asb/t", 4 * a * s * b // t))
         if _a2a(st) > 1:
-            terms.append(Term("attention output before its all-to-all back", f"{e}sbh/t", e * sbh // t))
+            terms.append(Term("attention output before its all-to-all back", f"{e}sbad/t",
+                              e * s * b * a * st.head_dim // t))
     elif core:
         if st.softmax_impl == "torch":
             if e < 4:
@@ -346,10 +352,9 @@ def exchange_term(st: ActivationSetting) -> Term | None:
     if st.cp == 1 or st.cp_comm_type == "a2a":
         return None
     groups = st.num_query_groups or st.num_attention_heads
-    kv = 2 * st.seq_length * st.micro_batch_size * groups * (st.hidden_size // st.num_attention_heads) \
-        * st.dtype_bytes // st.tp
+    kv = 2 * st.seq_length * st.micro_batch_size * groups * st.head_dim * st.dtype_bytes // st.tp
     held, text = (2, "2KV (in use, in flight)") if st.cp_comm_type == "p2p" else (st.cp + 1, f"{st.cp + 1}KV")
-    return Term("K/V exchange buffers", f"{text}, KV = 2sb(g/a)h{st.dtype_bytes}/t", held * kv)
+    return Term("K/V exchange buffers", f"{text}, KV = 2sbgd{st.dtype_bytes}/t", held * kv)
 
 
 def _exact(value: Fraction) -> int:

@@ -1,6 +1,7 @@
 """What --qk-layernorm's q and k norms keep in a layer whose core attention is stored (not recomputed), with the
 torch reference RMSNorm (`mpzero.fused.rms_norm_reference`: the fp32 input, x * rstd and rstd saved; on CPU, and
-wherever --no-layernorm-fusion or a missing kernel picks it). Units: e sbh/t is one q's bytes, r = g/a.
+wherever --no-layernorm-fusion or a missing kernel picks it). Units: e sbh/t is one q's bytes (e sbad/t with
+--kv-channels d), r = g/a.
 
 - the normalized q and k in fp32, 4(1 + r) sbh/t, and their rstd, 4sb(a + g)/t;
 - below fp32 (e < 4): the fp32 copies of the inputs, 4(1 + r) sbh/t, and of the two [d] weights, 8d;
@@ -34,10 +35,10 @@ def regrouped_q_kept(st: ActivationSetting) -> bool:
 def qk_norm_terms(st: ActivationSetting, flash: bool, a2a: int) -> list[Term]:
     if not st.qk_layernorm or st.layernorm_impl != "torch":
         return []
-    s, b, h, a, t, e = st.seq_length, st.micro_batch_size, st.hidden_size, st.num_attention_heads, st.tp, st.dtype_bytes
+    s, b, a, t, e = st.seq_length, st.micro_batch_size, st.num_attention_heads, st.tp, st.dtype_bytes
     groups = st.num_query_groups or a
     r = Fraction(groups, a)
-    unit = Fraction(s * b * h, t)  # one q's elements on this rank
+    unit = Fraction(s * b * a * st.head_dim, t)  # one q's elements on this rank (sbh/t unless --kv-channels)
 
     def term(name: str, text: str, value: Fraction) -> Term:
         return Term(name, text, int(value))
@@ -45,7 +46,7 @@ def qk_norm_terms(st: ActivationSetting, flash: bool, a2a: int) -> list[Term]:
              term("q/k norms rstd fp32", "4sb(a+g)/t", Fraction(4 * s * b * (a + groups), t))]
     if e < 4:
         terms += [term("q/k norm inputs kept in fp32", f"4(1+{r})sbh/t", 4 * (1 + r) * unit),
-                  term("q/k norm fp32 weight copies", "8d", Fraction(8 * h // a))]
+                  term("q/k norm fp32 weight copies", "8d", Fraction(8 * st.head_dim))]
     else:
         if not flash:
             terms.append(term("QKV output kept by the norms' inputs", f"{e}(1+2*{r})sbh/t", e * (1 + 2 * r) * unit))

@@ -50,6 +50,7 @@ class ActivationSetting:
     # The LLaMA family's shapes and parts (GPT-2's by default):
     ffn_hidden_size: int | None = None  # f; None: 4h
     num_query_groups: int | None = None  # g, the K/V heads; None: a
+    kv_channels: int | None = None  # d, each head's size (--kv-channels); None: h/a
     rms_norm: bool = False  # RMSNorm instead of LayerNorm
     swiglu: bool = False  # the gated MLP: [gate; up] output 2f, SiLU output f, down-projection input f
     rotary: bool = False  # RoPE: rotated copies of q and k
@@ -64,6 +65,11 @@ class ActivationSetting:
     chunks: tuple[tuple[int, ...], ...] | None = None  # its layers' global indices by model chunk; None: all, one
     first_stage: bool = True  # it begins the model: token ids, position ids, the embedding's dropout mask
     last_stage: bool = True  # it ends the model: final norm, logits' input, cross entropy
+
+    @property
+    def head_dim(self) -> int:
+        """d: --kv-channels, else h/a (so a d, q's and the projection input's width, is h by default)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def layer_chunks(self) -> tuple[tuple[int, ...], ...]:

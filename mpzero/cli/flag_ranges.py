@@ -41,6 +41,7 @@ RANGES = {
     "offload_delayed_update_after": (0, True, None, False),
     "recompute_num_layers": (1, True, None, False), "cross_entropy_chunk_size": (0, True, None, False),
     "ffn_hidden_size": (1, True, None, False), "num_query_groups": (1, True, None, False),
+    "kv_channels": (1, True, None, False),
     "rotary_base": (1, True, None, False), "rotary_percent": (0.0, False, 1.0, True),
     "world_size": (1, True, None, False), "rank": (0, True, None, False),
     "profile_step_start": (0, True, None, False), "profile_step_end": (1, True, None, False),

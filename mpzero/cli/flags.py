@@ -57,6 +57,9 @@ def gpt_flags(p: argparse.ArgumentParser) -> None:
                        help="key/value heads with --group-query-attention (default 1); divisible by TP")
     model.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                        help="no biases in the attention and MLP linears (LLaMA)")
+    model.add_argument("--kv-channels", type=int, default=None,
+                       help="projection size per attention head: Q is heads x N wide, K and V groups x N, the "
+                            "output projection's input heads x N (default --hidden-size / --num-attention-heads)")
     model.add_argument("--qk-layernorm", action="store_true",
                        help="--normalization over each head's queries and keys before RoPE (Qwen3, OLMo 2)")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=GPTConfig.make_vocab_size_divisible_by)

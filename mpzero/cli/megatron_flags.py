@@ -78,7 +78,6 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--recompute-modules": ("use --recompute-activations (the core attention) or --recompute-granularity full "
                             "(whole layers)"),
     "--checkpoint-activations": "Megatron's old name: use --recompute-granularity full (or --recompute-activations)",
-    "--kv-channels": "the head size is --hidden-size / --num-attention-heads: drop it",
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
     "--rotary-interleaved": "RoPE rotates halves (Hugging Face's convention); the interleaved form is " + _NOT_YET,
     "--use-rope-scaling": "RoPE scaling (Llama 3.1) is " + _NOT_YET,

@@ -40,7 +40,9 @@ def _check_gpt2(config: GPTConfig) -> None:
                    (not config.add_bias_linear, "--disable-bias-linear"),
                    (config.ffn_size != 4 * config.hidden_size, f"--ffn-hidden-size {config.ffn_size}"),
                    (not config.learned_positions, "no learned position embedding"),
-                   (config.qk_layernorm, "--qk-layernorm")]
+                   (config.qk_layernorm, "--qk-layernorm"),
+                   (config.attention_width != config.hidden_size,
+                    f"--kv-channels {config.head_dim} (GPT-2's heads split n_embd)")]
     for bad, what in unsupported:
         if bad:
             raise ConfigError(f"this model has {what}: GPT2LMHeadModel cannot compute it")

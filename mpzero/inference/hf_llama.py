@@ -33,11 +33,11 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
                "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
                "pretraining_tp": 1}
-# each numeric key's pretrain_gpt.py flag (its range: mpzero/cli/flag_ranges.py); head_dim and pretraining_tp
-# must equal what mpzero computes (config_from_hf), rope_theta becomes --rotary-base (_rope_theta)
+# each numeric key's pretrain_gpt.py flag (its range: mpzero/cli/flag_ranges.py); head_dim is --kv-channels (Megatron's
+# projection size per head), pretraining_tp must be 1 (config_from_hf), rope_theta becomes --rotary-base (_rope_theta)
 HF_FLAGS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
             "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
-            "num_key_value_heads": "num_query_groups", "head_dim": "hidden_size",
+            "num_key_value_heads": "num_query_groups", "head_dim": "kv_channels",
             "max_position_embeddings": "max_position_embeddings", "initializer_range": "init_method_std",
             "rms_norm_eps": "layernorm_epsilon", "attention_dropout": "attention_dropout",
             "pretraining_tp": "tensor_model_parallel_size", "rope_theta": "rotary_base"}
@@ -202,19 +202,20 @@ def _rope_theta(c: dict, source: str) -> float:
 
 def config_from_hf(hf: dict, source: str) -> GPTConfig:
     """The mpzero GPTConfig computing what this Llama config.json computes; a choice mpzero cannot compute
-    (activation, head size, scaled RoPE, pretraining_tp) is one ConfigError line."""
+    (activation, scaled RoPE, pretraining_tp) is one ConfigError line. head_dim other than hidden_size /
+    num_attention_heads (Qwen3's 128, Gemma's) is --kv-channels."""
     c = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in HF_DEFAULTS}}
     check_value_types(c, HF_DEFAULTS, source)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "max_position_embeddings"):
+                "max_position_embeddings", "head_dim"):
+        if key == "head_dim" and c[key] is None:  # HF's default: hidden_size // num_attention_heads
+            continue
         if not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1:
             raise ConfigError(f"{source}: {key} is {c[key]!r}, not a positive integer")
     heads = c["num_attention_heads"]
     groups = c["num_key_value_heads"] or heads
     unsupported = [
         (c["hidden_act"] != "silu", f"hidden_act {c['hidden_act']!r} (mpzero's gated MLP is SwiGLU: silu)"),
-        (c["head_dim"] not in (None, c["hidden_size"] // heads),
-         f"head_dim {c['head_dim']} (mpzero's head size is hidden_size / num_attention_heads)"),
         (c["attention_bias"] != c["mlp_bias"], "attention_bias and mlp_bias differing (mpzero has one switch)"),
         (c["pretraining_tp"] != 1, f"pretraining_tp {c['pretraining_tp']}"),
     ]
@@ -229,7 +230,7 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
                        swiglu=True, ffn_hidden_size=c["intermediate_size"], position_embedding_type="rope",
                        add_position_embedding=False, rotary_base=_rope_theta(c, source),
                        group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
-                       add_bias_linear=bool(c["attention_bias"]))
+                       add_bias_linear=bool(c["attention_bias"]), kv_channels=_kv_channels(c))
     try:
         config.validate(1)
     except ConfigError as error:
@@ -237,12 +238,24 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
     return config
 
 
+def _kv_channels(c: dict) -> int | None:
+    """--kv-channels for HF's head_dim: None where it is the default, hidden_size / num_attention_heads."""
+    head_dim, hidden, heads = c["head_dim"], c["hidden_size"], c["num_attention_heads"]
+    return None if head_dim is None or head_dim * heads == hidden else head_dim
+
+
+def has_own_head_size(config: GPTConfig) -> bool:
+    """Whether the head size is not hidden / heads: the model needs --kv-channels."""
+    return config.attention_width != config.hidden_size
+
+
 def model_flags(config: GPTConfig) -> dict:
     """The pretrain_gpt.py flags (by name) that build this model: recorded in an imported checkpoint's meta.json;
     GPT-2's (`hf_gpt2.model_flags`) less its GELU, plus the family's."""
     flags = {k: v for k, v in hf_gpt2.model_flags(config).items() if k != "openai_gelu"}
     return {**flags, **{k: v for k, v in config.architecture().items() if k in LLAMA_KEYS},
-            "group_query_attention": config.group_query_attention, "add_position_embedding": False}
+            "group_query_attention": config.group_query_attention, "add_position_embedding": False,
+            **({"kv_channels": config.head_dim} if has_own_head_size(config) else {})}
 
 
 LLAMA_KEYS = ("normalization", "swiglu", "ffn_hidden_size", "position_embedding_type", "rotary_base",
@@ -259,6 +272,8 @@ def command_line(config: GPTConfig) -> list[str]:
             "--no-position-embedding", "--rotary-base", str(int(config.rotary_base))]
     if config.group_query_attention:
         args += ["--group-query-attention", "--num-query-groups", str(config.query_groups)]
+    if has_own_head_size(config):
+        args += ["--kv-channels", str(config.head_dim)]
     if not config.add_bias_linear:
         args.append("--disable-bias-linear")
     if config.untie_embeddings_and_output_weights:

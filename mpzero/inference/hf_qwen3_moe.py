@@ -6,8 +6,8 @@ Qwen3-MoE is LLaMA (hf_llama.py) with an RMSNorm over each head's queries and ke
 `decoder_sparse_step` and `mlp_only_layers` name (layer i when (i + 1) % step == 0 and i is not in the list; the
 others a dense SwiGLU MLP of `intermediate_size`: mpzero's --moe-layer-freq pattern and --ffn-hidden-size). Routing:
 softmax over all experts and top-k, renormalised with `norm_topk_prob` (mpzero's default router), else not
-(--moe-router-pre-softmax). A head size other than hidden_size / num_attention_heads (`head_dim`, 128 in the
-published Qwen3-MoE models) is refused: mpzero's heads split the hidden size (no --kv-channels yet).
+(--moe-router-pre-softmax). `head_dim` (128 in the published Qwen3-MoE models, not hidden_size /
+num_attention_heads) is --kv-channels, as for Llama.
 """
 
 from __future__ import annotations

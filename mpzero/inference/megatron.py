@@ -16,8 +16,9 @@ with no reordering:
 - A gated MLP's linear_fc1 is [gate; up] along the rows, as mpzero's fc1 (stored as the halves `weight_w` and
   `weight_v` with `singleton_local_shards`).
 - Embedding and output rows past --vocab-size are Megatron's padding (--make-vocab-size-divisible-by x TP): dropped.
-The tensors say the layers, widths, key/value groups, normalization (LayerNorm has a bias, RMSNorm none), gated
-MLP, biases, tied output and learned positions; the user says the heads, and RoPE's and the norm's settings.
+The tensors say the layers, widths, head size (linear_proj's columns / heads: --kv-channels), key/value groups,
+normalization (LayerNorm has a bias, RMSNorm none), gated MLP, biases, tied output and learned positions; the user
+says the heads, and RoPE's and the norm's settings.
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def megatron_config(plan: Plan, given: dict) -> GPTConfig:
     rows = plan.shapes["embedding.word_embeddings.weight"][0]
     if given.get("vocab_size", rows) > rows:
         raise ConfigError(f"--vocab-size {given['vocab_size']} is more than the checkpoint's {rows} embedding rows")
-    groups, heads = seen["num_query_groups"], given["num_attention_heads"]
-    config = GPTConfig(**{**seen, "num_attention_heads": heads, "vocab_size": given.get("vocab_size", rows),
+    groups, heads, d = seen["num_query_groups"], given["num_attention_heads"], seen["kv_channels"]
+    config = GPTConfig(**{**seen, "num_attention_heads": heads, "kv_channels": d if heads * d != seen["hidden_size"]
+                          else None, "vocab_size": given.get("vocab_size", rows),
                           "max_position_embeddings": seen.get("max_position_embeddings",
                                                               given.get("max_position_embeddings")),
                           "position_embedding_type": position, "add_position_embedding": learned,
@@ -154,20 +156,23 @@ def _seen(plan: Plan, heads: int) -> dict:
     if plan.num_layers < 1 or "layers.0.attention.qkv.weight" not in shapes or "layers.0.mlp.fc2.weight" not in shapes:
         raise ConfigError(f"{source} has no decoder layers with linear_qkv and linear_fc2 weights: not a "
                           f"megatron-core GPT checkpoint (or one whose pipeline stages did not all save)")
-    if hidden % heads:
-        raise ConfigError(f"--num-attention-heads {heads} does not divide the checkpoint's hidden size {hidden}: "
-                          f"pass the number the model was trained with")
-    rows, head_dim = shapes["layers.0.attention.qkv.weight"][0], hidden // heads
-    groups = (rows - hidden) // (2 * head_dim)
-    if groups < 1 or rows != hidden + 2 * groups * head_dim or heads % groups:
+    width = shapes.get("layers.0.attention.dense.weight", (hidden, hidden))[1]  # linear_proj: heads x kv_channels
+    if width % heads:
+        raise ConfigError(f"--num-attention-heads {heads} does not divide the checkpoint's attention width {width} "
+                          f"(linear_proj's columns, heads x --kv-channels): pass the number the model was trained "
+                          f"with")
+    rows, head_dim = shapes["layers.0.attention.qkv.weight"][0], width // heads
+    groups = (rows - width) // (2 * head_dim)
+    if groups < 1 or rows != width + 2 * groups * head_dim or heads % groups:
         raise ConfigError(f"{source}: linear_qkv has {rows} rows, not (heads + 2 x groups) x {head_dim} for "
                           f"--num-attention-heads {heads} and any number of key/value groups: pass the heads it was "
-                          f"trained with (mpzero needs --kv-channels = hidden size / heads)")
+                          f"trained with")
     fc1, ffn = shapes["layers.0.mlp.fc1.weight"][0], shapes["layers.0.mlp.fc2.weight"][1]
     if fc1 not in (ffn, 2 * ffn):
         raise ConfigError(f"{source}: linear_fc1 has {fc1} rows and linear_fc2 {ffn} columns: neither an MLP nor "
                           f"a gated one (SwiGLU)")
     seen = {"num_layers": plan.num_layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_query_groups": groups,
+            "kv_channels": head_dim,
             "normalization": "LayerNorm" if "final_layernorm.bias" in shapes else "RMSNorm",
             "swiglu": fc1 == 2 * ffn, "add_bias_linear": "layers.0.attention.qkv.bias" in shapes,
             "untie_embeddings_and_output_weights": "output_layer.weight" in shapes}
@@ -234,6 +239,8 @@ def command_line(config: GPTConfig) -> list[str]:
     args += [flag for on, flag in switches if on]
     if config.group_query_attention:
         args += ["--num-query-groups", str(config.query_groups)]
+    if hf_llama.has_own_head_size(config):
+        args += ["--kv-channels", str(config.head_dim)]
     if not config.learned_positions:
         args += ["--position-embedding-type", config.position_embedding_type, "--no-position-embedding"]
     if config.position_embedding_type == "rope":

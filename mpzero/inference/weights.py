@@ -29,7 +29,7 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "m
 OPTIONAL = ("layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "init_method_std",
             "make_vocab_size_divisible_by", "normalization", "swiglu", "ffn_hidden_size", "position_embedding_type",
             "add_position_embedding", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
-            "add_bias_linear", "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+            "add_bias_linear", "qk_layernorm", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
             "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
             "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
 

@@ -39,10 +39,11 @@ class AttentionConfig:
     softmax_impl: str = "auto"  # the local backend's scale + mask + softmax (mpzero.fused)
     selective: bool = False  # selective recomputation: the core attention recomputed in backward
     qk_norm: tuple | None = None  # --qk-layernorm: (normalization, eps, impl) over each head's q and k; None: off
+    kv_channels: int | None = None  # --kv-channels: each head's size; None: hidden_size / num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 class SelfAttention(nn.Module):
@@ -73,7 +74,9 @@ class SelfAttention(nn.Module):
         sp, bias = config.sequence_parallel, config.bias
         width = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim  # 3h without GQA
         self.qkv = ColumnParallelLinear(h, width, tp, init, bias=bias, sequence_parallel=sp)
-        self.dense = RowParallelLinear(h, h, tp, output_init, bias=bias, sequence_parallel=sp)
+        # the heads' outputs (heads x head size: h unless --kv-channels says otherwise) back to h
+        self.dense = RowParallelLinear(config.num_attention_heads * self.head_dim, h, tp, output_init, bias=bias,
+                                       sequence_parallel=sp)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_norm is not None:  # [head_dim] weights shared by the heads of every TP rank: their gradients
             normalization, eps, impl = config.qk_norm  # are summed over TP (each rank's heads give a part)
@@ -96,7 +99,7 @@ class SelfAttention(nn.Module):
             context = recompute(partial(self._core_attention, dropout=dropout), self.rng, qkv)
         else:
             context = self._core_attention(qkv, dropout)
-        return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, h/tp] in, [b, s(/tp), h] out
+        return self.dense(context.transpose(1, 2).reshape(b, s, -1))  # [b, s, heads*d/tp] in, [b, s(/tp), h] out
 
     def split_heads(self, qkv: torch.Tensor, start=0):
         """qkv [b, s, width] at positions [start, start + s) (or those of a CP layout, `ZigzagChunks`) -> q

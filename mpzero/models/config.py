@@ -59,6 +59,7 @@ class TransformerArchitecture:
     num_query_groups: int | None = None  # --num-query-groups: K/V heads with --group-query-attention (default 1)
     add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in QKV, projection and MLP linears)
     qk_layernorm: bool = False  # --qk-layernorm: --normalization over each head's q and k (Qwen3's q_norm, k_norm)
+    kv_channels: int | None = None  # --kv-channels: projection size per attention head; None: hidden / heads
     # Mixture of experts (mpzero/moe), Megatron's flags with Megatron's meanings; None experts: a dense model
     num_experts: int | None = None  # --num-experts: routed experts of each MoE layer
     moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size: an expert's width; None: --ffn-hidden-size's
@@ -86,7 +87,13 @@ class TransformerArchitecture:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each attention head's size (Megatron's kv_channels): --kv-channels, else hidden / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_width(self) -> int:
+        """The query heads' total size: the projection's input (heads x head size; h by default)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def query_groups(self) -> int:
@@ -112,9 +119,12 @@ class TransformerArchitecture:
 
     def _validate_shapes(self, tp_size: int) -> None:
         """Heads of whole size, whole heads per TP rank, positive sizes."""
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ConfigError(f"--kv-channels {self.kv_channels} must be positive (each attention head's size)")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                              f"{self.num_attention_heads}: choose sizes whose ratio is the head size")
+                              f"{self.num_attention_heads}: choose sizes whose ratio is the head size, or give "
+                              f"the head size as --kv-channels")
         if self.num_attention_heads % tp_size != 0:
             raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                               f"--tensor-model-parallel-size {tp_size}: each TP rank must own whole heads")
@@ -148,7 +158,8 @@ class TransformerArchitecture:
             raise ConfigError(f"--rotary-base {self.rotary_base} must be positive")
         if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
             raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates "
-                              f"{self.rotary_dim} features: RoPE needs an even number, at least 2")
+                              f"{self.rotary_dim} features: RoPE needs an even number, at least 2 (the head size "
+                              f"is --kv-channels, else --hidden-size / --num-attention-heads)")
 
     def architecture(self) -> dict:
         """The settings that give the weights their meaning, by flag name: a checkpoint saved with other values
@@ -161,7 +172,8 @@ class TransformerArchitecture:
         position = ("learned_absolute" if self.learned_positions
                     else "rope" if self.position_embedding_type == "rope" else "none")
         arch = {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,
-                "num_query_groups": self.query_groups, "position_embedding_type": position}
+                "num_query_groups": self.query_groups, "kv_channels": self.head_dim,
+                "position_embedding_type": position}
         if position != "rope":  # unused without RoPE: not part of what the weights mean
             arch["rotary_base"] = arch["rotary_percent"] = None
         if self.num_experts:
@@ -354,7 +366,7 @@ class GPTConfig(TransformerArchitecture):
         attention = self.planned_attention(device)
         return ActivationSetting(
             seq_length=seq_length // self.context_parallel_size, micro_batch_size=micro_batch_size,
-            hidden_size=self.hidden_size,
+            hidden_size=self.hidden_size, kv_channels=self.head_dim,
             num_attention_heads=self.num_attention_heads, num_layers=self.num_layers, vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab_size(tp_size), tp=tp_size, tp_rank=tp_rank,
             dtype_bytes=dtype.itemsize, mask_bytes=1 if device.type == "cuda" else dtype.itemsize,

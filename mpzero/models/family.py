@@ -70,7 +70,7 @@ def transformer_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
                      add_position_embedding=args.add_position_embedding, rotary_base=args.rotary_base,
                      rotary_percent=args.rotary_percent, group_query_attention=args.group_query_attention,
                      num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
-                     qk_layernorm=args.qk_layernorm,
+                     qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
                      context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
                      fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
                      fp8_auto_filter_small_kn=args.fp8_auto_filter_small_kn,

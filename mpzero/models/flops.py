@@ -15,7 +15,9 @@ recomputes in backward the logits of every chunk but the last of a micro-batch o
 context-parallel rank's s/CP tokens).
 
 The LLaMA family's terms: QKV 2h(h + 2gd) for g query groups of head size d (K and V smaller), and the MLP 2hf per
-matrix, three of them with SwiGLU (gate, up, down), for ffn width f.
+matrix, three of them with SwiGLU (gate, up, down), for ffn width f. A head size other than h/a (--kv-channels d):
+every h that stands for the heads' total width is a d (Megatron's kv_channels terms): QKV 2h(a + 2g)d, the
+projection 2adh, the core attention 4sad (its selective recomputation too).
 
 A mixture-of-experts layer (`num_experts`, on the layers `moe_layer_freq` names) counts its active parameters
 (Megatron's MoE terms): the router 2hE, the k experts each token is routed to, 2 h f_e per matrix each (f_e:
@@ -41,16 +43,17 @@ def flops_per_token(config, tp_size: int = 1, micro_batch_size: int = 1) -> floa
     """Forward and backward matmul FLOPs per trained token (the module docstring)."""
     l, h, s = config.num_layers, config.hidden_size, config.seq_length or config.max_position_embeddings
     vocab = config.padded_vocab_size(tp_size)
-    # QKV 2h(h + 2 g d) (6h^2 without GQA), projection 2h^2, attention 4sh; RoPE, norms and activations are not
-    # matmuls
+    # QKV 2h(a + 2g)d (6h^2 without GQA), projection 2adh, attention 4sad (ad = h unless --kv-channels); RoPE,
+    # norms and activations are not matmuls
+    width = config.attention_width
     qkv = 2 * h * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
-    layers = [qkv + 2 * h ** 2 + 4 * s * h + mlp_flops(config, i) for i in range(l)]
+    layers = [qkv + 2 * width * h + 4 * s * width + mlp_flops(config, i) for i in range(l)]
     recomputed = 0
     if config.granularity == "full":
         n = config.resolved_recompute_num_layers
         recomputed = sum(layers if config.resolved_recompute_method == "uniform" else layers[:n])
     elif config.granularity == "selective":
-        recomputed = l * 4 * s * h
+        recomputed = l * 4 * s * width
     logits = 3 * 2 * h * vocab
     if config.cross_entropy_chunk_size:
         tokens = s // config.context_parallel_size * micro_batch_size  # a CP rank's loss: its s/CP tokens

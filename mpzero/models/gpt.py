@@ -99,7 +99,7 @@ def transformer_layer(config: GPTConfig, tp: CommGroup, rng: RNGStatesTracker | 
     attention = AttentionConfig(h, config.num_attention_heads, config.query_groups, bias=config.add_bias_linear,
                                 sequence_parallel=config.sequence_parallel, dropout=config.attention_dropout,
                                 backend=config.attention_backend_name, softmax_impl=config.softmax_impl,
-                                selective=config.granularity == "selective",
+                                selective=config.granularity == "selective", kv_channels=config.kv_channels,
                                 qk_norm=((config.normalization, config.layernorm_epsilon, config.layernorm_impl)
                                          if config.qk_layernorm else None))
     activation = F.silu if config.swiglu else gelu_tanh if config.openai_gelu else gelu

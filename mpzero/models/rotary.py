@@ -59,7 +59,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rot_dim = cos.size(-1)
     if rot_dim == x.size(-1):
         return _Rotate.apply(x, cos, sin)
-    return torch.cat((_Rotate.apply(x[..., :rot_dim], cos, sin), x[..., rot_dim:]), dim=-1)
+    # joined along the features in x's [b, s, heads, d] memory order, as the whole rotation's output is: attention's
+    # output then keeps that order and the projection reads it as a view (a [b, heads, s, d]-ordered concatenation
+    # makes the projection copy it, one more q-sized tensor kept for backward)
+    rotated = _Rotate.apply(x[..., :rot_dim], cos, sin).transpose(1, 2)
+    return torch.cat((rotated, x[..., rot_dim:].transpose(1, 2)), dim=-1).transpose(1, 2)
 
 
 class RotaryEmbedding(nn.Module):

@@ -291,6 +291,6 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, bf16_layers: set[int]) -
 def layer_linears(config) -> list[tuple[str, int, int]]:
     """(kind, in features, out features) of a transformer layer's tensor-parallel linears, full weights, from its
     config (`GPTConfig`): QKV and fc1 column-parallel, the attention output and fc2 row-parallel."""
-    h, ffn = config.hidden_size, config.ffn_size
-    return [("column", h, (config.num_attention_heads + 2 * config.query_groups) * config.head_dim),
-            ("row", h, h), ("column", h, 2 * ffn if config.swiglu else ffn), ("row", ffn, h)]
+    h, ffn, d = config.hidden_size, config.ffn_size, config.head_dim
+    return [("column", h, (config.num_attention_heads + 2 * config.query_groups) * d),
+            ("row", config.attention_width, h), ("column", h, 2 * ffn if config.swiglu else ffn), ("row", ffn, h)]
