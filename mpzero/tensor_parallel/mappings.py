@@ -25,7 +25,15 @@ from mpzero.comm import CommGroup
 def _split_last_dim(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     if x.size(-1) % group.size != 0:
         raise ValueError(f"last dimension {x.size(-1)} is not divisible by the TP size {group.size}")
-    return x.chunk(group.size, dim=-1)[group.rank].contiguous()
+    return _own_copy(x.chunk(group.size, dim=-1)[group.rank])
+
+
+def _own_copy(piece: torch.Tensor) -> torch.Tensor:
+    """A split's piece in storage of its own. `.contiguous()` would return a piece that is already contiguous (the
+    sequence chunk of a micro-batch of one) as a view that keeps the whole tensor alive: at SP, the first layer would
+    hold every rank's embedding output as long as it keeps its input (Megatron clones its scatter's output for the
+    same reason: clone_scatter_output_in_embedding)."""
+    return piece.clone(memory_format=torch.contiguous_format)
 
 
 def _gather_last_dim(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
@@ -36,7 +44,7 @@ def split_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """This rank's contiguous chunk of the sequence (dimension 1)."""
     if x.size(1) % group.size != 0:
         raise ValueError(f"sequence length {x.size(1)} is not divisible by the TP size {group.size}")
-    return x.chunk(group.size, dim=1)[group.rank].contiguous()
+    return _own_copy(x.chunk(group.size, dim=1)[group.rank])
 
 
 def gather_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
