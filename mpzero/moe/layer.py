@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mpzero.comm import CommGroup
-from mpzero.moe.dispatch import allgather, alltoall
+from mpzero.moe.dispatch import allgather, alltoall, per_expert
 from mpzero.moe.metrics import MoEMetrics
 from mpzero.moe.router import TopKRouter
 from mpzero.moe.routing import (Routing, aux_loss_scores, drop_to_capacity, routed_counts, seq_aux_loss,
@@ -88,7 +88,8 @@ class MoELayer(nn.Module):
         losses = self._auxiliary_losses(logits, b) if recording else []
         routing = self._micro_batch_routing(probs, indices)
         if recording:
-            counts = torch.bincount(routing.indices[routing.kept], minlength=self.settings.num_experts)
+            n = self.settings.num_experts  # dropped slots counted past the end
+            counts = per_expert(torch.where(routing.kept, routing.indices, n).reshape(-1), n)
             self.metrics.record_tokens(self.layer, counts)
             self.router.count(counts)
         out = self._experts(tokens, routing)
