@@ -212,7 +212,7 @@ def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
                                   micro_batches, cuda=False, rule=run.optimizer.rule,
                                   recomputed=full_recompute_chunks(run.model), expert_dp=expert_dp))
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
-                            micro_batches, stage)
+                            micro_batches, stage, groups.expert_tp.size)
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
                                 run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank, stage=stage,
                                 ep=groups.ep.size, etp=groups.expert_tp.size, ep_rank=groups.ep.rank,

@@ -85,3 +85,33 @@ def recomputed_layers(config, stage=None) -> frozenset:
     if config.resolved_recompute_method == "uniform":
         return frozenset(i for chunk in chunks for i in chunk)
     return frozenset(i for chunk in chunks for i in tuple(chunk)[:config.resolved_recompute_num_layers])
+
+
+def moe_tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None,
+                      etp: int | None = None) -> float:
+    """What the MoE layers change in the transformer's TP bytes per iteration (`models.family.
+    transformer_tp_comm_bytes` counts a dense MLP in every layer), at TP `tp` > 1 with sequence parallelism (MoE's
+    rule), expert-TP `etp` (None: TP), B = b s h p. Per MoE layer and micro-batch, in place of the dense MLP's 5B
+    (and its row-parallel bias's all-reduce, 2hp): the router weight's gradient all-reduced (2 E h p), the
+    micro-batch's gates gathered (forward) and reduce-scattered (backward) (2 T k r), its top-k indices gathered
+    (8 T k), the load-balancing counts all-reduced (16 E; seq_aux_loss 16 b E); experts split over TP: the tokens
+    gathered and the outputs reduce-scattered, mirrored in backward (4B); shared experts: a dense MLP's 5B (+ 2hp
+    with biases). Full recomputation's first pass (without gradients: no load-balancing counts) gathers the gates
+    and indices again (T k r + 8 T k), and the tokens (2B, split experts) and the shared experts' (2B), in place
+    of the dense MLP's 2B. All times (t-1)/t; T = s b, the micro-batch's tokens."""
+    if tp == 1 or not config.num_experts:
+        return 0.0
+    h, k, n, b = config.hidden_size, config.moe_router_topk, config.num_experts, micro_batch
+    tokens, big_b = seq * b, micro_batch * seq * h * p
+    r = 8 if config.moe_router_dtype == "fp64" else 4
+    split, shared = (tp if etp is None else etp) > 1, bool(config.moe_shared_expert_intermediate_size)
+    balancing = config.moe_router_load_balancing_type if config.moe_aux_loss_coeff > 0 else "none"
+    counts = {"aux_loss": 16 * n, "seq_aux_loss": 16 * b * n}.get(balancing, 0)
+    bias = 2 * h * p if config.add_bias_linear else 0
+    layer = (2 * n * h * p + 2 * tokens * k * r + 8 * tokens * k + counts + 4 * big_b * split
+             + (5 * big_b + bias) * shared) - (5 * big_b + bias)
+    replay = tokens * k * r + 8 * tokens * k + 2 * big_b * split + 2 * big_b * shared - 2 * big_b
+    layers = range(config.num_layers) if stage is None else [i for chunk in stage.chunks for i in chunk]
+    replayed = recomputed_layers(config, stage)
+    total = sum(layer + replay * (i in replayed) for i in layers if config.is_moe_layer(i))
+    return total * (tp - 1) / tp * micro_batches

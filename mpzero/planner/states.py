@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from mpzero.models import family_of
 from mpzero.optim import AdamW, UpdateRule
+from mpzero.planner.experts import moe_tp_comm_bytes
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
                          TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
@@ -291,12 +292,15 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
     return states + m * p * regathered * (dp - 1) / dp
 
 
-def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None) -> float:
+def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None,
+                  etp: int | None = None) -> float:
     """Bytes per rank per iteration on the TP group for `config` (a pipeline rank: its `stage`), parameters of `p`
     bytes: its family's formula (`ModelFamily.tp_comm_bytes`; the transformer's is
-    `models.family.transformer_tp_comm_bytes`), 0 for a family that states none."""
+    `models.family.transformer_tp_comm_bytes`), 0 for a family that states none; with MoE layers (expert-TP `etp`,
+    None: TP) what they change (`planner.experts.moe_tp_comm_bytes`)."""
     family = family_of(config)
     if not family.tp_comm_bytes:
         return 0.0
     kwargs = {} if stage is None else {"stage": stage}
-    return family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, **kwargs)
+    return (family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, **kwargs)
+            + moe_tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, stage, etp))
