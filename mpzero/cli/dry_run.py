@@ -51,12 +51,17 @@ from mpzero.zero import ZeroOptimizer
 
 def check_flags(args: argparse.Namespace) -> None:
     """--world-size/--rank belong to --dry-run; the rank lies in the world; no disk tier (it would write files); no
-    torch.compile (it cannot compile tensors without data)."""
+    torch.compile (it cannot compile tensors without data); no capacity below the balanced routing it states."""
     if not args.dry_run:
         if args.world_size is not None or args.rank is not None:
             raise ConfigError("--world-size and --rank describe the job a --dry-run simulates: add --dry-run (a real "
                               "run takes its world from torchrun)")
         return
+    factor = args.moe_expert_capacity_factor
+    if args.num_experts and factor is not None and factor < 1:
+        raise ConfigError(f"--dry-run routes every expert its balanced share, which --moe-expert-capacity-factor "
+                          f"{factor} would cut: dry-run a factor of 1 or more (or none), or plan this one with "
+                          f"tools/plan_memory.py")
     world, rank = args.world_size or 1, args.rank or 0
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--dry-run --rank {rank} must lie in [0, --world-size {world})")

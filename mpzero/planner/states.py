@@ -39,8 +39,9 @@ from mpzero.optim import AdamW, UpdateRule
 from mpzero.planner.experts import moe_tp_comm_bytes
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
-                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
+                         TierReport, TransferReport, ZeroConfig, comm_theory, memory_report,
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
+from mpzero.zero.families import families_working_set
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
 
@@ -241,8 +242,11 @@ def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offlo
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
                                        _host_buffer_text(offload, inputs.cuda, p, inputs.rule, stage)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
-    built = construction_working_set(list(layouts), stage, p, precision.dtype != "fp32", offload.params != "none",
-                                     stage == 3 and (dp > 1 or offload.params != "none"))
+    expert = inputs.expert  # each family's stage gathers over its own group (zero/families.py)
+    sizes = [dp, expert[1] if expert else dp]
+    gathers = [stage == 3 and (size > 1 or offload.params != "none") for size in sizes]
+    built = families_working_set(list(inputs.family_layouts()), gathers, stage, p, precision.dtype != "fp32",
+                                 offload.params != "none")
     return dataclasses.replace(report, construction=(
         TierReport("construction peak", report.measured + built.device, report.formula + built.device,
                    f"{report.formula_text}+{built.device_text}"),
