@@ -20,8 +20,7 @@ A forward without gradients (full recomputation's first pass) moves the rows onc
 
 from __future__ import annotations
 
-from mpzero.activations import moe_shape
-from mpzero.activations.moe import dispatched_tokens, worst_case_rows
+from mpzero.activations import dispatched_tokens, moe_shape, worst_case_rows
 from mpzero.moe import balanced_counts, experts_impl
 
 ROUTINGS = ("worst", "balanced")

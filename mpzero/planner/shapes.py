@@ -15,9 +15,8 @@ from mpzero.comm import CommGroup
 from mpzero.models import family_of
 from mpzero.planner.fake import engine_device, no_data
 from mpzero.tensor_parallel import RNGStatesTracker, is_expert
-from mpzero.zero import (FlatLayout, assign_params, bucket_layouts, build_layout, default_units, layer_units,
-                         mark_weight_decay, predicted_trace, recompute_chunks)
-from mpzero.zero.stage3 import expert_units
+from mpzero.zero import (FlatLayout, assign_params, bucket_layouts, build_layout, default_units, expert_units,
+                         layer_units, mark_weight_decay, predicted_trace, recompute_chunks)
 
 
 @dataclass(frozen=True, eq=False)

@@ -39,9 +39,8 @@ from mpzero.optim import AdamW, UpdateRule
 from mpzero.planner.experts import moe_tp_comm_bytes
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
-                         TierReport, TransferReport, ZeroConfig, comm_theory, memory_report,
+                         TierReport, TransferReport, ZeroConfig, comm_theory, families_working_set, memory_report,
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
-from mpzero.zero.families import families_working_set
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
 

@@ -20,11 +20,12 @@ from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import read_to_host
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
 from mpzero.zero.schedule3 import Replay, predicted_trace, recompute_chunks, stage3_working_set
-from mpzero.zero.stage3 import Stage3, assign_params, default_units, layer_units
+from mpzero.zero.families import families_working_set
+from mpzero.zero.stage3 import Stage3, assign_params, default_units, expert_units, layer_units
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
-__all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "DeviceStep", "FlatLayout", "GradientCheck",
+__all__ = ["expert_units", "families_working_set", "AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "DeviceStep", "FlatLayout", "GradientCheck",
            "MasterStore", "MemoryReport", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig", "counted_ratio",
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
