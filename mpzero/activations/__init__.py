@@ -14,10 +14,9 @@ from mpzero.activations.report import activation_line, rank_report, report_activ
 from mpzero.activations.setting import (CPU_RNG_STATE_BYTES, CUDA_RNG_STATE_BYTES, GRANULARITIES, METHODS,
                                         ActivationSetting, Term, check_setting)
 
-__all__ = ["dispatched_tokens", "worst_case_rows", "COMPILED_TRUNK", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES", "GRANULARITIES", "METHODS",
-           "ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter", "Term", "activation_formula",
-           "activation_line", "activation_region", "check_setting", "deferred_bytes", "deferred_layer_terms",
-           "embedding_terms", "exchange_term", "head_terms", "host_offload", "kept_chunk_tokens", "layer_formula",
-           "layer_kinds", "mode_name", "modeled", "MoEShape", "moe_shape", "note_exchange", "note_expert_rows",
-           "outside_terms", "paper_row", "rank_report",
-           "report_activation_memory"]
+__all__ = ["dispatched_tokens", "worst_case_rows", "COMPILED_TRUNK", "CPU_RNG_STATE_BYTES", "CUDA_RNG_STATE_BYTES",
+           "GRANULARITIES", "METHODS", "ActivationFormula", "ActivationSetting", "LayerFormula", "SavedBytesCounter",
+           "Term", "activation_formula", "activation_line", "activation_region", "check_setting", "deferred_bytes",
+           "deferred_layer_terms", "embedding_terms", "exchange_term", "head_terms", "host_offload",
+           "kept_chunk_tokens", "layer_formula", "layer_kinds", "mode_name", "modeled", "MoEShape", "moe_shape",
+           "note_exchange", "note_expert_rows", "outside_terms", "paper_row", "rank_report", "report_activation_memory"]

@@ -12,7 +12,8 @@ from mpzero.moe.router import TopKRouter, expert_biases, restore_expert_biases
 from mpzero.moe.routing import (Routing, aux_loss_scores, capacity, drop_to_capacity, routed_counts, seq_aux_loss,
                                 switch_aux_loss, top_k, z_loss)
 
-__all__ = ["balanced_counts", "balanced_routing", "check_expert_grid", "check_moe", "parse_moe_layer_freq", "DISPATCHERS", "GroupedExperts",
-           "experts_impl", "MoELayer", "MoESettings", "MoEMetrics", "moe_log", "moe_metrics", "training_iteration",
-           "TopKRouter", "expert_biases", "restore_expert_biases", "Routing", "aux_loss_scores", "capacity",
-           "drop_to_capacity", "routed_counts", "seq_aux_loss", "switch_aux_loss", "top_k", "z_loss"]
+__all__ = ["balanced_counts", "balanced_routing", "check_expert_grid", "check_moe", "parse_moe_layer_freq",
+           "DISPATCHERS", "GroupedExperts", "experts_impl", "MoELayer", "MoESettings", "MoEMetrics", "moe_log",
+           "moe_metrics", "training_iteration", "TopKRouter", "expert_biases", "restore_expert_biases", "Routing",
+           "aux_loss_scores", "capacity", "drop_to_capacity", "routed_counts", "seq_aux_loss", "switch_aux_loss",
+           "top_k", "z_loss"]

@@ -5,6 +5,7 @@ and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
 - `pipeline`: each pipeline rank's stage, its micro-batches in flight, the bubble and point-to-point bytes.
 - `states`: `plan_states`, one rank's model-state bytes, its in-step peak and DP traffic, from `PlanInputs`.
 - `shapes`: `model_shapes`, the model's parameter layouts without building a parameter.
+- `choices`: what a layout may choose (schedules, CP, offload tiers, EP and expert-TP).
 - `experts`: a mixture of experts' stated routing (worst case, balanced) and its EP bytes.
 - `activations`, `transients`, `cost`: activation bytes, the step's working tensors, the time model (`Hardware`).
 - `fake`: tensors without data (`no_data`), what the dry run builds on.

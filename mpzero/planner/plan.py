@@ -33,12 +33,13 @@ from typing import Any
 
 from mpzero.context_parallel import cp_comm_theory
 from mpzero.errors import ConfigError
-from mpzero.pipeline import PipelineConfig, check_composition
 from mpzero.moe import check_expert_grid, check_moe
 from mpzero.parallel import GridSizes
+from mpzero.pipeline import PipelineConfig, check_composition
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
-from mpzero.planner.experts import ep_comm_bytes, recomputed_layers
+from mpzero.planner.choices import context_fits, expert_grids, offloads, schedules
 from mpzero.planner.cost import Cost, Hardware, layout_cost
+from mpzero.planner.experts import ep_comm_bytes, recomputed_layers
 from mpzero.planner.pipeline import (bubble_fraction, hidden_state_bytes, in_flight_bytes, pipeline_comm_bytes,
                                      pipeline_stages, stage_classes, tied_bytes)
 from mpzero.planner.shapes import full_recompute_chunks, model_shapes
@@ -358,15 +359,15 @@ class Planner:
         unit_kinds = units or (("layer",) if model.torch_compile else ZERO_UNITS)
         out = []
         for tp, cp, pp, stage in itertools.product(tps, cps, pps or range(1, world + 1), stages):
-            if world % (tp * cp * pp) or not _context_fits(model, self.seq, tp, cp):
+            if world % (tp * cp * pp) or not context_fits(model, self.seq, tp, cp):
                 continue
             dp = world // (tp * cp * pp)
             sps = (False, True) if tp > 1 and (self.seq // cp) % tp == 0 else (False,)
             if model.num_experts and tp > 1:
                 sps = (True,) if (self.seq // cp) % tp == 0 else ()
             for (optimizer, params), kind, mode, sp, mbs, (v, zb), (ep, etp) in itertools.product(
-                    _offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes,
-                    _schedules(pp, virtual, zero_bubble), _expert_grids(model, tp, eps, expert_tps)):
+                    offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes,
+                    schedules(pp, virtual, zero_bubble), expert_grids(model, tp, eps, expert_tps)):
                 gbs = self.run.global_batch_size or mbs * dp
                 layout = Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind, cp, pp, v, zb, ep, etp)
                 if gbs % (mbs * dp) == 0 and (pp == 1 and not model.num_experts or self._pipeline_runs(layout)):
@@ -380,42 +381,6 @@ class Planner:
         except ConfigError:
             return False
         return True
-
-
-def _expert_grids(model, tp: int, eps, expert_tps) -> list[tuple[int, int | None]]:
-    """(EP, expert-TP or None for TP) to try: a dense model (1, None); experts: each EP in `eps` (default every
-    divisor of the expert count) with expert-TP TP and, at TP > 1, 1 (or `expert_tps`; 0 stands for TP). What the
-    world does not fold is left to `Layout.apply`'s checks."""
-    if not model.num_experts:
-        return [(1, None)]
-    sizes = [e for e in (eps or range(1, model.num_experts + 1)) if model.num_experts % e == 0]
-    tps = expert_tps if expert_tps is not None else ((0, 1) if tp > 1 else (0,))
-    return [(e, None if t in (0, tp) else t) for e in sizes for t in dict.fromkeys(tps)]
-
-
-def _schedules(pp: int, virtual, zero_bubble) -> list[tuple[int, bool]]:
-    """(virtual stages, zero bubble) to try with `pp` stages."""
-    if pp == 1:
-        return [(1, False)]
-    out = [(1, False)] + [(v, False) for v in (virtual if virtual is not None else (2,)) if v > 1]
-    return out + ([(1, True)] if True in (zero_bubble if zero_bubble is not None else (False, True)) else [])
-
-
-def _context_fits(model, seq: int, tp: int, cp: int) -> bool:
-    """Whether CP `cp` can split this run: 2·CP chunks of the sequence; a2a's heads and groups per TP rank."""
-    if cp == 1:
-        return True
-    heads, groups = model.num_attention_heads // tp, model.query_groups // tp
-    return seq % (2 * cp) == 0 and (model.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0))
-
-
-def _offloads(stage: int, tiers) -> list[tuple[str, str]]:
-    pairs = [("none", "none")]
-    if stage >= 1:
-        pairs += [(o, "none") for o in tiers if o != "none"]
-    if stage == 3:
-        pairs += [(o, p) for o in tiers if o != "none" for p in tiers if p != "none"]
-    return pairs
 
 
 def rank_plans(plans: list[LayoutPlan]) -> list[LayoutPlan]:

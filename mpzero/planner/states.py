@@ -236,8 +236,8 @@ def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offlo
         numel = sum(layout.numel for layout in layouts) - (expert or (0,))[0]
         partition = numel / dp + (expert[0] / expert[1] if expert else 0)
         per_param = offload_formula(stage, p, g, tiers, inputs.rule.state_bytes_per_param)
-        tier_reports = [TierReport(name, measured[name], coef * partition,
-                                   f"{coef}P/N" + (f"+{coef}Pe/Ne" if expert else "")) for name, coef in per_param.items()]
+        tier_reports = [TierReport(name, measured[name], coef * partition, f"{coef}P/N" + (
+            f"+{coef}Pe/Ne" if expert else "")) for name, coef in per_param.items()]
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
                                        _host_buffer_text(offload, inputs.cuda, p, inputs.rule, stage)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))

@@ -25,13 +25,12 @@ from mpzero.zero.stage3 import Stage3, assign_params, default_units, expert_unit
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
-__all__ = ["expert_units", "families_working_set", "AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "DeviceStep", "FlatLayout", "GradientCheck",
-           "MasterStore", "MemoryReport", "OFFLOAD_IO", "OFFLOAD_TIERS", "OffloadConfig", "counted_ratio",
-           "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
-           "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
-           "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
-           "build_layout", "check_zero_units",
-           "comm_theory", "construction_working_set", "default_units", "layer_units",
-           "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
-           "predicted_trace", "read_to_host", "recompute_chunks", "stage3_working_set", "state_terms",
-           "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]
+__all__ = ["expert_units", "families_working_set", "AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters",
+           "DeviceStep", "FlatLayout", "GradientCheck", "MasterStore", "MemoryReport", "OFFLOAD_IO", "OFFLOAD_TIERS",
+           "OffloadConfig", "counted_ratio", "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink",
+           "PeakReport", "PrecisionConfig", "Replay", "Stage3", "StepStats", "TensorParamSink", "TierBytes",
+           "TierReport", "TransferReport", "Transfers", "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage",
+           "assign_params", "bucket_layouts", "build_layout", "check_zero_units", "comm_theory",
+           "construction_working_set", "default_units", "layer_units", "mark_weight_decay", "memory_formula",
+           "memory_report", "offload_formula", "offload_tiers", "predicted_trace", "read_to_host", "recompute_chunks",
+           "stage3_working_set", "state_terms", "step_fp32_bytes", "streamed_grad_bytes", "transfer_theory"]
