@@ -24,9 +24,8 @@ storage of made parameters, which must not look deferred then). Reading a deferr
 
 from __future__ import annotations
 
-import math
-
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
