@@ -84,6 +84,10 @@ def planner_parser() -> argparse.ArgumentParser:
     e.add_argument("--ep-sizes", type=Items(Number(int, low=1)), default=None,
                    help="expert-parallel sizes to try with --num-experts (default: every divisor of the expert count "
                         "the grid folds)")
+    e.add_argument("--moe-plan-routing", choices=("worst", "balanced"), default="worst",
+                   help="the routing a mixture of experts' activations are planned at: worst, every slot of the EP "
+                        "group's tokens that can reach a rank's experts does (dropless; with a capacity factor its "
+                        "bound), or balanced, every expert its share (the other is printed beside)")
     e.add_argument("--zero-stages", type=Items(Number(int, low=0, high=3, high_ok=True)), default=None)
     e.add_argument("--offload-tiers", type=Items(Choice(("none", "cpu", "disk"))), default=None,
                    help="subset of none,cpu,disk")
@@ -190,7 +194,7 @@ def plan(argv: list[str]) -> dict:
                       opts.device == "cuda", hw)
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
-    planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine)
+    planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine, opts.moe_plan_routing)
     zero_bubble = None if opts.zero_bubble is None else tuple(choice == "yes" for choice in opts.zero_bubble)
     fixed, note = layout_restrictions(args, given_flags(rest))
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,

@@ -76,9 +76,11 @@ def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dt
         setting = setting.for_stage(stage.chunks, stage.first, stage.last)
     rows = balanced_rows(setting, ep_rank) if setting.moe is not None else None
     formula = activation_formula(setting, rows if routing == "balanced" else None)
-    moe = {} if rows is None else {"routing": routing_text(setting, ep_rank),
+    moe = {} if rows is None else {"routing": routing_text(setting, ep_rank, routing),
                                    "balanced": activation_formula(setting, rows).micro_batch_bytes}
-    stored = layer_formula(setting, "stored").bytes
+    at = rows if routing == "balanced" and rows is not None else {}  # the heaviest layer of the stage, recomputed
+    stored = max((layer_formula(setting, "stored", i, at.get(i)).bytes for i in setting.layer_indices),
+                 default=layer_formula(setting, "stored").bytes)
     kinds = {layer.kind for layer in formula.layers}
     # in backward a recomputed layer holds what the stored layer holds until its own backward is done
     transient = 0

@@ -44,14 +44,16 @@ def balanced_rows(setting, ep_rank: int = 0) -> dict[int, tuple[int, int]]:
     return {layer: (moe.ep * mine, d * moe.topk) for layer in moe.layers}
 
 
-def routing_text(setting, ep_rank: int = 0) -> str:
-    """What the plan assumes, in words: the worst case's and the balanced routing's rows (R) per MoE layer."""
+def routing_text(setting, ep_rank: int = 0, planned: str = "worst") -> str:
+    """What the plan assumes, in words: the worst case's and the balanced routing's rows (R) per MoE layer, and
+    which of them the activations are `planned` at."""
     moe = setting.moe
     worst = worst_case_rows(setting, moe)
     bound = "worst case at capacity" if moe.capacity_factor is not None else "dropless worst case"
     rows = next(iter(balanced_rows(setting, ep_rank).values()))[0]
-    return (f"routing: {bound} R {worst} rows into a rank's experts per MoE layer (the bound planned); balanced "
-            f"(tokens x topk / E per expert) R {rows}")
+    marks = {"worst": " (planned)", "balanced": ""} if planned == "worst" else {"worst": "", "balanced": " (planned)"}
+    return (f"routing: {bound} R {worst} rows into a rank's experts per MoE layer{marks['worst']}; balanced "
+            f"(tokens x topk / E per expert) R {rows}{marks['balanced']}")
 
 
 def ep_comm_bytes(setting, micro_batches: int, recomputed: frozenset = frozenset(), ep_rank: int = 0) -> float:

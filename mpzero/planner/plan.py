@@ -237,10 +237,11 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 class Planner:
-    """Evaluates layouts of the run `run` on `machine`."""
+    """Evaluates layouts of the run `run` on `machine`; a mixture of experts' activations at `routing` ("worst":
+    the dropless worst case or the capacity bound; "balanced": every expert its share, `planner.experts`)."""
 
-    def __init__(self, run: RunSections, machine: Machine):
-        self.run, self.machine = run, machine
+    def __init__(self, run: RunSections, machine: Machine, routing: str = "worst"):
+        self.run, self.machine, self.routing = run, machine, routing  # a mixture of experts' (planner.experts)
         self.precision = run.precision
         self.p, self.g = element_sizes(self.precision)
         self.seq = run.seq_length
@@ -249,7 +250,7 @@ class Planner:
     def _activations(self, config, tp: int, micro_batch: int, stage=None, ep: int = 1,
                      etp: int | None = None) -> ActivationPlan | None:
         return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda,
-                               stage=stage, ep=ep, etp=etp)
+                               stage=stage, ep=ep, etp=etp, routing=self.routing)
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
         """The layout's plan: each pipeline rank's (ranks alike evaluated once), the largest device peak shown and

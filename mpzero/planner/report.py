@@ -144,7 +144,7 @@ def components_text(plan: LayoutPlan) -> list[str]:
               f"  TP traffic        {plan.tp_comm / 1e9:>9.3f} GB per rank per iteration"]
     if a is not None and a.routing:
         lines.append(f"  experts           {a.routing}: activations saved {gib(a.balanced)} GiB a micro-batch at "
-                     f"balanced routing, {gib(a.saved)} GiB at the bound; EP traffic {plan.ep_comm / 1e9:.3f} GB per "
+                     f"balanced routing, {gib(a.saved)} GiB as planned; EP traffic {plan.ep_comm / 1e9:.3f} GB per "
                      f"rank per iteration at balanced routing")
     if plan.layout.cp > 1:
         lines.append(f"  CP traffic        {plan.cp_comm / 1e9:>9.3f} GB per rank per iteration (CP {plan.layout.cp})")
