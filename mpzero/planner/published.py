@@ -111,7 +111,8 @@ MIXTRAL_8X7B = PublishedLayout(
      "--hidden-dropout", "0", "--global-batch-size", "256", "--micro-batch-size", "1"),
     ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
      "--num-virtual-stages-per-pipeline-rank", "2", "--expert-model-parallel-size", "8", "--use-distributed-optimizer",
-     "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+     "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"),
     32, (0, 31), "Mistral's config; Megatron-LM examples/mixtral (TP 1, PP 4, EP 8)")
 
 # A DeepSeek-V3-sized MoE: 61 layers, h 7168, 128 heads, 256 routed experts of 2048 top-8 in 8 groups (top-4
@@ -119,7 +120,8 @@ MIXTRAL_8X7B = PublishedLayout(
 # vocabulary 129280. Attention is GQA with 8 KV groups (MLA is not built); Megatron's
 # --moe-router-topk-scaling-factor (2.5) is not in mpzero; balancing: the expert bias and a sequence aux loss of 1e-4.
 # DeepSeek's published layout PP 16 x EP 64 with ZeRO-1 over DP, 2048 GPUs (DP 128, expert-DP 2), global batch
-# 3072 (its first batch size); 61 layers as 3 + 14 x 4 + 2 (DeepSeek's own split used DualPipe, not in mpzero: 1F1B here).
+# 3072 (its first batch size); 61 layers as 3 + 14 x 4 + 2 (DeepSeek's own split used DualPipe, not in mpzero:
+# 1F1B here).
 DEEPSEEK_V3_SIZED = PublishedLayout(
     "DeepSeek-V3-sized MoE",
     ("--num-layers", "61", "--hidden-size", "7168", "--num-attention-heads", "128", "--group-query-attention",
