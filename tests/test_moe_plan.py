@@ -17,6 +17,7 @@ import pretrain_gpt
 from mpzero.cli.arguments import parse_args, run_config
 from mpzero.cli.dry_run import dry_run
 from mpzero.moe import balanced_counts
+from mpzero.planner.published import PUBLISHED_MOE
 from tests.cli import main_capturing_stdout
 from tests.distributed import run_ranks
 from tests.test_planner import _plan
@@ -141,3 +142,18 @@ def test_the_planners_layout_dry_runs_equal():
     dry = stdout.split("python pretrain_gpt.py ", 1)[1].split()
     _, out = main_capturing_stdout(dry[1:] if dry[0] == "pretrain_gpt.py" else dry)
     assert "| equal" in out, out[-2000:]
+
+
+@pytest.mark.product
+@pytest.mark.parametrize("row,rank", [(PUBLISHED_MOE[0], 0), (PUBLISHED_MOE[1], 128)], ids=["mixtral", "deepseek-v3"])
+def test_published_moe_layouts_dry_run_equal(row, rank):
+    """Mixtral 8x7B (rank 0 of 32, about 30-55 s here) and the DeepSeek-V3-sized MoE (rank 128 of 2048, a pipeline
+    rank of MoE layers, about 10-20 s) at their published layouts: every figure the planner's."""
+    argv = list(row.model) + list(row.layout) + ["--train-iters", "1", "--lr", "1e-4", "--mock-data"]
+    try:
+        run = run_config(parse_args(argv), row.world)
+        result = dry_run(run, pretrain_gpt._provider(run), row.world, rank)
+    finally:
+        dist.destroy_process_group()
+    assert result["equal"], _different(result)
+    assert result["max_rss"] < 4 * 2 ** 30
