@@ -9,6 +9,7 @@
 """
 
 import json
+import re
 
 import pytest
 import torch.distributed as dist
@@ -104,13 +105,24 @@ def test_the_dry_run_states_its_routing_and_counts_the_balanced_rows(capsys):
     assert "R 96 rows counted" in out and "balanced (tokens x topk / E per expert) R 96" in out
 
 
-@pytest.mark.parametrize("argv", [["--expert-model-parallel-size", "2", "--zero-stage", "1"],
-                                  TP2 + LLAMA + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
-                                                 "1", "--zero-stage", "3"]], ids=["ep2-zero1", "tp2-etp1-zero3"])
+REAL = {"ep2-zero1": ["--expert-model-parallel-size", "2", "--zero-stage", "1"],
+        "tp2-etp1-zero3": TP2 + LLAMA + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                         "--zero-stage", "3"]}
+MORE_REAL = {"ep4-zero2": ["--expert-model-parallel-size", "4", "--zero-stage", "2"],
+             "ep1-zero0": ["--zero-stage", "0"],
+             "tp2-etp2-zero0": TP2 + LLAMA + ["--expert-model-parallel-size", "2", "--zero-stage", "0"],
+             "pp2-ep2-zero1": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                               "--zero-stage", "1"]}
+
+
+@pytest.mark.parametrize("argv", list(REAL.values()) + [pytest.param(v, marks=pytest.mark.product)
+                                                         for v in MORE_REAL.values()],
+                         ids=list(REAL) + list(MORE_REAL))
 def test_a_real_run_prints_the_dry_runs_model_state_and_dp_lines(argv):
     argv = BASE + argv + ["--log-interval", "1"]
-    real = run_ranks(4, main_capturing_stdout, argv)[0][1]
-    _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "4", "--rank", "0"])
+    real = re.sub(r"pipeline stage \d+ \| ", "", "".join(out for _, out in run_ranks(4, main_capturing_stdout, argv)))
+    rank = "2" if "--pipeline-model-parallel-size" in argv else "0"  # the rank that logs: the last stage's first
+    _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "4", "--rank", rank])
     for kind in ("zero memory", "zero comm"):
         lines = [line for line in dry.splitlines() if line.startswith(kind)]
         assert lines and all(line in real for line in lines), kind
@@ -118,8 +130,8 @@ def test_a_real_run_prints_the_dry_runs_model_state_and_dp_lines(argv):
 
 
 def test_the_planner_enumerates_expert_grids_and_states_its_routing():
-    argv = ["--world-size", "4", "--device-memory", "1", "--device", "cpu", "--json", "--zero-stages", "1",
-            "--recompute-modes", "none"] + BASE
+    argv = ["--world-size", "4", "--device-memory", "1", "--device", "cpu", "--json", "--zero-stages", "1,2",
+            "--recompute-modes", "none", "--disk-space", "100"] + BASE
     code, stdout, stderr = _plan(*argv)
     assert code == 0, stderr
     layouts = json.loads(stdout)["layouts"]
@@ -131,6 +143,8 @@ def test_the_planner_enumerates_expert_grids_and_states_its_routing():
     assert all(x["ep_bytes_per_iter_balanced"] > 0 for x in moe)
     assert all(x["activations_balanced"] <= x["activations_saved"] for x in layouts)  # the bound is the worst case
     assert all("dropless worst case" in x["activation_routing"] for x in layouts)
+    tiers = {(x["layout"]["stage"], x["layout"]["offload_optimizer"]) for x in layouts}
+    assert (1, "disk") in tiers and (2, "disk") not in tiers  # training's rule: no disk tier for expert gradients
 
 
 def test_the_planners_layout_dry_runs_equal():

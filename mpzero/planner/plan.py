@@ -120,6 +120,9 @@ class Layout:
             check_moe(model, self.tp)
             check_expert_grid(model, self.ep, self.grid.expert_tp)
             self.grid.check(self.tp * self.cp * self.dp * self.pp)
+            if offload.params == "disk" or offload.grads_tier(zero.stage) == "disk":  # make_stage's rule
+                raise ConfigError("expert parameters are partitioned apart from the dense ones: no disk tier for "
+                                  "parameters or gradients")
         zero.validate()
         check_zero_units(zero, model.torch_compile, model.cuda_graph_impl)
         offload.validate(zero.stage)
