@@ -10,7 +10,8 @@ may be left out, data flags too (--vocab-size, default 50257, stands for the tok
 (TP size, pipeline size and schedule, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses:
 each is enumerated unless restricted (--tp-sizes, --pp-sizes, --virtual-stages, --zero-bubble, --zero-stages,
 --offload-tiers, --recompute-modes, --micro-batch-sizes; context parallelism only where asked: --cp-sizes 1,2,4,
---context-parallel-size, --cp-comm-type), and one given as pretrain_gpt.py's own flag
+--context-parallel-size, --cp-comm-type; with --num-experts EP and expert-TP: --ep-sizes, the activations at the
+dropless worst case or --moe-plan-routing balanced), and one given as pretrain_gpt.py's own flag
 (--tensor-model-parallel-size 8, --pipeline-model-parallel-size 8, --enable-zero-bubble, --zero-stage 3,
 --offload-optimizer cpu, --recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only
 the layouts with that value

@@ -20,6 +20,12 @@ tier is offloaded to host memory (its tensors report the CPU device, as the offl
 from them is 0: the loss and the gradient norm are 0. The run simulates the CPU device type (device<->host traffic
 is zero, CPU activation terms; `tools/plan_memory.py --device cpu` prints these figures, its default plans a GPU).
 The disk offload tier would write files: refused here, planned by the planner.
+
+A mixture of experts routes by the data, and these tensors hold none: the dry run states a routing, balanced (slot
+i of a rank's D k slots to expert i mod E, `mpzero.moe.balanced_routing`, used only here), runs the real dispatch,
+experts and ZeRO code on its split sizes, prints `moe routing` and `moe comm` (EP bytes against the planner's at that
+routing), and compares the activations at it; it runs on fake tensors (on meta tensors the saved-tensor counter
+counted more per MoE layer than a real run keeps).
 """
 
 from __future__ import annotations
