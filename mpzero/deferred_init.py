@@ -25,6 +25,7 @@ storage of made parameters, which must not look deferred then). Reading a deferr
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,14 +109,19 @@ class ExpertRecipe(Recipe):
     def values(self, meter=None) -> torch.Tensor:
         if self.key is None:
             raise RuntimeError("a deferred parameter has no key: call name_parameters(model, seed) after building it")
-        parts = []
-        for expert in self.experts:
-            full = torch.empty(self.full_shape, dtype=torch.float32)
-            self.fill(full, parameter_generator(self.seed, self.expert_key(expert)))
-            parts.append(self.shard(full))
-        stack = torch.stack(parts) if parts else torch.empty((0,) + self.full_shape)
+        part_shape = tuple(self.shard(torch.empty(self.full_shape, device="meta")).shape)
+        stack = torch.empty((len(self.experts),) + part_shape, dtype=torch.float32)
         if meter is not None:
-            meter.add(stack.numel() * 4)  # the whole tensors of one expert at a time are not counted
+            meter.add(stack.numel() * 4)  # stays counted: the caller's
+        for i, expert in enumerate(self.experts):  # one expert's whole weight at a time beside the stack
+            full = torch.empty(self.full_shape, dtype=torch.float32)
+            if meter is not None:
+                meter.add(full.numel() * 4)
+            self.fill(full, parameter_generator(self.seed, self.expert_key(expert)))
+            stack[i].copy_(self.shard(full))
+            del full
+            if meter is not None:
+                meter.sub(math.prod(self.full_shape) * 4)
         return stack
 
     def drawn_bytes(self) -> int:

@@ -77,7 +77,8 @@ def test_each_bad_combination_is_one_line(flags, world, message):
     (MOE + ["--moe-token-dispatcher-type", "flex"], "choose from 'allgather', 'alltoall'"),
     (MOE + ["--moe-layer-freq", "open('x')"], "--moe-layer-freq"),
     (MOE + ["--num-experts", "0"], "num-experts"),
-    (MOE + ["--dry-run", "--world-size", "2"], "the planner and --dry-run do not count expert parameters yet"),
+    (MOE + ["--dry-run", "--world-size", "2", "--moe-expert-capacity-factor", "0.5"],
+     "--dry-run routes every expert its balanced share"),
 ])
 def test_the_command_line_says_one_line(flags, message):
     code, stderr = run_ranks(1, exit_code_and_stderr, TINY + flags)[0]
@@ -108,7 +109,8 @@ def test_experts_with_the_disk_tier_for_parameters_or_gradients_is_one_line(tmp_
     assert not list(tmp_path.iterdir())  # nothing left behind
 
 
-def test_the_planner_refuses_experts_in_one_line():
+def test_the_planner_says_an_expert_count_the_grid_cannot_split_in_one_line():
     import tools.plan_memory as plan_memory
-    code, stderr = tool_result(plan_memory.main, ["--world-size", "8", "--device-memory", "80"] + TINY + MOE)
-    assert code == 2 and stderr.count("\n") == 1 and "do not count expert parameters yet" in stderr, stderr
+    argv = ["--world-size", "8", "--device-memory", "80", "--ep-sizes", "3"] + TINY + MOE
+    code, stderr = tool_result(plan_memory.main, argv)
+    assert code == 2 and stderr.count("\n") == 1 and "no layout to evaluate" in stderr, stderr

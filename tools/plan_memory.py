@@ -10,7 +10,8 @@ may be left out, data flags too (--vocab-size, default 50257, stands for the tok
 (TP size, pipeline size and schedule, ZeRO stage, offload tiers, recomputation, micro-batch) are what it chooses:
 each is enumerated unless restricted (--tp-sizes, --pp-sizes, --virtual-stages, --zero-bubble, --zero-stages,
 --offload-tiers, --recompute-modes, --micro-batch-sizes; context parallelism only where asked: --cp-sizes 1,2,4,
---context-parallel-size, --cp-comm-type), and one given as pretrain_gpt.py's own flag
+--context-parallel-size, --cp-comm-type; with --num-experts EP and expert-TP: --ep-sizes, the activations at the
+dropless worst case or --moe-plan-routing balanced), and one given as pretrain_gpt.py's own flag
 (--tensor-model-parallel-size 8, --pipeline-model-parallel-size 8, --enable-zero-bubble, --zero-stage 3,
 --offload-optimizer cpu, --recompute-granularity full, --sequence-parallel, --micro-batch-size 2...) keeps only
 the layouts with that value
@@ -34,7 +35,7 @@ from mpzero.errors import ConfigError
 from mpzero.pipeline import virtual_stages
 from mpzero.planner.cost import Hardware
 from mpzero.planner.plan import Machine, Planner, rank_plans
-from mpzero.planner.report import GIB, HEADER, components_text, row, torchrun_command
+from mpzero.planner.report import GIB, components_text, header, row, torchrun_command
 
 DEFAULTS = {"--micro-batch-size": "1", "--train-iters": "1", "--lr": "1e-4"}
 # bytes per device for what the planner does not model: on cuda the context, NCCL's buffers and fragmentation; on
@@ -81,6 +82,13 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="model chunks per pipeline rank the interleaved schedule tries (default 2)")
     e.add_argument("--zero-bubble", type=Items(Choice(("no", "yes"))), default=None,
                    help="whether pipelines try ZB-H1: no, yes or no,yes (default)")
+    e.add_argument("--ep-sizes", type=Items(Number(int, low=1)), default=None,
+                   help="expert-parallel sizes to try with --num-experts (default: every divisor of the expert count "
+                        "the grid folds)")
+    e.add_argument("--moe-plan-routing", choices=("worst", "balanced"), default="worst",
+                   help="the routing a mixture of experts' activations are planned at: worst, every slot of the EP "
+                        "group's tokens that can reach a rank's experts does (dropless; with a capacity factor its "
+                        "bound), or balanced, every expert its share (the other is printed beside)")
     e.add_argument("--zero-stages", type=Items(Number(int, low=0, high=3, high_ok=True)), default=None)
     e.add_argument("--offload-tiers", type=Items(Choice(("none", "cpu", "disk"))), default=None,
                    help="subset of none,cpu,disk")
@@ -120,7 +128,9 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size", "z
                 "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
                 "num_virtual_stages_per_pipeline_rank": "--num-virtual-stages-per-pipeline-rank",
                 "num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
-                "enable_zero_bubble": "--enable-zero-bubble"}
+                "enable_zero_bubble": "--enable-zero-bubble",
+                "expert_model_parallel_size": "--expert-model-parallel-size",
+                "expert_tensor_parallel_size": "--expert-tensor-parallel-size"}
 
 
 def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[dict, str | None]:
@@ -129,10 +139,15 @@ def layout_restrictions(args: argparse.Namespace, present: set[str]) -> tuple[di
     for dest, attribute in (("tensor_model_parallel_size", "tp"), ("context_parallel_size", "cp"),
                             ("zero_stage", "stage"),
                             ("micro_batch_size", "micro_batch"), ("offload_params", "offload_params"),
-                            ("sequence_parallel", "sequence_parallel"), ("zero_units", "units")):
+                            ("sequence_parallel", "sequence_parallel"), ("zero_units", "units"),
+                            ("expert_model_parallel_size", "ep")):
         if dest in present:
             fixed[attribute] = getattr(args, dest)
             said.append(f"{LAYOUT_FLAGS[dest]} {getattr(args, dest)}")
+    if "expert_tensor_parallel_size" in present:  # the layout's None stands for TP
+        etp = args.expert_tensor_parallel_size
+        fixed["expert_tp"] = etp if args.tensor_model_parallel_size != etp else None
+        said.append(f"--expert-tensor-parallel-size {etp}")
     if "use_distributed_optimizer" in present and "zero_stage" not in present:  # Megatron's words for ZeRO-1
         fixed["stage"] = 1
         said.append("--use-distributed-optimizer (ZeRO-1)")
@@ -180,13 +195,14 @@ def plan(argv: list[str]) -> dict:
                       opts.device == "cuda", hw)
     if opts.world_size < 1:
         raise ConfigError(f"--world-size {opts.world_size} must be positive")
-    planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine)
+    planner = Planner(planner_sections(args, tokenizer_record(args)["vocab_size"]), machine, opts.moe_plan_routing)
     zero_bubble = None if opts.zero_bubble is None else tuple(choice == "yes" for choice in opts.zero_bubble)
     fixed, note = layout_restrictions(args, given_flags(rest))
     layouts = planner.layouts(opts.tp_sizes, opts.zero_stages, opts.offload_tiers, opts.recompute_modes,
                               opts.micro_batch_sizes, opts.max_micro_batch_size, pps=opts.pp_sizes,
                               virtual=opts.virtual_stages, zero_bubble=zero_bubble,
-                              cps=opts.cp_sizes or (fixed.get("cp", 1),))
+                              cps=opts.cp_sizes or (fixed.get("cp", 1),), eps=opts.ep_sizes,
+                              expert_tps=None if "expert_tp" not in fixed else (fixed["expert_tp"] or 0,))
     layouts = [layout for layout in layouts if all(getattr(layout, k) == v for k, v in fixed.items())]
     if not layouts:
         raise ConfigError("no layout to evaluate: the head count, the world size, the global batch and the "
@@ -233,10 +249,11 @@ def print_text(result: dict) -> None:
     print(f"layouts: {len(plans)} evaluated, {fitting} fit"
           + "".join(f"; {n} over the {why} budget" for why, n in sorted(reasons.items()))
           + f" (trainable parameters per TP rank at TP {plans[0].layout.tp}: {first.numel:,})")
-    print(HEADER + "    (GiB per rank unless per node)")
+    experts = bool(model.num_experts)
+    print(header(experts) + "    (GiB per rank unless per node)")
     shown = plans if opts.all else [p for p in plans if p.fits][:opts.top]
     for i, p in enumerate(shown, start=1):
-        print(row(i, p))
+        print(row(i, p, experts))
     if best is None:
         closest = min(plans, key=lambda p: p.device_peak)
         print(f"nothing fits; the smallest device peak is {closest.device_peak / GIB:.2f} GiB: "

@@ -26,7 +26,7 @@ from mpzero.cli.flag_ranges import check_ranges, check_rule_flags, number
 from mpzero.cli.flags import SECTIONS
 from mpzero.cli.megatron_flags import unknown_arguments_message
 from mpzero.models import GPTConfig, config_from_args
-from mpzero.moe import NO_MOE_PLAN, check_expert_grid
+from mpzero.moe import check_expert_grid
 from mpzero.optim import RULES
 from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
 from mpzero.planner import RunSections
@@ -292,8 +292,6 @@ def planner_sections(args: argparse.Namespace, vocab_size: int) -> RunSections:
     """The run the flags describe, as the planner takes it (`mpzero.planner.Planner`): its sections resolved by the
     flags' own functions, the layout flags at their given values (a layout replaces them; the pipeline's split
     flags stay and are checked against each layout's pipeline)."""
-    if args.num_experts:
-        raise ConfigError(NO_MOE_PLAN)
     return RunSections(gpt_config(args, vocab_size), zero_config(args), offload_config(args), optimizer_config(args),
                        precision_config(args), args.seq_length, args.global_batch_size, pipeline_section(args))
 

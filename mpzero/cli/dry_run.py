@@ -20,11 +20,18 @@ tier is offloaded to host memory (its tensors report the CPU device, as the offl
 from them is 0: the loss and the gradient norm are 0. The run simulates the CPU device type (device<->host traffic
 is zero, CPU activation terms; `tools/plan_memory.py --device cpu` prints these figures, its default plans a GPU).
 The disk offload tier would write files: refused here, planned by the planner.
+
+A mixture of experts routes by the data, and these tensors hold none: the dry run states a routing, balanced (slot
+i of a rank's D k slots to expert i mod E, `mpzero.moe.balanced_routing`, used only here), runs the real dispatch,
+experts and ZeRO code on its split sizes, prints `moe routing` and `moe comm` (EP bytes against the planner's at that
+routing), and compares the activations at it; it runs on fake tensors (on meta tensors the saved-tensor counter
+counted more per MoE layer than a real run keeps).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import resource
@@ -36,9 +43,10 @@ import torch.distributed as dist
 from mpzero.activations import SavedBytesCounter, activation_formula, activation_line, modeled, rank_report
 from mpzero.context_parallel import cp_comm_line, cp_comm_theory
 from mpzero.errors import ConfigError
-from mpzero.moe import NO_MOE_PLAN
+from mpzero.moe import balanced_routing
 from mpzero.pipeline import in_flight_report, pipeline_schedule
-from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, element_sizes, engine_device,
+from mpzero.planner import (ActivationPlan, PlanInputs, StatePlan, activation_plan, activation_setting,
+                            element_sizes, engine_device, ep_comm_bytes, plan_moe_shape, recomputed_layers,
                             full_recompute_chunks, hidden_state_bytes, in_flight_bytes, model_shapes, no_data,
                             normalized, pipeline_comm_bytes, pipeline_stages, plan_states, tied_bytes, tp_comm_bytes)
 from mpzero.tensor_parallel import seed_everything
@@ -49,14 +57,17 @@ from mpzero.zero import ZeroOptimizer
 
 def check_flags(args: argparse.Namespace) -> None:
     """--world-size/--rank belong to --dry-run; the rank lies in the world; no disk tier (it would write files); no
-    torch.compile (it cannot compile tensors without data)."""
+    torch.compile (it cannot compile tensors without data); no capacity below the balanced routing it states."""
     if not args.dry_run:
         if args.world_size is not None or args.rank is not None:
             raise ConfigError("--world-size and --rank describe the job a --dry-run simulates: add --dry-run (a real "
                               "run takes its world from torchrun)")
         return
-    if args.num_experts:
-        raise ConfigError(NO_MOE_PLAN)
+    factor = args.moe_expert_capacity_factor
+    if args.num_experts and factor is not None and factor < 1:
+        raise ConfigError(f"--dry-run routes every expert its balanced share, which --moe-expert-capacity-factor "
+                          f"{factor} would cut: dry-run a factor of 1 or more (or none), or plan this one with "
+                          f"tools/plan_memory.py")
     world, rank = args.world_size or 1, args.rank or 0
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--dry-run --rank {rank} must lie in [0, --world-size {world})")
@@ -72,15 +83,16 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | None = None) -> dict:
     """Rank `rank` of a `world_size`-rank job: two iterations on tensors without data (`engine` "meta" or "fake";
-    by default fake where a tier is offloaded to host memory, else meta), the run's lines and the planner's.
+    by default fake where a tier is offloaded to host memory or the model has experts, else meta), the run's lines
+    and the planner's; a mixture of experts routed balanced (`mpzero.moe.balanced_routing`).
     Returns {"memory", "memory_at_start", "comm", "tp_comm", "activations", "plan", "plan_tp_comm",
     "plan_activations", "checks", "equal", "max_rss", "seconds"}."""
     start = time.perf_counter()
     if dist.is_initialized():
         raise ConfigError("--dry-run makes its own (fake) process group: run it as plain python, not under torchrun "
                           "or inside a process that already has one")
-    if engine is None:
-        engine = "fake" if run.offload.enabled else "meta"
+    if engine is None:  # experts: on meta the saved-tensor counter sees more than a real run keeps (fake: equal)
+        engine = "fake" if run.offload.enabled or run.model.num_experts else "meta"
     dist.init_process_group("fake", rank=rank, world_size=world_size)  # torch supplies its FakeStore
     groups = run.parallel.join()
     training = run.training
@@ -88,8 +100,9 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     print(f"dry run: rank {rank} of {world_size} ({_grid(run, groups)}), {micro_batches} micro-batch(es) of "
           f"{training.micro_batch_size} x {training.seq_length} tokens, on {engine} tensors and a fake process group",
           flush=True)
-    state, at_start, memory, comm, (tp_comm, cp_comm), pipeline_comm, counter = _two_iterations(
-        run, provider, groups, engine)
+    with balanced_routing() if run.model.num_experts else contextlib.nullcontext():
+        state, at_start, memory, comm, (tp_comm, cp_comm, ep_comm), pipeline_comm, counter = _two_iterations(
+            run, provider, groups, engine)
     print(memory.line(), flush=True)
     print(comm.line(), flush=True)
     cp_check = _context_parallel(run, groups, micro_batches, cp_comm)
@@ -108,6 +121,7 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
 
     plan, plan_tp, plan_acts, plan_pp = _planned(run, groups, micro_batches)
     checks = compare(memory, comm, tp_comm, plan, plan_tp, activations, plan_acts, pp_comm, plan_pp) + cp_check
+    checks += _experts(run, groups, micro_batches, ep_comm, plan_acts)
     equal = all(_same(a, b) for _, a, b in checks)
     print("planner | " + " | ".join(f"{name} {mine:.0f} vs {theirs:.0f}" for name, mine, theirs in checks)
           + f" | {'equal' if equal else 'DIFFERENT'}", flush=True)
@@ -141,6 +155,28 @@ def _context_parallel(run: RunConfig, groups, micro_batches: int, cp_comm: float
     return [("CP bytes/iter", cp_comm, theory)]
 
 
+def _experts(run: RunConfig, groups, micro_batches: int, ep_comm: float, plan_acts) -> list:
+    """With experts: the routing stated (balanced, the dry run's own: its tensors hold no data to route by), the
+    `moe comm` line's EP bytes against the planner's at that routing (else none)."""
+    if not run.model.num_experts:
+        return []
+    training = run.training
+    stage = pipeline_stages(run.pipeline, run.model.num_layers)[groups.pp_rank]
+    setting = activation_setting(run.model, groups.tp_size, groups.tp_rank, training.micro_batch_size,
+                                 training.seq_length, run.precision.torch_dtype, False)
+    setting = dataclasses.replace(setting, moe=plan_moe_shape(run.model, groups.tp_size, groups.ep.size,
+                                                              groups.expert_tp.size))
+    if stage is not None:
+        setting = setting.for_stage(stage.chunks, stage.first, stage.last)
+    theory = ep_comm_bytes(setting, micro_batches, recomputed_layers(run.model, stage), groups.ep.rank)
+    routing = plan_acts.routing if plan_acts is not None else ""
+    print(f"moe routing | the dry run routes balanced: slot i of a rank's D k slots to expert i mod E, every expert "
+          f"its share (a stated routing: its tensors hold no data to route by) | {routing}", flush=True)
+    print(f"moe comm | ep {groups.ep.size} | dispatcher {run.model.moe_token_dispatcher_type} | measured bytes/iter "
+          f"{ep_comm:.0f} | theory at balanced routing bytes/iter {theory:.0f}", flush=True)
+    return [("EP bytes/iter", ep_comm, theory)]
+
+
 def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
     """The training state built on tensors without data and two iterations, the second measured (stage 3 prefetches
     from the trace its first micro-batch records): (state, memory report at start, memory report, comm report, (TP
@@ -163,16 +199,16 @@ def _two_iterations(run: RunConfig, provider, groups, engine: str) -> tuple:
         meter = state.pipeline.meter if state.pipeline is not None else None
         if meter is not None:
             meter.report(1)
-        tp_mark, cp_mark = groups.tp.stats.total(), groups.cp.stats.total()
+        tp_mark, cp_mark, ep_mark = groups.tp.stats.total(), groups.cp.stats.total(), groups.ep.stats.total()
         counter = SavedBytesCounter(state.model.module)
         forward_backward(state, data, 1, training, activations=counter)
-        cp_comm = groups.cp.stats.total() - cp_mark
+        cp_comm, ep_comm = groups.cp.stats.total() - cp_mark, groups.ep.stats.total() - ep_mark
         optimizer.step(run.schedule.lr(1))
         memory, comm = optimizer.memory_report(), optimizer.comm_report()
         tp_comm = groups.tp.stats.total() - tp_mark
         pipeline_comm = meter.report(2) if meter is not None else None
         optimizer.close()
-    return state, at_start, memory, comm, (tp_comm, cp_comm), pipeline_comm, counter
+    return state, at_start, memory, comm, (tp_comm, cp_comm, ep_comm), pipeline_comm, counter
 
 
 def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
@@ -180,22 +216,26 @@ def _planned(run: RunConfig, groups, micro_batches: int) -> tuple:
     TP bytes, activation plan with the micro-batches in flight, pipeline bytes)."""
     training, (p, g) = run.training, element_sizes(run.precision)
     stage = pipeline_stages(run.pipeline, run.model.num_layers)[groups.pp_rank]
-    shapes = model_shapes(normalized(run.model), groups.tp_size, stage)
-    zero_group = groups.dp_cp  # ZeRO partitions over DP x CP
+    shapes = model_shapes(normalized(run.model), groups.tp_size, stage, groups.ep.size, groups.expert_tp.size)
+    zero_group = groups.dp_cp  # ZeRO partitions over DP x CP (expert parameters over expert-DP)
+    expert_dp = (groups.expert_dp.size, groups.expert_dp.rank)
     plan = plan_states(PlanInputs(shapes, run.zero, run.precision, zero_group.size, zero_group.rank, run.offload,
                                   micro_batches, cuda=False, rule=run.optimizer.rule,
-                                  recomputed=full_recompute_chunks(run.model)))
+                                  recomputed=full_recompute_chunks(run.model), expert_dp=expert_dp))
     plan_tp = tp_comm_bytes(run.model, groups.tp_size, training.micro_batch_size, training.seq_length, p,
-                            micro_batches, stage)
+                            micro_batches, stage, groups.expert_tp.size)
     plan_acts = activation_plan(run.model, groups.tp_size, training.micro_batch_size, training.seq_length,
-                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank, stage=stage)
+                                run.precision.torch_dtype, cuda=False, tp_rank=groups.tp_rank, stage=stage,
+                                ep=groups.ep.size, etp=groups.expert_tp.size, ep_rank=groups.ep.rank,
+                                routing="balanced")
     plan_pp = 0.0
     if stage is not None:
         pipe, zero = run.pipeline.pipe(micro_batches), run.zero
         if plan_acts is not None:
             plan_acts = dataclasses.replace(plan_acts, **dict(zip(("in_flight", "in_flight_text"), in_flight_bytes(
                 run.pipeline.schedule, pipe, groups.pp_rank, plan_acts.formula))))
-        layouts = shapes.layouts(zero.stage, zero_group.size, zero_group.rank, zero.bucket_numel, zero.units)
+        layouts = shapes.layouts(zero.stage, zero_group.size, zero_group.rank, zero.bucket_numel, zero.units,
+                                 expert_dp)
         activation_bytes = hidden_state_bytes(run.model, groups.tp_size, training.micro_batch_size,
                                               training.seq_length, p)
         plan_pp = pipeline_comm_bytes(pipe, groups.pp_rank, activation_bytes, tied_bytes(layouts, g))

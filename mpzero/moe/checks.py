@@ -12,8 +12,6 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = ("fp32", "fp64")
-NO_MOE_PLAN = ("the planner and --dry-run do not count expert parameters yet (issue 44): measure a mixture of experts "
-               "by training it, or drop --num-experts")
 
 
 def parse_moe_layer_freq(text: str | int) -> int | tuple[int, ...]:

@@ -15,9 +15,16 @@ tokens' sums (all-gather forward, reduce-scatter backward, and the reverse).
 
 Both count on the EP group's `CommGroup` (bytes = theory: `moe_comm_theory`), and record in `MoEMetrics` the rows
 sent to other ranks, which the theory needs (the routing decides them).
+
+`balanced_routing()`: only for `pretrain_gpt.py --dry-run`, whose tensors hold no data, so no split size can be read
+from them: inside it the dispatchers take the split sizes of a stated routing instead, slot i of a rank's D k slots
+to expert i mod E (`balanced_counts`: every expert its share, the same on every rank), and run the rest of their
+code (the exchanges, the experts, the weighting) on those sizes.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -27,6 +34,34 @@ from mpzero.moe.routing import Routing
 from mpzero.tensor_parallel import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 
 DISPATCHERS = ("allgather", "alltoall")
+_STATED = {"balanced": False}
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """The dispatchers' split sizes are `balanced_counts`'s, not the routing's (the dry run's, module docstring)."""
+    _STATED["balanced"] = True
+    try:
+        yield
+    finally:
+        _STATED["balanced"] = False
+
+
+def balanced_counts(slots: int, num_experts: int) -> list[int]:
+    """Slots per expert when slot i goes to expert i mod E: slots // E each, one more for the first slots % E."""
+    return [slots // num_experts + (e < slots % num_experts) for e in range(num_experts)]
+
+
+def _split_sizes(counts: torch.Tensor, recv_counts: torch.Tensor, ep: CommGroup, num_experts: int,
+                 slots: int) -> tuple[list[int], list[int]]:
+    """(slots this rank sends to each expert, slots each source rank sends to each local expert, source-major):
+    read from the counts, or under `balanced_routing` the stated routing's (every rank sends alike)."""
+    if not _STATED["balanced"]:
+        both = torch.cat([counts, recv_counts]).tolist()  # the one read of the layer: the split sizes
+        return both[:num_experts], both[num_experts:]
+    send = balanced_counts(slots, num_experts)
+    local = num_experts // ep.size
+    return send, send[ep.rank * local:(ep.rank + 1) * local] * ep.size
 
 
 class _AllToAll(torch.autograd.Function):
@@ -49,14 +84,13 @@ def _exchange(x: torch.Tensor, group: CommGroup, recv: list[int], send: list[int
     return out
 
 
-def _expert_major(counts: torch.Tensor) -> torch.Tensor:
-    """For rows received as (source rank, local expert) blocks (`counts` [ranks, E_l], row-major), the index of
-    each row of the expert-major order (expert, source rank) in the received order."""
+def _expert_major(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """For `total` rows received as (source rank, local expert) blocks (`counts` [ranks, E_l], row-major), the
+    index of each row of the expert-major order (expert, source rank) in the received order."""
     lengths = counts.reshape(-1)
     starts = torch.cumsum(lengths, 0) - lengths  # each block's first row, received order
     lengths_em, starts_em = counts.t().reshape(-1), starts.view(counts.shape).t().reshape(-1)
     first_em = torch.cumsum(lengths_em, 0) - lengths_em
-    total = int(lengths.sum())
     return torch.repeat_interleave(starts_em - first_em, lengths_em, output_size=total) + torch.arange(
         total, device=counts.device)
 
@@ -69,11 +103,10 @@ def alltoall(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, num
     local = num_experts // ep.size
     key = torch.where(routing.kept, routing.indices, num_experts).reshape(-1)  # dropped slots sort last
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts = per_expert(key, num_experts)
     recv_counts = torch.empty_like(counts)
     ep.all_to_all_single(recv_counts, counts)  # [EP, E_l] rows: each rank's counts for the experts here
-    both = torch.cat([counts, recv_counts]).tolist()  # the one read of the layer: the split sizes
-    send_counts, received = both[:num_experts], both[num_experts:]
+    send_counts, received = _split_sizes(counts, recv_counts, ep, num_experts, t * k)
     send = [sum(send_counts[r * local:(r + 1) * local]) for r in range(ep.size)]
     recv = [sum(received[r * local:(r + 1) * local]) for r in range(ep.size)]
     sent_order = order[:sum(send)]
@@ -83,8 +116,8 @@ def alltoall(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, num
         x = _AllToAll.apply(x, ep, recv, send)
     by_source = torch.tensor(received, device=tokens.device).view(ep.size, local)
     if ep.size > 1:  # (source, expert) blocks to expert-major rows and back (one source: already so)
-        permutation = _expert_major(by_source)
-        y = experts(x[permutation], by_source.sum(0).tolist())
+        permutation = _expert_major(by_source, sum(recv))
+        y = experts(x[permutation], [sum(received[e::local]) for e in range(local)])
         y = _AllToAll.apply(torch.empty_like(y).index_copy(0, permutation, y), ep, send, recv)
     else:
         y = experts(x, received)
@@ -111,7 +144,11 @@ def allgather(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, nu
     mine = kept & (indices // local == ep.rank)
     key = torch.where(mine, indices - ep.rank * local, local).reshape(-1)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=local + 1)[:local].tolist()
+    if _STATED["balanced"]:  # every source rank's slots alike: EP x its counts for these experts
+        counts = [ep.size * c for c in balanced_counts(t // ep.size * k, num_experts)[ep.rank * local:
+                                                                                        (ep.rank + 1) * local]]
+    else:
+        counts = per_expert(key, local).tolist()
     chosen = order[:sum(counts)]
     note_expert_rows(len(chosen))
     y = experts(every[chosen // k], counts)
@@ -123,6 +160,13 @@ def allgather(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, nu
             routing.indices.element_size() + 1)
         metrics.ep_bytes += (t // ep.size) * (ep.size - 1) * row_bytes
     return reduce_scatter_to_sequence_parallel(out.unsqueeze(0), ep).squeeze(0) if ep.size > 1 else out
+
+
+def per_expert(key: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots per expert of `key` (an expert index per slot; `num_experts` for a slot that goes nowhere), [E] int64:
+    a scatter-add, whose output's shape does not depend on the data (a bincount's does)."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int64))[:num_experts]
 
 
 def _gather_rows(x: torch.Tensor, group: CommGroup) -> torch.Tensor:

@@ -88,4 +88,4 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _per_row(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0)
+        return bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0, output_size=sum(counts))

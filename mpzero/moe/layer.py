@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from mpzero.comm import CommGroup, eager_under_compile
-from mpzero.moe.dispatch import allgather, alltoall
+from mpzero.moe.dispatch import allgather, alltoall, per_expert
 from mpzero.moe.metrics import MoEMetrics
 from mpzero.moe.router import TopKRouter
 from mpzero.moe.routing import (Routing, aux_loss_scores, drop_to_capacity, routed_counts, seq_aux_loss,
@@ -114,7 +114,8 @@ class MoELayer(nn.Module):
         the log records)), the figures recorded where `recording`: the one eager region under --torch-compile
         (module docstring)."""
         if recording:
-            counts = torch.bincount(routing.indices[routing.kept], minlength=self.settings.num_experts)
+            n = self.settings.num_experts  # dropped slots counted past the end
+            counts = per_expert(torch.where(routing.kept, routing.indices, n).reshape(-1), n)
             self.metrics.record_tokens(self.layer, counts)
             self.router.count(counts)
         out = self._experts(tokens, routing)

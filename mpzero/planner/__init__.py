@@ -5,6 +5,8 @@ and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
 - `pipeline`: each pipeline rank's stage, its micro-batches in flight, the bubble and point-to-point bytes.
 - `states`: `plan_states`, one rank's model-state bytes, its in-step peak and DP traffic, from `PlanInputs`.
 - `shapes`: `model_shapes`, the model's parameter layouts without building a parameter.
+- `choices`: what a layout may choose (schedules, CP, offload tiers, EP and expert-TP).
+- `experts`: a mixture of experts' stated routing (worst case, balanced) and its EP bytes.
 - `activations`, `transients`, `cost`: activation bytes, the step's working tensors, the time model (`Hardware`).
 - `fake`: tensors without data (`no_data`), what the dry run builds on.
 - `report`: the table's rows and the torchrun command of a layout.
@@ -13,6 +15,8 @@ and `pretrain_gpt.py --dry-run` (the real code on fake tensors) share it.
 
 from mpzero.planner.activations import ActivationPlan, activation_plan, activation_setting, normalized
 from mpzero.planner.cost import Cost, Hardware, layout_cost
+from mpzero.planner.experts import (ROUTINGS, balanced_rows, ep_comm_bytes, plan_moe_shape, recomputed_layers,
+                                    routing_text)
 from mpzero.planner.fake import ENGINES, engine_device, fake_tensors, no_data
 from mpzero.planner.pipeline import (bubble_fraction, hidden_state_bytes, in_flight_bytes, pipeline_comm_bytes,
                                      pipeline_stages, stage_classes, tied_bytes)
@@ -22,7 +26,8 @@ from mpzero.planner.report import (GIB, HEADER, LAYOUT_FLAGS, components_text, g
 from mpzero.planner.shapes import ModelShapes, full_recompute_chunks, model_shapes
 from mpzero.planner.states import PlanInputs, StatePlan, element_sizes, plan_states, tp_comm_bytes
 
-__all__ = ["ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
+__all__ = ["ROUTINGS", "balanced_rows", "ep_comm_bytes", "plan_moe_shape", "recomputed_layers", "routing_text",
+           "ActivationPlan", "Cost", "ENGINES", "GIB", "HEADER", "Hardware", "LAYOUT_FLAGS", "Layout", "LayoutPlan",
            "Machine", "ModelShapes", "PlanInputs", "Planner", "RECOMPUTE_MODES", "RunSections", "StatePlan", "TIERS",
            "activation_plan", "activation_setting", "bubble_fraction", "components_text", "element_sizes",
            "engine_device", "fake_tensors", "full_recompute_chunks", "gib", "hidden_state_bytes", "in_flight_bytes",

@@ -27,6 +27,8 @@ class ActivationPlan:
     in_flight: int | None = None  # a pipeline rank: the bytes of the micro-batches it holds at once
     in_flight_text: str = ""
     formula: object = field(default=None, compare=False, repr=False)  # the ActivationFormula behind it
+    routing: str = ""  # a mixture of experts: the routing assumed (`planner.experts.routing_text`)
+    balanced: int | None = None  # a mixture of experts: what a micro-batch keeps at balanced routing
 
     @property
     def saved(self) -> int:
@@ -56,18 +58,29 @@ def activation_setting(config, tp: int, tp_rank: int, micro_batch: int, seq: int
 
 
 def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dtype, cuda: bool = True,
-                    tp_rank: int = 0, stage=None) -> ActivationPlan | None:
+                    tp_rank: int = 0, stage=None, ep: int = 1, etp: int | None = None, ep_rank: int = 0,
+                    routing: str = "worst") -> ActivationPlan | None:
     """Activation bytes of TP rank `tp_rank` for a micro-batch of `micro_batch` x `seq` tokens of the GPT `config`
     (its recomputation, sequence-parallel and offload settings) at TP `tp`, on a pipeline rank's `stage`
-    (`ModelStage`; None: the whole model); None where not modeled."""
+    (`ModelStage`; None: the whole model); None where not modeled. A mixture of experts at EP `ep` (rank
+    `ep_rank`) and expert-TP `etp` (None: TP) is taken at `routing` (`planner.experts`: "worst", the dropless
+    worst case or the capacity bound; "balanced"), its balanced figure beside."""
+    from mpzero.planner.experts import balanced_rows, plan_moe_shape, routing_text
     setting = activation_setting(config, tp, tp_rank, micro_batch, seq, dtype, cuda)
+    if setting is not None and config.num_experts:
+        setting = dataclasses.replace(setting, moe=plan_moe_shape(config, tp, ep, etp))
     from mpzero.activations import activation_formula, layer_formula, modeled
     if setting is None or modeled(setting) is not None:
         return None
     if stage is not None:
         setting = setting.for_stage(stage.chunks, stage.first, stage.last)
-    formula = activation_formula(setting)
-    stored = layer_formula(setting, "stored").bytes
+    rows = balanced_rows(setting, ep_rank) if setting.moe is not None else None
+    formula = activation_formula(setting, rows if routing == "balanced" else None)
+    moe = {} if rows is None else {"routing": routing_text(setting, ep_rank, routing),
+                                   "balanced": activation_formula(setting, rows).micro_batch_bytes}
+    at = rows if routing == "balanced" and rows is not None else {}  # the heaviest layer of the stage, recomputed
+    stored = max((layer_formula(setting, "stored", i, at.get(i)).bytes for i in setting.layer_indices),
+                 default=layer_formula(setting, "stored").bytes)
     kinds = {layer.kind for layer in formula.layers}
     # in backward a recomputed layer holds what the stored layer holds until its own backward is done
     transient = 0
@@ -77,7 +90,8 @@ def activation_plan(config, tp: int, micro_batch: int, seq: int, dtype: torch.dt
         transient = max(stored * (chunk or 1) - kept, 0)
     host = sum(layer.host_bytes or 0 for layer in formula.layers)
     text = formula.layers[0].text() if formula.layers else "0"
-    return ActivationPlan(tuple(formula.layer_bytes), formula.outside_bytes, transient, host, text, formula=formula)
+    return ActivationPlan(tuple(formula.layer_bytes), formula.outside_bytes, transient, host, text, formula=formula,
+                          **moe)
 
 
 def normalized(config):

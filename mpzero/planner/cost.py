@@ -1,6 +1,6 @@
 """The planner's cost model: seconds per iteration of a layout, from FLOPs and bytes, stated in full.
 
-    T = max(T_compute (1 + bubble), T_dp, T_fetch) + T_tp + T_cp + T_pp + T_offload
+    T = max(T_compute (1 + bubble), T_dp, T_fetch) + T_tp + T_cp + T_pp + T_ep + T_offload
 
 - T_compute = FLOPs per rank per iteration / (device peak FLOP/s x efficiency). FLOPs per token are Megatron's
   (`GPTConfig.flops_per_token`, forward + backward = 3 forwards); full recomputation adds one forward of the
@@ -21,6 +21,9 @@
   attention's matmuls (4 l s h per token, forward and backward: 12 l s h) counts.
 - T_pp = the pipeline rank's point-to-point bytes per iteration (`planner.pipeline.pipeline_comm_bytes`) / the
   pipeline bandwidth: on the critical path (a stage waits for its input), not overlapped (an upper bound).
+- T_ep = a mixture of experts' EP bytes per iteration at balanced routing (`planner.experts.ep_comm_bytes`) / the
+  TP bandwidth when the expert-TP x EP block tiles a node (NVLink), the DP bandwidth otherwise: on the critical
+  path (a layer waits for its tokens).
 - T_offload = the optimizer step off the device, after backward: gradients down and parameters up over PCIe,
   the disk tier's state read and written (K P/N each way, K = 4 + the rule's state bytes: AdamW 12, SGD 8; the
   rank's share of the node's disk bandwidth), and the update on the CPU (this rank's partition / the CPU's AdamW
@@ -60,11 +63,12 @@ class Cost:
     cp: float = 0.0
     pp: float = 0.0  # point-to-point seconds (pipeline)
     bubble: float = 0.0  # the schedule's idle time over the compute time
+    ep: float = 0.0  # expert-parallel seconds (the dispatchers' exchanges at balanced routing)
 
     @property
     def seconds(self) -> float:
         return (max(self.compute * (1 + self.bubble), self.dp, self.fetch) + self.tp + self.cp + self.pp
-                + self.offload)
+                + self.ep + self.offload)
 
     @property
     def tokens_per_second(self) -> float:
@@ -81,7 +85,8 @@ def flops_per_token(config, tp: int, recompute: str, micro_batch: int = 1) -> fl
 
 
 def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float, p: int, cuda: bool = True,
-                cp_bytes: float = 0.0, pp_bytes: float = 0.0, share: float = 1.0, bubble: float = 0.0) -> Cost:
+                cp_bytes: float = 0.0, pp_bytes: float = 0.0, share: float = 1.0, bubble: float = 0.0,
+                ep_bytes: float = 0.0) -> Cost:
     """The cost of `layout` (a `plan.Layout`) whose model states are `plan` (a `StatePlan`), parameters of `p`
     bytes; `cuda`: the device is a GPU (else device<->host copies cost nothing: the device is the host). A
     pipeline rank: its point-to-point bytes, its layers over the average (`share`), the schedule's `bubble`."""
@@ -117,4 +122,8 @@ def layout_cost(config, layout, plan, hw: Hardware, world: int, tp_bytes: float,
             s = config.seq_length or config.max_position_embeddings
             attention = 12 * config.num_layers * s * config.hidden_size * tokens / world
             cp = max(cp - attention / (hw.device_tflops * 1e12 * hw.efficiency), 0.0)
-    return Cost(compute, dp, fetch, tp_bytes / tp_bandwidth, offload, tokens, cp, pp_bytes / hw.pp_bandwidth, bubble)
+    # EP groups follow the expert-TP ranks: inside a node when the expert-TP x EP block tiles it
+    ep_block = (layout.tp if layout.expert_tp is None else layout.expert_tp) * layout.ep
+    ep = ep_bytes / (hw.tp_bandwidth if ranks_per_node % ep_block == 0 else hw.dp_bandwidth)
+    return Cost(compute, dp, fetch, tp_bytes / tp_bandwidth, offload, tokens, cp, pp_bytes / hw.pp_bandwidth, bubble,
+                ep)

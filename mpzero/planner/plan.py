@@ -33,9 +33,13 @@ from typing import Any
 
 from mpzero.context_parallel import cp_comm_theory
 from mpzero.errors import ConfigError
+from mpzero.moe import check_expert_grid, check_moe
+from mpzero.parallel import GridSizes
 from mpzero.pipeline import PipelineConfig, check_composition
 from mpzero.planner.activations import ActivationPlan, activation_plan, normalized
+from mpzero.planner.choices import context_fits, expert_grids, offloads, schedules
 from mpzero.planner.cost import Cost, Hardware, layout_cost
+from mpzero.planner.experts import ep_comm_bytes, recomputed_layers
 from mpzero.planner.pipeline import (bubble_fraction, hidden_state_bytes, in_flight_bytes, pipeline_comm_bytes,
                                      pipeline_stages, stage_classes, tied_bytes)
 from mpzero.planner.shapes import full_recompute_chunks, model_shapes
@@ -77,6 +81,17 @@ class Layout:
     pp: int = 1  # pipeline stages (--pipeline-model-parallel-size)
     virtual_stages: int = 1  # model chunks per pipeline rank (--num-virtual-stages-per-pipeline-rank)
     zero_bubble: bool = False  # ZB-H1 (--enable-zero-bubble)
+    ep: int = 1  # expert-parallel ranks (--expert-model-parallel-size), folded over TP x CP x DP
+    expert_tp: int | None = None  # --expert-tensor-parallel-size; None: TP (Megatron's default)
+
+    @property
+    def grid(self) -> GridSizes:
+        return GridSizes(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.expert_tp)
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-DP size (Megatron's folding: TP x CP x DP = expert-TP x EP x expert-DP)."""
+        return self.grid.expert_dp(self.tp * self.cp * self.dp * self.pp)
 
     @property
     def micro_batches(self) -> int:
@@ -101,6 +116,13 @@ class Layout:
         pipeline = dataclasses.replace(run.pipeline, size=self.pp, virtual_stages=self.virtual_stages,
                                        zero_bubble=self.zero_bubble)
         model.validate(self.tp)
+        if model.num_experts:  # the MoE rules at this grid, as the model's build checks them
+            check_moe(model, self.tp)
+            check_expert_grid(model, self.ep, self.grid.expert_tp)
+            self.grid.check(self.tp * self.cp * self.dp * self.pp)
+            if offload.params == "disk" or offload.grads_tier(zero.stage) == "disk":  # make_stage's rule
+                raise ConfigError("expert parameters are partitioned apart from the dense ones: no disk tier for "
+                                  "parameters or gradients")
         zero.validate()
         check_zero_units(zero, model.torch_compile, model.cuda_graph_impl)
         offload.validate(zero.stage)
@@ -117,10 +139,12 @@ class Layout:
                                                           if self.offload_params != "none" else ""))
         sp = " + SP" if self.sequence_parallel else ""
         units = ", linear units" if self.units == "linear" else ""
+        ep = "" if self.ep == 1 and self.expert_tp is None else f" (experts: EP {self.ep}" + (
+            f", expert-TP {self.expert_tp}" if self.expert_tp is not None else "") + f", expert-DP {self.expert_dp})"
         cp = f" x CP {self.cp}" if self.cp > 1 else ""
         pp = "" if self.pp == 1 else f" x PP {self.pp} ({self.schedule}" + (
             f", v {self.virtual_stages})" if self.virtual_stages > 1 else ")")
-        return (f"TP {self.tp}{cp}{pp} x DP {self.dp}, ZeRO-{self.stage}{units}{offload}, recompute "
+        return (f"TP {self.tp}{cp}{pp} x DP {self.dp}{ep}, ZeRO-{self.stage}{units}{offload}, recompute "
                 f"{self.recompute}{sp}, "
                 f"micro-batch {self.micro_batch} x {self.micro_batches}")
 
@@ -159,6 +183,7 @@ class LayoutPlan:
     pp_comm: float = 0.0  # bytes per rank per iteration on the pipeline and embedding groups (the deciding rank's)
     pp_rank: int = 0  # the pipeline rank whose figures these are: the largest device peak
     stage_peaks: tuple[int, ...] = ()  # every pipeline rank's device peak
+    ep_comm: float = 0.0  # bytes per rank per iteration on the EP group at balanced routing (planner.experts)
 
     @property
     def backward_peak(self) -> int:
@@ -198,6 +223,9 @@ class LayoutPlan:
                 "dp_bytes_per_iter": s.comm_bytes, "dp_theory_bytes_per_iter": s.comm.theory,
                 "tp_bytes_per_iter": self.tp_comm, "cp_bytes_per_iter": self.cp_comm,
                 "pp_bytes_per_iter": self.pp_comm, "pipeline_rank": self.pp_rank,
+                "ep_bytes_per_iter_balanced": self.ep_comm,
+                "activation_routing": None if self.activations is None else self.activations.routing,
+                "activations_balanced": None if self.activations is None else self.activations.balanced,
                 "stage_peaks": list(self.stage_peaks),
                 "activations_held": None if self.activations is None else self.activations.held,
                 "transfers_per_iter": {t.name: t.theory for t in s.comm.transfers},
@@ -212,18 +240,20 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 class Planner:
-    """Evaluates layouts of the run `run` on `machine`."""
+    """Evaluates layouts of the run `run` on `machine`; a mixture of experts' activations at `routing` ("worst":
+    the dropless worst case or the capacity bound; "balanced": every expert its share, `planner.experts`)."""
 
-    def __init__(self, run: RunSections, machine: Machine):
-        self.run, self.machine = run, machine
+    def __init__(self, run: RunSections, machine: Machine, routing: str = "worst"):
+        self.run, self.machine, self.routing = run, machine, routing  # a mixture of experts' (planner.experts)
         self.precision = run.precision
         self.p, self.g = element_sizes(self.precision)
         self.seq = run.seq_length
 
     @functools.lru_cache(maxsize=None)
-    def _activations(self, config, tp: int, micro_batch: int, stage=None) -> ActivationPlan | None:
+    def _activations(self, config, tp: int, micro_batch: int, stage=None, ep: int = 1,
+                     etp: int | None = None) -> ActivationPlan | None:
         return activation_plan(config, tp, micro_batch, self.seq, self.precision.torch_dtype, self.machine.cuda,
-                               stage=stage)
+                               stage=stage, ep=ep, etp=etp, routing=self.routing)
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
         """The layout's plan: each pipeline rank's (ranks alike evaluated once), the largest device peak shown and
@@ -242,16 +272,22 @@ class Planner:
         the same model states, each its own micro-batches in flight and point-to-point bytes."""
         machine, hw = self.machine, self.machine.hardware
         config, zero, offload, rule = run.model, run.zero, run.offload, run.optimizer.rule
-        shapes = model_shapes(normalized(config), layout.tp, stage)
+        etp = layout.grid.expert_tp
+        shapes = model_shapes(normalized(config), layout.tp, stage, layout.ep, etp)
         zero_ranks = layout.dp * layout.cp  # parameters replicated over CP: ZeRO partitions over DP x CP
+        expert_dp = (layout.expert_dp, 0)  # expert parameters over expert-DP (zero/families.py)
         states = plan_states(PlanInputs(shapes, zero, self.precision, zero_ranks, 0, offload, layout.micro_batches,
                                         cuda=self.machine.cuda, rule=rule,
-                                        recomputed=full_recompute_chunks(config)))
-        acts = self._activations(config, layout.tp, layout.micro_batch, stage)
-        tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches, stage)
+                                        recomputed=full_recompute_chunks(config), expert_dp=expert_dp))
+        acts = self._activations(config, layout.tp, layout.micro_batch, stage, layout.ep, etp)
+        tp_comm = tp_comm_bytes(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches, stage,
+                                etp)
+        ep_comm = 0.0
+        if acts is not None and acts.formula is not None and acts.formula.setting.moe is not None:
+            ep_comm = ep_comm_bytes(acts.formula.setting, layout.micro_batches, recomputed_layers(config, stage))
         cp_comm = cp_comm_theory(config, layout.tp, layout.micro_batch, self.seq, self.p, layout.micro_batches,
                                  stage)[0]
-        layouts = shapes.layouts(zero.stage, zero_ranks, 0, zero.bucket_numel, zero.units)
+        layouts = shapes.layouts(zero.stage, zero_ranks, 0, zero.bucket_numel, zero.units, expert_dp)
         construction = states.report.construction[0].measured  # streamed: the states + one unit's working set
         runs = [end - start for lay in layouts for start, end, _ in lay.decay_runs()]
         largest_shard = max((lay.shard_numel for lay in layouts), default=0)  # Fp32Buckets: a bucket, or sub-groups
@@ -276,11 +312,12 @@ class Planner:
                     layout.schedule, pipe, rank, acts.formula))))
             pp_comm = pipeline_comm_bytes(pipe, rank, activation_bytes, tied)
             cost = layout_cost(config, layout, states, hw, machine.world_size, tp_comm, self.p, machine.cuda,
-                               cp_comm, pp_comm, share, bubble)
+                               cp_comm, pp_comm, share, bubble, ep_comm)
             device_peak = max(construction, states.device + transients["optimizer step"],
                               states.device_peak + (held.peak if held is not None else 0) + working)
-            plans.append(self._fitting(layout, states, held, tp_comm, cost, construction, transients, device_peak,
-                                       (cp_comm, pp_comm), rank))
+            plans.append(dataclasses.replace(self._fitting(
+                layout, states, held, tp_comm, cost, construction, transients, device_peak, (cp_comm, pp_comm), rank),
+                ep_comm=ep_comm))
         return plans
 
     def _fitting(self, layout, states, acts, tp_comm, cost, construction, transients, device_peak, comm,
@@ -302,7 +339,7 @@ class Planner:
 
     def layouts(self, tps=None, stages=None, tiers=None, recompute=None, micro_batches=None,
                 max_micro_batch: int = 64, units=None, pps=None, virtual=None, zero_bubble=None,
-                cps=(1,)) -> list[Layout]:
+                cps=(1,), eps=None, expert_tps=None) -> list[Layout]:
         """Every layout of the world: TP in the divisors of the head count that divide the world, pipeline sizes
         (`pps`, default every one that divides the rest) with their schedules (1F1B; interleaved with each of
         `virtual`, default 2; ZB-H1 unless `zero_bubble` is (False,)), ZeRO stages, offload tiers allowed at
@@ -312,7 +349,9 @@ class Planner:
         run's own checks refuse is left out: linear units with --torch-compile, stage 3 with CUDA graphs, a
         pipeline's layer split or micro-batches against Megatron's rules, ZeRO-3 with a pipeline. `cps`: the
         context-parallel sizes to try (the sequence must divide by 2·CP; a2a splits each TP rank's heads and groups
-        over CP)."""
+        over CP). A mixture of experts: EP sizes (`eps`, default every divisor of the expert count the folded grid
+        takes) and expert-TP (`expert_tps`, default TP and, at TP > 1, 1; 0 stands for TP), sequence parallelism
+        at TP > 1 (MoE's rule); a dense model keeps EP 1."""
         model = self.run.model
         world, heads = self.machine.world_size, model.num_attention_heads
         tps = [t for t in (tps or range(1, world + 1)) if world % t == 0 and heads % t == 0]
@@ -324,16 +363,18 @@ class Planner:
         unit_kinds = units or (("layer",) if model.torch_compile else ZERO_UNITS)
         out = []
         for tp, cp, pp, stage in itertools.product(tps, cps, pps or range(1, world + 1), stages):
-            if world % (tp * cp * pp) or not _context_fits(model, self.seq, tp, cp):
+            if world % (tp * cp * pp) or not context_fits(model, self.seq, tp, cp):
                 continue
             dp = world // (tp * cp * pp)
             sps = (False, True) if tp > 1 and (self.seq // cp) % tp == 0 else (False,)
-            for (optimizer, params), kind, mode, sp, mbs, (v, zb) in itertools.product(
-                    _offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes,
-                    _schedules(pp, virtual, zero_bubble)):
+            if model.num_experts and tp > 1:
+                sps = (True,) if (self.seq // cp) % tp == 0 else ()
+            for (optimizer, params), kind, mode, sp, mbs, (v, zb), (ep, etp) in itertools.product(
+                    offloads(stage, tiers), unit_kinds if stage == 3 else ("layer",), modes, sps, sizes,
+                    schedules(pp, virtual, zero_bubble), expert_grids(model, tp, eps, expert_tps)):
                 gbs = self.run.global_batch_size or mbs * dp
-                layout = Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind, cp, pp, v, zb)
-                if gbs % (mbs * dp) == 0 and (pp == 1 or self._pipeline_runs(layout)):
+                layout = Layout(tp, dp, stage, mbs, gbs, optimizer, params, mode, sp, kind, cp, pp, v, zb, ep, etp)
+                if gbs % (mbs * dp) == 0 and (pp == 1 and not model.num_experts or self._pipeline_runs(layout)):
                     out.append(layout)
         return out
 
@@ -344,31 +385,6 @@ class Planner:
         except ConfigError:
             return False
         return True
-
-
-def _schedules(pp: int, virtual, zero_bubble) -> list[tuple[int, bool]]:
-    """(virtual stages, zero bubble) to try with `pp` stages."""
-    if pp == 1:
-        return [(1, False)]
-    out = [(1, False)] + [(v, False) for v in (virtual if virtual is not None else (2,)) if v > 1]
-    return out + ([(1, True)] if True in (zero_bubble if zero_bubble is not None else (False, True)) else [])
-
-
-def _context_fits(model, seq: int, tp: int, cp: int) -> bool:
-    """Whether CP `cp` can split this run: 2·CP chunks of the sequence; a2a's heads and groups per TP rank."""
-    if cp == 1:
-        return True
-    heads, groups = model.num_attention_heads // tp, model.query_groups // tp
-    return seq % (2 * cp) == 0 and (model.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0))
-
-
-def _offloads(stage: int, tiers) -> list[tuple[str, str]]:
-    pairs = [("none", "none")]
-    if stage >= 1:
-        pairs += [(o, "none") for o in tiers if o != "none"]
-    if stage == 3:
-        pairs += [(o, p) for o in tiers if o != "none" for p in tiers if p != "none"]
-    return pairs
 
 
 def rank_plans(plans: list[LayoutPlan]) -> list[LayoutPlan]:

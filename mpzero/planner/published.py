@@ -16,9 +16,14 @@ partition), its offloaded host state 16 = K + the fp32 gradient and 18 = that + 
 mpzero differs where it holds things elsewhere: offloaded, its gradients stay on the device (gP/N) and reach the
 host through bounded staging buffers (no fp32 gradient copy, no 1.5 factor: the buffers are counted exactly), and
 its in-step working set is (p + g)(R + 2L) (the root and two layers with prefetch, gradients in flight), not 4L.
+
+Published MoE layouts (`PUBLISHED_MOE`): Mixtral 8x7B and a DeepSeek-V3-sized MoE at their published layouts, the
+flags the planner and the dry run take (bench/bench_moe_planner.py, tests/test_moe_plan.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from mpzero.optim import AdamW
 from mpzero.zero import memory_formula, offload_formula, state_terms
@@ -78,3 +83,61 @@ def mpzero_from_counts(total: int, largest_layer: int, dp: int, stage: int, p: i
         device += (p + g) * 3 * largest_layer
     host = sum(offload_formula(stage, p, g, tiers, ADAM).values()) * total / dp
     return host, device
+
+
+@dataclass(frozen=True)
+class PublishedLayout:
+    """A published model at its published layout: pretrain_gpt.py's model flags, the layout's flags, the world, the
+    ranks worth a dry run (each pipeline stage kind), and where the figures come from."""
+    name: str
+    model: tuple[str, ...]
+    layout: tuple[str, ...]
+    world: int
+    ranks: tuple[int, ...]
+    source: str
+
+
+# Mixtral 8x7B (Mistral's config: 32 layers, h 4096, 32 heads, 8 KV groups, experts of 14336, 8 experts top-2,
+# vocabulary 32000, sequence 4096) at Megatron's Mixtral example layout TP 1 x EP 8 x PP 4, bf16, distributed
+# optimizer; 32 GPUs (EP 8 folds over DP 8), global batch 256, interleaved v 2, full recomputation.
+MIXTRAL_8X7B = PublishedLayout(
+    "Mixtral 8x7B",
+    ("--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+     "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--num-experts", "8", "--moe-router-topk", "2",
+     "--moe-ffn-hidden-size", "14336", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+     "--moe-grouped-gemm", "--vocab-size", "32000", "--seq-length", "4096", "--max-position-embeddings", "4096",
+     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding",
+     "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16", "--attention-dropout", "0",
+     "--hidden-dropout", "0", "--global-batch-size", "256", "--micro-batch-size", "1"),
+    ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+     "--num-virtual-stages-per-pipeline-rank", "2", "--expert-model-parallel-size", "8", "--use-distributed-optimizer",
+     "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"),
+    32, (0, 31), "Mistral's config; Megatron-LM examples/mixtral (TP 1, PP 4, EP 8)")
+
+# A DeepSeek-V3-sized MoE: 61 layers, h 7168, 128 heads, 256 routed experts of 2048 top-8 in 8 groups (top-4
+# groups), sigmoid scores with the expert bias, 1 shared expert of 2048, the first 3 layers dense (18432),
+# vocabulary 129280. Attention is GQA with 8 KV groups (MLA is not built); Megatron's
+# --moe-router-topk-scaling-factor (2.5) is not in mpzero; balancing: the expert bias and a sequence aux loss of 1e-4.
+# DeepSeek's published layout PP 16 x EP 64 with ZeRO-1 over DP, 2048 GPUs (DP 128, expert-DP 2), global batch
+# 3072 (its first batch size); 61 layers as 3 + 14 x 4 + 2 (DeepSeek's own split used DualPipe, not in mpzero:
+# 1F1B here).
+DEEPSEEK_V3_SIZED = PublishedLayout(
+    "DeepSeek-V3-sized MoE",
+    ("--num-layers", "61", "--hidden-size", "7168", "--num-attention-heads", "128", "--group-query-attention",
+     "--num-query-groups", "8", "--ffn-hidden-size", "18432", "--num-experts", "256", "--moe-router-topk", "8",
+     "--moe-router-num-groups", "8", "--moe-router-group-topk", "4", "--moe-router-score-function", "sigmoid",
+     "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+     "1e-4", "--moe-shared-expert-intermediate-size", "2048", "--moe-ffn-hidden-size", "2048", "--moe-layer-freq",
+     "([0]*3+[1]*58)", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--vocab-size", "129280",
+     "--seq-length", "4096", "--max-position-embeddings", "4096", "--normalization", "RMSNorm", "--swiglu",
+     "--position-embedding-type", "rope", "--no-position-embedding", "--disable-bias-linear",
+     "--untie-embeddings-and-output-weights", "--bf16", "--attention-dropout", "0", "--hidden-dropout", "0",
+     "--global-batch-size", "3072", "--micro-batch-size", "1", "--decoder-first-pipeline-num-layers", "3",
+     "--decoder-last-pipeline-num-layers", "2"),
+    ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "16", "--expert-model-parallel-size", "64",
+     "--use-distributed-optimizer", "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method",
+     "uniform", "--recompute-num-layers", "1"),
+    2048, (0, 128, 2047), "DeepSeek-V3 technical report (arXiv 2412.19437): PP 16, EP 64, ZeRO-1")
+
+PUBLISHED_MOE = (MIXTRAL_8X7B, DEEPSEEK_V3_SIZED)

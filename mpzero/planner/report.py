@@ -16,7 +16,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--zero-stage": 1, "--micro-b
                 "--recompute-method": 1, "--recompute-num-layers": 1, "--sequence-parallel": 0, "--zero-units": 1,
                 "--context-parallel-size": 1, "--pipeline-model-parallel-size": 1,
                 "--num-virtual-stages-per-pipeline-rank": 1, "--num-layers-per-virtual-pipeline-stage": 1,
-                "--enable-zero-bubble": 0}
+                "--enable-zero-bubble": 0, "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1}
 
 
 def gib(nbytes: float | None) -> str:
@@ -33,6 +33,10 @@ def layout_argv(layout: Layout, offload_path: str | None) -> list[str]:
         argv += ["--num-virtual-stages-per-pipeline-rank", str(layout.virtual_stages)]
     if layout.zero_bubble:
         argv += ["--enable-zero-bubble"]
+    if layout.ep > 1:
+        argv += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.expert_tp is not None:
+        argv += ["--expert-tensor-parallel-size", str(layout.expert_tp)]
     if layout.recompute == "full":  # (--recompute-activations is Megatron's selective recomputation)
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif layout.recompute == "selective":
@@ -81,16 +85,24 @@ HEADER = ("  #  TP CP  PP(sched)   DP  ZeRO  offload(opt/par)  recompute  mbs x 
           "activ   work  build | device peak  host/node   disk/node | DP GB/it  TP GB/it  CP GB/it  PP GB/it |   "
           "s/iter  tokens/s  fits")
 _SCHEDULE = {"1f1b": "", "interleaved": "i", "zb-h1": "zb"}
+_DP_COLUMN = "   DP  ZeRO"
 
 
-def row(i: int, plan: LayoutPlan) -> str:
+def header(experts: bool = False) -> str:
+    """The table's header; `experts`: with the EP and expert-TP column (a mixture of experts)."""
+    return HEADER.replace(_DP_COLUMN, "   DP  EP/eTP  ZeRO") if experts else HEADER
+
+
+def row(i: int, plan: LayoutPlan, experts: bool = False) -> str:
     lay, c = plan.layout, plan.components()
     recompute = lay.recompute + ("+SP" if lay.sequence_parallel else "")
     offload = f"{lay.offload_optimizer}/{lay.offload_params}"
     v = lay.virtual_stages if lay.virtual_stages > 1 else ""
     schedule = "" if lay.pp == 1 else f"{_SCHEDULE[lay.schedule]}{v}"
     pp = f"{lay.pp}{f'({schedule})' if schedule else ''}"
-    return (f"{i:>3}  {lay.tp:>2} {lay.cp:>2}  {pp:>9} {lay.dp:>4}  {lay.stage:>4}  {offload:>16}  {recompute:>9}  "
+    grid = f"  {f'{lay.ep}/{lay.expert_tp or lay.tp}':>6}" if experts else ""
+    return (f"{i:>3}  {lay.tp:>2} {lay.cp:>2}  {pp:>9} {lay.dp:>4}{grid}  {lay.stage:>4}  {offload:>16}  "
+            f"{recompute:>9}  "
             f"{lay.micro_batch:>3} x {lay.micro_batches:<3} {gib(c['parameters']):>7} {gib(c['gradients']):>6} "
             f"{gib(c['optimizer states']):>6} {gib(c['gathered/buckets (in step)']):>8} "
             f"{gib(c['activations']):>6} {gib(c['working tensors']):>6} {gib(c['construction']):>6} "
@@ -130,6 +142,10 @@ def components_text(plan: LayoutPlan) -> list[str]:
               f"  DP traffic        {s.comm_bytes / 1e9:>9.3f} GB per rank per iteration (theory "
               f"{s.comm.theory_text} = {s.comm.theory / 1e9:.3f} GB)",
               f"  TP traffic        {plan.tp_comm / 1e9:>9.3f} GB per rank per iteration"]
+    if a is not None and a.routing:
+        lines.append(f"  experts           {a.routing}: activations saved {gib(a.balanced)} GiB a micro-batch at "
+                     f"balanced routing, {gib(a.saved)} GiB as planned; EP traffic {plan.ep_comm / 1e9:.3f} GB per "
+                     f"rank per iteration at balanced routing")
     if plan.layout.cp > 1:
         lines.append(f"  CP traffic        {plan.cp_comm / 1e9:>9.3f} GB per rank per iteration (CP {plan.layout.cp})")
     if plan.layout.pp > 1:
@@ -145,5 +161,6 @@ def components_text(plan: LayoutPlan) -> list[str]:
                  + (f" x (1 + bubble {cost.bubble:.3f})" if pipeline else "") + f", DP "
                  f"{cost.dp:.3f}, fetch {cost.fetch:.3f}) + TP {cost.tp:.3f}"
                  + (f" + CP {cost.cp:.3f}" if plan.layout.cp > 1 else "") + (f" + PP {cost.pp:.3f}" if pipeline else "")
+                 + (f" + EP {cost.ep:.3f}" if cost.ep else "")
                  + f" + offloaded step {cost.offload:.3f}; {cost.tokens_per_second:.0f} tokens/s")
     return lines

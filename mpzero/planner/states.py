@@ -36,9 +36,10 @@ from dataclasses import dataclass
 
 from mpzero.models import family_of
 from mpzero.optim import AdamW, UpdateRule
+from mpzero.planner.experts import moe_tp_comm_bytes
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
-                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
+                         TierReport, TransferReport, ZeroConfig, comm_theory, families_working_set, memory_report,
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
@@ -119,6 +120,19 @@ class PlanInputs:
     after_step: bool = True
     rule: UpdateRule = AdamW()
     recomputed: tuple[tuple[int, ...], ...] = ()  # layers replayed together by full recomputation (stage 3's trace)
+    expert_dp: tuple[int, int] | None = None  # (size, rank) of the expert-DP group; None: DP's (EP 1)
+
+    def family_layouts(self) -> tuple[tuple[FlatLayout, ...], ...]:
+        """The layouts of each family (dense, then the experts'), over its own group."""
+        zero = self.zero
+        return self.shapes.family_layouts(zero.stage, self.dp, self.dp_rank, zero.bucket_numel, zero.units,
+                                          self.expert_dp)
+
+    @property
+    def expert(self) -> tuple[int, int] | None:
+        """(Pe, Ne): the expert family's parameters and group size (the reports' `expert`), None without experts."""
+        numel = sum(p.numel() for _, p in self.shapes.experts)
+        return (numel, (self.expert_dp or (self.dp, 0))[0]) if numel else None
 
 
 def plan_states(inputs: PlanInputs) -> StatePlan:
@@ -126,11 +140,13 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     zero, precision, dp, rule = inputs.zero, inputs.precision, inputs.dp, inputs.rule
     offload = inputs.offload or OffloadConfig()
     stage, p, g = zero.stage, *element_sizes(precision)
-    layouts = inputs.shapes.layouts(stage, dp, inputs.dp_rank, zero.bucket_numel, zero.units)
+    families, expert = inputs.family_layouts(), inputs.expert
+    sizes = [dp, expert[1] if expert else dp]  # each family's group
+    layouts = sum(families, ())
     padded = sum(layout.padded_numel for layout in layouts)
     shard = sum(layout.shard_numel for layout in layouts)
     owned = sum(_owned_unpadded(layout) for layout in layouts)
-    numel = sum(layout.numel for layout in layouts)
+    numel = sum(layout.numel for layout in families[0])  # the dense family's P (the experts' Pe: `expert`)
     opt_off, par_off = offload.optimizer != "none", offload.params != "none"
 
     if stage < 3:
@@ -146,31 +162,36 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     optimizer = 0 if opt_off else master * shard + states * owned
     host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
-    regathered = 0
-    if stage == 3:
-        replay = stage3_plan_replay(layouts, inputs.shapes.stage3_trace(zero.units, inputs.recomputed), p, g, dp,
-                                    zero, par_off, streamed)
-        working, working_text = replay.peak, replay.text
-        if dp > 1:
-            regathered = replay.regathered(layouts)
-    elif stage == 2:
-        working, working_text = stage2_working_set(layouts, g, zero.overlap_comm, streamed)
-    else:
-        working, working_text = 0, "0"
+    regathered, working, texts = [0, 0], 0, []
+    for f, family in enumerate(families):  # each family's working set: their sum bounds the two interleaved
+        if stage == 3:
+            trace = inputs.shapes.stage3_trace(zero.units, inputs.recomputed, ("dense", "expert")[f])
+            replay = stage3_plan_replay(family, trace, p, g, sizes[f], zero, par_off, streamed)
+            part, text = replay.peak, replay.text
+            if sizes[f] > 1:
+                regathered[f] = replay.regathered(family)
+        elif stage == 2:
+            part, text = stage2_working_set(family, g, zero.overlap_comm, streamed)
+        else:
+            part, text = 0, "0"
+        working, texts = working + part, texts + [text]
+    working_text = texts[0] if len(texts) == 1 else "+".join(f"({text})" for text in texts)
 
     tiers = offload_tiers(stage, offload)
-    report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel, p, g, master, states,
-                           tuple(c for c, tier in tiers.items() if tier != "none"))
+    report = memory_report(stage, dp, numel, params + grads + optimizer, padded - numel - (expert or (0,))[0], p, g,
+                           master, states, tuple(c for c, tier in tiers.items() if tier != "none"), expert)
     report = _with_tiers_and_construction(report, inputs, offload, layouts, {"host": host, "disk": disk},
                                           host_buffers)
-    if (stage == 3 or stage == 2 and streamed) and inputs.after_step:
+    # the peak the line states: one family's schedule (with experts the families' meters are shared, no formula)
+    if (stage == 3 or stage == 2 and streamed) and inputs.after_step and expert is None:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
-    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off, regathered)
-    comm = _comm_report(inputs, tiers, numel, comm_bytes, regathered)
-    return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
-                     working, working_text, comm_bytes, report, comm, states)
+    comm_bytes = sum(dp_comm_bytes(stage, family, p, g, size, inputs.micro_batches, par_off, again)
+                     for family, size, again in zip(families, sizes, regathered))
+    comm = _comm_report(inputs, tiers, numel, comm_bytes, tuple(regathered))
+    return StatePlan(stage, dp, numel + (expert or (0,))[0], padded - numel - (expert or (0,))[0], params, grads,
+                     optimizer, host, disk, host_buffers, working, working_text, comm_bytes, report, comm, states)
 
 
 def _off_device_bytes(inputs: PlanInputs, offload: OffloadConfig, layouts, shard: int,
@@ -211,30 +232,37 @@ def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offlo
     p, g = element_sizes(precision)
     tiers = offload_tiers(stage, offload)
     if any(tier != "none" for tier in tiers.values()):
-        numel = sum(layout.numel for layout in layouts)
+        expert = inputs.expert
+        numel = sum(layout.numel for layout in layouts) - (expert or (0,))[0]
+        partition = numel / dp + (expert[0] / expert[1] if expert else 0)
         per_param = offload_formula(stage, p, g, tiers, inputs.rule.state_bytes_per_param)
-        tier_reports = [TierReport(name, measured[name], coef * numel / dp, f"{coef}P/N")
-                        for name, coef in per_param.items()]
+        tier_reports = [TierReport(name, measured[name], coef * partition, f"{coef}P/N" + (
+            f"+{coef}Pe/Ne" if expert else "")) for name, coef in per_param.items()]
         tier_reports.append(TierReport("host buffers", host_buffers, host_buffers,
                                        _host_buffer_text(offload, inputs.cuda, p, inputs.rule, stage)))
         report = dataclasses.replace(report, tiers=tuple(tier_reports))
-    built = construction_working_set(list(layouts), stage, p, precision.dtype != "fp32", offload.params != "none",
-                                     stage == 3 and (dp > 1 or offload.params != "none"))
+    expert = inputs.expert  # each family's stage gathers over its own group (zero/families.py)
+    sizes = [dp, expert[1] if expert else dp]
+    gathers = [stage == 3 and (size > 1 or offload.params != "none") for size in sizes]
+    built = families_working_set(list(inputs.family_layouts()), gathers, stage, p, precision.dtype != "fp32",
+                                 offload.params != "none")
     return dataclasses.replace(report, construction=(
         TierReport("construction peak", report.measured + built.device, report.formula + built.device,
                    f"{report.formula_text}+{built.device_text}"),
         TierReport("construction host working set", built.host, built.host, built.host_text)))
 
 
-def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float, regathered: int) -> CommReport:
-    """What `ZeroOptimizer.comm_report()` returns after one iteration: DP bytes and the offload tiers' traffic."""
+def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float,
+                 regathered: tuple[int, int]) -> CommReport:
+    """What `ZeroOptimizer.comm_report()` returns after one iteration: DP bytes and the offload tiers' traffic;
+    `numel`: the dense family's P, `regathered`: each family's (X, Xe)."""
     stage, dp, micro_batches = inputs.zero.stage, inputs.dp, inputs.micro_batches
     p, g = element_sizes(inputs.precision)
-    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered)
+    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered[0], inputs.expert, regathered[1])
     transfers = ()
     if any(tier != "none" for tier in tiers.values()):
         expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not inputs.cuda,
-                                   states=inputs.rule.state_bytes_per_param, g=g)
+                                   states=inputs.rule.state_bytes_per_param, g=g, expert=inputs.expert)
         transfers = tuple(TransferReport(name, value, value, formula) for name, (value, formula) in expected.items())
     return CommReport(stage, dp, micro_batches, comm_bytes, theory, text, transfers)
 
@@ -267,12 +295,15 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
     return states + m * p * regathered * (dp - 1) / dp
 
 
-def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None) -> float:
+def tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro_batches: int, stage=None,
+                  etp: int | None = None) -> float:
     """Bytes per rank per iteration on the TP group for `config` (a pipeline rank: its `stage`), parameters of `p`
     bytes: its family's formula (`ModelFamily.tp_comm_bytes`; the transformer's is
-    `models.family.transformer_tp_comm_bytes`), 0 for a family that states none."""
+    `models.family.transformer_tp_comm_bytes`), 0 for a family that states none; with MoE layers (expert-TP `etp`,
+    None: TP) what they change (`planner.experts.moe_tp_comm_bytes`)."""
     family = family_of(config)
     if not family.tp_comm_bytes:
         return 0.0
     kwargs = {} if stage is None else {"stage": stage}
-    return family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, **kwargs)
+    return (family.tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, **kwargs)
+            + moe_tp_comm_bytes(config, tp, micro_batch, seq, p, micro_batches, stage, etp))

@@ -21,7 +21,8 @@ from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import read_to_host
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
 from mpzero.zero.schedule3 import Replay, predicted_trace, recompute_chunks, stage3_working_set
-from mpzero.zero.stage3 import Stage3, assign_params, default_units, layer_units
+from mpzero.zero.families import families_working_set
+from mpzero.zero.stage3 import Stage3, assign_params, default_units, expert_units, layer_units
 from mpzero.zero.stage_base import ZeroStage
 from mpzero.zero.tiers import OffloadHolder, ParamSink, TensorParamSink, TierBytes, Transfers
 
@@ -30,8 +31,8 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Devi
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
-           "build_layout", "check_zero_units",
-           "comm_theory", "construction_working_set", "default_units", "layer_units",
+           "build_layout", "check_zero_units", "comm_theory", "construction_working_set", "default_units",
+           "expert_units", "families_working_set", "layer_units",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
            "predicted_trace", "read_to_host", "recompute_chunks", "scaled_loss", "settle", "settle_values",
            "stage3_working_set", "state_terms",

@@ -31,7 +31,7 @@ from mpzero.errors import ConfigError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_expert
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.construction import ConstructionMeters, InitialSlices
+from mpzero.zero.construction import ConstructionMeters, InitialSlices, WorkingSet, construction_working_set
 from mpzero.zero.meter import TransientMeter
 from mpzero.zero.stage3 import Stage3, expert_units
 from mpzero.zero.stage_base import ZeroStage
@@ -229,3 +229,14 @@ def family_stages(stage: ZeroStage) -> list[ZeroStage]:
 def families_by_bucket(stage: ZeroStage, families: list[Family]) -> list[Family]:
     """The family of each of the stage's buckets, in order."""
     return [family for family, one in zip(families, family_stages(stage)) for _ in one.layouts]
+
+
+def families_working_set(layouts: list[list], gathers: list[bool], stage: int, p: int, mixed: bool,
+                         params_offloaded: bool) -> WorkingSet:
+    """`construction_working_set` of each family's layouts with its own gathering (a family over one rank makes no
+    full unit buffer, whatever the other does), the largest device and host figures."""
+    sets = [construction_working_set(list(family), stage, p, mixed, params_offloaded, gathering)
+            for family, gathering in zip(layouts, gathers)]
+    device = max(sets, key=lambda w: w.device)
+    host = max(sets, key=lambda w: w.host)
+    return WorkingSet(device.device, device.device_text, host.host, host.host_text)

@@ -45,9 +45,9 @@ from mpzero.errors import ConfigError, TrainingError
 from mpzero.parallel import ParallelGroups
 from mpzero.tensor_parallel import is_pipeline_tied, placements
 from mpzero.zero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from mpzero.zero.construction import construction_working_set
 from mpzero.zero.delayed import DelayedUpdate
-from mpzero.zero.families import families_by_bucket, make_stage, parameter_families
+from mpzero.zero.families import (families_by_bucket, families_working_set, family_stages, make_stage,
+                                  parameter_families)
 from mpzero.zero.device_scaler import scaled_loss
 from mpzero.zero.device_step import DeviceStep, launch, steps_on_device
 from mpzero.zero.flat import DecayRule, mark_weight_decay
@@ -118,9 +118,10 @@ class ZeroOptimizer(OptimizerReports):
         self._closed = False
         try:
             self.stage = make_stage(model, named, groups, zero, precision, units, offload, self.offload_directory)
-            self._construction_formula = construction_working_set(
-                self.stage.layouts, zero.stage, precision.torch_dtype.itemsize, precision.dtype != "fp32",
-                offload.params != "none", self.stage.gathers)  # before anything is made
+            stages = family_stages(self.stage)  # before anything is made
+            self._construction_formula = families_working_set(
+                [s.layouts for s in stages], [s.gathers for s in stages], zero.stage, precision.torch_dtype.itemsize,
+                precision.dtype != "fp32", offload.params != "none")
             self.masters = self._make_masters(offload, self.offload_directory)
         except BaseException:  # e.g. a full disk: no file or folder of this run stays behind
             self.close()
