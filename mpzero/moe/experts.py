@@ -10,7 +10,8 @@ The tokens come sorted by local expert, `counts[e]` rows for expert e. `--moe-gr
 `torch._grouped_mm` per matrix (torchtitan's call; offsets are the counts' running sums), else a loop running each
 expert's whole MLP on its rows, concatenated once (Megatron's SequentialMLP; one concatenation instead of one per
 matrix took the layer from 1.06-1.15x to 1.01x an eager MoE, the experts' views taken at once to 0.9x,
-bench/bench_moe.py): the two agree within fp32 rounding (tests/test_moe_experts). The `fused ops` line names which one runs (`experts_impl`).
+bench/bench_moe.py): the two agree within fp32 rounding (tests/test_moe_experts). The `fused ops` line names which
+one runs (`experts_impl`).
 
 Initial weights are drawn expert by expert from each expert's global name, `layers.L.mlp.experts.E.weight1` (seed,
 global index E = ep_rank x E_l + e): the same at every expert-parallel and expert-tensor-parallel size
