@@ -304,10 +304,11 @@ def training_flags(p: argparse.ArgumentParser) -> None:
     train.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations")
     train.add_argument("--sync-every-iteration", action="store_true",
                        help="read the loss, gradient norm and SIGTERM flag to the host every iteration, before the "
-                            "update (one synchronisation a step). By default a bf16/fp32 step with AdamW's fused "
-                            "kernels is launched without one and read at log lines, evaluations, checkpoints and "
-                            "the end: a non-finite value skips its update on the device and stops the run at that "
-                            "read, SIGTERM acts there (up to --log-interval iterations late)")
+                            "update (one synchronisation a step). By default a step with AdamW's fused kernels (an fp16 "
+                            "one: the Triton kernel or --no-adam-fusion, its loss scaler on the device) is launched "
+                            "without one and read at log lines, evaluations, checkpoints and the end: a non-finite "
+                            "value skips its update on the device (bf16/fp32: and stops the run at that read), "
+                            "SIGTERM acts there (up to --log-interval iterations late)")
 
 
 def logging_flags(p: argparse.ArgumentParser) -> None:
