@@ -12,7 +12,7 @@ from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierRe
                                     counted_ratio, memory_formula, memory_report, offload_formula, offload_tiers,
                                     state_terms, step_fp32_bytes, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
-                                OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units)
+                                OptimizerConfig, PrecisionConfig, ZeroConfig, check_fp8_param_gather, check_zero_units)
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.device_scaler import scaled_loss
 from mpzero.zero.device_step import DeviceStep, settle, settle_values
@@ -30,7 +30,7 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Devi
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
-           "build_layout", "check_zero_units",
+           "build_layout", "check_fp8_param_gather", "check_zero_units",
            "comm_theory", "construction_working_set", "default_units", "layer_units",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
            "predicted_trace", "read_to_host", "recompute_chunks", "scaled_loss", "settle", "settle_values",

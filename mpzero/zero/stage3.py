@@ -135,6 +135,12 @@ class Stage3(ZeroStage):
         else:
             self.param_shards = [torch.empty(l.shard_numel, dtype=self.dtype, device=device) for l in self.layouts]
         self.gathers = self.partitioned or self.tier is not None  # else params are bound to the one copy
+        self.fp8_gathers = [None] * len(self.layouts)  # --fp8-param-gather: units with FP8 weights (fp8_gather.py)
+        if zero.fp8_param_gather and self.partitioned:
+            from mpzero.zero.fp8_gather import Fp8UnitGather, fp8_weight_modules
+            fp8 = fp8_weight_modules(model)
+            self.fp8_gathers = [Fp8UnitGather(layout, fp8, dp, device, self.meter)
+                                if any(id(p) in fp8 for p in layout.params) else None for layout in self.layouts]
         self._full = [None] * len(self.layouts)  # made with each unit (`_make_unit`)
         self._handles = [None] * len(self.layouts)
         self._gathered = [not self.gathers] * len(self.layouts)
@@ -249,7 +255,9 @@ class Stage3(ZeroStage):
         full = self._full[u]
         full.untyped_storage().resize_(full.nbytes)
         self.meter.add(full.nbytes)
-        if self.tier is None:
+        if self.fp8_gathers[u] is not None:  # never with offloaded parameters (check_fp8_param_gather)
+            self._handles[u] = self.fp8_gathers[u].start(self.param_shards[u], full)
+        elif self.tier is None:
             self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
         elif self.partitioned:
             self._handles[u] = self.dp.all_gather_into(full, self.tier.fetch(u), async_op=True)
@@ -275,6 +283,8 @@ class Stage3(ZeroStage):
         self._finish(u)  # never free a buffer a collective still writes
         self._full[u].untyped_storage().resize_(0)
         self.meter.sub(self._full[u].nbytes)
+        if self.fp8_gathers[u] is not None:
+            self.fp8_gathers[u].release()
         self._gathered[u] = False
 
     def _demand(self, u: int, phase: str) -> None:

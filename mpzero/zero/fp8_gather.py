@@ -1,0 +1,179 @@
+"""ZeRO-3's gather of FP8 weights (Megatron's --fp8-param-gather; torchao's float8 all-gather for FSDP).
+
+With tensorwise FP8 (tensor_parallel/fp8.py) a unit's FP8 linears cast their whole bf16 weight to float8 in
+forward and again in backward, with the scale of the weight's amax. Gathering that weight in bf16 first sends 2
+bytes per element for values the linear reads only through the cast. Here each rank casts its own pieces of each
+FP8 weight before the gather, with the scale of the WHOLE weight, and sends 1 byte per element:
+1. the amax of this rank's pieces of each FP8 weight of the unit, one fp32 vector per unit, MAX all-reduced over
+   the shard (DP) group, then over the TP group (a TP rank's weight is a slice of the whole weight, whose scale
+   the FP8 linear takes over the TP group; torchao's `precompute_float8_dynamic_scale_for_fsdp` does the same
+   reduction once per step);
+2. the scale is torchao's `amax_to_scale` of that amax and each piece is cast as torchao casts
+   (`hp_tensor_and_scale_to_float8`: fp32 product, saturated), so every element's float8 bits are those the
+   unflagged linear computes from the gathered bf16 weight: the run is bitwise the unflagged one;
+3. one uint8 all-gather (gloo has no float8) of each rank's payload: its bf16 elements of the unit's other
+   parameters (2 bytes each, first, so they stay 2-byte aligned), then its float8 pieces (1 byte each), padded to
+   the largest rank's payload. The unit's flat layout and shards are those of the bf16 gather (so masters,
+   gradients, the norm and checkpoints are unchanged): a rank's payload differs by how many of its shard's
+   elements are FP8 weights, and the bytes sent are N x that largest payload, `payload_bytes`.
+The float8 weights land in a per-unit buffer that holds memory only while the unit is gathered (like the bf16
+buffer); each FP8 linear reads them through `GatheredFp8Weight`, and its bf16 weight (a view of the bf16 buffer,
+left unwritten there) stays the autograd leaf whose gradient is reduce-scattered as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpzero.comm import CommGroup
+from mpzero.zero.flat import FlatLayout
+from mpzero.zero.meter import TransientMeter
+
+
+@dataclass(frozen=True, eq=False)
+class GatheredFp8Weight:
+    """An FP8 linear's weight as gathered: float8 `data` [out, in] (a view of its unit's buffer, valid while the
+    unit is gathered) and its fp32 `scale` (0-dim), the values torchao's cast of the bf16 weight gives."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def float8(self, mm_config, orig_dtype: torch.dtype):
+        """torchao's Float8TrainingTensor of the weight, as `hp_tensor_and_scale_to_float8` would make it."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+        return Float8TrainingTensor(self.data, self.scale, orig_dtype, mm_config, GemmInputRole.WEIGHT)
+
+
+def fp8_weight_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{id(weight): linear} of the model's linears in tensorwise FP8 (`use_fp8`), whose weights can be gathered
+    as float8."""
+    return {id(m.weight): m for m in model.modules()
+            if getattr(m, "fp8", None) is not None and m.fp8.recipe.recipe == "tensorwise"}
+
+
+def _segments(layout: FlatLayout, rank: int, fp8: set[int]) -> list[tuple[int, int, int | None]]:
+    """(start, end, FP8 weight index or None) in flat coordinates: rank's shard split at parameter boundaries
+    between FP8 weights and the rest (padding excluded)."""
+    lo = rank * layout.shard_numel
+    hi = min(lo + layout.shard_numel, layout.numel)
+    segments = []
+    for i, (offset, shape) in enumerate(zip(layout.offsets, layout.shapes)):
+        start, end = max(offset, lo), min(offset + shape.numel(), hi)
+        if start < end:
+            key = i if i in fp8 else None
+            if key is None and segments and segments[-1][2] is None and segments[-1][1] == start:
+                segments[-1] = (segments[-1][0], end, None)  # one run of consecutive bf16 parameters
+            else:
+                segments.append((start, end, key))
+    return segments
+
+
+def payload_bytes(layout: FlatLayout, fp8: set[int]) -> int:
+    """The bytes each rank sends into one FP8 gather of a unit: the largest rank's bf16 elements x 2 + float8
+    elements x 1, rounded up to even (the next rank's bf16 part starts 2-byte aligned)."""
+    most = 0
+    for rank in range(layout.parts):
+        most = max(most, sum((end - start) * (1 if i is not None else 2)
+                             for start, end, i in _segments(layout, rank, fp8)))
+    return most + most % 2
+
+
+class Fp8UnitGather:
+    """One stage-3 unit's gather with its FP8 linears' weights in float8 (module docstring). `modules`:
+    `fp8_weight_modules(model)`; the unit's FP8 linears get their `gathered_weight` here."""
+
+    def __init__(self, layout: FlatLayout, modules: dict[int, nn.Module], dp: CommGroup, device,
+                 meter: TransientMeter):
+        self.layout, self.dp, self.meter = layout, dp, meter
+        self.fp8 = [i for i, p in enumerate(layout.params) if id(p) in modules]
+        linears = [modules[id(layout.params[i])] for i in self.fp8]
+        self.tp = linears[0].fp8.group
+        config = linears[0].fp8.recipe.config
+        self.float8_dtype, self.round_pow2 = config.cast_config_weight.target_dtype, config.round_scales_to_power_of_2
+        self.segments = [_segments(layout, r, set(self.fp8)) for r in range(layout.parts)]
+        self.payload = payload_bytes(layout, set(self.fp8))
+        self.start_of = {}  # FP8 weight index -> its offset in the float8 buffer
+        total = 0
+        for i in self.fp8:
+            self.start_of[i], total = total, total + layout.shapes[i].numel()
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        self.scales = torch.ones(len(self.fp8), dtype=torch.float32, device=device)
+        for j, (i, linear) in enumerate(zip(self.fp8, linears)):
+            start = self.start_of[i]
+            data = self.buffer[start:start + layout.shapes[i].numel()].view(self.float8_dtype)
+            linear.gathered_weight = GatheredFp8Weight(data.view(layout.shapes[i]), self.scales[j])
+        self.buffer.untyped_storage().resize_(0)
+
+    def start(self, shard: torch.Tensor, full: torch.Tensor):
+        """Casts this rank's pieces with the whole weights' scales and starts the all-gather; the returned handle's
+        `wait()` completes it into `full` (bf16) and the float8 buffer."""
+        from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+        own = self.segments[self.dp.rank]
+        base = self.dp.rank * self.layout.shard_numel
+        amax = torch.zeros(len(self.fp8), dtype=torch.float32, device=shard.device)
+        for start, end, i in own:
+            if i is not None:
+                j = self.fp8.index(i)
+                amax[j] = torch.maximum(amax[j], shard[start - base:end - base].abs().max().float())
+        self.dp.all_reduce(amax, op=dist.ReduceOp.MAX)
+        self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
+        self.scales.copy_(amax_to_scale(amax, self.float8_dtype, self.round_pow2))
+        send = torch.zeros(self.payload, dtype=torch.uint8, device=shard.device)
+        rest = [shard[start - base:end - base] for start, end, i in own if i is None]
+        cursor = 2 * sum(piece.numel() for piece in rest)
+        if rest:
+            send[:cursor].view(shard.dtype).copy_(torch.cat(rest))
+        for start, end, i in own:
+            if i is not None:
+                scaled = shard[start - base:end - base].to(torch.float32) * self.scales[self.fp8.index(i)]
+                send[cursor:cursor + end - start].copy_(to_fp8_saturated(scaled, self.float8_dtype).view(torch.uint8))
+                cursor += end - start
+        received = torch.empty(self.layout.parts * self.payload, dtype=torch.uint8, device=shard.device)
+        self.meter.add(send.nbytes + received.nbytes)
+        handle = self.dp.all_gather_into(received, send, async_op=True)
+        self.buffer.untyped_storage().resize_(self.buffer.nbytes)
+        self.meter.add(self.buffer.nbytes)
+        return _PendingGather(self, handle, send, received, full)
+
+    def unpack(self, received: torch.Tensor, full: torch.Tensor) -> None:
+        """Every rank's payload into its places: bf16 elements into `full`, float8 ones into the buffer."""
+        # write through an alias of full's storage: the parameters' views keep their version counter, so tensors
+        # autograd saved from the unit (a norm's weight) are not seen as modified in place
+        target = torch.empty(0, dtype=full.dtype, device=full.device).set_(full.untyped_storage(), 0, full.shape)
+        rows = received.view(self.layout.parts, self.payload)
+        for rank, segments in enumerate(self.segments):
+            bf16 = 2 * sum(end - start for start, end, i in segments if i is None)
+            rest, eight = rows[rank, :bf16].view(full.dtype), rows[rank, bf16:]
+            rest_at = eight_at = 0
+            for start, end, i in segments:
+                n = end - start
+                if i is None:
+                    target[start:end].copy_(rest[rest_at:rest_at + n])
+                    rest_at += n
+                else:
+                    at = self.start_of[i] + start - self.layout.offsets[i]
+                    self.buffer[at:at + n].copy_(eight[eight_at:eight_at + n])
+                    eight_at += n
+
+    def release(self) -> None:
+        if self.buffer.untyped_storage().nbytes():
+            self.buffer.untyped_storage().resize_(0)
+            self.meter.sub(self.buffer.nbytes)
+
+
+class _PendingGather:
+    """A started FP8 gather: `wait()` finishes the all-gather, unpacks it and frees the send/receive buffers."""
+
+    def __init__(self, gather: Fp8UnitGather, handle, send: torch.Tensor, received: torch.Tensor,
+                 full: torch.Tensor):
+        self.gather, self.handle, self.send, self.received, self.full = gather, handle, send, received, full
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+        self.gather.unpack(self.received, self.full)
+        self.gather.meter.sub(self.send.nbytes + self.received.nbytes)
+        self.send = self.received = None
