@@ -164,6 +164,17 @@ class Fp8UnitGather:
             self.meter.sub(self.buffer.nbytes)
 
 
+def gather_terms(gathers: list[Fp8UnitGather | None], p: int) -> tuple[int, int, int] | None:
+    """(E, Z, A) over the units of one gather each: float8 elements, bytes padding the payloads beyond E + p x
+    the bf16 elements, amaxes (`accounting.comm_theory`); None when no unit gathers float8."""
+    units = [u for u in gathers if u is not None]
+    if not units:
+        return None
+    eight = sum(u.buffer.numel() for u in units)
+    sent = sum(u.layout.parts * u.payload - p * (u.layout.numel - u.buffer.numel()) for u in units)
+    return eight, sent - eight, sum(len(u.fp8) for u in units)
+
+
 class _PendingGather:
     """A started FP8 gather: `wait()` finishes the all-gather, unpacks it and frees the send/receive buffers."""
 

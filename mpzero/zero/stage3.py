@@ -238,6 +238,11 @@ class Stage3(ZeroStage):
         replay = self.replay(1, 1)
         return 0 if replay is None or not self.partitioned else replay.regathered(self.layouts)
 
+    def fp8_gather_terms(self) -> tuple[int, int, int] | None:
+        """(E, Z, A) of one gather of every unit with --fp8-param-gather (`comm_theory`), None without it."""
+        from mpzero.zero.fp8_gather import gather_terms
+        return gather_terms(self.fp8_gathers, self.dtype.itemsize)
+
     @property
     def grad_shards(self) -> list[torch.Tensor]:
         return self.grads.shards
