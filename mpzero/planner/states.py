@@ -40,6 +40,7 @@ from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
                          TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
                          offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
+from mpzero.zero.fp8_gather import fp8_weight_modules, gather_terms, gathered_bytes, unit_held_bytes
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
 
@@ -85,13 +86,14 @@ def _owned_unpadded(layout: FlatLayout) -> int:
 
 
 def stage3_plan_replay(layouts, trace, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
-                       streamed: bool = False) -> Replay:
+                       streamed: bool = False, fp8_ids=frozenset()) -> Replay:
     """`Stage3.replay` (`schedule3.stage3_working_set` over the trace it records) for layouts built without
     tensors and the predicted trace (`ModelShapes.stage3_trace`)."""
     partitioned = dp > 1
     return stage3_working_set(list(layouts), list(trace), p, g, gathers=partitioned or params_offloaded,
                               staged=params_offloaded and partitioned, prefetch=zero.prefetch,
-                              overlap=zero.overlap_comm, streamed=streamed, release_recomputed=zero.units == "linear")
+                              overlap=zero.overlap_comm, streamed=streamed, release_recomputed=zero.units == "linear",
+                              fp8=[unit_held_bytes(layout, fp8_ids) for layout in layouts])
 
 
 def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -> tuple[int, str]:
@@ -147,9 +149,10 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
     regathered = 0
+    fp8_ids = fp8_weight_modules(inputs.shapes.model) if stage == 3 and zero.fp8_param_gather and dp > 1 else {}
     if stage == 3:
         replay = stage3_plan_replay(layouts, inputs.shapes.stage3_trace(zero.units, inputs.recomputed), p, g, dp,
-                                    zero, par_off, streamed)
+                                    zero, par_off, streamed, fp8_ids)
         working, working_text = replay.peak, replay.text
         if dp > 1:
             regathered = replay.regathered(layouts)
@@ -167,8 +170,8 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
-    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off, regathered)
-    comm = _comm_report(inputs, tiers, numel, comm_bytes, regathered)
+    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off, regathered, fp8_ids)
+    comm = _comm_report(inputs, tiers, numel, comm_bytes, regathered, gather_terms(layouts, fp8_ids, p))
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
                      working, working_text, comm_bytes, report, comm, states)
 
@@ -226,11 +229,12 @@ def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offlo
         TierReport("construction host working set", built.host, built.host, built.host_text)))
 
 
-def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float, regathered: int) -> CommReport:
+def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float, regathered: int,
+                 fp8_gather=None) -> CommReport:
     """What `ZeroOptimizer.comm_report()` returns after one iteration: DP bytes and the offload tiers' traffic."""
     stage, dp, micro_batches = inputs.zero.stage, inputs.dp, inputs.micro_batches
     p, g = element_sizes(inputs.precision)
-    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered)
+    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered, fp8_gather=fp8_gather)
     transfers = ()
     if any(tier != "none" for tier in tiers.values()):
         expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not inputs.cuda,
@@ -253,17 +257,22 @@ def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRu
 
 
 def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: int,
-                  params_offloaded: bool = False, regathered: int = 0) -> float:
+                  params_offloaded: bool = False, regathered: int = 0, fp8_ids=frozenset()) -> float:
     """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
     stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
     stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
-    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units. The loop's all-reduce
+    its gradients every micro-batch (m(2p + g)), a unit with FP8 weights in `fp8_ids` (--fp8-param-gather) N x its
+    payload per gather and its amaxes; times E (N-1)/N summed over buckets/units. The loop's all-reduce
     of the iteration's loss (an fp32 scalar, for the log) is not ZeRO's traffic and is not counted there."""
     if dp == 1:
         return 0.0
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     states = sum(coef * layout.padded_numel * (dp - 1) / dp for layout in layouts)
+    for layout in layouts:  # --fp8-param-gather (`fp8_ids`: the FP8 weights): N x payload, and the amaxes
+        fp8 = gathered_bytes(layout, fp8_ids)
+        if fp8 is not None:
+            states += (2 * m * (fp8[0] - p * layout.padded_numel) + 8 * m * fp8[1]) * (dp - 1) / dp
     return states + m * p * regathered * (dp - 1) / dp
 
 

@@ -88,7 +88,7 @@ class Fp8UnitGather:
     def __init__(self, layout: FlatLayout, modules: dict[int, nn.Module], dp: CommGroup, device,
                  meter: TransientMeter):
         self.layout, self.dp, self.meter = layout, dp, meter
-        self.fp8 = [i for i, p in enumerate(layout.params) if id(p) in modules]
+        self.fp8 = fp8_indices(layout, modules)
         linears = [modules[id(layout.params[i])] for i in self.fp8]
         self.tp = linears[0].fp8.group
         config = linears[0].fp8.recipe.config
@@ -107,20 +107,26 @@ class Fp8UnitGather:
             linear.gathered_weight = GatheredFp8Weight(data.view(layout.shapes[i]), self.scales[j])
         self.buffer.untyped_storage().resize_(0)
 
-    def start(self, shard: torch.Tensor, full: torch.Tensor):
+    def weights(self) -> list[nn.Parameter]:
+        return [self.layout.params[i] for i in self.fp8]
+
+    def start(self, shard: torch.Tensor, full: torch.Tensor, same_weights: bool = False):
         """Casts this rank's pieces with the whole weights' scales and starts the all-gather; the returned handle's
-        `wait()` completes it into `full` (bf16) and the float8 buffer."""
+        `wait()` completes it into `full` (bf16) and the float8 buffer. `same_weights`: the weights are those of
+        the last gather (backward's gathers follow their forward's within a step), whose scales serve again, so
+        the amaxes are all-reduced once per micro-batch, as often as the unflagged linears all-reduce them over TP."""
         from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
         own = self.segments[self.dp.rank]
         base = self.dp.rank * self.layout.shard_numel
-        amax = torch.zeros(len(self.fp8), dtype=torch.float32, device=shard.device)
-        for start, end, i in own:
-            if i is not None:
-                j = self.fp8.index(i)
-                amax[j] = torch.maximum(amax[j], shard[start - base:end - base].abs().max().float())
-        self.dp.all_reduce(amax, op=dist.ReduceOp.MAX)
-        self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
-        self.scales.copy_(amax_to_scale(amax, self.float8_dtype, self.round_pow2))
+        if not same_weights:
+            amax = torch.zeros(len(self.fp8), dtype=torch.float32, device=shard.device)
+            for start, end, i in own:
+                if i is not None:
+                    j = self.fp8.index(i)
+                    amax[j] = torch.maximum(amax[j], shard[start - base:end - base].abs().max().float())
+            self.dp.all_reduce(amax, op=dist.ReduceOp.MAX)
+            self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
+            self.scales.copy_(amax_to_scale(amax, self.float8_dtype, self.round_pow2))
         send = torch.zeros(self.payload, dtype=torch.uint8, device=shard.device)
         rest = [shard[start - base:end - base] for start, end, i in own if i is None]
         cursor = 2 * sum(piece.numel() for piece in rest)
@@ -164,15 +170,37 @@ class Fp8UnitGather:
             self.meter.sub(self.buffer.nbytes)
 
 
-def gather_terms(gathers: list[Fp8UnitGather | None], p: int) -> tuple[int, int, int] | None:
-    """(E, Z, A) over the units of one gather each: float8 elements, bytes padding the payloads beyond E + p x
-    the bf16 elements, amaxes (`accounting.comm_theory`); None when no unit gathers float8."""
-    units = [u for u in gathers if u is not None]
-    if not units:
+def fp8_indices(layout: FlatLayout, fp8_ids) -> list[int]:
+    """The positions in `layout` of the parameters whose ids are in `fp8_ids` (FP8 weights gathered in float8)."""
+    return [i for i, param in enumerate(layout.params) if id(param) in fp8_ids]
+
+
+def gathered_bytes(layout: FlatLayout, fp8_ids) -> tuple[int, int] | None:
+    """(bytes a rank sends per gather of this unit as `CommGroup` counts them before the ring factor, N x payload;
+    amaxes all-reduced per micro-batch), or None for a unit without FP8 weights (gathered in bf16)."""
+    fp8 = fp8_indices(layout, fp8_ids)
+    return (layout.parts * payload_bytes(layout, set(fp8)), len(fp8)) if fp8 else None
+
+
+def unit_held_bytes(layout: FlatLayout, fp8_ids) -> tuple[int, int] | None:
+    """(the float8 buffer, a gather's send and receive payloads) bytes of a unit (`schedule3`), None without FP8
+    weights."""
+    fp8 = fp8_indices(layout, fp8_ids)
+    if not fp8:
         return None
-    eight = sum(u.buffer.numel() for u in units)
-    sent = sum(u.layout.parts * u.payload - p * (u.layout.numel - u.buffer.numel()) for u in units)
-    return eight, sent - eight, sum(len(u.fp8) for u in units)
+    return sum(layout.shapes[i].numel() for i in fp8), (layout.parts + 1) * payload_bytes(layout, set(fp8))
+
+
+def gather_terms(layouts: list[FlatLayout], fp8_ids, p: int) -> tuple[int, int, int] | None:
+    """(E, Z, A) over the units of one gather each (`accounting.comm_theory`): float8 elements, the bytes padding
+    the payloads beyond E + p x the bf16 elements, amaxes; None when no unit gathers float8."""
+    terms = [(layout, gathered_bytes(layout, fp8_ids)) for layout in layouts]
+    terms = [(layout, *sent) for layout, sent in terms if sent is not None]
+    if not terms:
+        return None
+    eight = sum(sum(layout.shapes[i].numel() for i in fp8_indices(layout, fp8_ids)) for layout, _, _ in terms)
+    padding = sum(sent - p * layout.numel for layout, sent, _ in terms) + (p - 1) * eight
+    return eight, padding, sum(amaxes for _, _, amaxes in terms)
 
 
 class _PendingGather:

@@ -51,6 +51,7 @@ from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
 from mpzero.zero.flat import build_layout, bind_params
+from mpzero.zero.fp8_gather import Fp8UnitGather, fp8_weight_modules, gather_terms, unit_held_bytes
 from mpzero.zero.schedule3 import (BACKWARD, FORWARD, RECOMPUTE, Replay, add_demand, next_units,
                                    stage3_working_set)
 from mpzero.zero.grads import ShardedGrads
@@ -137,7 +138,6 @@ class Stage3(ZeroStage):
         self.gathers = self.partitioned or self.tier is not None  # else params are bound to the one copy
         self.fp8_gathers = [None] * len(self.layouts)  # --fp8-param-gather: units with FP8 weights (fp8_gather.py)
         if zero.fp8_param_gather and self.partitioned:
-            from mpzero.zero.fp8_gather import Fp8UnitGather, fp8_weight_modules
             fp8 = fp8_weight_modules(model)
             self.fp8_gathers = [Fp8UnitGather(layout, fp8, dp, device, self.meter)
                                 if any(id(p) in fp8 for p in layout.params) else None for layout in self.layouts]
@@ -225,7 +225,8 @@ class Stage3(ZeroStage):
                                   staged=self.tier is not None and self.partitioned,
                                   prefetch=self.prefetch and self._prefetched,
                                   overlap=self.grads.overlap, streamed=self.grads.streamed,
-                                  release_recomputed=self.release_recomputed)
+                                  release_recomputed=self.release_recomputed,
+                                  fp8=[unit_held_bytes(layout, self._fp8_ids()) for layout in self.layouts])
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond the shards at its peak (the replay of its trace)."""
@@ -240,8 +241,10 @@ class Stage3(ZeroStage):
 
     def fp8_gather_terms(self) -> tuple[int, int, int] | None:
         """(E, Z, A) of one gather of every unit with --fp8-param-gather (`comm_theory`), None without it."""
-        from mpzero.zero.fp8_gather import gather_terms
-        return gather_terms(self.fp8_gathers, self.dtype.itemsize)
+        return gather_terms(self.layouts, self._fp8_ids(), self.dtype.itemsize)
+
+    def _fp8_ids(self) -> set[int]:
+        return {id(p) for unit in self.fp8_gathers if unit is not None for p in unit.weights()}
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -261,7 +264,7 @@ class Stage3(ZeroStage):
         full.untyped_storage().resize_(full.nbytes)
         self.meter.add(full.nbytes)
         if self.fp8_gathers[u] is not None:  # never with offloaded parameters (check_fp8_param_gather)
-            self._handles[u] = self.fp8_gathers[u].start(self.param_shards[u], full)
+            self._handles[u] = self.fp8_gathers[u].start(self.param_shards[u], full, same_weights=self.in_backward)
         elif self.tier is None:
             self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
         elif self.partitioned:
