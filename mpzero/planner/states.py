@@ -148,12 +148,12 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     optimizer = 0 if opt_off else master * shard + states * owned
     host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
-    regathered = 0
+    regathered, counts = 0, None
     fp8_ids = fp8_weight_modules(inputs.shapes.model) if stage == 3 and zero.fp8_param_gather and dp > 1 else {}
     if stage == 3:
         replay = stage3_plan_replay(layouts, inputs.shapes.stage3_trace(zero.units, inputs.recomputed), p, g, dp,
                                     zero, par_off, streamed, fp8_ids)
-        working, working_text = replay.peak, replay.text
+        working, working_text, counts = replay.peak, replay.text, replay.gathers
         if dp > 1:
             regathered = replay.regathered(layouts)
     elif stage == 2:
@@ -170,8 +170,8 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
-    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off, regathered, fp8_ids)
-    comm = _comm_report(inputs, tiers, numel, comm_bytes, regathered, gather_terms(layouts, fp8_ids, p))
+    comm_bytes = dp_comm_bytes(stage, layouts, p, g, dp, inputs.micro_batches, par_off, regathered, fp8_ids, counts)
+    comm = _comm_report(inputs, tiers, numel, comm_bytes, regathered, gather_terms(layouts, fp8_ids, p, counts))
     return StatePlan(stage, dp, numel, padded - numel, params, grads, optimizer, host, disk, host_buffers,
                      working, working_text, comm_bytes, report, comm, states)
 
@@ -257,22 +257,23 @@ def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRu
 
 
 def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: int,
-                  params_offloaded: bool = False, regathered: int = 0, fp8_ids=frozenset()) -> float:
+                  params_offloaded: bool = False, regathered: int = 0, fp8_ids=frozenset(),
+                  counts=None) -> float:
     """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
     stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
     stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
     its gradients every micro-batch (m(2p + g)), a unit with FP8 weights in `fp8_ids` (--fp8-param-gather) N x its
-    payload per gather and its amaxes; times E (N-1)/N summed over buckets/units. The loop's all-reduce
+    payload per gather (`counts` per micro-batch, default 2) and its amaxes; times E (N-1)/N summed over buckets/units. The loop's all-reduce
     of the iteration's loss (an fp32 scalar, for the log) is not ZeRO's traffic and is not counted there."""
     if dp == 1:
         return 0.0
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     states = sum(coef * layout.padded_numel * (dp - 1) / dp for layout in layouts)
-    for layout in layouts:  # --fp8-param-gather (`fp8_ids`: the FP8 weights): N x payload, and the amaxes
+    for layout, count in zip(layouts, counts or [2] * len(layouts)):  # --fp8-param-gather: N x payload, amaxes
         fp8 = gathered_bytes(layout, fp8_ids)
         if fp8 is not None:
-            states += (2 * m * (fp8[0] - p * layout.padded_numel) + 8 * m * fp8[1]) * (dp - 1) / dp
+            states += m * (count * (fp8[0] - p * layout.padded_numel) + 8 * fp8[1]) * (dp - 1) / dp
     return states + m * p * regathered * (dp - 1) / dp
 
 

@@ -248,17 +248,17 @@ def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batc
     stage 3 gathers a third time per micro-batch (units smaller than a layer, recomputed); `expert`: (Pe, Ne),
     expert parameters reduced and gathered over their own Ne ranks, the same per parameter, Xe of them
     (`expert_regathered`) gathered a third time. `fp8_gather`: (E, Z, A) of stage 3's --fp8-param-gather
-    (`Stage3.fp8_gather_terms`): E elements gathered as float8 (1 byte, not p), Z bytes padding the ranks'
-    payloads to the largest, per gather (twice per micro-batch), and A fp32 amaxes all-reduced (8 bytes each)
-    once per micro-batch."""
+    (`Stage3.fp8_gather_terms`), per micro-batch: E elements gathered as float8 (1 byte, not p; a unit is gathered
+    twice, or three times where X counts it), Z bytes padding the ranks' payloads to the largest, and A fp32
+    amaxes all-reduced (8 bytes each) once."""
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     terms = [(coef, "P")] + ([(m * p, "X")] if regathered else [])
     theory, text = coef * numel + m * p * regathered, formula_text(terms)
     if fp8_gather is not None and stage == 3:
         eight, padding, amaxes = fp8_gather
-        theory += 2 * m * (padding - (p - 1) * eight) + m * 8 * amaxes
-        text += f"-{2 * m * (p - 1)}E+{formula_text([(2 * m, 'Z'), (8 * m, 'A')])}"
+        theory += m * (padding - (p - 1) * eight + 8 * amaxes)
+        text += f"-{m * (p - 1)}E+{formula_text([(m, 'Z'), (8 * m, 'A')])}"
     theory, text = theory * (dp_size - 1) / dp_size, f"({text})(N-1)/N"
     if expert is not None:
         terms = [(coef, "Pe")] + ([(m * p, "Xe")] if expert_regathered else [])

@@ -126,7 +126,7 @@ class Fp8UnitGather:
                     amax[j] = torch.maximum(amax[j], shard[start - base:end - base].abs().max().float())
             self.dp.all_reduce(amax, op=dist.ReduceOp.MAX)
             self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
-            self.scales.copy_(amax_to_scale(amax, self.float8_dtype, self.round_pow2))
+            _alias(self.scales).copy_(amax_to_scale(amax, self.float8_dtype, self.round_pow2))  # as `unpack`
         send = torch.zeros(self.payload, dtype=torch.uint8, device=shard.device)
         rest = [shard[start - base:end - base] for start, end, i in own if i is None]
         cursor = 2 * sum(piece.numel() for piece in rest)
@@ -146,9 +146,11 @@ class Fp8UnitGather:
 
     def unpack(self, received: torch.Tensor, full: torch.Tensor) -> None:
         """Every rank's payload into its places: bf16 elements into `full`, float8 ones into the buffer."""
-        # write through an alias of full's storage: the parameters' views keep their version counter, so tensors
-        # autograd saved from the unit (a norm's weight) are not seen as modified in place
-        target = torch.empty(0, dtype=full.dtype, device=full.device).set_(full.untyped_storage(), 0, full.shape)
+        # write through aliases of the storages: the parameters' and float8 weights' views keep their version
+        # counters, so what autograd saved from the unit (a norm's weight, a compiled FP8 GEMM's operand) is not
+        # seen as modified in place when backward's gather refills it
+        target = _alias(full)
+        buffer = _alias(self.buffer)
         rows = received.view(self.layout.parts, self.payload)
         for rank, segments in enumerate(self.segments):
             bf16 = 2 * sum(end - start for start, end, i in segments if i is None)
@@ -161,13 +163,18 @@ class Fp8UnitGather:
                     rest_at += n
                 else:
                     at = self.start_of[i] + start - self.layout.offsets[i]
-                    self.buffer[at:at + n].copy_(eight[eight_at:eight_at + n])
+                    buffer[at:at + n].copy_(eight[eight_at:eight_at + n])
                     eight_at += n
 
     def release(self) -> None:
         if self.buffer.untyped_storage().nbytes():
             self.buffer.untyped_storage().resize_(0)
             self.meter.sub(self.buffer.nbytes)
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over `tensor`'s storage with a version counter of its own."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, tensor.shape)
 
 
 def fp8_indices(layout: FlatLayout, fp8_ids) -> list[int]:
@@ -191,16 +198,20 @@ def unit_held_bytes(layout: FlatLayout, fp8_ids) -> tuple[int, int] | None:
     return sum(layout.shapes[i].numel() for i in fp8), (layout.parts + 1) * payload_bytes(layout, set(fp8))
 
 
-def gather_terms(layouts: list[FlatLayout], fp8_ids, p: int) -> tuple[int, int, int] | None:
-    """(E, Z, A) over the units of one gather each (`accounting.comm_theory`): float8 elements, the bytes padding
-    the payloads beyond E + p x the bf16 elements, amaxes; None when no unit gathers float8."""
-    terms = [(layout, gathered_bytes(layout, fp8_ids)) for layout in layouts]
-    terms = [(layout, *sent) for layout, sent in terms if sent is not None]
-    if not terms:
-        return None
-    eight = sum(sum(layout.shapes[i].numel() for i in fp8_indices(layout, fp8_ids)) for layout, _, _ in terms)
-    padding = sum(sent - p * layout.numel for layout, sent, _ in terms) + (p - 1) * eight
-    return eight, padding, sum(amaxes for _, _, amaxes in terms)
+def gather_terms(layouts: list[FlatLayout], fp8_ids, p: int, counts=None) -> tuple[int, int, int] | None:
+    """(E, Z, A) of one micro-batch (`accounting.comm_theory`): float8 elements gathered, the bytes padding the
+    payloads beyond E + p x the bf16 elements, amaxes all-reduced; `counts`: each unit's gathers per micro-batch
+    (`Replay.gathers`; default 2, forward and backward). None when no unit gathers float8."""
+    counts = counts or [2] * len(layouts)
+    eight = padding = amaxes = 0
+    for layout, count in zip(layouts, counts):
+        sent = gathered_bytes(layout, fp8_ids)
+        if sent is not None:
+            elements = sum(layout.shapes[i].numel() for i in fp8_indices(layout, fp8_ids))
+            eight += count * elements
+            padding += count * (sent[0] - elements - p * (layout.numel - elements))
+            amaxes += sent[1]
+    return (eight, padding, amaxes) if amaxes else None
 
 
 class _PendingGather:

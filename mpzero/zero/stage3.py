@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
+from mpzero.errors import ConfigError
 from mpzero.tensor_parallel import is_expert
 from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
@@ -139,6 +140,9 @@ class Stage3(ZeroStage):
         self.fp8_gathers = [None] * len(self.layouts)  # --fp8-param-gather: units with FP8 weights (fp8_gather.py)
         if zero.fp8_param_gather and self.partitioned:
             fp8 = fp8_weight_modules(model)
+            if not fp8:
+                raise ConfigError("--fp8-param-gather gathers tensorwise FP8 linears' weights in float8, but the model "
+                                  "has none: give it --fp8-format (tensorwise), or drop --fp8-param-gather")
             self.fp8_gathers = [Fp8UnitGather(layout, fp8, dp, device, self.meter)
                                 if any(id(p) in fp8 for p in layout.params) else None for layout in self.layouts]
         self._full = [None] * len(self.layouts)  # made with each unit (`_make_unit`)
@@ -241,7 +245,8 @@ class Stage3(ZeroStage):
 
     def fp8_gather_terms(self) -> tuple[int, int, int] | None:
         """(E, Z, A) of one gather of every unit with --fp8-param-gather (`comm_theory`), None without it."""
-        return gather_terms(self.layouts, self._fp8_ids(), self.dtype.itemsize)
+        replay = self.replay(1, 1)
+        return gather_terms(self.layouts, self._fp8_ids(), self.dtype.itemsize, replay and replay.gathers)
 
     def _fp8_ids(self) -> set[int]:
         return {id(p) for unit in self.fp8_gathers if unit is not None for p in unit.weights()}
