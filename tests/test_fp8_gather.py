@@ -62,6 +62,17 @@ def test_tp2_dp2_gathers_fp8_weights_bitwise():
     assert _comm(fp8_out)["ratio"] == "1.0000"
 
 
+@pytest.mark.product
+@pytest.mark.parametrize("extra", [
+    ["--zero-units", "linear", "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"],  # a third gather of each linear unit, in float8 too
+    ["--torch-compile"]], ids=["linear-units-recomputed", "compiled"])
+def test_other_stage3_settings_gather_fp8_weights_bitwise(extra):
+    (plain, _), (fp8, fp8_out) = _run_both(2, extra, None)
+    assert fp8["losses"] == plain["losses"] and fp8["grad_norms"] == plain["grad_norms"]
+    assert _comm(fp8_out)["ratio"] == "1.0000"
+
+
 def test_comm_theory_counts_float8_elements_padding_and_amaxes():
     m, n, p, g, numel = 2, 2, 2, 4, 1000
     bf16, _ = comm_theory(3, n, numel, p, g, m)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpzero.comm import CommGroup
+from mpzero.errors import ConfigError
 from mpzero.zero.flat import FlatLayout
 from mpzero.zero.meter import TransientMeter
 
@@ -212,6 +213,16 @@ def gather_terms(layouts: list[FlatLayout], fp8_ids, p: int, counts=None) -> tup
             padding += count * (sent[0] - elements - p * (layout.numel - elements))
             amaxes += sent[1]
     return (eight, padding, amaxes) if amaxes else None
+
+
+def unit_gathers(model: nn.Module, layouts: list[FlatLayout], dp: CommGroup, device,
+                 meter: TransientMeter) -> list[Fp8UnitGather | None]:
+    """Stage 3's float8 gather of each unit with FP8 weights (None: the unit is gathered in bf16)."""
+    fp8 = fp8_weight_modules(model)
+    if not fp8:
+        raise ConfigError("--fp8-param-gather gathers tensorwise FP8 linears' weights in float8, but the model has "
+                          "none: give it --fp8-format (tensorwise), or drop --fp8-param-gather")
+    return [Fp8UnitGather(layout, fp8, dp, device, meter) if fp8_indices(layout, fp8) else None for layout in layouts]
 
 
 class _PendingGather:

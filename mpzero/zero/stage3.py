@@ -45,14 +45,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpzero.comm import CommGroup
-from mpzero.errors import ConfigError
 from mpzero.tensor_parallel import is_expert
 from mpzero.zero.tiers import ParamSink, TierBytes, Transfers
 from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
 from mpzero.zero.flat import build_layout, bind_params
-from mpzero.zero.fp8_gather import Fp8UnitGather, fp8_weight_modules, gather_terms, unit_held_bytes
+from mpzero.zero.fp8_gather import gather_terms, unit_gathers, unit_held_bytes
 from mpzero.zero.schedule3 import (BACKWARD, FORWARD, RECOMPUTE, Replay, add_demand, next_units,
                                    stage3_working_set)
 from mpzero.zero.grads import ShardedGrads
@@ -137,14 +136,9 @@ class Stage3(ZeroStage):
         else:
             self.param_shards = [torch.empty(l.shard_numel, dtype=self.dtype, device=device) for l in self.layouts]
         self.gathers = self.partitioned or self.tier is not None  # else params are bound to the one copy
-        self.fp8_gathers = [None] * len(self.layouts)  # --fp8-param-gather: units with FP8 weights (fp8_gather.py)
-        if zero.fp8_param_gather and self.partitioned:
-            fp8 = fp8_weight_modules(model)
-            if not fp8:
-                raise ConfigError("--fp8-param-gather gathers tensorwise FP8 linears' weights in float8, but the model "
-                                  "has none: give it --fp8-format (tensorwise), or drop --fp8-param-gather")
-            self.fp8_gathers = [Fp8UnitGather(layout, fp8, dp, device, self.meter)
-                                if any(id(p) in fp8 for p in layout.params) else None for layout in self.layouts]
+        # --fp8-param-gather: the units with FP8 weights gather them in float8 (fp8_gather.py)
+        self.fp8_gathers = (unit_gathers(model, self.layouts, dp, device, self.meter)
+                            if zero.fp8_param_gather and self.partitioned else [None] * len(self.layouts))
         self._full = [None] * len(self.layouts)  # made with each unit (`_make_unit`)
         self._handles = [None] * len(self.layouts)
         self._gathered = [not self.gathers] * len(self.layouts)
