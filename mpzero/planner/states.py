@@ -38,9 +38,9 @@ from mpzero.models import family_of
 from mpzero.optim import AdamW, UpdateRule
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
-                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set, memory_report,
-                         offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
-from mpzero.zero.fp8_gather import fp8_weight_modules, gather_terms, gathered_bytes, unit_held_bytes
+                         TierReport, TransferReport, ZeroConfig, comm_theory, construction_working_set,
+                         fp8_weight_modules, gather_terms, gathered_bytes, memory_report, offload_formula,
+                         offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory, unit_held_bytes)
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
 

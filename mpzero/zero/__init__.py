@@ -17,6 +17,7 @@ from mpzero.zero.construction import construction_working_set
 from mpzero.zero.device_scaler import scaled_loss
 from mpzero.zero.device_step import DeviceStep, settle, settle_values
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
+from mpzero.zero.fp8_gather import fp8_weight_modules, gather_terms, gathered_bytes, unit_held_bytes
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import read_to_host
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
@@ -31,7 +32,8 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Devi
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
            "build_layout", "check_fp8_param_gather", "check_zero_units",
-           "comm_theory", "construction_working_set", "default_units", "layer_units",
+           "comm_theory", "construction_working_set", "default_units", "fp8_weight_modules", "gather_terms",
+           "gathered_bytes", "layer_units", "unit_held_bytes",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
            "predicted_trace", "read_to_host", "recompute_chunks", "scaled_loss", "settle", "settle_values",
            "stage3_working_set", "state_terms",
