@@ -32,7 +32,8 @@ from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
 from mpzero.planner import RunSections
 from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
                              ParallelConfig, ProfileConfig, RunConfig, TrainingConfig, num_micro_batches)
-from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, check_fp8_param_gather, check_zero_units
+from mpzero.zero import (OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, check_fp8_param_gather,
+                         check_zero_units)
 
 
 class _Parser(Parser):

@@ -262,8 +262,9 @@ def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: i
     """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
     stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
     stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
-    its gradients every micro-batch (m(2p + g)), a unit with FP8 weights in `fp8_ids` (--fp8-param-gather) N x its
-    payload per gather (`counts` per micro-batch, default 2) and its amaxes; times E (N-1)/N summed over buckets/units. The loop's all-reduce
+    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units. A unit with FP8 weights
+    in `fp8_ids` (--fp8-param-gather) sends N x its payload per gather (`counts` per micro-batch, default 2) and
+    all-reduces its amaxes once per micro-batch. The loop's all-reduce
     of the iteration's loss (an fp32 scalar, for the log) is not ZeRO's traffic and is not counted there."""
     if dp == 1:
         return 0.0

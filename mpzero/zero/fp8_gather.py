@@ -7,7 +7,9 @@ FP8 weight before the gather, with the scale of the WHOLE weight, and sends 1 by
 1. the amax of this rank's pieces of each FP8 weight of the unit, one fp32 vector per unit, MAX all-reduced over
    the shard (DP) group, then over the TP group (a TP rank's weight is a slice of the whole weight, whose scale
    the FP8 linear takes over the TP group; torchao's `precompute_float8_dynamic_scale_for_fsdp` does the same
-   reduction once per step);
+   reduction once per step), at a micro-batch's forward gather: backward's gathers reuse its scales (the weights
+   have not changed), so the TP traffic is the unflagged run's, whose linears all-reduce the weight's amax once
+   per micro-batch;
 2. the scale is torchao's `amax_to_scale` of that amax and each piece is cast as torchao casts
    (`hp_tensor_and_scale_to_float8`: fp32 product, saturated), so every element's float8 bits are those the
    unflagged linear computes from the gathered bf16 weight: the run is bitwise the unflagged one;
@@ -18,7 +20,9 @@ FP8 weight before the gather, with the scale of the WHOLE weight, and sends 1 by
    elements are FP8 weights, and the bytes sent are N x that largest payload, `payload_bytes`.
 The float8 weights land in a per-unit buffer that holds memory only while the unit is gathered (like the bf16
 buffer); each FP8 linear reads them through `GatheredFp8Weight`, and its bf16 weight (a view of the bf16 buffer,
-left unwritten there) stays the autograd leaf whose gradient is reduce-scattered as before.
+left unwritten there) stays the autograd leaf whose gradient is reduce-scattered as before. A gather's send and
+receive payloads ((N + 1) x payload bytes, until it completes) and the float8 buffer (while gathered) are counted
+by stage 3's meter and replayed by `schedule3` (the F and G terms of the peak line).
 """
 
 from __future__ import annotations
