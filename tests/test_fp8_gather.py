@@ -38,7 +38,8 @@ def _run_both(world: int, extra: list[str], tmp_path) -> tuple:
 def test_dp2_gathers_fp8_weights_bitwise_at_about_half_their_bytes(tmp_path):
     (plain, plain_out), (fp8, fp8_out) = _run_both(2, [], tmp_path)
     assert fp8["losses"] == plain["losses"] and fp8["grad_norms"] == plain["grad_norms"]
-    assert _checksums(tmp_path / "fp8") == _checksums(tmp_path / "bf16")  # parameters and optimizer states
+    chunks = _checksums(tmp_path / "fp8")
+    assert len(chunks) > 10 and chunks == _checksums(tmp_path / "bf16")  # parameters and optimizer states
     counted, unflagged = _comm(fp8_out), _comm(plain_out)
     assert counted["ratio"] == "1.0000" and unflagged["ratio"] == "1.0000"
     assert counted["theory"] == "(16P-2E+2Z+16A)(N-1)/N"
