@@ -33,8 +33,10 @@ def _lines(stdout: str, kind: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith(kind)]
 
 
-@pytest.mark.parametrize("grads", [[], ["--grad-reduce-in-bf16"], ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]],
-                         ids=["fp32-grads", "bf16-grads", "fp8-rowwise"])  # FP8: its amaxes' TP all-reduces
+@pytest.mark.parametrize("grads", [[], ["--grad-reduce-in-bf16"], ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+                                   ["--fp8-format", "hybrid", "--fp8-param-gather"]],
+                         ids=["fp32-grads", "bf16-grads", "fp8-rowwise", "fp8-gather"])  # FP8: its amaxes' TP
+# all-reduces; --fp8-param-gather: ZeRO-3's float8 payloads, buffers and amaxes
 def test_dry_run_prints_the_lines_of_the_real_run(grads):
     argv = TINY + LAYOUT + grads
     real = run_ranks(4, main_capturing_stdout, argv)[0][1]  # rank 0 prints every rank's activation line

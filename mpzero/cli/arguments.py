@@ -32,7 +32,8 @@ from mpzero.pipeline import PipelineConfig, check_composition, virtual_stages
 from mpzero.planner import RunSections
 from mpzero.training import (CheckpointConfig, DataConfig, DryRunConfig, EvalConfig, LoggingConfig, LRSchedule,
                              ParallelConfig, ProfileConfig, RunConfig, TrainingConfig, num_micro_batches)
-from mpzero.zero import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units
+from mpzero.zero import (OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, check_fp8_param_gather,
+                         check_zero_units)
 
 
 class _Parser(Parser):
@@ -130,6 +131,10 @@ def run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                           f"training), but the run is {sections[2].dtype}: add --bf16")
     offload = offload_config(args)
     offload.validate(args.zero_stage)
+    check_fp8_param_gather(sections[0], model.fp8, offload)
+    if sections[0].fp8_param_gather and model.num_experts:
+        raise ConfigError("--fp8-param-gather with --num-experts: gathering float8 weights is built and tested for "
+                          "dense models only (the experts' own ZeRO family is not): drop one of them")
     if args.data_path:  # the strings alone, before any file is opened
         parse_data_path(args.data_path)
         parse_split(args.split)
@@ -259,7 +264,7 @@ def zero_config(args: argparse.Namespace) -> ZeroConfig:
         raise ConfigError("--use-distributed-optimizer shards the optimizer states over data parallelism (ZeRO-1), "
                           "but --zero-stage 0 replicates them: drop one of them")
     zero = ZeroConfig(stage=args.zero_stage, bucket_numel=args.zero_bucket_numel, overlap_comm=args.overlap_comm,
-                      prefetch=args.zero_prefetch, units=args.zero_units,
+                      prefetch=args.zero_prefetch, units=args.zero_units, fp8_param_gather=args.fp8_param_gather,
                       check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
     check_zero_units(zero, args.torch_compile, args.cuda_graph_impl)
     return zero

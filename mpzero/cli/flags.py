@@ -131,6 +131,10 @@ def fp8_flags(p: argparse.ArgumentParser) -> None:
                           "layers' linears stay in bf16")
     fp8.add_argument("--num-layers-at-start-in-bf16", type=int, default=GPTConfig.num_layers_at_start_in_bf16)
     fp8.add_argument("--num-layers-at-end-in-bf16", type=int, default=GPTConfig.num_layers_at_end_in_bf16)
+    fp8.add_argument("--fp8-param-gather", action="store_true",
+                     help="ZeRO-3 gathers the tensorwise FP8 linears' weights in float8 (1 byte per element; "
+                          "torchao's float8 all-gather for FSDP), cast with the whole weight's scale: the run is "
+                          "bitwise the bf16-gathered one; needs --zero-stage 3 and --fp8-recipe tensorwise")
 
 
 def activation_flags(p: argparse.ArgumentParser) -> None:

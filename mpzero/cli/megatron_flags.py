@@ -56,7 +56,6 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--use-cpu-initialization": ("not needed: every parameter is drawn on the CPU from its own generator, the same "
                                  "weights at any layout, and built one bucket at a time"),
     # precision
-    "--fp8-param-gather": "gathering ZeRO-3's weights in FP8 is " + _NOT_YET + ": they are gathered in bf16",
     "--fp16-lm-cross-entropy": "the loss is computed in fp32 (in chunks: --cross-entropy-chunk-size); drop it",
     "--use-precision-aware-optimizer": _MASTER_DTYPES,
     "--main-grads-dtype": "gradients are reduced in fp32, or in bf16 with --grad-reduce-in-bf16",

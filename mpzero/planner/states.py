@@ -39,8 +39,9 @@ from mpzero.optim import AdamW, UpdateRule
 from mpzero.planner.experts import moe_tp_comm_bytes
 from mpzero.planner.shapes import ModelShapes
 from mpzero.zero import (CommReport, FlatLayout, MemoryReport, OffloadConfig, PeakReport, PrecisionConfig, Replay,
-                         TierReport, TransferReport, ZeroConfig, comm_theory, families_working_set, memory_report,
-                         offload_formula, offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory)
+                         TierReport, TransferReport, ZeroConfig, comm_theory, families_working_set,
+                         fp8_weight_modules, gather_terms, gathered_bytes, memory_report, offload_formula,
+                         offload_tiers, stage3_working_set, streamed_grad_bytes, transfer_theory, unit_held_bytes)
 from mpzero.zero.offload import SLOTS, aligned_bytes, buffer_bytes, gradient_file_bytes, round_up
 
 
@@ -86,13 +87,14 @@ def _owned_unpadded(layout: FlatLayout) -> int:
 
 
 def stage3_plan_replay(layouts, trace, p: int, g: int, dp: int, zero: ZeroConfig, params_offloaded: bool,
-                       streamed: bool = False) -> Replay:
+                       streamed: bool = False, fp8_ids=frozenset()) -> Replay:
     """`Stage3.replay` (`schedule3.stage3_working_set` over the trace it records) for layouts built without
     tensors and the predicted trace (`ModelShapes.stage3_trace`)."""
     partitioned = dp > 1
     return stage3_working_set(list(layouts), list(trace), p, g, gathers=partitioned or params_offloaded,
                               staged=params_offloaded and partitioned, prefetch=zero.prefetch,
-                              overlap=zero.overlap_comm, streamed=streamed, release_recomputed=zero.units == "linear")
+                              overlap=zero.overlap_comm, streamed=streamed, release_recomputed=zero.units == "linear",
+                              fp8=[unit_held_bytes(layout, fp8_ids) for layout in layouts])
 
 
 def stage2_working_set(layouts, g: int, overlap: bool, streamed: bool = False) -> tuple[int, str]:
@@ -162,12 +164,14 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
     optimizer = 0 if opt_off else master * shard + states * owned
     host, disk, host_buffers = _off_device_bytes(inputs, offload, layouts, shard, streamed)
 
-    regathered, working, texts = [0, 0], 0, []
+    regathered, working, texts, counts = [0, 0], 0, [], None
+    fp8_ids = fp8_weight_modules(inputs.shapes.model) if stage == 3 and zero.fp8_param_gather and dp > 1 else {}
     for f, family in enumerate(families):  # each family's working set: their sum bounds the two interleaved
-        if stage == 3:
+        if stage == 3:  # --fp8-param-gather: the FP8 linears' weights (dense: the flag is refused with experts)
             trace = inputs.shapes.stage3_trace(zero.units, inputs.recomputed, ("dense", "expert")[f])
-            replay = stage3_plan_replay(family, trace, p, g, sizes[f], zero, par_off, streamed)
+            replay = stage3_plan_replay(family, trace, p, g, sizes[f], zero, par_off, streamed, fp8_ids)
             part, text = replay.peak, replay.text
+            counts = replay.gathers if f == 0 else counts
             if sizes[f] > 1:
                 regathered[f] = replay.regathered(family)
         elif stage == 2:
@@ -187,9 +191,11 @@ def plan_states(inputs: PlanInputs) -> StatePlan:
         report = dataclasses.replace(report, peak=PeakReport(report.measured + working, report.formula + working,
                                                              working_text if report.formula == 0 else
                                                              f"{report.formula_text}+{working_text}"))
-    comm_bytes = sum(dp_comm_bytes(stage, family, p, g, size, inputs.micro_batches, par_off, again)
-                     for family, size, again in zip(families, sizes, regathered))
-    comm = _comm_report(inputs, tiers, numel, comm_bytes, tuple(regathered))
+    comm_bytes = sum(dp_comm_bytes(stage, family, p, g, size, inputs.micro_batches, par_off, again, fp8_ids,
+                                   counts if f == 0 else None)
+                     for f, (family, size, again) in enumerate(zip(families, sizes, regathered)))
+    comm = _comm_report(inputs, tiers, numel, comm_bytes, tuple(regathered),
+                        gather_terms(families[0], fp8_ids, p, counts))
     return StatePlan(stage, dp, numel + (expert or (0,))[0], padded - numel - (expert or (0,))[0], params, grads,
                      optimizer, host, disk, host_buffers, working, working_text, comm_bytes, report, comm, states)
 
@@ -252,13 +258,14 @@ def _with_tiers_and_construction(report: MemoryReport, inputs: PlanInputs, offlo
         TierReport("construction host working set", built.host, built.host, built.host_text)))
 
 
-def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float,
-                 regathered: tuple[int, int]) -> CommReport:
+def _comm_report(inputs: PlanInputs, tiers: dict, numel: int, comm_bytes: float, regathered: tuple[int, int],
+                 fp8_gather=None) -> CommReport:
     """What `ZeroOptimizer.comm_report()` returns after one iteration: DP bytes and the offload tiers' traffic;
-    `numel`: the dense family's P, `regathered`: each family's (X, Xe)."""
+    `numel`: the dense family's P, `regathered`: each family's (X, Xe), `fp8_gather`: stage 3's (E, Z, A)."""
     stage, dp, micro_batches = inputs.zero.stage, inputs.dp, inputs.micro_batches
     p, g = element_sizes(inputs.precision)
-    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered[0], inputs.expert, regathered[1])
+    theory, text = comm_theory(stage, dp, numel, p, g, micro_batches, regathered[0], inputs.expert, regathered[1],
+                               fp8_gather=fp8_gather)
     transfers = ()
     if any(tier != "none" for tier in tiers.values()):
         expected = transfer_theory(p, numel, dp, micro_batches, tiers, device_is_host=not inputs.cuda,
@@ -281,17 +288,24 @@ def _host_buffer_text(offload: OffloadConfig, cuda: bool, p: int, rule: UpdateRu
 
 
 def dp_comm_bytes(stage: int, layouts, p: int, g: int, dp: int, micro_batches: int,
-                  params_offloaded: bool = False, regathered: int = 0) -> float:
+                  params_offloaded: bool = False, regathered: int = 0, fp8_ids=frozenset(),
+                  counts=None) -> float:
     """Bytes per rank per iteration on the DP group as `CommGroup` counts them (ring model, padded buffers):
     stage 0 all-reduces gradients (2g), stage 1 reduce-scatters them once and all-gathers parameters (g + p),
     stage 2 reduce-scatters every micro-batch (m g + p), stage 3 gathers every unit twice and reduce-scatters
-    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units. The loop's all-reduce
+    its gradients every micro-batch (m(2p + g)); times E (N-1)/N summed over buckets/units. A unit with FP8 weights
+    in `fp8_ids` (--fp8-param-gather) sends N x its payload per gather (`counts` per micro-batch, default 2) and
+    all-reduces its amaxes once per micro-batch. The loop's all-reduce
     of the iteration's loss (an fp32 scalar, for the log) is not ZeRO's traffic and is not counted there."""
     if dp == 1:
         return 0.0
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     states = sum(coef * layout.padded_numel * (dp - 1) / dp for layout in layouts)
+    for layout, count in zip(layouts, counts or [2] * len(layouts)):  # --fp8-param-gather: N x payload, amaxes
+        fp8 = gathered_bytes(layout, fp8_ids)
+        if fp8 is not None:
+            states += m * (count * (fp8[0] - p * layout.padded_numel) + 8 * fp8[1]) * (dp - 1) / dp
     return states + m * p * regathered * (dp - 1) / dp
 
 

@@ -226,27 +226,35 @@ class Fp8Linear:
         scale = amax_to_scale(amax, cast_config.target_dtype, self.recipe.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.recipe.mm_config, role, dim)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x W^T in FP8 (x [..., in] whole, or this rank's sequence slice when `gather_sequence`)."""
-        if self.group.size == 1:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, gathered=None) -> torch.Tensor:
+        """x W^T in FP8 (x [..., in] whole, or this rank's sequence slice when `gather_sequence`). `gathered`: the
+        weight ZeRO-3 gathered in float8 (`zero.fp8_gather.GatheredFp8Weight`, --fp8-param-gather), used in place
+        of casting `weight`, which still receives the gradient."""
+        if self.group.size == 1 and gathered is None:
             from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
             return matmul_with_hp_or_float8_args.apply(x, weight.t(), self.recipe.mm_config, self.recipe.config)
-        return _TensorParallelFp8Matmul.apply(x, weight, self)
+        return _TensorParallelFp8Matmul.apply(x, weight, self, gathered)
 
 
 class _TensorParallelFp8Matmul(torch.autograd.Function):
     """torchao's matmul_with_hp_or_float8_args with TP-wide scales (`Fp8Linear.cast`); under sequence parallelism
-    it keeps the input's slice for backward and gathers it again there (as `linear_with_sequence_gather`)."""
+    it keeps the input's slice for backward and gathers it again there (as `linear_with_sequence_gather`). With a
+    weight gathered in float8 (tensorwise: the same bits and scale as its cast) both GEMMs use that one; its buffer
+    is gathered again for backward, as the bf16 weight's is."""
 
     @staticmethod
-    def forward(ctx, x, weight, linear: Fp8Linear):
+    def forward(ctx, x, weight, linear: Fp8Linear, gathered=None):
         from torchao.float8.float8_training_tensor import GemmInputRole
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight if gathered is None else None)
         ctx.linear, ctx.reduced = linear, {}  # the weight's tensorwise amax serves backward's cast too
         c = linear.recipe.config
         full = gather_sequence(x, linear.group) if linear.gather_sequence else x
         x8 = linear.cast(full, c.cast_config_input, -1, "input", GemmInputRole.INPUT, ctx.reduced)
-        w8 = linear.cast(weight.t(), c.cast_config_weight, 0, "weight", GemmInputRole.WEIGHT, ctx.reduced)
+        if gathered is None:
+            w8 = linear.cast(weight.t(), c.cast_config_weight, 0, "weight", GemmInputRole.WEIGHT, ctx.reduced)
+        else:
+            w8 = gathered.float8(linear.recipe.mm_config, weight.dtype).t()
+        ctx.gathered = None if gathered is None else w8
         out = torch.mm(x8.reshape(-1, x8.shape[-1]), w8)
         return out.reshape(*x8.shape[:-1], out.shape[-1])
 
@@ -259,8 +267,8 @@ class _TensorParallelFp8Matmul(torch.autograd.Function):
         full = gather_sequence(x, linear.group) if linear.gather_sequence else x
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         g8 = linear.cast(grad_2d, c.cast_config_grad_output, -1, "grad_output", GemmInputRole.GRAD_OUTPUT, reduced)
-        w8 = linear.cast(weight.t(), c.cast_config_weight_for_grad_input, -1, "weight", GemmInputRole.WEIGHT,
-                         reduced)
+        w8 = ctx.gathered if ctx.gathered is not None else linear.cast(
+            weight.t(), c.cast_config_weight_for_grad_input, -1, "weight", GemmInputRole.WEIGHT, reduced)
         grad_input = torch.mm(g8, w8.t()).reshape(*grad_output.shape[:-1], -1)
         if linear.gather_sequence:
             grad_input = reduce_scatter_sequence(grad_input, linear.group)
@@ -268,7 +276,7 @@ class _TensorParallelFp8Matmul(torch.autograd.Function):
         g8 = linear.cast(grad_2d, c.cast_config_grad_output_for_grad_weight, 0, "grad_output",
                          GemmInputRole.GRAD_OUTPUT, reduced)
         x8 = linear.cast(full_2d, c.cast_config_input_for_grad_weight, 0, "input", GemmInputRole.INPUT, reduced)
-        return grad_input, torch.mm(g8.t(), x8), None
+        return grad_input, torch.mm(g8.t(), x8), None, None
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, bf16_layers: set[int]) -> list[str]:

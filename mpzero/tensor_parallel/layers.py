@@ -138,6 +138,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_parameter((out_features, in_features), 0, group, init_method, chunks)
         self.bias = _bias(local_out, 0, chunks) if bias else None
         self.fp8: Fp8Linear | None = None
+        self.gathered_weight = None  # ZeRO-3's float8 weight (--fp8-param-gather: zero/fp8_gather.py)
 
     def use_fp8(self, recipe: Fp8Recipe) -> None:
         """Run the matmul in FP8 (fp8.py): the weight's scale is its whole weight's, over the TP group."""
@@ -146,7 +147,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.weight_grad_store
         if self.fp8 is not None:  # the sequence gather (or copy_to_tp) around torchao's casts and GEMMs
-            y = self.fp8(x if self.sequence_parallel else copy_to_tp(x, self.group), self.weight)
+            y = self.fp8(x if self.sequence_parallel else copy_to_tp(x, self.group), self.weight,
+                         self.gathered_weight)
             y = y + self.bias.to(y.dtype) if self.bias is not None else y
         elif self.sequence_parallel:
             y = linear_with_sequence_gather(x, self.weight, self.bias, self.group, store)  # [b, s, out/tp]
@@ -170,6 +172,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and group.size > 1
         _divide(in_features, group.size, "input size")
         self.fp8: Fp8Linear | None = None
+        self.gathered_weight = None  # ZeRO-3's float8 weight (--fp8-param-gather: zero/fp8_gather.py)
         self.weight = sharded_parameter((out_features, in_features), 1, group, init_method)
         self.bias = _bias(out_features, None) if bias else None
         if self.bias is not None:
@@ -182,7 +185,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        partial = (self.fp8(x, self.weight) if self.fp8 is not None
+        partial = (self.fp8(x, self.weight, self.gathered_weight) if self.fp8 is not None
                    else _linear(x, self.weight, None, self.weight_grad_store))
         if self.sequence_parallel:  # [b, s, in/tp] -> this rank's summed sequence slice [b, s/tp, out]
             y = reduce_scatter_to_sequence_parallel(partial, self.group)

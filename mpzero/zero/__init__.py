@@ -12,11 +12,12 @@ from mpzero.zero.accounting import (CommReport, MemoryReport, PeakReport, TierRe
                                     counted_ratio, memory_formula, memory_report, offload_formula, offload_tiers,
                                     state_terms, step_fp32_bytes, streamed_grad_bytes, transfer_theory)
 from mpzero.zero.config import (DIRECT_IO_ALIGN, OFFLOAD_IO, OFFLOAD_TIERS, ZERO_UNITS, AdamConfig, OffloadConfig,
-                                OptimizerConfig, PrecisionConfig, ZeroConfig, check_zero_units)
+                                OptimizerConfig, PrecisionConfig, ZeroConfig, check_fp8_param_gather, check_zero_units)
 from mpzero.zero.construction import construction_working_set
 from mpzero.zero.device_scaler import scaled_loss
 from mpzero.zero.device_step import DeviceStep, settle, settle_values
 from mpzero.zero.flat import FlatLayout, bucket_layouts, build_layout, mark_weight_decay
+from mpzero.zero.fp8_gather import fp8_weight_modules, gather_terms, gathered_bytes, unit_held_bytes
 from mpzero.zero.masters import DeviceMasters, MasterStore, OwnedPiece
 from mpzero.zero.norm import read_to_host
 from mpzero.zero.optimizer import GradientCheck, StepStats, ZeroOptimizer
@@ -31,8 +32,9 @@ __all__ = ["AdamConfig", "CommReport", "DIRECT_IO_ALIGN", "DeviceMasters", "Devi
            "OffloadHolder", "OptimizerConfig", "OwnedPiece", "ParamSink", "PeakReport", "PrecisionConfig", "Replay",
            "Stage3", "StepStats", "TensorParamSink", "TierBytes", "TierReport", "TransferReport", "Transfers",
            "ZERO_UNITS", "ZeroConfig", "ZeroOptimizer", "ZeroStage", "assign_params", "bucket_layouts",
-           "build_layout", "check_zero_units", "comm_theory", "construction_working_set", "default_units",
-           "expert_units", "families_working_set", "layer_units",
+           "build_layout", "check_fp8_param_gather", "check_zero_units", "comm_theory", "construction_working_set",
+           "default_units", "expert_units", "families_working_set", "fp8_weight_modules", "gather_terms",
+           "gathered_bytes", "layer_units", "unit_held_bytes",
            "mark_weight_decay", "memory_formula", "memory_report", "offload_formula", "offload_tiers",
            "predicted_trace", "read_to_host", "recompute_chunks", "scaled_loss", "settle", "settle_values",
            "stage3_working_set", "state_terms",

@@ -243,15 +243,23 @@ def memory_report(stage: int, dp_size: int, numel: int, measured: int, padding: 
 
 def comm_theory(stage: int, dp_size: int, numel: int, p: int, g: int, micro_batches: int,
                 regathered: int = 0, expert: tuple[int, int] | None = None,
-                expert_regathered: int = 0) -> tuple[float, str]:
+                expert_regathered: int = 0, fp8_gather: tuple[int, int, int] | None = None) -> tuple[float, str]:
     """(bytes per rank per iteration, formula) for P = numel, m = micro_batches; `regathered`: X, the elements
     stage 3 gathers a third time per micro-batch (units smaller than a layer, recomputed); `expert`: (Pe, Ne),
     expert parameters reduced and gathered over their own Ne ranks, the same per parameter, Xe of them
-    (`expert_regathered`) gathered a third time."""
+    (`expert_regathered`) gathered a third time. `fp8_gather`: (E, Z, A) of stage 3's --fp8-param-gather
+    (`Stage3.fp8_gather_terms`), per micro-batch: E elements gathered as float8 (1 byte, not p; a unit is gathered
+    twice, or three times where X counts it), Z bytes padding the ranks' payloads to the largest, and A fp32
+    amaxes all-reduced (8 bytes each) once."""
     m = micro_batches
     coef = {0: 2 * g, 1: g + p, 2: m * g + p, 3: m * (2 * p + g)}[stage]
     terms = [(coef, "P")] + ([(m * p, "X")] if regathered else [])
-    theory, text = (coef * numel + m * p * regathered) * (dp_size - 1) / dp_size, f"({formula_text(terms)})(N-1)/N"
+    theory, text = coef * numel + m * p * regathered, formula_text(terms)
+    if fp8_gather is not None and stage == 3:
+        eight, padding, amaxes = fp8_gather
+        theory += m * (padding - (p - 1) * eight + 8 * amaxes)
+        text += f"-{m * (p - 1)}E+{formula_text([(m, 'Z'), (8 * m, 'A')])}"
+    theory, text = theory * (dp_size - 1) / dp_size, f"({text})(N-1)/N"
     if expert is not None:
         terms = [(coef, "Pe")] + ([(m * p, "Xe")] if expert_regathered else [])
         theory += (coef * expert[0] + m * p * expert_regathered) * (expert[1] - 1) / expert[1]

@@ -27,6 +27,7 @@ class ZeroConfig:
     overlap_comm: bool = True  # reduce a bucket from its gradient hooks while backward still runs
     prefetch: bool = True  # stage 3: start gathering the next unit while the current one computes
     units: str = "layer"  # --zero-units (stage 3): gather each transformer layer, or each linear layer in it
+    fp8_param_gather: bool = False  # --fp8-param-gather (stage 3): tensorwise FP8 weights gathered in float8
     check_for_nan_in_grad: bool = True  # Megatron's --check-for-nan-in-loss-and-grad: a non-finite gradient
     # norm (bf16/fp32) stops the run before the update; fp16 skips the step instead (loss scaling)
 
@@ -51,6 +52,29 @@ def check_zero_units(zero: ZeroConfig, torch_compile: bool, cuda_graph_impl: str
         raise ConfigError(f"--cuda-graph-impl {cuda_graph_impl} captures the trunk as one compiled region, which "
                           "ZeRO-3's gather and release hooks split into layers: use --zero-stage 0-2 or drop "
                           "--cuda-graph-impl")
+
+
+def check_fp8_param_gather(zero: ZeroConfig, fp8, offload: "OffloadConfig") -> None:
+    """--fp8-param-gather against the FP8 recipe (`Fp8Recipe` or None), the stage and offload: one ConfigError line
+    for what it cannot do."""
+    if not zero.fp8_param_gather:
+        return
+    if fp8 is None:
+        raise ConfigError("--fp8-param-gather gathers the FP8 linears' weights in float8, but --fp8-format is not "
+                          "given: add --fp8-format hybrid (or e4m3), or drop --fp8-param-gather")
+    if fp8.recipe != "tensorwise":
+        raise ConfigError(f"--fp8-param-gather needs --fp8-recipe tensorwise: {fp8.recipe} scales a weight per row "
+                          f"in forward and per column in backward, so no one float8 copy serves both GEMMs (torchao "
+                          f"gathers rowwise weights in bf16 too): use --fp8-recipe tensorwise or drop the flag")
+    if zero.stage != 3:
+        raise ConfigError(f"--fp8-param-gather with --zero-stage {zero.stage}: Megatron's flag keeps the weights "
+                          f"in FP8 between steps and all-gathers them in FP8 after the update; mpzero keeps bf16 "
+                          f"weights (FP8 only inside the linears' casts) and only ZeRO-3 gathers weights for compute, "
+                          f"so the float8 gather is ZeRO-3's: use --zero-stage 3 or drop --fp8-param-gather")
+    if offload.params != "none":
+        raise ConfigError(f"--fp8-param-gather with --offload-params {offload.params}: offloaded shards are "
+                          f"gathered in bf16 from their staging buffer, casting them to float8 there is not built: "
+                          f"drop one of them")
 
 
 OFFLOAD_TIERS = ("none", "cpu", "disk")

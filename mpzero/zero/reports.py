@@ -72,9 +72,11 @@ class OptimizerReports:
         p, g = self._element_sizes()
         regathered = {family.name: stage.regathered_numel() for family, stage in zip(self.families, family_stages(
             self.stage))}  # X and Xe, each family's stage 3 third gathers
+        dense = {family.name: stage for family, stage in zip(self.families, family_stages(self.stage))}.get("dense")
+        fp8_gather = getattr(dense, "fp8_gather_terms", lambda: None)()  # stage 3's --fp8-param-gather
         theory, text = comm_theory(self.zero.stage, self.groups.dp_size, self._dense_numel, p, g,
                                    self._last_micro_batches, regathered.get("dense", 0), self._expert(),
-                                   regathered.get("expert", 0))
+                                   regathered.get("expert", 0), fp8_gather)
         transfers = ()
         tiers = self._tiers()
         if any(tier != "none" for tier in tiers.values()):

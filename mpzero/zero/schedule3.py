@@ -102,12 +102,14 @@ class Replay:
 class _Ledger:
     """The allocations of one micro-batch, in the code's order (see the module docstring)."""
 
-    def __init__(self, full, shard, p, g, gathers, staged, overlap, streamed, release_recomputed):
+    def __init__(self, full, shard, p, g, gathers, staged, overlap, streamed, release_recomputed, fp8=None):
         from mpzero.zero.grads import IN_TRANSIT, MAX_INFLIGHT_REDUCTIONS
         from mpzero.zero.offload import SLOTS
         self.full, self.shard, self.p, self.g = full, shard, p, g
         self.gathers_params, self.staged, self.overlap, self.streamed = gathers, staged, overlap, streamed
         self.release_recomputed = release_recomputed
+        self.fp8 = fp8 or [None] * len(full)  # per unit: (float8 buffer, payloads in flight) bytes, or None
+        self.in_flight: set[int] = set()  # units whose float8 gather's payloads are held
         self.max_inflight, self.in_transit, self.slots = MAX_INFLIGHT_REDUCTIONS, IN_TRANSIT, SLOTS
         self.now = self.peak = 0
         self.held: dict[tuple[str, int], int] = {}  # what is held now, by (kind, unit), for the text of the peak
@@ -155,6 +157,10 @@ class _Ledger:
                 for v in list(self.staging):
                     self.finish(v)
         self._add("param", u, self.p * self.full[u])
+        if self.fp8[u] is not None:  # Fp8UnitGather.start: send and receive payloads, then the float8 buffer
+            self._add("payload", u, self.fp8[u][1])
+            self._add("float8", u, self.fp8[u][0])
+            self.in_flight.add(u)
         self.gathered.add(u)
         self.count[u] += 1
         if self.staged:
@@ -165,6 +171,9 @@ class _Ledger:
             self.staging[u] = "fetched"
 
     def finish(self, u: int) -> None:
+        if u in self.in_flight:
+            self.in_flight.discard(u)
+            self._sub("payload", u, self.fp8[u][1])
         if self.staging.get(u) == "fetched":
             self._free(u)
 
@@ -173,6 +182,8 @@ class _Ledger:
             self.finish(u)
             self.gathered.discard(u)
             self._sub("param", u, self.p * self.full[u])
+            if self.fp8[u] is not None:
+                self._sub("float8", u, self.fp8[u][0])
 
     # -- gradients (ShardedGrads) --------------------------------------------------------------------
     def first_gradient(self, u: int) -> None:
@@ -219,8 +230,9 @@ class _Ledger:
             self._free(u)
 
 
-def _replay(full, shard, trace, p, g, gathers, staged, prefetch, overlap, streamed, release_recomputed) -> _Ledger:
-    ledger = _Ledger(full, shard, p, g, gathers, staged, overlap, streamed, release_recomputed)
+def _replay(full, shard, trace, p, g, gathers, staged, prefetch, overlap, streamed, release_recomputed,
+            fp8=None) -> _Ledger:
+    ledger = _Ledger(full, shard, p, g, gathers, staged, overlap, streamed, release_recomputed, fp8)
     forward_done = False
     for i, (u, phase) in enumerate(trace):
         if phase != FORWARD and not forward_done:  # the model's forward returns: the root is released
@@ -253,15 +265,17 @@ def _replay(full, shard, trace, p, g, gathers, staged, prefetch, overlap, stream
 
 
 def stage3_working_set(layouts, trace: list[tuple[int, str]], p: int, g: int, gathers: bool, staged: bool,
-                       prefetch: bool, overlap: bool, streamed: bool, release_recomputed: bool) -> Replay:
+                       prefetch: bool, overlap: bool, streamed: bool, release_recomputed: bool,
+                       fp8: list[tuple[int, int] | None] | None = None) -> Replay:
     """The bytes `Stage3`'s schedule holds beyond the shards at its fullest moment, replayed over `trace` (module
     docstring), for layouts [root, unit 1, ...]. `gathers`: units are gathered (DP > 1, or parameters offloaded);
     `staged`: offloaded parameters at DP > 1 (device staging); `prefetch`, `overlap`: ZeroConfig's; `streamed`:
-    gradients streamed to the host; `release_recomputed`: units smaller than a layer (`--zero-units linear`)."""
+    gradients streamed to the host; `release_recomputed`: units smaller than a layer (`--zero-units linear`);
+    `fp8`: per unit, --fp8-param-gather's (float8 buffer, send + receive payloads) bytes, or None."""
     full = [layout.padded_numel for layout in layouts]
     shard = [layout.shard_numel for layout in layouts]
     args = (full, shard, trace, p, g, gathers, staged)
-    flags = (overlap, streamed, release_recomputed)
+    flags = (overlap, streamed, release_recomputed, fp8)
     replays = [_replay(*args, False, *flags)] + ([_replay(*args, True, *flags)] if prefetch else [])
     worst = max(replays, key=lambda ledger: ledger.peak)
     return Replay(worst.peak, _text(worst.peak_held, p, g), tuple(replays[-1].count))
@@ -269,13 +283,16 @@ def stage3_working_set(layouts, trace: list[tuple[int, str]], p: int, g: int, ga
 
 def _text(held: dict[str, int], p: int, g: int) -> str:
     """The fullest moment as a memory-line field: p(...)+g(...) over the units held (R the root, Uk unit k's
-    padded elements, Sk its shard)."""
+    padded elements, Sk its shard), then --fp8-param-gather's bytes: Fk unit k's float8 weights, Gk its payloads in
+    flight ((N + 1) x the largest rank's)."""
     def name(kind: str, u: int) -> str:
         if kind in ("param", "grad"):
             return "R" if u == 0 else f"U{u}"
+        if kind in ("float8", "payload"):
+            return f"{'F' if kind == 'float8' else 'G'}{u}"
         return "Sr" if u == 0 else f"S{u}"
     parts = []
-    for kinds, size in ((("param", "stage"), p), (("grad", "slice"), g)):
+    for kinds, size in ((("param", "stage"), p), (("grad", "slice"), g), (("float8", "payload"), 1)):
         names = [name(kind, u) for (kind, u), nbytes in held.items() if kind in kinds and nbytes]
         if names:
             parts.append(f"{size}({'+'.join(names)})")

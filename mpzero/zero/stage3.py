@@ -51,6 +51,7 @@ from mpzero.zero.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from mpzero.zero.construction import (ConstructionMeters, InitialSlices, bucket_values, fully_deferred,
                                       shard_values)
 from mpzero.zero.flat import build_layout, bind_params
+from mpzero.zero.fp8_gather import gather_terms, unit_gathers, unit_held_bytes
 from mpzero.zero.schedule3 import (BACKWARD, FORWARD, RECOMPUTE, Replay, add_demand, next_units,
                                    stage3_working_set)
 from mpzero.zero.grads import ShardedGrads
@@ -135,6 +136,9 @@ class Stage3(ZeroStage):
         else:
             self.param_shards = [torch.empty(l.shard_numel, dtype=self.dtype, device=device) for l in self.layouts]
         self.gathers = self.partitioned or self.tier is not None  # else params are bound to the one copy
+        # --fp8-param-gather: the units with FP8 weights gather them in float8 (fp8_gather.py)
+        self.fp8_gathers = (unit_gathers(model, self.layouts, dp, device, self.meter)
+                            if zero.fp8_param_gather and self.partitioned else [None] * len(self.layouts))
         self._full = [None] * len(self.layouts)  # made with each unit (`_make_unit`)
         self._handles = [None] * len(self.layouts)
         self._gathered = [not self.gathers] * len(self.layouts)
@@ -219,7 +223,8 @@ class Stage3(ZeroStage):
                                   staged=self.tier is not None and self.partitioned,
                                   prefetch=self.prefetch and self._prefetched,
                                   overlap=self.grads.overlap, streamed=self.grads.streamed,
-                                  release_recomputed=self.release_recomputed)
+                                  release_recomputed=self.release_recomputed,
+                                  fp8=[unit_held_bytes(layout, self._fp8_ids()) for layout in self.layouts])
 
     def peak_working_set(self, p: int, g: int) -> tuple[int, str] | None:
         """(bytes, formula) the schedule holds beyond the shards at its peak (the replay of its trace)."""
@@ -231,6 +236,14 @@ class Stage3(ZeroStage):
         third gather of units smaller than a layer under full recomputation."""
         replay = self.replay(1, 1)
         return 0 if replay is None or not self.partitioned else replay.regathered(self.layouts)
+
+    def fp8_gather_terms(self) -> tuple[int, int, int] | None:
+        """(E, Z, A) of one gather of every unit with --fp8-param-gather (`comm_theory`), None without it."""
+        replay = self.replay(1, 1)
+        return gather_terms(self.layouts, self._fp8_ids(), self.dtype.itemsize, replay and replay.gathers)
+
+    def _fp8_ids(self) -> set[int]:
+        return {id(p) for unit in self.fp8_gathers if unit is not None for p in unit.weights()}
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -249,7 +262,9 @@ class Stage3(ZeroStage):
         full = self._full[u]
         full.untyped_storage().resize_(full.nbytes)
         self.meter.add(full.nbytes)
-        if self.tier is None:
+        if self.fp8_gathers[u] is not None:  # never with offloaded parameters (check_fp8_param_gather)
+            self._handles[u] = self.fp8_gathers[u].start(self.param_shards[u], full, same_weights=self.in_backward)
+        elif self.tier is None:
             self._handles[u] = self.dp.all_gather_into(full, self.param_shards[u], async_op=True)
         elif self.partitioned:
             self._handles[u] = self.dp.all_gather_into(full, self.tier.fetch(u), async_op=True)
@@ -275,6 +290,8 @@ class Stage3(ZeroStage):
         self._finish(u)  # never free a buffer a collective still writes
         self._full[u].untyped_storage().resize_(0)
         self.meter.sub(self._full[u].nbytes)
+        if self.fp8_gathers[u] is not None:
+            self.fp8_gathers[u].release()
         self._gathered[u] = False
 
     def _demand(self, u: int, phase: str) -> None:
