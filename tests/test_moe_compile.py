@@ -58,7 +58,8 @@ def _compiled_like_eager(ep_size: int, dispatcher: str):
     return graphs, [step[2] for step in compiled]
 
 
-@pytest.mark.parametrize("world,dispatcher", [pytest.param(1, "alltoall", marks=pytest.mark.product), (2, "alltoall"),
+@pytest.mark.parametrize("world,dispatcher", [pytest.param(1, "alltoall", marks=pytest.mark.product),
+                                              pytest.param(2, "alltoall", marks=pytest.mark.product),  # 30 s compiling
                                               pytest.param(2, "allgather", marks=pytest.mark.product)],
                          ids=["ep1", "ep2-alltoall", "ep2-allgather"])
 def test_compiled_moe_layers_match_eager_and_compile_once(world, dispatcher):

@@ -105,10 +105,10 @@ def test_the_dry_run_states_its_routing_and_counts_the_balanced_rows(capsys):
     assert "R 96 rows counted" in out and "balanced (tokens x topk / E per expert) R 96" in out
 
 
-REAL = {"ep2-zero1": ["--expert-model-parallel-size", "2", "--zero-stage", "1"],
-        "tp2-etp1-zero3": TP2 + LLAMA + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
-                                         "--zero-stage", "3"]}
-MORE_REAL = {"ep4-zero2": ["--expert-model-parallel-size", "4", "--zero-stage", "2"],
+REAL = {"ep2-zero1": ["--expert-model-parallel-size", "2", "--zero-stage", "1"]}
+MORE_REAL = {"tp2-etp1-zero3": TP2 + LLAMA + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                                              "1", "--zero-stage", "3"],
+             "ep4-zero2": ["--expert-model-parallel-size", "4", "--zero-stage", "2"],
              "ep1-zero0": ["--zero-stage", "0"],
              "tp2-etp2-zero0": TP2 + LLAMA + ["--expert-model-parallel-size", "2", "--zero-stage", "0"],
              "pp2-ep2-zero1": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
