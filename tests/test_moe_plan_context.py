@@ -1,0 +1,91 @@
+"""The planner and `pretrain_gpt.py --dry-run` with experts and context parallelism (issue 44).
+
+Each CP rank routes the tokens it holds (s/CP per sequence): the planner's MoE activation terms, its MoE TP bytes
+and EP bytes are per CP rank, and its CP bytes add the load-balancing counts' all-reduce over CP (2(CP-1)/CP x 8E
+per MoE layer and micro-batch; 8bE with seq_aux_loss), the `cp comm` line's own formula. The dry run (balanced
+routing) counts every figure the planner gives; a real run prints the dry run's model-state, DP and CP lines.
+"""
+
+import json
+import re
+
+import pytest
+
+from tests.cli import main_capturing_stdout
+from tests.distributed import run_ranks
+from tests.test_moe_plan import BASE, LLAMA, TP2, _different, _dry
+from tests.test_planner import _plan
+
+CP2 = ["--context-parallel-size", "2", "--attention-dropout", "0"]
+EP2 = ["--expert-model-parallel-size", "2"]
+
+FAST = {
+    "cp2-ep2": (CP2 + EP2 + ["--zero-stage", "1"], 4, 1),
+    "tp2-cp2-ep2-sp": (TP2 + LLAMA + CP2 + EP2 + ["--zero-stage", "1"], 8, 5),
+    "cp2-pp2-ep2": (CP2 + EP2 + ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 8, 5),
+}
+PRODUCT = {
+    "tp2-cp2-ep2-etp1-seq-aux-zero3": (TP2 + LLAMA + CP2 + EP2 + ["--expert-tensor-parallel-size", "1",
+                                                                 "--moe-router-load-balancing-type", "seq_aux_loss",
+                                                                 "--zero-stage", "3"], 8, 6),
+    "cp2-all-gather-ep4-allgather-sigmoid-bias-full": (
+        LLAMA + CP2 + ["--cp-comm-type", "all_gather", "--expert-model-parallel-size", "4",
+                       "--moe-token-dispatcher-type", "allgather", "--moe-router-score-function", "sigmoid",
+                       "--moe-router-enable-expert-bias", "--recompute-granularity", "full", "--recompute-method",
+                       "uniform", "--recompute-num-layers", "1", "--zero-stage", "2"], 4, 3),
+    "cp2-a2a-ep2-shared-zero2": (CP2 + EP2 + ["--cp-comm-type", "a2a", "--moe-shared-expert-intermediate-size",
+                                              "32", "--zero-stage", "2"], 4, 2),
+}
+
+
+@pytest.mark.parametrize("argv,world,rank", FAST.values(), ids=FAST.keys())
+def test_dry_run_with_experts_and_cp_equals_the_planner(argv, world, rank):
+    result = _dry(argv, world, rank)
+    assert result["equal"], _different(result)
+    names = {name for name, _, _ in result["checks"]}
+    assert {"CP bytes/iter", "EP bytes/iter", "activation bytes", "model-state bytes"} <= names
+
+
+@pytest.mark.product
+@pytest.mark.parametrize("argv,world,rank", PRODUCT.values(), ids=PRODUCT.keys())
+def test_dry_run_with_experts_and_cp_equals_the_planner_at_more_layouts(argv, world, rank):
+    result = _dry(argv, world, rank)
+    assert result["equal"], _different(result)
+
+
+def test_the_cp_line_counts_the_load_balancing_counts(capsys):
+    _dry(CP2 + EP2, 4, 0)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("cp comm"))
+    # 2 micro-batches x 2 MoE layers x 2(CP-1)/CP x 8E bytes over the attention's K/V exchanges (65,536 B)
+    assert "+m2(2(CP-1)/CP)8E" in line and "theory bytes/iter 65664" in line, line
+
+
+def test_a_real_run_at_cp2_ep2_prints_the_dry_runs_state_dp_and_cp_lines():
+    argv = BASE + CP2 + EP2 + ["--zero-stage", "1", "--log-interval", "1"]
+    real = "".join(out for _, out in run_ranks(4, main_capturing_stdout, argv))
+    _, dry = main_capturing_stdout(argv + ["--dry-run", "--world-size", "4", "--rank", "0"])
+    for kind in ("zero memory", "zero comm", "cp comm"):
+        lines = [line for line in dry.splitlines() if line.startswith(kind)]
+        assert lines and all(line in real for line in lines), kind
+    assert "| equal" in dry
+
+
+def test_the_planner_enumerates_cp_with_experts_and_its_best_such_layout_dry_runs_equal():
+    argv = ["--world-size", "4", "--device-memory", "1", "--device", "cpu", "--json", "--zero-stages", "1",
+            "--recompute-modes", "none", "--micro-batch-sizes", "2", "--cp-sizes", "1,2", "--attention-dropout",
+            "0"] + BASE
+    code, stdout, stderr = _plan(*argv)
+    assert code == 0, stderr
+    layouts = json.loads(stdout)["layouts"]
+    grids = {(x["layout"]["tp"], x["layout"]["cp"], x["layout"]["ep"]) for x in layouts}
+    assert {(1, 2, 1), (1, 2, 2), (1, 2, 4), (2, 2, 2)} <= grids
+    cp_ep = [x for x in layouts if x["layout"]["cp"] == 2 and x["layout"]["ep"] > 1]
+    assert all(x["cp_bytes_per_iter"] > 0 and x["ep_bytes_per_iter_balanced"] > 0 for x in cp_ep)
+    code, stdout, stderr = _plan(*[a for a in argv if a != "--json"], "--context-parallel-size", "2",
+                                 "--expert-model-parallel-size", "2")
+    assert code == 0, stderr
+    dry = stdout.split("python pretrain_gpt.py ", 1)[1].split()
+    assert re.search(r"--context-parallel-size 2 .*--expert-model-parallel-size 2", " ".join(dry))
+    _, out = main_capturing_stdout(dry[1:] if dry[0] == "pretrain_gpt.py" else dry)
+    assert "| equal" in out, out[-2000:]
