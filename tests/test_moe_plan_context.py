@@ -10,6 +10,12 @@ import json
 import re
 
 import pytest
+import torch.distributed as dist
+
+import pretrain_gpt
+from mpzero.cli.arguments import parse_args, run_config
+from mpzero.cli.dry_run import dry_run
+from mpzero.context_parallel.kernels import block_kernel
 
 from tests.cli import main_capturing_stdout
 from tests.distributed import run_ranks
@@ -51,6 +57,26 @@ def test_dry_run_with_experts_and_cp_equals_the_planner(argv, world, rank):
 def test_dry_run_with_experts_and_cp_equals_the_planner_at_more_layouts(argv, world, rank):
     result = _dry(argv, world, rank)
     assert result["equal"], _different(result)
+
+
+@pytest.mark.parametrize("cp", [[], CP2], ids=["cp1", "cp2"])
+def test_both_engines_print_the_same_lines_with_experts(capsys, cp):
+    """Meta tensors run the CPU's kernels (SDPA's flash; CP's flash blocks), as fake tensors (device cpu) do: on the
+    math path the meta engine counted 16,128 B more per MoE layer (the attention's, not the experts')."""
+    assert block_kernel("auto", "meta") == block_kernel("auto", "cpu") == "flash"
+    outputs = []
+    for engine in ("meta", "fake"):
+        run = run_config(parse_args(BASE + LLAMA + cp + EP2), 4)
+        try:
+            assert dry_run(run, pretrain_gpt._provider(run), 4, 1, engine=engine)["equal"]
+        finally:
+            dist.destroy_process_group()
+        out = capsys.readouterr().out
+        outputs.append([line for line in out.splitlines() if line.startswith(("zero", "activation", "cp", "moe"))])
+    assert outputs[0] == outputs[1]
+    kinds = {"zero memory", "zero comm", "moe routing", "moe comm", "activation memory rank 1"} | (
+        {"cp comm"} if cp else set())
+    assert {line.split(" |")[0] for line in outputs[0]} == kinds
 
 
 def test_the_cp_line_counts_the_load_balancing_counts(capsys):
