@@ -19,7 +19,7 @@ import torch
 
 from mpzero.context_parallel.blocks import block_backward, block_forward, statistics_dtype
 from mpzero.errors import ConfigError
-from mpzero.fused.impl import planned_device_type
+from mpzero.fused import planned_device_type
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
