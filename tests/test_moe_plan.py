@@ -159,10 +159,12 @@ def test_the_planners_layout_dry_runs_equal():
 
 
 @pytest.mark.product
-@pytest.mark.parametrize("row,rank", [(PUBLISHED_MOE[0], 0), (PUBLISHED_MOE[1], 128)], ids=["mixtral", "deepseek-v3"])
+@pytest.mark.parametrize("row,rank", [(PUBLISHED_MOE[0], 0), (PUBLISHED_MOE[1], 128), (PUBLISHED_MOE[2], 7)],
+                         ids=["mixtral", "deepseek-v3", "qwen3-30b-a3b"])
 def test_published_moe_layouts_dry_run_equal(row, rank):
-    """Mixtral 8x7B (rank 0 of 32, about 10 s here on meta tensors) and the DeepSeek-V3-sized MoE (rank 128 of
-    2048, a pipeline rank of MoE layers, about 5 s) at their published layouts: every figure the planner's."""
+    """Mixtral 8x7B (rank 0 of 32, about 10 s here on meta tensors), the DeepSeek-V3-sized MoE (rank 128 of 2048,
+    a pipeline rank of MoE layers, about 5 s) and Qwen3-30B-A3B (rank 7 of 8: the last stage's, TP 4 x EP 4, about
+    20 s) at their published layouts: every figure the planner's."""
     argv = list(row.model) + list(row.layout) + ["--train-iters", "1", "--lr", "1e-4", "--mock-data"]
     try:
         run = run_config(parse_args(argv), row.world)
