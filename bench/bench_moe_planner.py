@@ -1,11 +1,11 @@
 """The planner's rows for the published MoE layouts (`mpzero.planner.published.PUBLISHED_MOE`: Mixtral 8x7B at
-Megatron's TP 1 x PP 4 x EP 8, a DeepSeek-V3-sized MoE at DeepSeek's PP 16 x EP 64 with ZeRO-1), on H100-80GB
-(989 TF/s dense bf16): the device peak of the largest pipeline rank with the activations planned at the dropless
-worst case and at balanced routing, the EP, DP and pipeline bytes, the cost model's seconds per iteration; then
-`pretrain_gpt.py --dry-run` of each row's listed ranks (one process each), whose `planner |` line must say
-`equal`, with its time and peak RSS.
+Megatron's TP 1 x PP 4 x EP 8, a DeepSeek-V3-sized MoE at DeepSeek's PP 16 x EP 64 with ZeRO-1, Qwen3-30B-A3B at
+Megatron-Bridge's TP 4 x PP 2 x EP 4), on H100-80GB (989 TF/s dense bf16): the device peak of the largest pipeline
+rank with the activations planned at the dropless worst case and at balanced routing, the EP, DP and pipeline
+bytes, the cost model's seconds per iteration; then `pretrain_gpt.py --dry-run` of each row's listed ranks (one
+process each), whose `planner |` line must say `equal`, with its time and peak RSS.
 
-    python bench/bench_moe_planner.py               # about 3 minutes on a 2-core machine
+    python bench/bench_moe_planner.py               # about 2 minutes on a 2-core machine
     python bench/bench_moe_planner.py --no-dry-run  # the planner's figures alone, about 1 minute
 """
 

@@ -33,6 +33,7 @@ SIGMOID_BIAS_GROUPS = ["--moe-router-score-function", "sigmoid", "--moe-router-e
 SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]
 GROUPED = ["--moe-grouped-gemm"]
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
+SCALED = ["--moe-router-topk-scaling-factor", "2.5"]  # the gates x 2.5: the weighting keeps a scaled copy
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
 
@@ -71,8 +72,9 @@ def _assert_exact(lines: list[str], moe_layers_per_rank: int) -> None:
     (2, ep(2) + FULL_BLOCK, 1),
     (2, ep(2) + SIGMOID_BIAS_GROUPS + GROUPED, 2),
     (2, ep(2) + CAPACITY, 2),
+    (2, ep(2) + SCALED, 2),
 ], ids=["ep1", "ep2-alltoall", "ep2-allgather-selective", "llama-top1-shared-tp2-sp-ep2", "ep2-full-block",
-        "ep2-sigmoid-bias-groups-grouped-gemm", "ep2-capacity"])
+        "ep2-sigmoid-bias-groups-grouped-gemm", "ep2-capacity", "ep2-topk-scaling"])
 def test_moe_layers_count_equals_formula(world, argv, moe_layers):
     _assert_exact(_activation_lines(world, argv), moe_layers)
 
@@ -98,11 +100,14 @@ def test_moe_layers_count_equals_formula(world, argv, moe_layers):
     (4, LLAMA + TP2_SP + ep(2) + CAPACITY + ["--moe-router-pre-softmax"], 2),
     (4, TP2_SP + ep(2) + ["--expert-tensor-parallel-size", "1", "--moe-router-score-function", "sigmoid",
                           "--moe-expert-capacity-factor", "0.5"], 2),
+    (2, ep(2) + ALLGATHER + SCALED + ["--moe-router-score-function", "sigmoid"], 2),
+    (1, SCALED + ["--moe-router-topk", "1", "--moe-router-pre-softmax"], 2),
 ], ids=["llama-allgather-ep1", "bf16-top1-shared", "fp64-router-ep2", "llama-shared-selective-ep2",
         "allgather-full-uniform", "tp2-sp-ep2-etp1", "llama-tp2-sp-ep2-allgather-top1-shared",
         "bf16-tp2-sp-etp1-selective", "pp2-ep2", "b1-shared", "sigmoid-bias-groups-allgather-ep2",
         "groups-seq-aux-grouped-gemm", "llama-tp2-sp-ep2-sigmoid-seq-aux-grouped", "sigmoid-top1-ep2",
-        "capacity-position-allgather-ep2", "llama-tp2-sp-ep2-capacity-pre-softmax", "tp2-sp-etp1-capacity-sigmoid"])
+        "capacity-position-allgather-ep2", "llama-tp2-sp-ep2-capacity-pre-softmax", "tp2-sp-etp1-capacity-sigmoid",
+        "scaling-allgather-sigmoid-ep2", "scaling-pre-softmax-top1"])
 def test_moe_layouts_count_equals_formula(world, argv, moe_layers):
     _assert_exact(_activation_lines(world, argv), moe_layers)
 

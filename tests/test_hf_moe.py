@@ -292,6 +292,7 @@ def test_expert_tensors_fused_missing_extra_or_misshapen(tmp_path, case, message
 @pytest.mark.parametrize("flags, message", [
     (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function sigmoid (HF: softmax)"),
     (["--moe-layer-freq", "2"], "dense layers (--moe-layer-freq; Mixtral: every layer MoE)"),
+    (["--moe-router-topk-scaling-factor", "2.5"], "--moe-router-topk-scaling-factor 2.5 (HF: gates unscaled)"),
 ])
 def test_an_moe_hf_cannot_compute_is_refused_by_export(tmp_path, flags, message):
     checkpoint = str(tmp_path / "ckpt")

@@ -21,6 +21,9 @@ def test_megatrons_defaults():
             model.moe_aux_loss_coeff, model.moe_z_loss_coeff, model.moe_expert_capacity_factor,
             model.moe_token_dispatcher_type, model.moe_layer_freq, model.expert_ffn_size) == (
         2, "softmax", "aux_loss", 0.0, None, None, "allgather", 1, 4 * 32)
+    assert model.moe_router_topk_scaling_factor is None  # Megatron's default: the gates unscaled
+    assert run_config(parse_args(TINY + MOE + ["--moe-router-topk-scaling-factor", "2.5"]),
+                      1).model.moe_router_topk_scaling_factor == 2.5
     run = run_config(parse_args(TINY + MOE + ["--expert-model-parallel-size", "2"]), 2)
     assert run.parallel.sizes.ep == 2 and run.parallel.sizes.expert_tp == 1
 
@@ -65,6 +68,8 @@ def test_moe_layer_freq_is_never_evaluated(text):
      "--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported yet"),
     (MOE + ["--moe-expert-capacity-factor", "0"], 1, "moe-expert-capacity-factor 0"),
     (MOE + ["--moe-aux-loss-coeff", "-1"], 1, "moe-aux-loss-coeff -1"),
+    (MOE + ["--moe-router-topk-scaling-factor", "0"], 1, "moe-router-topk-scaling-factor 0"),
+    (["--moe-router-topk-scaling-factor", "2.5"], 1, "--moe-router-topk-scaling-factor needs --num-experts"),
 ])
 def test_each_bad_combination_is_one_line(flags, world, message):
     with pytest.raises(ConfigError) as error:
@@ -88,6 +93,7 @@ def test_the_command_line_says_one_line(flags, message):
 @pytest.mark.parametrize("text,message", [
     ("num-experts: 4\nmoe-router-topk: 9\n", "--moe-router-topk 9 must lie between 1 and --num-experts 4"),
     ("num-experts: 4\nmoe-token-drop-policy: random\n", "moe-token-drop-policy"),
+    ("num-experts: 4\nmoe-router-topk-scaling-factor: -2.5\n", "moe-router-topk-scaling-factor"),
     ("num-experts: 4\nmoe-layer-freq: \"[1,0]\"\n", None),
 ])
 def test_config_file_values_are_checked_like_the_flags(tmp_path, text, message):

@@ -23,6 +23,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights"]
+SCALED = ["--moe-router-topk-scaling-factor", "2.5"]  # DeepSeek-V3's routed_scaling_factor
 SHARED_SIGMOID = ["--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid"]
 
 
@@ -55,7 +56,9 @@ def _assert_matches_one_process(world: int, model: list[str], layout: list[str])
     (2, [], ep(2, "--moe-token-dispatcher-type", "allgather", "--zero-stage", "1")),
     (2, ["--moe-expert-capacity-factor", "1.0"], ep(2, "--zero-stage", "2")),
     (4, [], ep(2, "--pipeline-model-parallel-size", "2")),
-], ids=["ep2", "llama-shared-sigmoid-ep4-zero3", "tp2-ep2-sp", "allgather-zero1", "capacity-zero2", "pp2-ep2"])
+    (2, SCALED, ep(2)),
+], ids=["ep2", "llama-shared-sigmoid-ep4-zero3", "tp2-ep2-sp", "allgather-zero1", "capacity-zero2", "pp2-ep2",
+        "topk-scaling-ep2"])
 def test_expert_parallel_layouts_match_one_process(world, model, layout):
     _assert_matches_one_process(world, model, layout)
 
@@ -87,6 +90,8 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
     (2, ["--moe-router-dtype", "fp64"], ep(2)),
     (2, ["--moe-grouped-gemm"], ep(2)),
     (4, LLAMA + SHARED_SIGMOID, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
+    (4, LLAMA + SHARED_SIGMOID + SCALED + ["--moe-router-enable-expert-bias"],
+     ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1")),
     (4, LLAMA + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-expert-capacity-factor", "0.75"],
      ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
     (4, LLAMA, ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations")),
@@ -97,11 +102,19 @@ def test_expert_parallel_layouts_match_one_process(world, model, layout):
 ], ids=["zero0", "zero1", "zero2", "zero3", "ep4", "offload-optimizer", "zero2-offload-optimizer",
                                                               "zero3-offload-params", "tp2-etp2-ep2", "tp2-etp1-ep1", "top1",
         "top8", "expert-bias", "seq-aux-loss", "group-limited", "capacity-position", "layer-freq", "full-recompute",
-        "allgather-ep4", "pp2-zero-bubble", "router-fp64", "grouped-gemm", "tp2-sp-shared", "tp2-sp-seq-aux-capacity",
+        "allgather-ep4", "pp2-zero-bubble", "router-fp64", "grouped-gemm", "tp2-sp-shared",
+        "tp2-sp-etp1-shared-sigmoid-bias-scaling", "tp2-sp-seq-aux-capacity",
         "tp2-sp-selective", "full-block", "offload-activations",
         "pp2-interleaved-ep2"])
 def test_expert_parallel_compositions_match_one_process(world, model, layout):
     _assert_matches_one_process(world, model, layout)
+
+
+def test_the_topk_scaling_factor_changes_what_is_trained():
+    """2.5 x every gate (DeepSeek-V3's routed_scaling_factor): the experts' share of each layer's output and so the
+    losses differ from the unscaled run's (the EP 2 run of `topk-scaling-ep2` equals this one process)."""
+    scaled, plain = _reference(BASE + SCALED)["losses"], _reference(BASE)["losses"]
+    assert len(scaled) == len(plain) and all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(scaled, plain))
 
 
 FIGURES = re.compile(r"load_balancing_loss: (\S+) \| z_loss: (\S+) \|")

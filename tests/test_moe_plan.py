@@ -2,7 +2,8 @@
 
 - The dry run routes balanced (slot i of a rank's slots to expert i mod E: `mpzero.moe.balanced_routing`, only
   there) and runs the real dispatch, experts and ZeRO code; every figure it counts (model states, the ZeRO peak
-  and construction, DP, TP, EP and pipeline bytes, activations) equals the planner's at the same layout.
+  and construction, DP, TP, CP, EP and pipeline bytes, activations) equals the planner's at the same layout, with
+  context parallelism too (tests/test_moe_plan_context.py has its other checks).
 - The model-state and DP lines do not depend on the routing: a real 4-rank gloo run prints the dry run's lines
   character for character, so the planner's expert bytes are training's counted ones.
 - tools/plan_memory.py enumerates EP and expert-TP for a model with experts, states the routing it plans with.
@@ -31,6 +32,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding",
          "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2", "--attention-dropout", "0"]
+EP2 = ["--expert-model-parallel-size", "2"]
 
 
 def _dry(argv: list[str], world: int, rank: int) -> dict:
@@ -56,6 +59,10 @@ FAST = {
                                                  "--recompute-num-layers", "1"], 4, 3),
     "pp2-ep2": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--zero-stage", "1"],
                 4, 3),
+    # context parallelism: each CP rank routes its s/CP tokens; the counts' all-reduce on the cp comm line
+    "cp2-ep2": (CP2 + EP2 + ["--zero-stage", "1"], 4, 1),
+    "tp2-cp2-ep2-sp": (TP2 + LLAMA + CP2 + EP2 + ["--zero-stage", "1"], 8, 5),
+    "cp2-pp2-ep2": (CP2 + EP2 + ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 8, 5),
 }
 PRODUCT = {
     "ep2-zero0": (["--expert-model-parallel-size", "2", "--zero-stage", "0"], 4, 0),
@@ -78,6 +85,16 @@ PRODUCT = {
                                             "--moe-router-group-topk", "1", "--moe-layer-freq", "[0,1]"], 4, 1),
     "capacity-1": (["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0"], 4, 1),
     "top3-uneven": (["--expert-model-parallel-size", "2", "--moe-router-topk", "3"], 4, 1),  # D k = 96: 24 each
+    "tp2-cp2-ep2-etp1-seq-aux-zero3": (TP2 + LLAMA + CP2 + EP2 + ["--expert-tensor-parallel-size", "1",
+                                                                 "--moe-router-load-balancing-type", "seq_aux_loss",
+                                                                 "--zero-stage", "3"], 8, 6),
+    "cp2-all-gather-ep4-allgather-sigmoid-bias-full": (
+        LLAMA + CP2 + ["--cp-comm-type", "all_gather", "--expert-model-parallel-size", "4",
+                       "--moe-token-dispatcher-type", "allgather", "--moe-router-score-function", "sigmoid",
+                       "--moe-router-enable-expert-bias", "--recompute-granularity", "full", "--recompute-method",
+                       "uniform", "--recompute-num-layers", "1", "--zero-stage", "2"], 4, 3),
+    "cp2-a2a-ep2-shared-zero2": (CP2 + EP2 + ["--cp-comm-type", "a2a", "--moe-shared-expert-intermediate-size",
+                                              "32", "--zero-stage", "2"], 4, 2),
 }
 
 
@@ -87,6 +104,7 @@ def test_dry_run_with_experts_equals_the_planner(argv, world, rank):
     assert result["equal"], _different(result)
     names = {name for name, _, _ in result["checks"]}
     assert {"model-state bytes", "DP bytes/iter", "activation bytes", "EP bytes/iter"} <= names
+    assert ("CP bytes/iter" in names) == ("--context-parallel-size" in argv)
 
 
 @pytest.mark.product
@@ -159,10 +177,12 @@ def test_the_planners_layout_dry_runs_equal():
 
 
 @pytest.mark.product
-@pytest.mark.parametrize("row,rank", [(PUBLISHED_MOE[0], 0), (PUBLISHED_MOE[1], 128)], ids=["mixtral", "deepseek-v3"])
+@pytest.mark.parametrize("row,rank", [(PUBLISHED_MOE[0], 0), (PUBLISHED_MOE[1], 128), (PUBLISHED_MOE[2], 7)],
+                         ids=["mixtral", "deepseek-v3", "qwen3-30b-a3b"])
 def test_published_moe_layouts_dry_run_equal(row, rank):
-    """Mixtral 8x7B (rank 0 of 32, about 30-55 s here) and the DeepSeek-V3-sized MoE (rank 128 of 2048, a pipeline
-    rank of MoE layers, about 10-20 s) at their published layouts: every figure the planner's."""
+    """Mixtral 8x7B (rank 0 of 32, about 10 s here on meta tensors), the DeepSeek-V3-sized MoE (rank 128 of 2048,
+    a pipeline rank of MoE layers, about 5 s) and Qwen3-30B-A3B (rank 7 of 8: the last stage's, TP 4 x EP 4, about
+    20 s) at their published layouts: every figure the planner's."""
     argv = list(row.model) + list(row.layout) + ["--train-iters", "1", "--lr", "1e-4", "--mock-data"]
     try:
         run = run_config(parse_args(argv), row.world)

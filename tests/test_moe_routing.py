@@ -66,6 +66,24 @@ def test_top_k_matches_the_definitions(k, score, pre_softmax, groups, bias):
         assert [float(probs[t, j]) for j in got] == pytest.approx([gates[j] for j in order], rel=1e-12)
 
 
+@pytest.mark.parametrize("k,score,pre_softmax,bias", [(2, "softmax", False, False), (3, "softmax", True, False),
+                                                      (4, "sigmoid", False, True), (1, "sigmoid", False, False)],
+                         ids=["softmax-top2", "pre-softmax-top3", "sigmoid-bias-top4", "sigmoid-top1"])
+def test_the_topk_scaling_factor_multiplies_the_normalised_gates(k, score, pre_softmax, bias):
+    """Megatron's --moe-router-topk-scaling-factor (DeepSeek-V3's routed_scaling_factor 2.5): each gate, after its
+    normalisation, times the factor, whatever the score function; the choice is unchanged."""
+    logits = _logits(2)
+    expert_bias = torch.linspace(-0.3, 0.3, E, dtype=torch.float64) if bias else None
+    probs, indices = top_k(logits, k, score, pre_softmax, None, None, expert_bias, scaling_factor=2.5)
+    for t in range(T):
+        gates, chosen = _reference_top_k(logits[t].tolist(), k, score, pre_softmax,
+                                         expert_bias.tolist() if bias else None)
+        order = sorted(range(k), key=lambda j: chosen[j])
+        got = sorted(range(k), key=lambda j: int(indices[t, j]))
+        assert [int(indices[t, j]) for j in got] == [chosen[j] for j in order]
+        assert [float(probs[t, j]) for j in got] == pytest.approx([2.5 * gates[j] for j in order], rel=1e-12)
+
+
 def test_the_expert_bias_steers_the_choice_not_the_gates():
     logits = _logits(1)
     bias = torch.zeros(E, dtype=torch.float64)

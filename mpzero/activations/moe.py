@@ -67,6 +67,7 @@ class MoEShape:
     bias: bool = False  # the experts' biases (--add-bias-linear)
     capacity_factor: float | None = None  # --moe-expert-capacity-factor; None: dropless
     unmodeled: str | None = None  # why the terms are not modeled for this configuration
+    scaled: bool = False  # --moe-router-topk-scaling-factor: the gates times it (a tensor of their own)
 
     @property
     def local_experts(self) -> int:
@@ -90,7 +91,7 @@ def moe_shape(config, ep: int, etp: int, grouped_gemm: bool = False) -> MoEShape
                     balancing == "seq_aux_loss",
                     grouped_gemm, config.add_bias_linear, config.moe_expert_capacity_factor,
                     ("mixture-of-experts layers with " + ", ".join(why) + " are not modeled yet (issue 44)")
-                    if why else None)
+                    if why else None, config.moe_router_topk_scaling_factor is not None)
 
 
 def dispatched_tokens(st, moe: MoEShape) -> int:
@@ -131,6 +132,8 @@ def routing_terms(st, moe: MoEShape) -> list[Term]:
     local = local and moe.capacity_factor is None  # else the weighting keeps the kept gates (dispatch_terms)
     if local or not (moe.sigmoid or moe.pre_softmax):  # the post-top-k softmax keeps its output; other gates
         terms.append(Term("top-k gates", f"{r}Tk", r * t * k))  # are kept by the weighting, when local
+    if local and moe.scaled and not (moe.sigmoid or moe.pre_softmax):  # the weighting keeps the scaled copy
+        terms.append(Term("scaled top-k gates", f"{r}Tk", r * t * k))
     if moe.z_loss:
         terms.append(Term("z-loss logits and logsumexp", f"{r}T(E + 1)", r * t * (n + 1)))
     if moe.aux_loss:

@@ -24,8 +24,7 @@ The disk offload tier would write files: refused here, planned by the planner.
 A mixture of experts routes by the data, and these tensors hold none: the dry run states a routing, balanced (slot
 i of a rank's D k slots to expert i mod E, `mpzero.moe.balanced_routing`, used only here), runs the real dispatch,
 experts and ZeRO code on its split sizes, prints `moe routing` and `moe comm` (EP bytes against the planner's at that
-routing), and compares the activations at it; it runs on fake tensors (on meta tensors the saved-tensor counter
-counted more per MoE layer than a real run keeps).
+routing), and compares the activations at it.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | None = None) -> dict:
     """Rank `rank` of a `world_size`-rank job: two iterations on tensors without data (`engine` "meta" or "fake";
-    by default fake where a tier is offloaded to host memory or the model has experts, else meta), the run's lines
+    by default fake where a tier is offloaded to host memory, else meta), the run's lines
     and the planner's; a mixture of experts routed balanced (`mpzero.moe.balanced_routing`).
     Returns {"memory", "memory_at_start", "comm", "tp_comm", "activations", "plan", "plan_tp_comm",
     "plan_activations", "checks", "equal", "max_rss", "seconds"}."""
@@ -91,8 +90,8 @@ def dry_run(run: RunConfig, provider, world_size: int, rank: int, engine: str | 
     if dist.is_initialized():
         raise ConfigError("--dry-run makes its own (fake) process group: run it as plain python, not under torchrun "
                           "or inside a process that already has one")
-    if engine is None:  # experts: on meta the saved-tensor counter sees more than a real run keeps (fake: equal)
-        engine = "fake" if run.offload.enabled or run.model.num_experts else "meta"
+    if engine is None:  # an offload tier's device<->host copies are the CPU's only on fake tensors (planner.fake)
+        engine = "fake" if run.offload.enabled else "meta"
     dist.init_process_group("fake", rank=rank, world_size=world_size)  # torch supplies its FakeStore
     groups = run.parallel.join()
     training = run.training

@@ -54,6 +54,7 @@ RANGES = {
     "moe_z_loss_coeff": (0.0, True, None, False), "moe_router_bias_update_rate": (0.0, True, None, False),
     "moe_shared_expert_intermediate_size": (1, True, None, False),
     "moe_expert_capacity_factor": (0.0, False, None, False),
+    "moe_router_topk_scaling_factor": (0.0, False, None, False),
     **{dest: bounds for rule in RULES.values() for dest, bounds in rule.flag_ranges.items()},  # each rule's own
 }
 

@@ -38,7 +38,6 @@ NOT_IN_MPZERO: dict[str, str] = {
     "--moe-shared-expert-overlap": _EXPERTS_OVERLAP,
     "--overlap-moe-expert-parallel-comm": _EXPERTS_OVERLAP,
     "--moe-use-upcycling": "upcycling a dense checkpoint into experts is not in mpzero: train the MoE from scratch",
-    "--moe-router-topk-scaling-factor": "the gates are not scaled in mpzero (a factor of 1): drop the flag",
     "--moe-permute-fusion": _FUSION,
     "--moe-enable-deepep": "the flex dispatcher (DeepEP) is not in mpzero: use --moe-token-dispatcher-type alltoall",
     "--model-parallel-size": "Megatron's old name: use --tensor-model-parallel-size",

@@ -49,6 +49,9 @@ def moe_flags(p: argparse.ArgumentParser) -> None:
                      default=GPTConfig.moe_router_score_function)
     moe.add_argument("--moe-router-pre-softmax", action="store_true",
                      help="the softmax over all experts before the top-k (default: over the k chosen logits)")
+    moe.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                     help="the routed experts' gates multiplied by this after their normalisation (DeepSeek-V3's "
+                          "routed_scaling_factor 2.5; default: not scaled)")
     moe.add_argument("--moe-router-num-groups", type=int, default=None,
                      help="expert groups of group-limited routing (DeepSeek's device/node limit)")
     moe.add_argument("--moe-router-group-topk", type=int, default=None,

@@ -19,6 +19,7 @@ import torch
 
 from mpzero.context_parallel.blocks import block_backward, block_forward, statistics_dtype
 from mpzero.errors import ConfigError
+from mpzero.fused import planned_device_type
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -28,6 +29,7 @@ def block_kernel(asked: str, device_type: str) -> str:
     """"flash" or "local" for `--attention-backend asked` under --cp-comm-type p2p or all_gather."""
     if asked in ("local", "unfused"):
         return "local"
+    device_type = planned_device_type(device_type)  # the dry run's meta tensors run the CPU's kernels
     if device_type == "cpu" and asked in ("auto", "flash"):
         return "flash"
     if device_type != "cpu" and asked == "auto":

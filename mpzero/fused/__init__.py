@@ -6,8 +6,9 @@ torch's fused attention kernels take a run's attention."""
 from mpzero.fused.adam import ADAMW_DEVICE_SKIP_IMPLS, adamw_reference, adamw_step
 from mpzero.fused.adam_scalars import ADAMW_MASKED_IMPLS, adamw_masked_step, adamw_scalars, pick_row
 from mpzero.fused.cross_entropy import CrossEntropyMath, chunked_forward, cross_entropy_math
-from mpzero.fused.impl import (ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_impl,
-                               resolve_attention_backend, resolve_impl, resolved_impls, triton_available)
+from mpzero.fused.impl import (ATTENTION_BACKENDS, IMPLS, planned_attention_backend, planned_device_type,
+                               planned_impl, resolve_attention_backend, resolve_impl, resolved_impls,
+                               triton_available)
 from mpzero.fused.layer_norm import layer_norm, layer_norm_reference
 from mpzero.fused.rms_norm import rms_norm, rms_norm_reference
 from mpzero.fused.sdpa import AttentionShape, fused_attention_refusal
@@ -20,7 +21,8 @@ __all__ = [
     "adamw_reference", "adamw_scalars", "adamw_step", "AttentionShape", "pick_row",
     "chunked_forward",
     "cross_entropy_math", "CrossEntropyMath", "fused_attention_refusal", "fused_softmax_supported", "layer_norm",
-    "layer_norm_reference", "planned_attention_backend", "planned_impl", "resolve_attention_backend", "resolve_impl",
+    "layer_norm_reference", "planned_attention_backend", "planned_device_type", "planned_impl",
+    "resolve_attention_backend", "resolve_impl",
     "resolved_impls", "rms_norm", "rms_norm_reference", "scaled_masked_softmax", "scaled_masked_softmax_reference",
     "sum_of_squares", "sum_of_squares_bytes", "sum_of_squares_reference", "triton_available",
 ]

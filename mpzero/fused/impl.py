@@ -130,6 +130,13 @@ def planned_impl(op: str, device: torch.device | str, impl: str = "auto") -> str
     return (CUDA_CHOICE if torch.device(device).type == "cuda" else CPU_CHOICE)[op]
 
 
+def planned_device_type(device: torch.device | str) -> str:
+    """The device type whose kernels `device` stands for: the dry run's meta tensors stand for a CPU run
+    (`mpzero.planner.fake`), as its fake tensors (device cpu) do; any other device for itself."""
+    device_type = torch.device(device).type
+    return "cpu" if device_type == "meta" else device_type
+
+
 def planned_attention_backend(backend: str, device: torch.device | str, *, dropout: float) -> str:
     """What `backend` means on a device of `device`'s type for attention with `dropout` (one of flash, fused,
     unfused, local), without requiring it runnable there (a CPU machine plans a CUDA run)."""
@@ -137,7 +144,8 @@ def planned_attention_backend(backend: str, device: torch.device | str, *, dropo
         raise ConfigError(f"--attention-backend {backend} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if backend != "auto":
         return backend
-    return (ATTENTION_CHOICE_WITH_DROPOUT if dropout > 0 else ATTENTION_CHOICE).get(torch.device(device).type, "local")
+    return (ATTENTION_CHOICE_WITH_DROPOUT if dropout > 0 else ATTENTION_CHOICE).get(planned_device_type(device),
+                                                                                    "local")
 
 
 def resolve_attention_backend(backend: str, device: torch.device | str, *, dropout: float) -> str:

@@ -121,6 +121,8 @@ def check_routing_exportable(config: GPTConfig, hf_class: str) -> None:
         (bool(config.moe_router_group_topk), "group-limited routing (--moe-router-group-topk)"),
         (bool(config.moe_shared_expert_intermediate_size), "shared experts"),
         (config.add_bias_linear, "biases (HF's experts have none: --disable-bias-linear)"),
+        (config.moe_router_topk_scaling_factor is not None,
+         f"--moe-router-topk-scaling-factor {config.moe_router_topk_scaling_factor} (HF: gates unscaled)"),
     ]
     for bad, what in unsupported:
         if bad:

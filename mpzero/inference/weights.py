@@ -31,7 +31,8 @@ OPTIONAL = ("layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_
             "add_position_embedding", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
             "add_bias_linear", "qk_layernorm", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
             "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
-            "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
+            "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+            "moe_router_topk_scaling_factor")
 
 
 def gpt_config_from_meta(meta: dict, directory: str) -> GPTConfig:

@@ -70,6 +70,7 @@ class TransformerArchitecture:
     moe_router_num_groups: int | None = None  # --moe-router-num-groups: expert groups for group-limited routing
     moe_router_group_topk: int | None = None  # --moe-router-group-topk: groups each token may use
     moe_router_enable_expert_bias: bool = False  # --moe-router-enable-expert-bias: aux-loss-free balancing bias
+    moe_router_topk_scaling_factor: float | None = None  # --moe-router-topk-scaling-factor: gates x it; None: x 1
     moe_shared_expert_intermediate_size: int | None = None  # --moe-shared-expert-intermediate-size
 
     @property
@@ -168,7 +169,8 @@ class TransformerArchitecture:
                  "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu", "normalization",
                  "swiglu", "rotary_base", "rotary_percent", "add_bias_linear", "qk_layernorm", "num_experts",
                  "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups",
-                 "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
+                 "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+                 "moe_router_topk_scaling_factor")
         position = ("learned_absolute" if self.learned_positions
                     else "rope" if self.position_embedding_type == "rope" else "none")
         arch = {**{name: getattr(self, name) for name in names}, "ffn_hidden_size": self.ffn_size,

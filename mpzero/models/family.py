@@ -84,7 +84,8 @@ MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_route
               "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
               "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type",
               "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_router_dtype",
-              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm")
+              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm",
+              "moe_router_topk_scaling_factor")
 
 
 def transformer_tp_comm_bytes(config: GPTConfig, tp: int, micro_batch: int, seq: int, p: int,

@@ -94,6 +94,8 @@ def _no_moe_flags(config) -> None:
         raise ConfigError("--moe-ffn-hidden-size needs --num-experts (a dense model has no experts)")
     if config.moe_shared_expert_intermediate_size is not None:
         raise ConfigError("--moe-shared-expert-intermediate-size needs --num-experts")
+    if config.moe_router_topk_scaling_factor is not None:
+        raise ConfigError("--moe-router-topk-scaling-factor needs --num-experts")
 
 
 def _check_sizes(config, tp_size: int) -> None:
@@ -124,6 +126,9 @@ def _check_router(config) -> None:
     if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias supports the sigmoid score function only (Megatron's "
                           "rule): add --moe-router-score-function sigmoid")
+    scaling = config.moe_router_topk_scaling_factor
+    if scaling is not None and not scaling > 0:
+        raise ConfigError(f"--moe-router-topk-scaling-factor {scaling} must be positive (omit it for gates unscaled)")
     if config.moe_router_bias_update_rate < 0:
         raise ConfigError(f"--moe-router-bias-update-rate {config.moe_router_bias_update_rate} must not be negative")
     groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk

@@ -61,6 +61,7 @@ class MoESettings:
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     dispatcher: str = "allgather"
+    scaling_factor: float | None = None  # --moe-router-topk-scaling-factor
 
     @staticmethod
     def of(config) -> MoESettings:
@@ -68,7 +69,7 @@ class MoESettings:
                            config.moe_router_pre_softmax, config.moe_router_num_groups, config.moe_router_group_topk,
                            config.moe_router_load_balancing_type, config.moe_aux_loss_coeff, config.moe_z_loss_coeff,
                            config.moe_expert_capacity_factor, config.moe_token_drop_policy,
-                           config.moe_token_dispatcher_type)
+                           config.moe_token_dispatcher_type, config.moe_router_topk_scaling_factor)
 
 
 def _gather(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
@@ -98,7 +99,8 @@ class MoELayer(nn.Module):
         tokens = x.transpose(0, 1).reshape(-1, h)  # sequence-major, this rank's slice under SP
         logits = self.router(tokens)
         probs, indices = top_k(logits, self.settings.topk, self.settings.score_function, self.settings.pre_softmax,
-                               self.settings.num_groups, self.settings.group_topk, self.router.expert_bias)
+                               self.settings.num_groups, self.settings.group_topk, self.router.expert_bias,
+                               self.settings.scaling_factor)
         recording = self.training and torch.is_grad_enabled()
         losses = self._auxiliary_losses(logits, b) if recording else []
         routing = self._micro_batch_routing(probs, indices)

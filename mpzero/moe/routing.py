@@ -7,7 +7,9 @@ drop, the Switch load-balancing loss and the z-loss. Tokens are rows: [T, E] log
   chosen when k > 1; the expert bias (aux-loss-free balancing, sigmoid only as in Megatron) is added for the choice
   alone, the gate values come from the unbiased scores. Group-limited routing (DeepSeek's device/node-limited
   choice): the experts are cut into `num_groups` equal groups, each group scored by the sum of its top k/group_topk
-  scores, and the k experts are chosen within the `group_topk` best groups.
+  scores, and the k experts are chosen within the `group_topk` best groups. `scaling_factor` (Megatron's
+  --moe-router-topk-scaling-factor, DeepSeek-V3's routed_scaling_factor): the gate values, normalised or not, are
+  multiplied by it last, whatever the score function (None: not scaled).
 - `drop_to_capacity`: each expert keeps at most ceil(T k / E x capacity factor) of its tokens: those with the
   highest gate ("probs") or the earliest ("position", tokens in Megatron's sequence-major order).
 - `switch_aux_loss`: E coeff / (k T^2) x sum_i (sum_t p_ti) c_i (Switch Transformer's E sum_i f_i P_i with
@@ -37,8 +39,14 @@ class Routing:
 
 def top_k(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_softmax: bool = False,
           num_groups: int | None = None, group_topk: int | None = None,
-          expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          expert_bias: torch.Tensor | None = None,
+          scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate values [T, k], expert indices [T, k]) of the logits (module docstring)."""
+    gates, indices = _gates(logits, k, score_function, pre_softmax, num_groups, group_topk, expert_bias)
+    return (gates if scaling_factor is None else gates * scaling_factor), indices
+
+
+def _gates(logits, k: int, score_function: str, pre_softmax: bool, num_groups, group_topk, expert_bias):
     if score_function == "softmax":
         if pre_softmax:
             return _choose(torch.softmax(logits, dim=-1), k, num_groups, group_topk)

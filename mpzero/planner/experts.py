@@ -99,10 +99,12 @@ def moe_tp_comm_bytes(config, tp: int, micro_batch: int, seq: int, p: int, micro
     gathered and the outputs reduce-scattered, mirrored in backward (4B); shared experts: a dense MLP's 5B (+ 2hp
     with biases). Full recomputation's first pass (without gradients: no load-balancing counts) gathers the gates
     and indices again (T k r + 8 T k), and the tokens (2B, split experts) and the shared experts' (2B), in place
-    of the dense MLP's 2B. All times (t-1)/t; T = s b, the micro-batch's tokens."""
+    of the dense MLP's 2B. All times (t-1)/t; T = s b, the micro-batch's tokens on this rank (s/CP under context
+    parallelism: each CP rank routes its own)."""
     if tp == 1 or not config.num_experts:
         return 0.0
     h, k, n, b = config.hidden_size, config.moe_router_topk, config.num_experts, micro_batch
+    seq //= config.context_parallel_size
     tokens, big_b = seq * b, micro_batch * seq * h * p
     r = 8 if config.moe_router_dtype == "fp64" else 4
     split, shared = (tp if etp is None else etp) > 1, bool(config.moe_shared_expert_intermediate_size)

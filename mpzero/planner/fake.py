@@ -20,7 +20,13 @@ What the code does that data-less tensors do not support as-is is handled here, 
 - (meta) `torch.distributed.batch_isend_irecv` (a pipeline's point-to-point transfers) asks the process group for
   its backend on the tensors' device, and torch's fake backend registers none for meta: meta tensors' sends and
   receives are posted one by one, as torch itself posts them for a backend that does not coalesce (the fake
-  backend takes `isend`/`irecv` of meta tensors; CPU and fake tensors keep the batched call).
+  backend takes `isend`/`irecv` of meta tensors; CPU and fake tensors keep the batched call);
+- (meta) `F.scaled_dot_product_attention`: torch's kernel choice has no meta case and takes the math path (explicit
+  [s, s] scores and probabilities saved for backward) where a CPU takes its flash kernel (the output and log-sum-exp
+  saved): meta tensors without dropout and mask go to the op the CPU's dispatcher picks then (the one
+  `mpzero.context_parallel.kernels` calls), with dropout or a mask to the math path as on a CPU. Without this the
+  saved-tensor counter counted the math path's [s, s] tensors, which a CPU run does not keep (7,680 B more per
+  layer of a 4-head model at s 16, b 2, fp32; with `auto` also resolved as an unknown device's local path, 16,128 B).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from itertools import chain
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 ENGINES = ("meta", "fake")
@@ -59,6 +66,8 @@ _tensor_tolist = torch.Tensor.tolist
 _module_to = nn.Module.to
 _set_rng_state = torch.set_rng_state
 _batch_isend_irecv = dist.batch_isend_irecv
+_sdpa = F.scaled_dot_product_attention
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def _item_or_zero(self: torch.Tensor):
@@ -92,6 +101,14 @@ def _batch_isend_irecv_on_meta(p2p_op_list: list) -> list:
     return [work for work in works if work]
 
 
+def _sdpa_as_on_a_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False):
+    if query.device.type != "meta" or attn_mask is not None or dropout_p > 0:
+        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+    return _CPU_FLASH(query, key, value, 0.0, is_causal, scale=scale)[0]  # grouped K/V taken as they are
+
+
 def engine_device(engine: str) -> torch.device:
     """The device the code is handed under `engine`: tensors are created there."""
     return torch.device("meta" if engine == "meta" else "cpu")
@@ -106,7 +123,7 @@ def no_data(engine: str = "meta"):
     try:
         if engine == "meta":
             torch.Tensor.item, torch.Tensor.tolist = _item_or_zero, _tolist_or_zeros
-            dist.batch_isend_irecv = _batch_isend_irecv_on_meta
+            dist.batch_isend_irecv, F.scaled_dot_product_attention = _batch_isend_irecv_on_meta, _sdpa_as_on_a_cpu
             with torch.device("meta"):
                 yield
         else:
@@ -116,7 +133,7 @@ def no_data(engine: str = "meta"):
     finally:
         torch.Tensor.item, torch.Tensor.tolist = _tensor_item, _tensor_tolist
         nn.Module.to, torch.set_rng_state = _module_to, _set_rng_state
-        dist.batch_isend_irecv = _batch_isend_irecv
+        dist.batch_isend_irecv, F.scaled_dot_product_attention = _batch_isend_irecv, _sdpa
 
 
 def fake_tensors():

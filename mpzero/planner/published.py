@@ -17,8 +17,8 @@ mpzero differs where it holds things elsewhere: offloaded, its gradients stay on
 host through bounded staging buffers (no fp32 gradient copy, no 1.5 factor: the buffers are counted exactly), and
 its in-step working set is (p + g)(R + 2L) (the root and two layers with prefetch, gradients in flight), not 4L.
 
-Published MoE layouts (`PUBLISHED_MOE`): Mixtral 8x7B and a DeepSeek-V3-sized MoE at their published layouts, the
-flags the planner and the dry run take (bench/bench_moe_planner.py, tests/test_moe_plan.py).
+Published MoE layouts (`PUBLISHED_MOE`): Mixtral 8x7B, a DeepSeek-V3-sized MoE and Qwen3-30B-A3B at their
+published layouts, the flags the planner and the dry run take (bench/bench_moe_planner.py, tests/test_moe_plan.py).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ MIXTRAL_8X7B = PublishedLayout(
     32, (0, 31), "Mistral's config; Megatron-LM examples/mixtral (TP 1, PP 4, EP 8)")
 
 # A DeepSeek-V3-sized MoE: 61 layers, h 7168, 128 heads, 256 routed experts of 2048 top-8 in 8 groups (top-4
-# groups), sigmoid scores with the expert bias, 1 shared expert of 2048, the first 3 layers dense (18432),
-# vocabulary 129280. Attention is GQA with 8 KV groups (MLA is not built); Megatron's
-# --moe-router-topk-scaling-factor (2.5) is not in mpzero; balancing: the expert bias and a sequence aux loss of 1e-4.
+# groups), sigmoid scores with the expert bias, the gates scaled by 2.5 (routed_scaling_factor), 1 shared expert of
+# 2048, the first 3 layers dense (18432), vocabulary 129280. Attention is GQA with 8 KV groups (MLA is not built);
+# balancing: the expert bias and a sequence aux loss of 1e-4.
 # DeepSeek's published layout PP 16 x EP 64 with ZeRO-1 over DP, 2048 GPUs (DP 128, expert-DP 2), global batch
 # 3072 (its first batch size); 61 layers as 3 + 14 x 4 + 2 (DeepSeek's own split used DualPipe, not in mpzero:
 # 1F1B here).
@@ -127,8 +127,9 @@ DEEPSEEK_V3_SIZED = PublishedLayout(
     ("--num-layers", "61", "--hidden-size", "7168", "--num-attention-heads", "128", "--group-query-attention",
      "--num-query-groups", "8", "--ffn-hidden-size", "18432", "--num-experts", "256", "--moe-router-topk", "8",
      "--moe-router-num-groups", "8", "--moe-router-group-topk", "4", "--moe-router-score-function", "sigmoid",
-     "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
-     "1e-4", "--moe-shared-expert-intermediate-size", "2048", "--moe-ffn-hidden-size", "2048", "--moe-layer-freq",
+     "--moe-router-topk-scaling-factor", "2.5", "--moe-router-enable-expert-bias",
+     "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+     "--moe-shared-expert-intermediate-size", "2048", "--moe-ffn-hidden-size", "2048", "--moe-layer-freq",
      "([0]*3+[1]*58)", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--vocab-size", "129280",
      "--seq-length", "4096", "--max-position-embeddings", "4096", "--normalization", "RMSNorm", "--swiglu",
      "--position-embedding-type", "rope", "--no-position-embedding", "--disable-bias-linear",
@@ -140,4 +141,25 @@ DEEPSEEK_V3_SIZED = PublishedLayout(
      "uniform", "--recompute-num-layers", "1"),
     2048, (0, 128, 2047), "DeepSeek-V3 technical report (arXiv 2412.19437): PP 16, EP 64, ZeRO-1")
 
-PUBLISHED_MOE = (MIXTRAL_8X7B, DEEPSEEK_V3_SIZED)
+# Qwen3-30B-A3B (its config.json: 48 layers, h 2048, 32 heads of 128 (--kv-channels 128), 4 KV groups, q/k norms,
+# 128 experts of 768 top-8 in every layer, softmax renormalised over the 8, vocabulary 151936, RoPE base 1e6,
+# router aux loss 1e-3) at Megatron-Bridge's recipe (qwen3_30b_a3b_pretrain_config: TP 4, PP 2, EP 4, expert-TP 1,
+# SP, full uniform recomputation of 1 layer, bf16, distributed optimizer, sequence 4096, micro-batch 2, global
+# batch 32) on its smallest world, 8 GPUs (DP 1: EP 4 folds over the 4 TP ranks of each stage, expert-DP 1).
+QWEN3_30B_A3B = PublishedLayout(
+    "Qwen3-30B-A3B",
+    ("--num-layers", "48", "--hidden-size", "2048", "--num-attention-heads", "32", "--kv-channels", "128",
+     "--group-query-attention", "--num-query-groups", "4", "--qk-layernorm", "--ffn-hidden-size", "6144",
+     "--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768", "--moe-aux-loss-coeff", "1e-3",
+     "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--vocab-size", "151936", "--seq-length",
+     "4096", "--max-position-embeddings", "40960", "--rotary-base", "1000000", "--normalization", "RMSNorm",
+     "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding", "--disable-bias-linear",
+     "--untie-embeddings-and-output-weights", "--bf16", "--attention-dropout", "0", "--hidden-dropout", "0",
+     "--global-batch-size", "32", "--micro-batch-size", "2"),
+    ("--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+     "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer",
+     "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"),
+    8, (0, 7), "Qwen3-30B-A3B config.json; Megatron-Bridge qwen3_30b_a3b_pretrain_config (TP 4, PP 2, EP 4)")
+
+PUBLISHED_MOE = (MIXTRAL_8X7B, DEEPSEEK_V3_SIZED, QWEN3_30B_A3B)
