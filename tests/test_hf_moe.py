@@ -4,13 +4,11 @@ hf_qwen3_moe.py) against the real transformers classes, built here from configs 
     MixtralForCausalLM loads with no missing or unexpected key; logits within 1e-4 (fp32, the issue's bound) and
     the same experts chosen at TP 1 x EP 1, EP 2 and TP 2 x EP 2 (expert-TP 1); tools/generate.py at EP 2 and TP 2 x
     EP 2 gives HF's greedy tokens; with --qk-layernorm, a dense layer and --moe-router-pre-softmax: Qwen3-MoE;
-  - with --kv-channels 12 (4 heads of 12 at hidden 32, as the published Qwen3-MoE's head_dim 128 at hidden 2048 and
-    32 heads) the Qwen3-MoE export's head_dim is 12, and a random Qwen3-MoE with head_dim 12 imports;
+  - --kv-channels 12 at hidden 32 (the published Qwen3-MoE's head_dim 128 != hidden/heads) exports and imports;
   - a randomly initialized local Mixtral and Qwen3-MoE (q/k norms, a dense first layer, top-k not renormalised)
     import with HF's logits and routing at those layouts and at TP 2 x EP 2 with each expert split over TP,
     greedy generation equal (TP 2 x EP 2), export back to HF's own tensors, and train on with the flags the import
-    prints at EP 1 and EP 2 with the same losses;
-  - transformers 5's in-memory fused expert names import too; what HF cannot compute, or mpzero cannot, is one line."""
+    prints at EP 1 and EP 2 with the same losses; transformers 5's fused expert names import too; the rest: one line."""
 
 import contextlib
 import io
