@@ -59,7 +59,8 @@ def test_fp16_launched_at_dp2_is_the_synchronising_run(stage):
     _assert_launched_is_synchronising(RUN + ["--zero-stage", str(stage)])
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+@pytest.mark.parametrize("layout", [pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                                 marks=pytest.mark.product),
                                     ["--pipeline-model-parallel-size", "2"]], ids=["tp2", "pp2"])
 def test_fp16_launched_under_model_parallelism_is_the_synchronising_run(layout):
     _assert_launched_is_synchronising(RUN + ["--zero-stage", "1"] + layout)

@@ -179,7 +179,8 @@ def test_a_qwen3_moe_shaped_model_trains_like_one_process(world, extra):
     _ratios_are_one(_assert_like_one_process(world, extra, base=tuple(QWEN3_MOE)))
 
 
-@pytest.mark.parametrize("base", [TINY + ["--kv-channels", "12"], KV + ["--rotary-percent", "0.5"]],
+@pytest.mark.parametrize("base", [pytest.param(TINY + ["--kv-channels", "12"], marks=pytest.mark.product),
+                                  KV + ["--rotary-percent", "0.5"]],
                          ids=["gpt2", "llama-rotary-half"])
 def test_other_hosts_at_tp2_sp_train_like_one_process(base):
     """GPT-2's attention (learned positions, biases, MHA) and partial RoPE (6 of each head's 12 features, joined

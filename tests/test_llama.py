@@ -138,6 +138,7 @@ def test_the_example_config_is_a_llama_at_tp2_zero3():
     config.validate(2)
 
 
+@pytest.mark.product  # 13 s of compiling; test_torch_compile compiles layers at TP 2 in make test
 def test_compiled_llama_layers_match_eager_at_tp2():
     """--torch-compile with RoPE's autograd function, GQA and SwiGLU inside each compiled layer: the eager losses
     and gradient norms within 1e-5 relative (inductor reorders float sums, tests/test_torch_compile.py)."""

@@ -51,6 +51,7 @@ def test_the_cp_line_counts_the_load_balancing_counts(capsys):
     assert "+m2(2(CP-1)/CP)8E" in line and "theory bytes/iter 65664" in line, line
 
 
+@pytest.mark.product  # 8 s; the CP x EP dry runs equal to the planner stay in make test
 def test_a_real_run_at_cp2_ep2_prints_the_dry_runs_state_dp_and_cp_lines():
     argv = BASE + CP2 + EP2 + ["--zero-stage", "1", "--log-interval", "1"]
     real = "".join(out for _, out in run_ranks(4, main_capturing_stdout, argv))

@@ -180,6 +180,7 @@ def _die_after(delay, report_dir, argv):
         f.write(f"{code}\n{stderr}")
 
 
+@pytest.mark.product  # 30 s: training past start-up, then the 12 s collective timeout (test_parallel: 3 s)
 def test_a_dead_stage_ends_every_other_with_one_line(tmp_path):
     argv = BASE + pp(4) + ["--train-iters", "100000", "--eval-iters", "0", "--distributed-timeout-minutes", "0.2"]
     start = time.monotonic()
