@@ -25,6 +25,7 @@ code (the exchanges, the experts, the weighting) on those sizes.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 
 import torch
 
@@ -34,17 +35,17 @@ from mpzero.moe.routing import Routing
 from mpzero.tensor_parallel import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 
 DISPATCHERS = ("allgather", "alltoall")
-_STATED = {"balanced": False}
+_BALANCED: ContextVar = ContextVar("mpzero_balanced_routing", default=False)  # inside `balanced_routing`
 
 
 @contextlib.contextmanager
 def balanced_routing():
     """The dispatchers' split sizes are `balanced_counts`'s, not the routing's (the dry run's, module docstring)."""
-    _STATED["balanced"] = True
+    token = _BALANCED.set(True)
     try:
         yield
     finally:
-        _STATED["balanced"] = False
+        _BALANCED.reset(token)
 
 
 def balanced_counts(slots: int, num_experts: int) -> list[int]:
@@ -56,7 +57,7 @@ def _split_sizes(counts: torch.Tensor, recv_counts: torch.Tensor, ep: CommGroup,
                  slots: int) -> tuple[list[int], list[int]]:
     """(slots this rank sends to each expert, slots each source rank sends to each local expert, source-major):
     read from the counts, or under `balanced_routing` the stated routing's (every rank sends alike)."""
-    if not _STATED["balanced"]:
+    if not _BALANCED.get():
         both = torch.cat([counts, recv_counts]).tolist()  # the one read of the layer: the split sizes
         return both[:num_experts], both[num_experts:]
     send = balanced_counts(slots, num_experts)
@@ -144,7 +145,7 @@ def allgather(tokens: torch.Tensor, routing: Routing, experts, ep: CommGroup, nu
     mine = kept & (indices // local == ep.rank)
     key = torch.where(mine, indices - ep.rank * local, local).reshape(-1)
     order = torch.argsort(key, stable=True)
-    if _STATED["balanced"]:  # every source rank's slots alike: EP x its counts for these experts
+    if _BALANCED.get():  # every source rank's slots alike: EP x its counts for these experts
         counts = [ep.size * c for c in balanced_counts(t // ep.size * k, num_experts)[ep.rank * local:
                                                                                         (ep.rank + 1) * local]]
     else:
