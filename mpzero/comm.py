@@ -73,6 +73,7 @@ class CommGroup:
     ranks: tuple[int, ...]
     rank: int
     stats: CommStats = field(default_factory=CommStats, compare=False)
+    p2p: object | None = field(default=None, compare=False, repr=False)  # exchange's shared memory (comm_shm.py)
 
     @property
     def size(self) -> int:
@@ -134,9 +135,13 @@ class CommGroup:
             ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.pg, tag=tag))
         if any(op.tensor.is_meta for op in ops) or any(tensor.is_meta for tensor, _ in recvs):
             return []  # tensors without data (a dry run): counted, nothing to move (no backend takes meta p2p)
-        ops += [dist.P2POp(dist.irecv, _contiguous(tensor), self.ranks[peer], group=self.pg, tag=tag)
-                for (tensor, peer), tag in zip(recvs, tags[len(sends):])]
-        requests = dist.batch_isend_irecv(ops) if ops else []
+        recvs = [(_contiguous(tensor), peer) for tensor, peer in recvs]
+        if self.p2p is not None:  # the CPU ranks of one host (a pipeline's): shared memory, comm_shm.py
+            requests = self.p2p.exchange(sends, recvs, tags)
+        else:
+            ops += [dist.P2POp(dist.irecv, tensor, self.ranks[peer], group=self.pg, tag=tag)
+                    for (tensor, peer), tag in zip(recvs, tags[len(sends):])]
+            requests = dist.batch_isend_irecv(ops) if ops else []
         if async_op:
             return requests
         for request in requests:

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from mpzero.errors import ConfigError
-from mpzero.pipeline import (Action, Deadlock, Pipeline, PipelineConfig, ScheduleError, Times, bubble, build, check,
-                             simulate, stage_layers)
+from mpzero.pipeline import (Action, Deadlock, Pipeline, PipelineConfig, Replay, ScheduleError, Times, bubble, build,
+                             check, simulate, stage_layers)
 
 SHAPES = [(p, v, m) for p in range(1, 9) for v in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12, 16)]
 
@@ -45,6 +45,20 @@ def test_idle_time_equals_the_formula_for_any_compute_times(kind):
         times = Times(F=rng.uniform(0.5, 2), B=rng.uniform(1, 4), I=rng.uniform(0.5, 2), W=rng.uniform(0.2, 2))
         idle = simulate(pipe, build(kind, pipe), times).idle
         assert all(abs(i - bubble(kind, pipe, times)) < 1e-9 for i in idle), (pipe, times, idle)
+
+
+def test_a_replay_of_each_actions_time_is_the_simulation_it_times():
+    """Measured times replayed action by action (bench_pipeline.py's comparison): alike, the simulation with their
+    mean. A slow first forward delays the step by as much; the same forward later, in the shadow of the other
+    stage's backward, costs nothing (what a mean spreads over every forward)."""
+    pipe = Pipeline(2, 1, 4)
+    alike = [Replay({"F": [1.0] * 4, "B": [2.0] * 4}) for _ in range(2)]
+    assert simulate(pipe, build("1f1b", pipe), alike) == simulate(pipe, build("1f1b", pipe), Times(F=1, B=2))
+    for forwards, makespan in (([1.5, 1.0, 1.0, 1.0], 15.5), ([1.0, 1.5, 1.0, 1.0], 15.0)):
+        slow = [Replay({"F": forwards, "B": [2.0] * 4}), Replay({"F": [1.0] * 4, "B": [2.0] * 4})]
+        assert simulate(pipe, build("1f1b", pipe), slow).makespan == makespan
+    with pytest.raises(AttributeError, match="no measured F left"):
+        simulate(pipe, build("1f1b", pipe), [Replay({"F": [1.0], "B": [2.0] * 4})] * 2)
 
 
 def test_zero_bubble_idles_a_third_of_1f1b_when_the_passes_are_equal():

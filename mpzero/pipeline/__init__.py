@@ -18,9 +18,9 @@ from mpzero.pipeline.accounting import p2p_theory
 from mpzero.pipeline.in_flight import HeldActivations, InFlightReport, formula_bytes, held_formula, in_flight_report
 from mpzero.pipeline.runner import PipelineSchedule, pipeline_schedule
 from mpzero.pipeline.schedules import SCHEDULES, Action, Pipeline, build, forward_only, peer
-from mpzero.pipeline.simulate import Deadlock, ScheduleError, Simulation, Times, bubble, check, simulate
+from mpzero.pipeline.simulate import Deadlock, Replay, ScheduleError, Simulation, Times, bubble, check, simulate
 
 __all__ = ["Action", "Deadlock", "HeldActivations", "InFlightReport", "Pipeline", "PipelineConfig", "PipelineSchedule",
-           "SCHEDULES", "ScheduleError", "Simulation", "StageRun", "Times", "bubble", "build", "check",
+           "Replay", "SCHEDULES", "ScheduleError", "Simulation", "StageRun", "Times", "bubble", "build", "check",
            "check_composition", "formula_bytes", "forward_only", "held_formula", "in_flight_report", "p2p_theory",
            "peer", "pipeline_schedule", "run_schedule", "simulate", "stage_layers", "virtual_stages"]

@@ -35,6 +35,21 @@ class Times:
     W: float = 1.0
 
 
+class Replay:
+    """A rank's measured compute times, action by action: its durations of each kind in the order it ran them
+    (`run_schedule(timings=...)`), handed to `simulate` in place of `Times` (which asks for one per compute action,
+    in the rank's order). The schedule's timing with no point-to-point cost and no assumption that all forwards
+    (backwards, ...) take alike."""
+
+    def __init__(self, timings: dict[str, list[float]]):
+        self._left = {kind: list(durations) for kind, durations in timings.items()}
+
+    def __getattr__(self, kind: str) -> float:
+        if kind.startswith("_") or not self._left.get(kind):
+            raise AttributeError(f"no measured {kind} left to replay")
+        return self._left[kind].pop(0)
+
+
 @dataclass(frozen=True)
 class Simulation:
     makespan: float
@@ -119,8 +134,9 @@ def _check_pair(pipe: Pipeline, schedule: list[list[Step]], a: int, b: int) -> N
             raise ScheduleError(f"batch {i} between ranks {a} and {b}: {a} sends {sends}, {b} receives {y}")
 
 
-def simulate(pipe: Pipeline, schedule: list[list[Step]], times: Times | list[Times] = Times()) -> Simulation:
-    """`times`: the compute times, one for every rank or each rank's own (stages of unequal cost)."""
+def simulate(pipe: Pipeline, schedule: list[list[Step]], times: Times | list[Times | Replay] = Times()) -> Simulation:
+    """`times`: the compute times, one for every rank or each rank's own (stages of unequal cost; a `Replay`: each
+    action's own)."""
     check(pipe, schedule)
     per_rank = times if isinstance(times, list) else [times] * pipe.p
     clock, busy = [0.0] * pipe.p, [0.0] * pipe.p

@@ -55,7 +55,8 @@ def build_training_state(run: RunConfig, provider: ModelProvider, groups: Parall
         micro_batches = num_micro_batches(training.global_batch_size, training.micro_batch_size, groups.dp_size)
         schedule = pipeline_schedule(run.pipeline, groups, built.module, training.micro_batch_size,
                                      training.seq_length, micro_batches, run.precision.torch_dtype,
-                                     optimizer.tied_gradient_bytes())
+                                     optimizer.tied_gradient_bytes(),
+                                     p2p_timeout=run.parallel.distributed_timeout_minutes * 60)
     return TrainingState(groups, built, optimizer, rng, schedule)
 
 

@@ -1,0 +1,258 @@
+"""Point-to-point between the CPU ranks of one host through shared memory: a pipeline's activations and gradients.
+
+Why not gloo alone: gloo, torch's CPU backend, has no shared-memory transport for point-to-point (its shared-memory
+allreduce, pytorch/gloo#455, is for collectives). A message crosses TCP loopback, moved by gloo's I/O threads, which
+on a host whose cores all compute must wait for one: 1.5-2 ms of idle per 1 MiB activation on two cores, against
+about 0.5 ms through shared memory, copied by the ranks' own threads (bench/README.md, pipeline).
+
+Layout: for every ordered pair of ranks and every tag, a ring of `slots` messages of at most `nbytes` each, in a
+file the receiver creates in /dev/shm (O_EXCL, mode 0600, a random name, its whole size allocated at once, so that
+a full /dev/shm fails here and not as a SIGBUS later). The sender opens it (O_NOFOLLOW, checked to be a regular
+file of this user and of that size); once every rank has mapped its rings the receivers unlink their files, so
+nothing is left behind when a rank is killed. A ring has two counters, each on its own cache line: the messages
+written (the sender's) and read (the receiver's). A message is copied into its slot before the written counter
+moves, an order x86-64's stores keep (other machines keep gloo). A send that finds its ring full is queued and
+written while the rank waits for any request of the channel, so waiting for one tag never stalls another. Waits
+poll (yielding the core for a millisecond, then 50 us sleeps) and fail once the peer's process has exited (looked at
+every second) or after the group's timeout: never a hang.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import socket
+import stat
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+_LINE = 64  # the counters on cache lines of their own
+_SPIN_SECONDS = 1e-3
+_SLEEP_SECONDS = 50e-6
+
+
+class P2PTimeout(dist.DistError):
+    """A peer that stopped: it exited, or sent nothing for the group's timeout (a DistError, as gloo's are)."""
+
+
+def _ring_bytes(nbytes: int, slots: int) -> int:
+    return 2 * _LINE + slots * _slot_bytes(nbytes)
+
+
+def _slot_bytes(nbytes: int) -> int:
+    return -(-nbytes // _LINE) * _LINE
+
+
+class _Ring:
+    """One direction, one tag: `slots` messages in a mapped file."""
+
+    def __init__(self, mapped: mmap.mmap, offset: int, nbytes: int, slots: int):
+        self.slots, self.slot_bytes = slots, _slot_bytes(nbytes)
+        # plain memory loads and stores (not tensors: reading one is no device sync, and counts as none)
+        self.counters = memoryview(mapped)[offset:offset + 2 * _LINE].cast("q")
+        self.data = torch.frombuffer(mapped, dtype=torch.uint8, count=slots * self.slot_bytes,
+                                     offset=offset + 2 * _LINE)
+
+    @property
+    def written(self) -> int:
+        return self.counters[0]
+
+    @written.setter
+    def written(self, value: int) -> None:
+        self.counters[0] = value
+
+    @property
+    def read(self) -> int:
+        return self.counters[_LINE // 8]
+
+    @read.setter
+    def read(self, value: int) -> None:
+        self.counters[_LINE // 8] = value
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        start = (seq % self.slots) * self.slot_bytes
+        return self.data[start:start + nbytes]
+
+
+class _Request:
+    def __init__(self, channel: SharedMemoryP2P, tensor: torch.Tensor, peer: int, tag: int, seq: int):
+        self.channel, self.tensor, self.peer, self.tag, self.seq = channel, tensor, peer, tag, seq
+        self.done = False
+
+    def wait(self) -> None:
+        self.channel._wait(self)
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class SharedMemoryP2P:
+    """A group's point-to-point through shared memory (`open_shared_memory_p2p`). Peers are group ranks; tags
+    0..tags-1 are separate rings, matched in order, as gloo matches a tag's messages."""
+
+    def __init__(self, rank: int, recv_rings: dict, send_rings: dict, nbytes: int, timeout: float, maps: list,
+                 pids: list[int]):
+        self.rank, self.nbytes, self.timeout, self.pids = rank, nbytes, timeout, pids
+        self._recv_rings, self._send_rings, self._maps = recv_rings, send_rings, maps
+        self._sends = {key: deque() for key in send_rings}  # queued, not yet in their ring
+        self._recvs = {key: deque() for key in recv_rings}  # posted, not yet copied out
+        self._sent = dict.fromkeys(send_rings, 0)
+        self._posted = dict.fromkeys(recv_rings, 0)
+
+    def exchange(self, sends, recvs, tags) -> list[_Request]:
+        """sends / recvs: (contiguous CPU tensor, group rank); tags: one per send then receive."""
+        requests = []
+        for (tensor, peer), tag in zip(sends, tags):
+            key = self._key(self._send_rings, tensor, peer, tag)
+            requests.append(_Request(self, tensor, peer, tag, self._sent[key]))
+            self._sent[key] += 1
+            self._sends[key].append(requests[-1])
+        for (tensor, peer), tag in zip(recvs, tags[len(sends):]):
+            key = self._key(self._recv_rings, tensor, peer, tag)
+            requests.append(_Request(self, tensor, peer, tag, self._posted[key]))
+            self._posted[key] += 1
+            self._recvs[key].append(requests[-1])
+        self._progress()
+        return requests
+
+    def _key(self, rings: dict, tensor: torch.Tensor, peer: int, tag: int) -> tuple[int, int]:
+        if (peer, tag) not in rings:
+            raise ValueError(f"no shared-memory ring with group rank {peer}, tag {tag} (rank {self.rank})")
+        if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() > self.nbytes:
+            raise ValueError(f"a {tensor.device.type} tensor of {tensor.numel() * tensor.element_size()} bytes "
+                             f"for a channel of CPU messages of at most {self.nbytes} bytes")
+        return peer, tag
+
+    def _progress(self) -> None:
+        """Writes the queued sends that have room and copies out the receives that have arrived, each ring in
+        order."""
+        for key, queue in self._sends.items():
+            ring = self._send_rings[key]
+            while queue and queue[0].seq - ring.read < ring.slots:
+                request = queue.popleft()
+                data = request.tensor.reshape(-1).view(torch.uint8)
+                ring.slot(request.seq, data.numel()).copy_(data)
+                ring.written = request.seq + 1
+                request.done, request.tensor = True, None
+        for key, queue in self._recvs.items():
+            ring = self._recv_rings[key]
+            while queue and ring.written > queue[0].seq:
+                request = queue.popleft()
+                data = request.tensor.reshape(-1).view(torch.uint8)
+                data.copy_(ring.slot(request.seq, data.numel()))
+                ring.read = request.seq + 1
+                request.done = True
+
+    def _wait(self, request: _Request) -> None:
+        started = looked = time.monotonic()
+        while True:
+            self._progress()
+            if request.done:
+                return
+            now = time.monotonic()
+            waited = now - started
+            what = f"group rank {request.peer} (tag {request.tag}, message {request.seq}) through shared memory"
+            if waited > self.timeout:
+                raise P2PTimeout(f"rank {self.rank} of the pipeline waited {self.timeout:.0f} s for {what}: that "
+                                 f"rank stopped or is stuck, timed out")
+            if now - looked > 1.0:
+                looked = now
+                if _exited(self.pids[request.peer]):
+                    raise P2PTimeout(f"rank {self.rank} of the pipeline waits for {what}, whose process "
+                                     f"{self.pids[request.peer]} has exited")
+            time.sleep(0 if waited < _SPIN_SECONDS else _SLEEP_SECONDS)
+
+
+def _exited(pid: int) -> bool:
+    """Gone or a zombie (its parent has not reaped it yet); a process this host cannot see counts as alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")
+    except (OSError, IndexError):
+        return False
+
+
+def _host() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shared_memory_usable() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
+
+
+def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots: int = 2):
+    """Every rank of `group` (a CommGroup) calls this. Returns (SharedMemoryP2P, None) when its ranks share one
+    host and /dev/shm takes the rings, else (None, why); every rank gets the same answer."""
+    found = group.all_gather_objects((_host() if shared_memory_usable() else None, os.getpid()))
+    hosts, pids = [host for host, _ in found], [pid for _, pid in found]
+    if None in hosts or len(set(hosts)) != 1:
+        return None, "the pipeline's ranks are not all on one x86-64 host with /dev/shm"
+    size = tags * _ring_bytes(nbytes, slots)
+    created: dict[int, tuple[str, mmap.mmap]] = {}
+
+    def create():
+        for sender in range(group.size):
+            if sender != group.rank:
+                created[sender] = _create(size)
+        return {sender: os.path.basename(path) for sender, (path, _) in created.items()}
+
+    names, error = group.run_agreed(create, (OSError,), describe=lambda e: f"{type(e).__name__}: {e}")
+    opened: dict[int, mmap.mmap] = {}
+    if error is None:
+        every = group.all_gather_objects(names)
+
+        def attach():
+            for receiver in range(group.size):
+                if receiver != group.rank:
+                    opened[receiver] = _attach(os.path.join(SHM_DIR, every[receiver][group.rank]), size)
+
+        _, error = group.run_agreed(attach, (OSError, ValueError), describe=lambda e: f"{type(e).__name__}: {e}")
+    for path, _ in created.values():  # mapped by every sender, or given up: the names go either way
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if error is not None:
+        return None, f"shared memory in {SHM_DIR} unusable ({error})"
+    ring = _ring_bytes(nbytes, slots)
+    recv_rings = {(s, t): _Ring(m, t * ring, nbytes, slots) for s, (_, m) in created.items() for t in range(tags)}
+    send_rings = {(r, t): _Ring(m, t * ring, nbytes, slots) for r, m in opened.items() for t in range(tags)}
+    maps = [m for _, m in created.values()] + list(opened.values())
+    return SharedMemoryP2P(group.rank, recv_rings, send_rings, nbytes, timeout, maps, pids), None
+
+
+def _create(size: int) -> tuple[str, mmap.mmap]:
+    path = os.path.join(SHM_DIR, f"mpzero-p2p-{secrets.token_hex(16)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)  # every page now, or ENOSPC now (not a SIGBUS mid-run)
+        return path, mmap.mmap(fd, size)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _attach(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != size:
+            raise ValueError(f"{path} is not the {size}-byte file of this user its receiver made")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
