@@ -105,7 +105,9 @@ class Step:
 def _formulas(kind: str, pipe, ranks: list[dict]) -> dict:
     """Per step: the makespan (first rank's start to last rank's end), each rank's idle = makespan - its compute
     (the formulas' definition), its time posting sends and receives, the closed form with the ranks' mean times
-    and the simulation with each rank's times; medians over the ranks, then over the steps."""
+    and the simulation with each rank's times (means, and replayed action by action); medians over the ranks, then
+    over the steps. And the step's bubble, makespan - the busiest rank's compute: what the step loses to the
+    schedule, without the idle a faster rank adds waiting for a slower one."""
     rows = []
     for i in range(len(ranks[0]["steps"])):
         steps = [r["steps"][i] for r in ranks]
@@ -114,6 +116,7 @@ def _formulas(kind: str, pipe, ranks: list[dict]) -> dict:
         sim = simulate(pipe, build(kind, pipe), [s.times for s in steps])
         replay = simulate(pipe, build(kind, pipe), [Replay(s.timings) for s in steps])
         rows.append({"makespan": makespan, "idle": statistics.median(makespan - s.busy for s in steps),
+                     "bubble": makespan - max(s.busy for s in steps),
                      "post": statistics.median(sum(s.timings.get("post", [])) for s in steps),
                      "closed": bubble(kind, pipe, mean), "simulated": statistics.median(sim.idle),
                      "replayed": statistics.median(replay.idle),
@@ -146,13 +149,14 @@ def main(argv=None) -> None:
             ranks = run_ranks(a.pp, _rank, a, m, ["--pipeline-model-parallel-size", str(a.pp)] + flags,
                               deadline=3600)
             f = _formulas(kind, Pipeline(a.pp, 2 if kind == "interleaved" else 1, m), ranks)
-            idles[kind] = f["idle"]
+            idles[kind] = f["idle"], f["bubble"]
             print(f"| {kind} | {m} | {single['wall'] * 1e3:.1f} | {f['makespan'] * 1e3:.1f} | "
                   f"{single['wall'] / f['makespan']:.2f}x | {f['idle'] * 1e3:.1f} | {f['post'] * 1e3:.1f} | "
                   f"{f['closed'] * 1e3:.1f} | {f['simulated'] * 1e3:.1f} | {f['replayed'] * 1e3:.1f} | "
                   f"{f['idle'] / f['replayed']:.2f} | "
                   f"{f['held']} |", flush=True)
-        print(f"ZB-H1 idle / 1F1B idle at m = {m}: {idles['zb-h1'] / idles['1f1b']:.2f}", flush=True)
+        print(f"ZB-H1 / 1F1B at m = {m}: idle {idles['zb-h1'][0] / idles['1f1b'][0]:.2f}, the step's bubble "
+              f"(makespan - the busiest rank's compute) {idles['zb-h1'][1] / idles['1f1b'][1]:.2f}", flush=True)
 
 if __name__ == "__main__":
     main()
