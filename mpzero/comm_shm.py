@@ -193,9 +193,11 @@ def shared_memory_usable() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
 
 
-def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots: int = 2):
+def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots: int = 2, peers=None):
     """Every rank of `group` (a CommGroup) calls this. Returns (SharedMemoryP2P, None) when its ranks share one
-    host and /dev/shm takes the rings, else (None, why); every rank gets the same answer."""
+    host and /dev/shm takes the rings, else (None, why); every rank gets the same answer. `peers`: the group ranks
+    this one exchanges with (a pipeline's two neighbours; a in b's peers when b is in a's), default all."""
+    peers = sorted(set(range(group.size) if peers is None else peers) - {group.rank})
     found = group.all_gather_objects((_host() if shared_memory_usable() else None, os.getpid()))
     hosts, pids = [host for host, _ in found], [pid for _, pid in found]
     if None in hosts or len(set(hosts)) != 1:
@@ -204,9 +206,8 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
     created: dict[int, tuple[str, mmap.mmap]] = {}
 
     def create():
-        for sender in range(group.size):
-            if sender != group.rank:
-                created[sender] = _create(size)
+        for sender in peers:
+            created[sender] = _create(size)
         return {sender: os.path.basename(path) for sender, (path, _) in created.items()}
 
     names, error = group.run_agreed(create, (OSError,), describe=lambda e: f"{type(e).__name__}: {e}")
@@ -215,9 +216,8 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
         every = group.all_gather_objects(names)
 
         def attach():
-            for receiver in range(group.size):
-                if receiver != group.rank:
-                    opened[receiver] = _attach(os.path.join(SHM_DIR, every[receiver][group.rank]), size)
+            for receiver in peers:
+                opened[receiver] = _attach(os.path.join(SHM_DIR, every[receiver][group.rank]), size)
 
         _, error = group.run_agreed(attach, (OSError, ValueError), describe=lambda e: f"{type(e).__name__}: {e}")
     for path, _ in created.values():  # mapped by every sender, or given up: the names go either way

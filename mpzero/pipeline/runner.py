@@ -66,7 +66,9 @@ def _point_to_point(groups: ParallelGroups, nbytes: int, timeout: float | None) 
     loopback costs each message its I/O threads' turn on busy cores); its byte counter is the group's own."""
     if timeout is None or groups.device.type != "cpu" or groups.pp.size == 1:
         return groups.pp
-    p2p, why = open_shared_memory_p2p(groups.pp, nbytes, tags=2, timeout=timeout)
+    rank, size = groups.pp.rank, groups.pp.size  # a stage sends to the next and back (the last to the first: v > 1)
+    p2p, why = open_shared_memory_p2p(groups.pp, nbytes, tags=2, timeout=timeout,
+                                      peers=((rank - 1) % size, (rank + 1) % size))
     if p2p is None:
         if groups.pp.rank == 0 and groups.tp_rank == 0 and groups.dp_rank == 0:
             print(f"pipeline point-to-point through gloo: {why}", file=sys.stderr, flush=True)
