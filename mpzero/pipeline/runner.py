@@ -5,7 +5,6 @@ transformer layers' tensor-parallel linears when the schedule splits backwards."
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +70,6 @@ def _point_to_point(groups: ParallelGroups, nbytes: int, timeout: float | None) 
                                       peers=((rank - 1) % size, (rank + 1) % size))
     if p2p is None:
         if groups.pp.rank == 0 and groups.tp_rank == 0 and groups.dp_rank == 0:
-            print(f"pipeline point-to-point through gloo: {why}", file=sys.stderr, flush=True)
+            print(f"pipeline point-to-point through gloo: {why}", flush=True)  # a note, not an error (stdout)
         return groups.pp
     return dataclasses.replace(groups.pp, p2p=p2p)
