@@ -8,7 +8,7 @@ PP ranks are forked processes with one thread each (on 2 cores: one core a rank)
 so that the stages cost alike. Per step: the makespan (after a barrier, the first rank's start to the last rank's
 end of the global batch's forwards and backwards, on the machine's one monotonic clock), each rank's busy time
 (its compute actions, `run_schedule(timings=...)`) and idle = makespan - busy, the formulas' definition; beside
-it the time a rank spent posting its sends and receives (gloo's isend/irecv, which the formulas count as free).
+it the time a rank spent posting its sends and receives (point-to-point, which the formulas count as free).
 The schedule's closed form (`mpzero.pipeline.bubble`, equal stages) takes the compute times the ranks measured in
 the same step (F, B; ZB-H1: F, I, W, each per micro-batch and chunk, the ranks' mean); `simulate` runs the
 schedule with each rank's mean times (point-to-point free), the formula for stages of unequal cost, and gives the
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
           f"{'gloo' if a.gloo else 'shared memory'}")
     print("| schedule | m | one process ms | PP ms | speed-up | idle ms | posting ms | closed form ms | simulated ms "
           "| replayed ms | idle / replayed | held micro-batches |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in a.micro_batches:
         single = run_ranks(1, _rank, a, m, [], deadline=3600)[0]
         idles = {}

@@ -2,10 +2,10 @@
 
 Why not gloo alone: gloo, torch's CPU backend, has no shared-memory transport for point-to-point (its shared-memory
 allreduce, pytorch/gloo#455, is for collectives). A message crosses TCP loopback, moved by gloo's I/O threads, which
-on a host whose cores all compute must wait for one: 1.5-2 ms of idle per 1 MiB activation on two cores, against
-about 0.5 ms through shared memory, copied by the ranks' own threads (bench/README.md, pipeline).
+on a host whose cores all compute must wait for one: 2.2-3.5 ms of critical path per 1 MiB activation on two
+cores, against 0.6-1.4 ms through shared memory, copied by the ranks' own threads (bench/README.md, pipeline).
 
-Layout: for every ordered pair of ranks and every tag, a ring of `slots` messages of at most `nbytes` each, in a
+Layout: for every pair of ranks that exchange (`peers`), each direction and every tag, a ring of `slots` messages of at most `nbytes` each, in a
 file the receiver creates in /dev/shm (O_EXCL, mode 0600, a random name, its whole size allocated at once, so that
 a full /dev/shm fails here and not as a SIGBUS later). The sender opens it (O_NOFOLLOW, checked to be a regular
 file of this user and of that size); once every rank has mapped its rings the receivers unlink their files, so
@@ -97,7 +97,7 @@ class SharedMemoryP2P:
     0..tags-1 are separate rings, matched in order, as gloo matches a tag's messages."""
 
     def __init__(self, rank: int, recv_rings: dict, send_rings: dict, nbytes: int, timeout: float, maps: list,
-                 pids: list[int]):
+                 pids: dict[int, int]):
         self.rank, self.nbytes, self.timeout, self.pids = rank, nbytes, timeout, pids
         self._recv_rings, self._send_rings, self._maps = recv_rings, send_rings, maps
         self._sends = {key: deque() for key in send_rings}  # queued, not yet in their ring
@@ -163,7 +163,7 @@ class SharedMemoryP2P:
                                  f"rank stopped or is stuck, timed out")
             if now - looked > 1.0:
                 looked = now
-                if _exited(self.pids[request.peer]):
+                if request.peer in self.pids and _exited(self.pids[request.peer]):
                     raise P2PTimeout(f"rank {self.rank} of the pipeline waits for {what}, whose process "
                                      f"{self.pids[request.peer]} has exited")
             time.sleep(0 if waited < _SPIN_SECONDS else _SLEEP_SECONDS)
@@ -231,7 +231,9 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
     recv_rings = {(s, t): _Ring(m, t * ring, nbytes, slots) for s, (_, m) in created.items() for t in range(tags)}
     send_rings = {(r, t): _Ring(m, t * ring, nbytes, slots) for r, m in opened.items() for t in range(tags)}
     maps = [m for _, m in created.values()] + list(opened.values())
-    return SharedMemoryP2P(group.rank, recv_rings, send_rings, nbytes, timeout, maps, pids), None
+    # peers' processes watched where this one sees them (not from another PID namespace: then the timeout alone)
+    watched = {peer: pids[peer] for peer in peers if not _exited(pids[peer])}
+    return SharedMemoryP2P(group.rank, recv_rings, send_rings, nbytes, timeout, maps, watched), None
 
 
 def _create(size: int) -> tuple[str, mmap.mmap]:

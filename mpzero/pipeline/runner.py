@@ -11,7 +11,6 @@ import torch
 
 from mpzero.comm import CommGroup
 from mpzero.comm_shm import open_shared_memory_p2p
-
 from mpzero.parallel import ParallelGroups
 from mpzero.pipeline.accounting import PipelineMeter
 from mpzero.pipeline.config import PipelineConfig
