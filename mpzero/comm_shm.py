@@ -88,9 +88,6 @@ class _Request:
     def wait(self) -> None:
         self.channel._wait(self)
 
-    def is_completed(self) -> bool:
-        return self.done
-
 
 class SharedMemoryP2P:
     """A group's point-to-point through shared memory (`open_shared_memory_p2p`). Peers are group ranks; tags
@@ -99,7 +96,8 @@ class SharedMemoryP2P:
     def __init__(self, rank: int, recv_rings: dict, send_rings: dict, nbytes: int, timeout: float, maps: list,
                  pids: dict[int, int]):
         self.rank, self.nbytes, self.timeout, self.pids = rank, nbytes, timeout, pids
-        self._recv_rings, self._send_rings, self._maps = recv_rings, send_rings, maps
+        self._recv_rings, self._send_rings = recv_rings, send_rings
+        self._maps = maps  # the mappings, for as long as the rings' views of them live
         self._sends = {key: deque() for key in send_rings}  # queued, not yet in their ring
         self._recvs = {key: deque() for key in recv_rings}  # posted, not yet copied out
         self._sent = dict.fromkeys(send_rings, 0)
