@@ -98,23 +98,22 @@ class SharedMemoryP2P:
         self.rank, self.nbytes, self.timeout, self.pids = rank, nbytes, timeout, pids
         self._recv_rings, self._send_rings = recv_rings, send_rings
         self._maps = maps  # the mappings, for as long as the rings' views of them live
+        # a ring's next message number: its counter (moved only by this rank) plus what is queued behind it
         self._sends = {key: deque() for key in send_rings}  # queued, not yet in their ring
         self._recvs = {key: deque() for key in recv_rings}  # posted, not yet copied out
-        self._sent = dict.fromkeys(send_rings, 0)
-        self._posted = dict.fromkeys(recv_rings, 0)
 
     def exchange(self, sends, recvs, tags) -> list[_Request]:
         """sends / recvs: (contiguous CPU tensor, group rank); tags: one per send then receive."""
         requests = []
         for (tensor, peer), tag in zip(sends, tags):
             key = self._key(self._send_rings, tensor, peer, tag)
-            requests.append(_Request(self, tensor, peer, tag, self._sent[key]))
-            self._sent[key] += 1
+            seq = self._send_rings[key].written + len(self._sends[key])
+            requests.append(_Request(self, tensor, peer, tag, seq))
             self._sends[key].append(requests[-1])
         for (tensor, peer), tag in zip(recvs, tags[len(sends):]):
             key = self._key(self._recv_rings, tensor, peer, tag)
-            requests.append(_Request(self, tensor, peer, tag, self._posted[key]))
-            self._posted[key] += 1
+            seq = self._recv_rings[key].read + len(self._recvs[key])
+            requests.append(_Request(self, tensor, peer, tag, seq))
             self._recvs[key].append(requests[-1])
         self._progress()
         return requests
@@ -122,8 +121,9 @@ class SharedMemoryP2P:
     def _key(self, rings: dict, tensor: torch.Tensor, peer: int, tag: int) -> tuple[int, int]:
         if (peer, tag) not in rings:
             raise ValueError(f"no shared-memory ring with group rank {peer}, tag {tag} (rank {self.rank})")
-        if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() > self.nbytes:
-            raise ValueError(f"a {tensor.device.type} tensor of {tensor.numel() * tensor.element_size()} bytes "
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cpu" or nbytes > self.nbytes:
+            raise ValueError(f"a {tensor.device.type} tensor of {nbytes} bytes "
                              f"for a channel of CPU messages of at most {self.nbytes} bytes")
         return peer, tag
 
