@@ -178,6 +178,13 @@ def _exited(pid: int) -> bool:
         return False
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _host() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -196,8 +203,8 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
     host and /dev/shm takes the rings, else (None, why); every rank gets the same answer. `peers`: the group ranks
     this one exchanges with (a pipeline's two neighbours; a in b's peers when b is in a's), default all."""
     peers = sorted(set(range(group.size) if peers is None else peers) - {group.rank})
-    found = group.all_gather_objects((_host() if shared_memory_usable() else None, os.getpid()))
-    hosts, pids = [host for host, _ in found], [pid for _, pid in found]
+    found = group.all_gather_objects((_host() if shared_memory_usable() else None, os.getpid(), _pid_namespace()))
+    hosts, pids, namespaces = [f[0] for f in found], [f[1] for f in found], [f[2] for f in found]
     if None in hosts or len(set(hosts)) != 1:
         return None, "the pipeline's ranks are not all on one x86-64 host with /dev/shm"
     size = tags * _ring_bytes(nbytes, slots)
@@ -229,8 +236,10 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
     recv_rings = {(s, t): _Ring(m, t * ring, nbytes, slots) for s, (_, m) in created.items() for t in range(tags)}
     send_rings = {(r, t): _Ring(m, t * ring, nbytes, slots) for r, m in opened.items() for t in range(tags)}
     maps = [m for _, m in created.values()] + list(opened.values())
-    # peers' processes watched where this one sees them (not from another PID namespace: then the timeout alone)
-    watched = {peer: pids[peer] for peer in peers if not _exited(pids[peer])}
+    # peers' processes watched where this one sees them (not from another PID namespace: then the timeout alone);
+    # a peer that has already exited is watched too, so its first wait fails within seconds
+    mine = namespaces[group.rank]
+    watched = {peer: pids[peer] for peer in peers if mine is not None and namespaces[peer] == mine}
     return SharedMemoryP2P(group.rank, recv_rings, send_rings, nbytes, timeout, maps, watched), None
 
 

@@ -81,8 +81,13 @@ def test_a_message_that_never_comes_is_a_timeout_error():
 
 def _exits(report: str):
     group = _group(timeout=60.0)
+    ready = report + ".ready"
     if group.rank == 0:
+        end = time.monotonic() + 20  # leave once rank 1 is past the setup's collectives, not inside one
+        while not os.path.exists(ready) and time.monotonic() < end:
+            time.sleep(0.01)
         os._exit(0)  # gone without a word
+    open(ready, "w").close()
     started = time.monotonic()
     try:
         group.exchange(recvs=[(torch.empty(64), 0)], tags=[0])
