@@ -17,7 +17,9 @@ Printed per world size: step ms (the median over --rounds interleaved rounds of 
 steps, and the rounds' min-max), step time / torch's peer, / the best peer at that stage (by medians, and by each
 config's least disturbed round: on a shared machine a round that another job slowed is 2x, not 10%, off), where
 the step's time goes (forward, backward with its gradient reduction, update: clipping, AdamW and what follows it;
-medians, each phase ended by a barrier), bytes, bytes / torch's peer, bytes / ZeRO formula.
+medians, each phase ended by a barrier), bytes, bytes / torch's peer, bytes / ZeRO formula. The floor row is each
+rank's forward and backward with no communication and no update; "floor / best peer" bounds from below the step
+any implementation of a stage reaches against that stage's fastest peer.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ PEERS = {"mpzero stage 0": ("torch DDP", "DeepSpeed ZeRO-0"),
          "mpzero stage 1": ("torch ZeroRedundancyOptimizer", "DeepSpeed ZeRO-1"),
          "mpzero stage 2": ("FSDP2 no reshard", "DeepSpeed ZeRO-2"),
          "mpzero stage 3": ("FSDP2 reshard", "DeepSpeed ZeRO-3")}
+FLOOR = "floor: forward + backward alone"
 
 
 class Block(nn.Module):
@@ -138,13 +141,22 @@ def _mpzero(stage: int, model: nn.Module, groups):
     return (model, lambda loss: opt.backward(loss, last_micro_batch=True), opt.step), state_bytes, lambda: None
 
 
+def _floor(model: nn.Module):
+    """Each rank's forward and backward alone: no communication, no update. No data-parallel step at any stage can
+    take less, so floor / best peer bounds what any implementation reaches against that peer."""
+    return ((model, lambda loss: loss.backward(), lambda: None), lambda: (None, None),
+            lambda: model.zero_grad(set_to_none=False))
+
+
 def _bench_rank(name: str, args) -> tuple[list[float], int | None, float | None]:
     """This rank's median seconds of [the step, its forward, its backward, its update], its state bytes and their
     ratio to the formula. Each phase ends at a barrier: the slowest rank's time."""
     torch.manual_seed(0)
     groups = init_parallel(tp_size=1)
     model = TinyGPT(args.vocab_size, args.hidden_size, args.num_layers, args.seq_length)
-    if name.startswith("mpzero"):
+    if name == FLOOR:
+        (forward, backward, update), state_bytes, zero_grad = _floor(model)
+    elif name.startswith("mpzero"):
         (forward, backward, update), state_bytes, zero_grad = _mpzero(int(name[-1]), model, groups)
     elif name.startswith("DeepSpeed"):
         (forward, backward, update), state_bytes, zero_grad = _deepspeed(int(name[-1]), model, args)
@@ -206,6 +218,12 @@ def _print_world(world: int, results, args) -> None:
         print(f"{name:32s} {ms[name] * 1e3:8.1f} {spread:>17s} {ms[name] / ms[peers[0]]:6.2f} {ms[name] / best:6.2f} "
               f"{least[name] / best_min:6.2f} {phases} {size:>11s} {size_ratio:>6s} "
               f"{'' if formula is None else f'{formula:.4f}':>9s}")
+    if FLOOR in results:  # what no implementation goes below, against each stage's best peer (issue 47's 0.9x)
+        bounds = []
+        for stage, stage_peers in enumerate(PEERS.values()):
+            best = min((ms[p], p) for p in stage_peers if p in results)
+            bounds.append(f"stage {stage} {ms[FLOOR] / best[0]:.2f} ({best[1]})")
+        print(f"{'floor / best peer':32s} " + ", ".join(bounds))
 
 
 def main(argv=None) -> None:
@@ -223,7 +241,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's engine out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # forked ranks deadlock if the parent started a multi-thread pool
-    names = list(PEERS) + [peers[0] for peers in PEERS.values()]
+    names = list(PEERS) + [peers[0] for peers in PEERS.values()] + [FLOOR]
     if args.no_deepspeed or importlib.util.find_spec("deepspeed") is None:
         print("DeepSpeed: left out" + ("" if args.no_deepspeed else " (not installed: pip install deepspeed)"))
     else:

@@ -9,6 +9,10 @@ receive is the sender's count). All-to-all: the rows of the input that go to the
 
 gloo silently reduces, broadcasts and scatters non-contiguous tensors wrongly (pytorch#192920): every tensor handed
 to a collective here is contiguous, checked where the caller could pass a view.
+
+On gloo, a group whose ranks share one x86-64 host sums, reduce-scatters and all-gathers CPU tensors through shared
+memory instead (comm_shm_collectives.py), opened at the group's first such collective; the bytes counted are the
+same, and the call has completed when it returns (its request's wait() returns at once).
 """
 
 from __future__ import annotations
@@ -43,6 +47,38 @@ class CommStats:
         self.calls.clear()
 
 
+class SharedMemorySlot:
+    """A group's shared-memory collectives, opened by its first collective that can use them (every rank of the
+    group enters that one too), or None where they cannot be opened. One per set of ranks, shared by the
+    CommGroups of those ranks."""
+
+    # sums of these go through shared memory (all-gathers of any dtype copy bytes)
+    SUMMED = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+
+    def __init__(self, timeout_seconds: float):
+        self.timeout, self.tried, self.opened = timeout_seconds, False, None
+
+    def get(self, group: CommGroup, tensor: torch.Tensor, summed: bool):
+        if tensor.device.type != "cpu" or (summed and tensor.dtype not in self.SUMMED) or not tensor.is_contiguous():
+            return None
+        if not self.tried:
+            self.tried = True
+            if dist.get_backend(group.pg) == "gloo":
+                from mpzero.comm_shm_collectives import open_shared_memory_collectives
+                self.opened, _ = open_shared_memory_collectives(group, self.timeout)  # else gloo, on every rank
+        return self.opened
+
+
+class _Completed:
+    """The request of a collective that completed before it returned."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def _eager(collective):
     """A collective that runs eagerly under torch.compile (a graph break around it, compiled code on both sides):
     its byte counter is Python state that dynamo would otherwise guard on, recompiling at every call.
@@ -74,6 +110,7 @@ class CommGroup:
     rank: int
     stats: CommStats = field(default_factory=CommStats, compare=False)
     p2p: object | None = field(default=None, compare=False, repr=False)  # exchange's shared memory (comm_shm.py)
+    shared: SharedMemorySlot | None = field(default=None, compare=False, repr=False)  # init_parallel's groups
 
     @property
     def size(self) -> int:
@@ -87,7 +124,17 @@ class CommGroup:
         if self.size == 1:
             return None
         self.stats.record("all_reduce", 2 * self._ring(_nbytes(tensor)))
+        shared = self._shared(tensor, op)
+        if shared is not None:
+            shared.all_reduce(tensor)
+            return _Completed() if async_op else None
         return dist.all_reduce(tensor, op=op, group=self.pg, async_op=async_op)
+
+    def _shared(self, tensor: torch.Tensor, op):
+        """This group's shared-memory collectives for `tensor` (op: a sum's, or None for a gather), or None."""
+        if self.shared is None or (op is not None and op != dist.ReduceOp.SUM):
+            return None
+        return self.shared.get(self, tensor, summed=op is not None)
 
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `x` (same shape everywhere) concatenated in rank order along `dim`."""
@@ -103,6 +150,10 @@ class CommGroup:
             output.copy_(shard.view_as(output))
             return None
         self.stats.record("all_gather", self._ring(_nbytes(output)))
+        shared = self._shared(output, None) if shard.is_contiguous() else None
+        if shared is not None:
+            shared.all_gather(output, shard)
+            return _Completed() if async_op else None
         return _all_gather_single(output, shard, group=self.pg, async_op=async_op)
 
     @_eager
@@ -113,6 +164,10 @@ class CommGroup:
             shard.copy_(full.view_as(shard))
             return None
         self.stats.record("reduce_scatter", self._ring(_nbytes(full)))
+        shared = self._shared(full, op) if shard.is_contiguous() else None
+        if shared is not None:
+            shared.reduce_scatter(shard, full)
+            return _Completed() if async_op else None
         return _reduce_scatter_single(shard, full, op=op, group=self.pg, async_op=async_op)
 
     @_eager

@@ -148,23 +148,12 @@ class SharedMemoryP2P:
                 request.done = True
 
     def _wait(self, request: _Request) -> None:
-        started = looked = time.monotonic()
-        while True:
+        def arrived() -> bool:
             self._progress()
-            if request.done:
-                return
-            now = time.monotonic()
-            waited = now - started
-            what = f"group rank {request.peer} (tag {request.tag}, message {request.seq}) through shared memory"
-            if waited > self.timeout:
-                raise P2PTimeout(f"rank {self.rank} of the pipeline waited {self.timeout:.0f} s for {what}: that "
-                                 f"rank stopped or is stuck, timed out")
-            if now - looked > 1.0:
-                looked = now
-                if request.peer in self.pids and _exited(self.pids[request.peer]):
-                    raise P2PTimeout(f"rank {self.rank} of the pipeline waits for {what}, whose process "
-                                     f"{self.pids[request.peer]} has exited")
-            time.sleep(0 if waited < _SPIN_SECONDS else _SLEEP_SECONDS)
+            return request.done
+
+        what = f"group rank {request.peer} (tag {request.tag}, message {request.seq}) through shared memory"
+        wait_for(arrived, what, f"rank {self.rank} of the pipeline", self.timeout, self.pids, [request.peer])
 
 
 def _exited(pid: int) -> bool:
@@ -203,17 +192,35 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
     host and /dev/shm takes the rings, else (None, why); every rank gets the same answer. `peers`: the group ranks
     this one exchanges with (a pipeline's two neighbours; a in b's peers when b is in a's), default all."""
     peers = sorted(set(range(group.size) if peers is None else peers) - {group.rank})
+    mapped, why = map_shared_files(group, peers, tags * _ring_bytes(nbytes, slots))
+    if mapped is None:
+        return None, why
+    created, opened, watched = mapped
+    ring = _ring_bytes(nbytes, slots)
+    recv_rings = {(s, t): _Ring(m, t * ring, nbytes, slots) for s, m in created.items() for t in range(tags)}
+    send_rings = {(r, t): _Ring(m, t * ring, nbytes, slots) for r, m in opened.items() for t in range(tags)}
+    maps = list(created.values()) + list(opened.values())
+    return SharedMemoryP2P(group.rank, recv_rings, send_rings, nbytes, timeout, maps, watched), None
+
+
+def map_shared_files(group, peers: list[int], size: int, one_file: bool = False):
+    """Every rank of `group` calls this. Each rank makes a file of `size` bytes for each of its `peers` (or one for
+    them all: `one_file`) and maps the one each peer made for it. Returns (({peer: the mapping this rank made},
+    {peer: the mapping that peer made}, {peer: its PID where this process can watch it}), None), or (None, why)
+    on every rank alike when the ranks are not on one x86-64 host or /dev/shm cannot hold the files."""
     found = group.all_gather_objects((_host() if shared_memory_usable() else None, os.getpid(), _pid_namespace()))
     hosts, pids, namespaces = [f[0] for f in found], [f[1] for f in found], [f[2] for f in found]
     if None in hosts or len(set(hosts)) != 1:
-        return None, "the pipeline's ranks are not all on one x86-64 host with /dev/shm"
-    size = tags * _ring_bytes(nbytes, slots)
-    created: dict[int, tuple[str, mmap.mmap]] = {}
+        return None, "the ranks are not all on one x86-64 host with /dev/shm"
+    made: list[tuple[str, mmap.mmap]] = []
+    created: dict[int, mmap.mmap] = {}
 
     def create():
-        for sender in peers:
-            created[sender] = _create(size)
-        return {sender: os.path.basename(path) for sender, (path, _) in created.items()}
+        for peer in peers:
+            if not one_file or not made:
+                made.append(_create(size))
+            created[peer] = made[-1][1]
+        return {peer: os.path.basename(made[-1 if one_file else i][0]) for i, peer in enumerate(peers)}
 
     names, error = group.run_agreed(create, (OSError,), describe=lambda e: f"{type(e).__name__}: {e}")
     opened: dict[int, mmap.mmap] = {}
@@ -221,26 +228,43 @@ def open_shared_memory_p2p(group, nbytes: int, tags: int, timeout: float, slots:
         every = group.all_gather_objects(names)
 
         def attach():
-            for receiver in peers:
-                opened[receiver] = _attach(os.path.join(SHM_DIR, every[receiver][group.rank]), size)
+            for peer in peers:
+                opened[peer] = _attach(os.path.join(SHM_DIR, every[peer][group.rank]), size)
 
         _, error = group.run_agreed(attach, (OSError, ValueError), describe=lambda e: f"{type(e).__name__}: {e}")
-    for path, _ in created.values():  # mapped by every sender, or given up: the names go either way
+    for path, _ in made:  # mapped by every peer, or given up: the names go either way
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
     if error is not None:
         return None, f"shared memory in {SHM_DIR} unusable ({error})"
-    ring = _ring_bytes(nbytes, slots)
-    recv_rings = {(s, t): _Ring(m, t * ring, nbytes, slots) for s, (_, m) in created.items() for t in range(tags)}
-    send_rings = {(r, t): _Ring(m, t * ring, nbytes, slots) for r, m in opened.items() for t in range(tags)}
-    maps = [m for _, m in created.values()] + list(opened.values())
     # peers' processes watched where this one sees them (not from another PID namespace: then the timeout alone);
     # a peer that has already exited is watched too, so its first wait fails within seconds
     mine = namespaces[group.rank]
     watched = {peer: pids[peer] for peer in peers if mine is not None and namespaces[peer] == mine}
-    return SharedMemoryP2P(group.rank, recv_rings, send_rings, nbytes, timeout, maps, watched), None
+    return (created, opened, watched), None
+
+
+def wait_for(ready, what: str, who: str, timeout: float, watched: dict[int, int], peers) -> None:
+    """Polls `ready()` (yielding the core to any other runnable process for a millisecond, then 50 us sleeps)
+    until it holds; P2PTimeout after
+    `timeout` seconds, or within about a second once a process of `peers` in `watched` has exited."""
+    started = looked = time.monotonic()
+    while not ready():
+        now = time.monotonic()
+        waited = now - started
+        if waited > timeout:
+            raise P2PTimeout(f"{who} waited {timeout:.0f} s for {what}: that rank stopped or is stuck, timed out")
+        if now - looked > 1.0:
+            looked = now
+            for peer in peers:
+                if peer in watched and _exited(watched[peer]):
+                    raise P2PTimeout(f"{who} waits for {what}, whose process {watched[peer]} has exited")
+        if waited < _SPIN_SECONDS:
+            os.sched_yield()  # a rank of this host that still computes may need this core
+        else:
+            time.sleep(_SLEEP_SECONDS)
 
 
 def _create(size: int) -> tuple[str, mmap.mmap]:

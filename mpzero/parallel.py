@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mpzero.comm import CommGroup
+from mpzero.comm import CommGroup, SharedMemorySlot
 from mpzero.errors import ConfigError
 from mpzero.launcher_env import launcher_env
 
@@ -203,6 +203,7 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
     grid = rank_grid(world_size, GridSizes(tp=tp_size, pp=pp_size, cp=cp_size, ep=ep_size, etp=etp_size))
     device = _device_for_backend(dist.get_backend())
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    slots: dict[tuple[int, ...], SharedMemorySlot] = {}
 
     def make(groups: list[list[int]]) -> CommGroup:
         """This rank's group, with its own byte counter; a process group only for groups of two ranks or more,
@@ -213,8 +214,9 @@ def init_parallel(tp_size: int = 1, timeout_minutes: float = 10.0, backend: str 
             key = tuple(ranks)
             if len(key) > 1 and key not in made:
                 made[key] = dist.new_group(ranks, timeout=timeout)
+                slots[key] = SharedMemorySlot(timeout.total_seconds())
             if rank in ranks:
-                mine = CommGroup(made.get(key), key, ranks.index(rank))
+                mine = CommGroup(made.get(key), key, ranks.index(rank), shared=slots.get(key))
         return mine
 
     mine = {name: make(groups) for name, groups in grid.items()}

@@ -31,7 +31,7 @@ def reference():
     return run_ranks(1, quiet_main, WIDE + ["--zero-stage", "0"], deadline=300)[0]
 
 
-@pytest.mark.parametrize("tp,dp,stage", [(1, 2, 1), (1, 2, 3), (2, 1, 1)])
+@pytest.mark.parametrize("tp,dp,stage", [pytest.param(1, 2, 1, marks=pytest.mark.product), (1, 2, 3), (2, 1, 1)])
 def test_wide_model_with_clipping_matches_single_process(reference, tp, dp, stage):
     history = run_ranks(tp * dp, quiet_main, WIDE + ["--tensor-model-parallel-size", str(tp),
                                                      "--zero-stage", str(stage)], deadline=300)[0]

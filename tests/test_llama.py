@@ -75,8 +75,12 @@ def reference():
     return run_ranks(1, main_capturing_stdout, LLAMA + ["--zero-stage", "0"])[0][0]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("modes", [[], ["--sequence-parallel", "--recompute-activations"]], ids=["plain", "sp-sel"])
+_SP_SEL = ["--sequence-parallel", "--recompute-activations"]
+
+
+@pytest.mark.parametrize("modes,stage", [  # make test: one of each mode and stage; the other two in the product set
+    pytest.param([], 1, id="plain-1"), pytest.param([], 3, id="plain-3", marks=pytest.mark.product),
+    pytest.param(_SP_SEL, 1, id="sp-sel-1", marks=pytest.mark.product), pytest.param(_SP_SEL, 3, id="sp-sel-3")])
 def test_tp2_dp2_matches_single_process(reference, stage, modes):
     argv = LLAMA + ["--tensor-model-parallel-size", "2", "--zero-stage", str(stage), "--micro-batch-size", "1",
                     "--zero-bucket-numel", "5000"] + modes

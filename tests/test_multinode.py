@@ -14,7 +14,7 @@ import pytest
 
 from tests.cli import LINE, ROOT, TINY, assert_close_lists
 
-pytestmark = pytest.mark.slow  # five torchrun jobs, about 60 s on 2 cores
+pytestmark = pytest.mark.slow  # torchrun jobs, 5-10 s each on 2 cores
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 
@@ -67,11 +67,14 @@ def losses(stdout):
     return [float(m.group(4)) for m in map(LINE.match, stdout.splitlines()) if m]
 
 
-def test_two_nodes_match_one_process_and_checkpoints_move_between_node_counts(tmp_path):
-    half, whole = TINY + ["--train-iters", "5"], TINY + ["--train-iters", "10"]
-    single_first = losses(one_node(tmp_path, half + ["--save", str(tmp_path / "s")], processes=1))
+HALF, WHOLE = TINY + ["--train-iters", "5"], TINY + ["--train-iters", "10"]
 
-    codes, outs = two_nodes(tmp_path, TP2 + half + ["--save", str(tmp_path / "a")], "fresh")
+
+def _two_nodes_against_one_process(tmp_path):
+    """The first five iterations on one process (saved to s) and on two nodes at TP 2 x DP 2 (saved to a)."""
+    single_first = losses(one_node(tmp_path, HALF + ["--save", str(tmp_path / "s")], processes=1))
+
+    codes, outs = two_nodes(tmp_path, TP2 + HALF + ["--save", str(tmp_path / "a")], "fresh")
     assert codes == [0, 0], outs
     logging = [out for out, _ in outs if "lm loss" in out]
     assert len(logging) == 1, "only global rank 0 (on whichever node joined first) prints"
@@ -79,14 +82,22 @@ def test_two_nodes_match_one_process_and_checkpoints_move_between_node_counts(tm
     assert "nodes: 2 (2 processes each) | TP groups inside a node | DP groups across 2 node(s)" in logging[0]
     assert_close_lists(losses(logging[0]), single_first)
 
+
+def test_two_nodes_match_one_process(tmp_path):
+    _two_nodes_against_one_process(tmp_path)
+
+
+@pytest.mark.product  # three more jobs after the two above; make test keeps the 2-node run against one process
+def test_checkpoints_move_between_node_counts(tmp_path):
+    _two_nodes_against_one_process(tmp_path)
     # a 1-process checkpoint resumed by the 2-node job, and the 2-node checkpoint by a 1-node torchrun job
-    codes, outs = two_nodes(tmp_path, TP2 + whole + ["--load", str(tmp_path / "s"), "--save", str(tmp_path / "b")],
+    codes, outs = two_nodes(tmp_path, TP2 + WHOLE + ["--load", str(tmp_path / "s"), "--save", str(tmp_path / "b")],
                             "resume")
     assert codes == [0, 0], outs
     two_node_resumed = losses("".join(out for out, _ in outs))
-    one_node_resumed = losses(one_node(tmp_path, TP2 + whole + ["--load", str(tmp_path / "a"),
+    one_node_resumed = losses(one_node(tmp_path, TP2 + WHOLE + ["--load", str(tmp_path / "a"),
                                                                 "--save", str(tmp_path / "c")]))
-    single_resumed = losses(one_node(tmp_path, whole + ["--load", str(tmp_path / "s"), "--save", str(tmp_path / "s")],
+    single_resumed = losses(one_node(tmp_path, WHOLE + ["--load", str(tmp_path / "s"), "--save", str(tmp_path / "s")],
                                      processes=1))
     assert len(single_resumed) == 5
     assert_close_lists(two_node_resumed, single_resumed)
