@@ -93,7 +93,7 @@ class SharedMemoryCollectives:
         """The ranks' buffers of the next operation, as `numel` elements of `dtype`."""
         half = (self._operation % 2) * CHUNK
         self._operation += 1
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         return [b[half:half + nbytes].view(dtype) for b in self._buffers]
 
     def _arrive(self, what: str) -> None:
