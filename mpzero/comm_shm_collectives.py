@@ -3,8 +3,8 @@ gradient reductions and parameter gathers, and tensor parallelism's, on a host w
 
 Why not gloo alone: gloo moves a collective's bytes over TCP loopback with its I/O threads, which must wait for a core
 that the ranks' backward holds; at 1.07M parameters on 2 cores the gradient all-reduce was most of the 6-12 ms a
-step spent above its forward and backward alone (bench/README.md, ZeRO). DeepSpeed's CPU backend reduces through
-shared memory for the same reason. Here the ranks' own threads copy and sum.
+step spent above its forward and backward alone (bench/README.md, ZeRO). DeepSpeed's CPU communication op has a
+shared-memory all-reduce for one node's ranks for the same reason. Here the ranks' own threads copy and sum.
 
 Layout: each rank owns one file (comm_shm.map_shared_files: made in /dev/shm, mapped by every rank of the group,
 unlinked at once): a counter on its own cache line and two buffers of CHUNK bytes, which alternate operations use.
