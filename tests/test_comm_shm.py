@@ -6,7 +6,6 @@ that is not what its receiver made, refused."""
 
 import dataclasses
 import os
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 import mpzero.comm_shm as comm_shm
 from mpzero.parallel import init_parallel
 from tests.distributed import RanksFailed, run_ranks
+from tests.peer_exit import exit_or_wait, waited
 
 pytestmark = pytest.mark.skipif(not comm_shm.shared_memory_usable(), reason="no x86-64 /dev/shm here")
 
@@ -81,27 +81,14 @@ def test_a_message_that_never_comes_is_a_timeout_error():
 
 def _exits(report: str):
     group = _group(timeout=60.0)
-    ready = report + ".ready"
-    if group.rank == 0:
-        end = time.monotonic() + 20  # leave once rank 1 is past the setup's collectives, not inside one
-        while not os.path.exists(ready) and time.monotonic() < end:
-            time.sleep(0.01)
-        os._exit(0)  # gone without a word
-    open(ready, "w").close()
-    started = time.monotonic()
-    try:
-        group.exchange(recvs=[(torch.empty(64), 0)], tags=[0])
-    except comm_shm.P2PTimeout as error:
-        with open(report, "w") as f:
-            f.write(f"{time.monotonic() - started:.1f} {error}")
-    os._exit(0)  # not waiting for the gone peer at the harness's exit
+    exit_or_wait(report, group.rank, lambda: group.exchange(recvs=[(torch.empty(64), 0)], tags=[0]))
 
 
 def test_a_peer_that_exits_is_an_error_within_seconds_not_the_timeout(tmp_path):
     with pytest.raises(RanksFailed, match="rank 0 ---\nprocess died"):
         run_ranks(2, _exits, str(tmp_path / "report"), deadline=30)
-    seconds, message = (tmp_path / "report").read_text().split(" ", 1)
-    assert float(seconds) < 5 and message.endswith("has exited") and "for group rank 0" in message
+    seconds, message = waited(tmp_path / "report")
+    assert seconds < 5 and message.endswith("has exited") and "for group rank 0" in message
 
 
 def _files_and_hosts(split: bool):

@@ -4,7 +4,6 @@ what cannot go through shared memory (a max, ranks of two hosts) stays on gloo; 
 seconds; no file left in /dev/shm."""
 
 import os
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import mpzero.comm_shm as comm_shm
 from mpzero.comm_shm_collectives import CHUNK
 from mpzero.parallel import init_parallel
 from tests.distributed import RanksFailed, run_ranks
+from tests.peer_exit import exit_or_wait, waited
 
 pytestmark = pytest.mark.skipif(not comm_shm.shared_memory_usable(), reason="no x86-64 /dev/shm here")
 
@@ -86,24 +86,11 @@ def test_a_max_and_the_ranks_of_two_hosts_stay_on_gloo_and_no_file_is_left():
 def _exits(report: str):
     world = init_parallel(1).world
     world.all_reduce(torch.ones(4))  # opens the shared memory
-    ready = report + ".ready"
-    if world.rank == 0:
-        end = time.monotonic() + 20  # leave once rank 1 is past the opening collectives
-        while not os.path.exists(ready) and time.monotonic() < end:
-            time.sleep(0.01)
-        os._exit(0)  # gone without a word
-    open(ready, "w").close()
-    started = time.monotonic()
-    try:
-        world.all_reduce(torch.ones(4))
-    except comm_shm.P2PTimeout as error:
-        with open(report, "w") as f:
-            f.write(f"{time.monotonic() - started:.1f} {error}")
-    os._exit(0)  # not waiting for the gone peer at the harness's exit
+    exit_or_wait(report, world.rank, lambda: world.all_reduce(torch.ones(4)))
 
 
 def test_a_peer_that_exits_is_an_error_within_seconds(tmp_path):
     with pytest.raises(RanksFailed, match="rank 0 ---\nprocess died"):
         run_ranks(2, _exits, str(tmp_path / "report"), deadline=30)
-    seconds, message = (tmp_path / "report").read_text().split(" ", 1)
-    assert float(seconds) < 5 and message.endswith("has exited") and "an all-reduce's inputs" in message
+    seconds, message = waited(tmp_path / "report")
+    assert seconds < 5 and message.endswith("has exited") and "an all-reduce's inputs" in message
