@@ -268,7 +268,7 @@ def wait_for(ready, what: str, who: str, timeout: float, watched: dict[int, int]
 
 
 def _create(size: int) -> tuple[str, mmap.mmap]:
-    path = os.path.join(SHM_DIR, f"mpzero-p2p-{secrets.token_hex(16)}")
+    path = os.path.join(SHM_DIR, f"mpzero-shm-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)  # every page now, or ENOSPC now (not a SIGBUS mid-run)

@@ -93,12 +93,12 @@ def test_a_peer_that_exits_is_an_error_within_seconds_not_the_timeout(tmp_path):
 
 def _files_and_hosts(split: bool):
     world = init_parallel(1).world
-    before = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-p2p-")}
+    before = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-shm-")}
     if split and world.rank == 1:
         comm_shm._host = lambda: "another-host/boot"
     p2p, why = comm_shm.open_shared_memory_p2p(world, _NBYTES, tags=2, timeout=10.0)
     world.all_gather_objects(None)  # every rank past its unlinks
-    after = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-p2p-")}
+    after = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-shm-")}
     return p2p is not None, why, sorted(after - before)
 
 

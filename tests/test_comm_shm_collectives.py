@@ -67,14 +67,14 @@ def _max_and_hosts(split: bool):
     if split and dist.get_rank() == 1:
         comm_shm._host = lambda: "another-host/boot"
     world = init_parallel(1).world
-    before = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-p2p-")}
+    before = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-shm-")}
     biggest = torch.tensor([float(world.rank)])
     world.all_reduce(biggest, op=dist.ReduceOp.MAX)  # gloo: not a sum
     untried = not world.shared.tried
     total = torch.ones(3)
     world.all_reduce(total)
     world.all_gather_objects(None)  # every rank past its unlinks
-    after = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-p2p-")}
+    after = {n for n in os.listdir(comm_shm.SHM_DIR) if n.startswith("mpzero-shm-")}
     return untried, world.shared.opened is not None, biggest.item(), total.tolist(), sorted(after - before)
 
 
