@@ -17,9 +17,10 @@ Printed per world size: step ms (the median over --rounds interleaved rounds of 
 steps, and the rounds' min-max), step time / torch's peer, / the best peer at that stage (by medians, and by each
 config's least disturbed round: on a shared machine a round that another job slowed is 2x, not 10%, off), where
 the step's time goes (forward, backward with its gradient reduction, update: clipping, AdamW and what follows it;
-medians, each phase ended by a barrier), bytes, bytes / torch's peer, bytes / ZeRO formula. The floor row is each
-rank's forward and backward with no communication and no update; "floor / best peer" bounds from below the step
-any implementation of a stage reaches against that stage's fastest peer.
+medians, each phase ended by a barrier), bytes, bytes / torch's peer, bytes / ZeRO formula. The floor rows are each
+rank's forward and backward with no communication, without and with the whole model's clipping and fused AdamW
+(what every stage-0 step runs); "floor / best peer" bounds from below the step any implementation of a stage reaches
+against that stage's fastest peer (stage 0: the floor with the update).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ PEERS = {"mpzero stage 0": ("torch DDP", "DeepSpeed ZeRO-0"),
          "mpzero stage 2": ("FSDP2 no reshard", "DeepSpeed ZeRO-2"),
          "mpzero stage 3": ("FSDP2 reshard", "DeepSpeed ZeRO-3")}
 FLOOR = "floor: forward + backward alone"
+FLOOR_UPDATE = "floor + the whole model's update"
 
 
 class Block(nn.Module):
@@ -141,10 +143,17 @@ def _mpzero(stage: int, model: nn.Module, groups):
     return (model, lambda loss: opt.backward(loss, last_micro_batch=True), opt.step), state_bytes, lambda: None
 
 
-def _floor(model: nn.Module):
-    """Each rank's forward and backward alone: no communication, no update. No data-parallel step at any stage can
-    take less, so floor / best peer bounds what any implementation reaches against that peer."""
-    return ((model, lambda loss: loss.backward(), lambda: None), lambda: (None, None),
+def _floor(model: nn.Module, args, update: bool):
+    """Each rank's forward and backward alone, no communication; with `update`, also the clipping and fused AdamW
+    over the whole model that every stage-0 (DDP) step runs. No data-parallel step at any stage takes less than the
+    first, nor at stage 0 than the second: floor / best peer bounds what any implementation reaches."""
+    opt = _peer_adamw(model.parameters(), args)
+
+    def step():
+        if update:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return ((model, lambda loss: loss.backward(), step), lambda: (None, None),
             lambda: model.zero_grad(set_to_none=False))
 
 
@@ -154,8 +163,8 @@ def _bench_rank(name: str, args) -> tuple[list[float], int | None, float | None]
     torch.manual_seed(0)
     groups = init_parallel(tp_size=1)
     model = TinyGPT(args.vocab_size, args.hidden_size, args.num_layers, args.seq_length)
-    if name == FLOOR:
-        (forward, backward, update), state_bytes, zero_grad = _floor(model)
+    if name in (FLOOR, FLOOR_UPDATE):
+        (forward, backward, update), state_bytes, zero_grad = _floor(model, args, update=name == FLOOR_UPDATE)
     elif name.startswith("mpzero"):
         (forward, backward, update), state_bytes, zero_grad = _mpzero(int(name[-1]), model, groups)
     elif name.startswith("DeepSpeed"):
@@ -222,8 +231,9 @@ def _print_world(world: int, results, args) -> None:
         bounds = []
         for stage, stage_peers in enumerate(PEERS.values()):
             best = min((ms[p], p) for p in stage_peers if p in results)
-            bounds.append(f"stage {stage} {ms[FLOOR] / best[0]:.2f} ({best[1]})")
-        print(f"{'floor / best peer':32s} " + ", ".join(bounds))
+            floor = ms[FLOOR_UPDATE] if stage == 0 else ms[FLOOR]
+            bounds.append(f"stage {stage} {floor / best[0]:.2f} ({best[1]})")
+        print(f"{'floor / best peer':32s} " + ", ".join(bounds) + " (stage 0: with the update)")
 
 
 def main(argv=None) -> None:
@@ -241,7 +251,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's engine out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # forked ranks deadlock if the parent started a multi-thread pool
-    names = list(PEERS) + [peers[0] for peers in PEERS.values()] + [FLOOR]
+    names = list(PEERS) + [peers[0] for peers in PEERS.values()] + [FLOOR, FLOOR_UPDATE]
     if args.no_deepspeed or importlib.util.find_spec("deepspeed") is None:
         print("DeepSpeed: left out" + ("" if args.no_deepspeed else " (not installed: pip install deepspeed)"))
     else:

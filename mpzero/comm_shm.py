@@ -1,20 +1,22 @@
 """Point-to-point between the CPU ranks of one host through shared memory: a pipeline's activations and gradients.
 
-Why not gloo alone: gloo, torch's CPU backend, has no shared-memory transport for point-to-point (its shared-memory
-allreduce, pytorch/gloo#455, is for collectives). A message crosses TCP loopback, moved by gloo's I/O threads, which
-on a host whose cores all compute must wait for one: 2.2-3.5 ms of critical path per 1 MiB activation on two
-cores, against 0.6-1.4 ms through shared memory, copied by the ranks' own threads (bench/README.md, pipeline).
+Why not gloo alone: gloo, torch's CPU backend, has no shared-memory transport for point-to-point (a shared-memory
+allreduce, pytorch/gloo#455, is for collectives, and the gloo group measured here sends those over TCP loopback too).
+A message crosses TCP loopback, moved by gloo's I/O threads, which on a host whose cores all compute must wait for
+one: 2.2-3.5 ms of critical path per 1 MiB activation on two cores, against 0.6-1.4 ms through shared memory, copied
+by the ranks' own threads (bench/README.md, pipeline). The files (`map_shared_files`) and the waits (`wait_for`)
+serve the sums and gathers of comm_shm_collectives.py too.
 
-Layout: for every pair of ranks that exchange (`peers`), each direction and every tag, a ring of `slots` messages of at most `nbytes` each, in a
-file the receiver creates in /dev/shm (O_EXCL, mode 0600, a random name, its whole size allocated at once, so that
-a full /dev/shm fails here and not as a SIGBUS later). The sender opens it (O_NOFOLLOW, checked to be a regular
-file of this user and of that size); once every rank has mapped its rings the receivers unlink their files, so
-nothing is left behind when a rank is killed. A ring has two counters, each on its own cache line: the messages
-written (the sender's) and read (the receiver's). A message is copied into its slot before the written counter
-moves, an order x86-64's stores keep (other machines keep gloo). A send that finds its ring full is queued and
-written while the rank waits for any request of the channel, so waiting for one tag never stalls another. Waits
-poll (yielding the core for a millisecond, then 50 us sleeps) and fail once the peer's process has exited (looked at
-every second) or after the group's timeout: never a hang.
+Layout: for every pair of ranks that exchange (`peers`), each direction and every tag, a ring of `slots` messages of
+at most `nbytes` each, in a file the receiver creates in /dev/shm (O_EXCL, mode 0600, a random name, its whole size
+allocated at once, so that a full /dev/shm fails here and not as a SIGBUS later). The sender opens it (O_NOFOLLOW,
+checked to be a regular file of this user and of that size); once every rank has mapped its rings the receivers
+unlink their files, so nothing is left behind when a rank is killed. A ring has two counters, each on its own cache
+line: the messages written (the sender's) and read (the receiver's). A message is copied into its slot before the
+written counter moves, an order x86-64's stores keep (other machines keep gloo). A send that finds its ring full is
+queued and written while the rank waits for any request of the channel, so waiting for one tag never stalls another.
+Waits poll (yielding the core for a millisecond, then 50 us sleeps) and fail once the peer's process has exited
+(looked at every second) or after the group's timeout: never a hang.
 """
 
 from __future__ import annotations
@@ -247,9 +249,9 @@ def map_shared_files(group, peers: list[int], size: int, one_file: bool = False)
 
 
 def wait_for(ready, what: str, who: str, timeout: float, watched: dict[int, int], peers) -> None:
-    """Polls `ready()` (yielding the core to any other runnable process for a millisecond, then 50 us sleeps)
-    until it holds; P2PTimeout after
-    `timeout` seconds, or within about a second once a process of `peers` in `watched` has exited."""
+    """Polls `ready()` until it holds: yielding the core to any other runnable process for a millisecond, then in
+    50 us sleeps. P2PTimeout after `timeout` seconds, or within about a second once a process of `peers` in `watched`
+    has exited."""
     started = looked = time.monotonic()
     while not ready():
         now = time.monotonic()

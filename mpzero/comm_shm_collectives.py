@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from mpzero.comm_shm import P2PTimeout, map_shared_files, wait_for
-
-__all__ = ["CHUNK", "SharedMemoryCollectives", "open_shared_memory_collectives", "P2PTimeout"]
+from mpzero.comm_shm import map_shared_files, wait_for
 
 CHUNK = 1 << 21  # bytes per rank per operation: 4 MiB of /dev/shm a rank, whatever the tensors
 _LINE = 64
@@ -107,7 +105,7 @@ class SharedMemoryCollectives:
 
     @staticmethod
     def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        """out <- parts[0] + parts[1] + ... in that order (`out` may not alias a part but this rank's own)."""
+        """out <- parts[0] + parts[1] + ... in that order (`out` aliases none of them)."""
         if out.numel() == 0:
             return
         out.copy_(parts[0])
