@@ -135,6 +135,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--gloo", action="store_true", help="point-to-point through gloo, not shared memory")
+    p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
     a = p.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f} | {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch "
           f"{a.micro_batch}, fp32, PP {a.pp} ranks of one thread, point-to-point through "
@@ -145,18 +146,21 @@ def main(argv=None) -> None:
     for m in a.micro_batches:
         single = run_ranks(1, _rank, a, m, [], deadline=3600)[0]
         idles = {}
-        for kind, flags in SCHEDULES.items():
+        for kind, flags in ((kind, SCHEDULES[kind]) for kind in a.schedules):
             ranks = run_ranks(a.pp, _rank, a, m, ["--pipeline-model-parallel-size", str(a.pp)] + flags,
                               deadline=3600)
             f = _formulas(kind, Pipeline(a.pp, 2 if kind == "interleaved" else 1, m), ranks)
-            idles[kind] = f["idle"], f["bubble"]
+            idles[kind] = f["idle"], f["bubble"], f["closed"]
             print(f"| {kind} | {m} | {single['wall'] * 1e3:.1f} | {f['makespan'] * 1e3:.1f} | "
                   f"{single['wall'] / f['makespan']:.2f}x | {f['idle'] * 1e3:.1f} | {f['post'] * 1e3:.1f} | "
                   f"{f['closed'] * 1e3:.1f} | {f['simulated'] * 1e3:.1f} | {f['replayed'] * 1e3:.1f} | "
                   f"{f['idle'] / f['replayed']:.2f} | "
                   f"{f['held']} |", flush=True)
-        print(f"ZB-H1 / 1F1B at m = {m}: idle {idles['zb-h1'][0] / idles['1f1b'][0]:.2f}, the step's bubble "
-              f"(makespan - the busiest rank's compute) {idles['zb-h1'][1] / idles['1f1b'][1]:.2f}", flush=True)
+        if "zb-h1" in idles and "1f1b" in idles:
+            zb, one = idles["zb-h1"], idles["1f1b"]
+            print(f"ZB-H1 / 1F1B at m = {m}: idle {zb[0] / one[0]:.2f}, the step's bubble (makespan - the busiest "
+                  f"rank's compute) {zb[1] / one[1]:.2f}, the closed forms at the measured times {zb[2] / one[2]:.2f}",
+                  flush=True)
 
 if __name__ == "__main__":
     main()
