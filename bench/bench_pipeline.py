@@ -15,7 +15,9 @@ schedule with each rank's mean times (point-to-point free), the formula for stag
 micro-batches a rank holds at once; "replayed" runs it with every action's own measured time (`Replay`): the
 schedule's idle at this step's compute, what an executor adding nothing would show. Goals (issue 43): idle within
 10% of the formula (the replay: the closed form and the means assume every forward alike, which on a shared host
-they are not); ZB-H1's idle <= 0.4x 1F1B's at the same m. PP ranks exchange through shared memory
+they are not); ZB-H1's idle <= 0.4x 1F1B's at the same m, which the closed forms at the measured times, printed
+beside it, allow only where W is not much shorter than I (at h 512, s 256 attention's backward makes I 30% longer
+and they give 0.39-0.40; at --hidden 1024 --seq 128, 0.34). PP ranks exchange through shared memory
 (`mpzero.comm_shm`, as `pretrain_gpt.py` does on one host's CPUs); `--gloo` sends through gloo instead.
 """
 
