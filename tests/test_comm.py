@@ -21,6 +21,12 @@ _PLAIN_RUN = ("import contextlib, io, pretrain_gpt\nfrom tests.cli import TINY\n
               "with contextlib.redirect_stdout(io.StringIO()):\n"
               "    pretrain_gpt.main(TINY + ['--train-iters', '1', '--eval-iters', '0'])")
 
+_ZERO_BUBBLE_BACKWARD = (  # the deferring linear of an uncompiled --enable-zero-bubble run: its I and W passes
+    "import torch\nfrom mpzero.tensor_parallel.weight_grad import WeightGradStore, deferring_linear\n"
+    "store, x, w = WeightGradStore(), torch.ones(2, 4, requires_grad=True), torch.ones(3, 4, requires_grad=True)\n"
+    "with store.defer(0):\n    deferring_linear(x, w, None, store).sum().backward()\nstore.run(0)\n"
+    "assert w.grad is not None")
+
 
 def _ring_exchange():
     """Each rank sends its vector to the next and receives the previous one's, both posted at once."""
@@ -77,6 +83,10 @@ def test_importing_mpzero_does_not_load_the_compiler():
 
 def test_a_plain_run_does_not_load_the_compiler():
     assert not _compiler_loaded_after(_PLAIN_RUN)
+
+
+def test_zero_bubbles_split_backward_does_not_load_the_compiler():
+    assert not _compiler_loaded_after(_ZERO_BUBBLE_BACKWARD)
 
 
 def _compiled_around_a_collective() -> tuple[list[list[str]], int, bool]:

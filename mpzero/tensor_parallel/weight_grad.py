@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpzero.comm import CommGroup
+from mpzero.comm import CommGroup, eager_under_compile
 from mpzero.storages import storage_key
 
 
@@ -106,18 +106,11 @@ class _DeferringLinear(torch.autograd.Function):
 
 def deferring_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      store: WeightGradStore) -> torch.Tensor:
-    return _eager(_DeferringLinear.apply)(x, weight, bias, store)
+    return _deferring_apply(x, weight, bias, store)
 
 
-_compiled_out = {}
-
-
-def _eager(fn):
-    """`fn` run eagerly under torch.compile (a graph break around it), made on first use: plain runs do not
-    import the compiler."""
-    if fn not in _compiled_out:
-        _compiled_out[fn] = torch.compiler.disable(fn)
-    return _compiled_out[fn]
+# eager under torch.compile (a graph break around it); an uncompiled run does not import the compiler (issue 47)
+_deferring_apply = eager_under_compile(_DeferringLinear.apply)
 
 
 def sequence_weight_grad(x: torch.Tensor, grad: torch.Tensor, group: CommGroup, gather) -> torch.Tensor:
