@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn.functional as F
+
 from mpzero.tensor_parallel.weight_grad import WeightGradStore, deferring_linear
 
 
