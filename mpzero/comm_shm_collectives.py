@@ -46,9 +46,7 @@ class SharedMemoryCollectives:
         step = CHUNK // flat.element_size()
         for start in range(0, flat.numel(), step):
             piece = flat[start:start + step]
-            buffers = self._next(piece.dtype, piece.numel())
-            buffers[self.rank].copy_(piece)
-            self._arrive("an all-reduce's inputs")
+            buffers = self._post(piece, "an all-reduce's inputs")
             bounds = [piece.numel() * r // self.size for r in range(self.size + 1)]
             mine = slice(bounds[self.rank], bounds[self.rank + 1])
             self._sum_into(piece[mine], [b[mine] for b in buffers])
@@ -65,9 +63,7 @@ class SharedMemoryCollectives:
         step = CHUNK // (self.size * full.element_size())
         for start in range(0, shard.numel(), step):
             columns = full[:, start:start + step]
-            buffers = self._next(full.dtype, columns.numel())
-            buffers[self.rank].view(self.size, -1).copy_(columns)
-            self._arrive("a reduce-scatter's inputs")
+            buffers = self._post(columns, "a reduce-scatter's inputs")
             width = columns.shape[1]
             self._sum_into(shard[start:start + width],
                            [b[self.rank * width:(self.rank + 1) * width] for b in buffers])
@@ -78,21 +74,23 @@ class SharedMemoryCollectives:
         step = CHUNK // shard.element_size()
         for start in range(0, shard.numel(), step):
             piece = shard[start:start + step]
-            buffers = self._next(piece.dtype, piece.numel())
-            buffers[self.rank].copy_(piece)
-            self._arrive("an all-gather's inputs")
+            buffers = self._post(piece, "an all-gather's inputs")
             for r in range(self.size):
                 if r != self.rank:
                     output[r, start:start + piece.numel()].copy_(buffers[r])
             if output[self.rank].data_ptr() != shard.data_ptr():
                 output[self.rank, start:start + piece.numel()].copy_(piece)
 
-    def _next(self, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
-        """The ranks' buffers of the next operation, as `numel` elements of `dtype`."""
+    def _post(self, values: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """`values` copied into this rank's buffer of the next operation (the two halves alternate), once every rank
+        has done the same: the ranks' buffers, flat, as `values`' elements."""
         half = (self._operation % 2) * CHUNK
         self._operation += 1
-        nbytes = numel * dtype.itemsize
-        return [b[half:half + nbytes].view(dtype) for b in self._buffers]
+        nbytes = values.numel() * values.element_size()
+        buffers = [b[half:half + nbytes].view(values.dtype) for b in self._buffers]
+        buffers[self.rank].view(values.shape).copy_(values)
+        self._arrive(what)
+        return buffers
 
     def _arrive(self, what: str) -> None:
         self._phase += 1
