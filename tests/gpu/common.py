@@ -18,3 +18,22 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--mock-data", "--vocab-size", "1000", "--log-interval", "5",
          "--eval-iters", "1", "--eval-interval", "1000", "--distributed-timeout-minutes", "2"]
+
+
+def losses_and_grads(model, tokens):
+    """The per-token losses of `tokens` [b, s + 1] and every parameter's gradient of their mean, on the CPU."""
+    model.zero_grad(set_to_none=True)
+    losses = model(tokens[:, :-1], tokens[:, 1:])
+    losses.mean().backward()
+    return losses.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+
+
+def assert_matches_cpu(got: tuple, want: tuple) -> None:
+    """(losses, gradients) of the GPU model against the CPU model's: losses within 1e-5 relative (+1e-5 absolute),
+    each gradient within 1e-4 relative + 1e-4 x its largest CPU magnitude absolute (the GPU sums in other orders)."""
+    import torch
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item() + 1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")

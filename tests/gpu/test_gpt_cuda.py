@@ -24,31 +24,16 @@ from mpzero.fused import AttentionShape, fused_attention_refusal, triton_availab
 from mpzero.models import GPTConfig, GPTModel
 from mpzero.tensor_parallel import seed_everything
 from tests.cli import exit_code_and_stderr
-from tests.gpu.common import DEVICE, SMALL, needs_cuda
+from tests.gpu.common import DEVICE, SMALL, assert_matches_cpu, losses_and_grads, needs_cuda
 
-pytestmark = needs_cuda
+pytestmark = [needs_cuda, pytest.mark.usefixtures("no_tf32")]
 
 CONFIG = GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1000,
                    max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
-
-
 def _one_rank() -> CommGroup:
     return CommGroup(None, (0,), 0)  # size 1: every TP collective is the identity
-
-
-def _losses_and_grads(model, tokens):
-    model.zero_grad(set_to_none=True)
-    losses = model(tokens[:, :-1], tokens[:, 1:])
-    losses.mean().backward()
-    return losses.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
 
 
 VARIANTS = {"auto": {}, "local-triton": dict(attention_backend="local", layernorm_impl="triton",
@@ -67,13 +52,7 @@ def test_gpt_on_cuda_equals_cpu(variant):
     gpu = GPTModel(config, _one_rank(), seed_everything(5, 0, DEVICE), device=DEVICE)
     gpu.load_state_dict(cpu.state_dict())
     tokens = torch.randint(0, config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
-    cpu_losses, cpu_grads = _losses_and_grads(cpu, tokens)
-    gpu_losses, gpu_grads = _losses_and_grads(gpu, tokens.to(DEVICE))
-    torch.testing.assert_close(gpu_losses, cpu_losses, rtol=1e-5, atol=1e-5)
-    assert gpu_grads.keys() == cpu_grads.keys()
-    for name, want in cpu_grads.items():
-        torch.testing.assert_close(gpu_grads[name], want, rtol=1e-4, atol=1e-4 * want.abs().max().item() + 1e-12,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_matches_cpu(losses_and_grads(gpu, tokens.to(DEVICE)), losses_and_grads(cpu, tokens))
 
 
 @pytest.mark.parametrize("backend", ["auto", "local"])
@@ -89,7 +68,7 @@ def test_recompute_on_cuda_replays_dropout_masks(backend):
     results = []
     for model, tracker in zip((stored, recomputed), trackers):
         tracker.restore(start)  # the same default (CUDA) generator and tensor-parallel stream for both
-        results.append(_losses_and_grads(model, tokens))
+        results.append(losses_and_grads(model, tokens))
     (losses_a, grads_a), (losses_b, grads_b) = results
     assert torch.equal(losses_a, losses_b)
     for name in grads_a:

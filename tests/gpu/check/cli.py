@@ -2,6 +2,10 @@
 report after every part (a check killed midway still leaves one), exit 1 when a part failed.
 
     PYTHONPATH=. python3 -m tests.gpu.check [--out gpu-report] [--budget 540] [--only PART ...] [--dry-run]
+                                            [--wheels DIR]
+
+--wheels: packages a GPU machine with no network lacks (torchao for bench_fp8; `make gpu-wheels` downloads it
+elsewhere), installed with no index and no dependencies into a fresh temporary folder the parts import from.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import datetime
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 
@@ -27,7 +33,7 @@ FUSED_TESTS = ["tests/fused/test_fused_gpu.py", "tests/fused/test_fused_layer_no
                "tests/fused/test_fused_adam.py"]
 PYTEST_FILES = {
     "fused_kernels": FUSED_TESTS,
-    "gpt_cuda_vs_cpu": ["tests/gpu/test_gpt_cuda.py"],
+    "gpt_cuda_vs_cpu": ["tests/gpu/test_gpt_cuda.py", "tests/gpu/test_moe_cuda.py"],
     "zero_nccl": ["tests/gpu/test_zero_nccl.py"],
     "mixed_precision": ["tests/gpu/test_mixed_precision.py"],
     "checkpoint_resume": ["tests/gpu/test_checkpoint_resume.py"],
@@ -46,15 +52,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=PART_NAMES, default=None, help="run these parts, skip the rest")
     p.add_argument("--dry-run", action="store_true", help="build and validate the all-skipped report, run nothing")
     p.add_argument("--python", default=sys.executable, help="interpreter for the parts (default: this one)")
+    p.add_argument("--wheels", metavar="DIR", default=None,
+                   help="install the wheels in DIR (no index, no dependencies) for the parts: what a GPU machine "
+                        "with no network lacks, e.g. torchao for bench_fp8 (`make gpu-wheels`)")
     args = p.parse_args(argv)
     if args.budget <= 0:
         p.error(f"--budget must be positive, got {args.budget}")
+    if args.wheels is not None and not wheel_files(args.wheels):
+        p.error(f"--wheels {args.wheels}: no .whl file there; run `make gpu-wheels` where pip reaches an index, "
+                f"or drop --wheels")
     return args
 
 
-def child_env(extra: dict | None = None) -> dict:
+def wheel_files(folder: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if n.endswith(".whl") and os.path.isfile(os.path.join(folder, n))]
+
+
+def install_wheels(python: str, folder: str, site: str, logs: str) -> str | None:
+    """Installs every wheel in `folder` into the empty folder `site`; None, or why it failed in one line."""
+    cmd = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+           "--disable-pip-version-check", "--target", site, *wheel_files(folder)]
+    rc, _ = run_logged(cmd, os.path.join(logs, "wheels.log"), 120, child_env())
+    return None if rc == 0 else f"installing the wheels in {folder} failed (exit code {rc}); see {logs}/wheels.log"
+
+
+def child_env(extra: dict | None = None, paths: tuple[str, ...] = ()) -> dict:
+    """This environment for a part: no launcher's variables; the repository, then `paths`, first on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *paths] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                          if p])
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
@@ -98,11 +128,11 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def probe_environment(python: str, logs: str) -> dict:
+def probe_environment(python: str, logs: str, paths: tuple[str, ...] = ()) -> dict:
     """What the machine has (torch, CUDA, GPUs...), from a child process so a broken driver cannot hang us."""
     path = os.path.join(logs, "environment.json")
     rc, _ = run_logged([python, "-m", "tests.gpu.check.workers", "environment", "--json", path],
-                       os.path.join(logs, "environment.log"), 120, child_env())
+                       os.path.join(logs, "environment.log"), 120, child_env(paths=paths))
     info = _read_json(path)
     if info is None:
         return {"torch": f"probe failed (exit code {rc}); see {logs}/environment.log", "cuda": False}
@@ -150,13 +180,13 @@ def pytest_result(xml_path: str) -> tuple[dict[str, int], list[dict], list[str]]
     return counts, list(by_function.values()), notes
 
 
-def run_pytest_part(part: Part, limit: float, python: str, logs: str) -> dict:
+def run_pytest_part(part: Part, limit: float, python: str, logs: str, paths: tuple[str, ...] = ()) -> dict:
     xml_path = os.path.join(logs, f"{part.name}.xml")
     log_path = os.path.join(logs, f"{part.name}.log")
     extra = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if part.name == "checkpoint_resume" else {}
     cmd = [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
            *PYTEST_FILES[part.name]]
-    rc, seconds = run_logged(cmd, log_path, limit, child_env(extra))
+    rc, seconds = run_logged(cmd, log_path, limit, child_env(extra, paths))
     result = {"seconds": seconds, "logs": [log_path, xml_path], "columns": ["test", "passed", "failed", "skipped",
                                                                            "seconds"], "rows": [], "notes": []}
     try:
@@ -181,14 +211,14 @@ def run_pytest_part(part: Part, limit: float, python: str, logs: str) -> dict:
     return {**result, "status": status}
 
 
-def run_worker_part(part: Part, limit: float, python: str, logs: str) -> dict:
+def run_worker_part(part: Part, limit: float, python: str, logs: str, paths: tuple[str, ...] = ()) -> dict:
     json_path = os.path.join(logs, f"{part.name}.json")
     log_path = os.path.join(logs, f"{part.name}.log")
     if part.name == "bench_kernels":
         cmd = [python, "bench/bench_fused_gpu.py", "--gpt2", "--json", json_path]
     else:
         cmd = [python, "-m", "tests.gpu.check.workers", part.name, "--json", json_path, "--limit", f"{limit:.0f}"]
-    rc, seconds = run_logged(cmd, log_path, limit, child_env())
+    rc, seconds = run_logged(cmd, log_path, limit, child_env(paths=paths))
     data = _read_json(json_path) or {}
     result = {"seconds": seconds, "logs": [log_path] + ([json_path] if data else []),
               "columns": data.get("columns", []), "rows": data.get("rows", []), "notes": data.get("notes", [])}
@@ -210,12 +240,31 @@ def run_worker_part(part: Part, limit: float, python: str, logs: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.wheels is None or args.dry_run:
+        return run_check(args, ())
+    site = tempfile.mkdtemp(prefix="mpzero-gpu-check-site-")  # a fresh folder: nothing planted is imported
+    try:
+        return run_check(args, (site,))
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+
+
+def run_check(args: argparse.Namespace, paths: tuple[str, ...]) -> int:
+    """The check; `paths`: an empty folder to install --wheels into, then first on the parts' PYTHONPATH."""
     start = time.monotonic()
     out = args.out
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
-    info = {"torch": "not probed (--dry-run)", "cuda": False} if args.dry_run else probe_environment(args.python, logs)
+    if paths:
+        failed = install_wheels(args.python, args.wheels, paths[0], logs)
+        if failed:
+            print(f"gpu-check: {failed}", file=sys.stderr)
+            return 2
+    info = ({"torch": "not probed (--dry-run)", "cuda": False} if args.dry_run else
+            probe_environment(args.python, logs, paths))
     environment = environment_table(info)
+    if paths:
+        environment["wheels carried"] = ", ".join(os.path.basename(f) for f in wheel_files(args.wheels))
     if not info.get("cuda"):
         results = report.skipped_results("no CUDA")
         path = report.write(out, environment, results, time.monotonic() - start)
@@ -240,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {part.name} (limit {limit:.0f} s) ...", flush=True)
         try:
             runner = run_pytest_part if part.name in PYTEST_FILES else run_worker_part
-            result = runner(part, limit, args.python, logs)
+            result = runner(part, limit, args.python, logs, paths)
         except Exception as error:  # noqa: BLE001 - one part's breakage is its row, not the end of the check
             result = {**base, "status": f"error: {type(error).__name__}: {str(error)[:200]}"}
         results[index] = {**base, **result, "name": part.name, "limit_s": round(limit)}

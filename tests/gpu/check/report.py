@@ -33,7 +33,9 @@ PARTS = [
     Part("gpt_cuda_vs_cpu", "GPT forward/backward: CUDA against CPU; CUDA graphs against --torch-compile", 150,
          "pytest tests/gpu/test_gpt_cuda.py: same weights and tokens on both devices, fp32; auto, local attention "
          "with the Triton kernels and with the references, flash; --cuda-graph-impl local's ZeRO-1 bf16 steps "
-         "(LLaMA-shaped, an evaluation between them) against --torch-compile's, and its CUDA graph launches"),
+         "(LLaMA-shaped, an evaluation between them) against --torch-compile's, and its CUDA graph launches; "
+         "tests/gpu/test_moe_cuda.py: a GPT of routed experts against the CPU, torch._grouped_mm against the "
+         "per-expert loop in bf16 and fp32"),
     Part("zero_nccl", "ZeRO stages 0-3 over NCCL, world of one", 120,
          "pytest tests/gpu/test_zero_nccl.py: pretrain_gpt.main at every stage, losses equal across stages"),
     Part("mixed_precision", "fp16 dynamic loss scaling and bf16, 20 steps", 90,
