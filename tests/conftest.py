@@ -45,6 +45,7 @@ for _name in ("TMPDIR", "TEMP", "TMP"):
     os.environ[_name] = TEST_TEMP
 tempfile.tempdir = None  # gettempdir() reads the variables again
 
+import multiprocessing.util  # noqa: E402
 import pytest  # noqa: E402 - after the temp folder is set: both may make temp files on import
 import torch  # noqa: E402
 
@@ -68,6 +69,11 @@ def _remove_the_folder_if_empty() -> None:
         os.rmdir(TEST_TEMP)
 
 
+# and again after multiprocessing removed its own folder there (its fork server's, tests/distributed.py under a GPU
+# build of torch): its exit handler runs after this file's (registered first) and removes that folder at priority -100
+multiprocessing.util.Finalize(None, _remove_the_folder_if_empty, exitpriority=-101)
+
+
 # Inductor compiles in the calling process, never in a worker pool: ranks are forked, and a child forked after the
 # parent started the pool waits on it forever.
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
@@ -85,11 +91,13 @@ def temp_folder_left_empty():
     """Every test cleans up what it makes in the temp folder: the run's own is empty at the end but for the
     caches this file made there (removed, with the folder, when the run ends; pytest's tmp_path folders live
     under --basetemp) and the two folders importing wandb makes in this process (megatron-core imports it when
-    tests/test_import_megatron.py is collected; wandb removes them itself when the process ends)."""
+    tests/test_import_megatron.py is collected; wandb removes them itself when the process ends), and
+    multiprocessing's own folder, which it removes at the end too (a fork server's socket: tests/distributed.py)."""
     yield
     _remove_caches()
     wandb_keeps = ("wandb-media", "wandb-artifacts") if "wandb" in sys.modules else ()
-    left = sorted(name for name in os.listdir(TEST_TEMP) if not (name.startswith("tmp") and name.endswith(wandb_keeps)))
+    left = sorted(name for name in os.listdir(TEST_TEMP) if not (name.startswith("tmp") and name.endswith(wandb_keeps))
+                  and not name.startswith("pymp-"))
     assert not left, f"the tests left {len(left)} entries in {TEST_TEMP}: {', '.join(left[:5])}"
 
 

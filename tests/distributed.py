@@ -6,6 +6,12 @@ multi-thread OpenMP pool after the parent used one can deadlock). On failure eve
 is reported, not only the first: the peers' "connection reset" otherwise hides the real assertion.
 
     results = run_ranks(world_size, fn, *args)   # fn(*args) runs on every rank, returns picklable data
+
+Under a CUDA (or ROCm) build of torch, the autograd engine starts its device threads at a process's first
+backward and then refuses to run in any process forked after that (PyTorch's "Autograd and Fork"), so
+every rank after the test process's first backward would fail. There ranks are forked from a fork server
+instead, a fresh process that never runs one: `fn` and its arguments must then pickle (module-level
+functions), and the ranks get the test process's environment variables as they are at the call.
 """
 
 from __future__ import annotations
@@ -28,18 +34,31 @@ class RanksFailed(AssertionError):
     pass
 
 
-def run_ranks(world_size: int, fn, *args, deadline: float = 120.0, **kwargs) -> list:
-    """fn(*args, **kwargs) on every rank of a fresh gloo world; returns the per-rank results in rank order."""
-    ctx = mp.get_context("fork")
+def start_method() -> str:
+    """How ranks start: "fork" under a CPU build of torch, "forkserver" under one with a GPU backend."""
+    return "fork" if torch.version.cuda is None and torch.version.hip is None else "forkserver"
+
+
+def run_ranks(world_size: int, fn, *args, deadline: float = 120.0, start: str | None = None, **kwargs) -> list:
+    """fn(*args, **kwargs) on every rank of a fresh gloo world; returns the per-rank results in rank order.
+    `start`: "fork" or "forkserver" (default: `start_method()`)."""
+    start = start or start_method()
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        # imported once, in the server, rather than by every rank
+        ctx.set_forkserver_preload(["tests.distributed", "torch.distributed.checkpoint", "mpzero.models",
+                                    "mpzero.zero", "mpzero.cli.arguments"])
+    environment = dict(os.environ) if start != "fork" else None  # a fork inherits it
     store_dir = tempfile.mkdtemp(prefix="mpzero-store-")
     conns, procs = {}, {}
-    for rank in range(world_size):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(rank, world_size, store_dir, deadline, send, fn, args, kwargs))
-        proc.start()
-        send.close()
-        conns[recv], procs[rank] = rank, proc
     try:
+        for rank in range(world_size):  # from a fork server, a function that does not pickle stops here
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(rank, world_size, store_dir, deadline, send, fn, args, kwargs,
+                                                    environment))
+            proc.start()
+            send.close()
+            conns[recv], procs[rank] = rank, proc
         outcomes = _collect(conns, deadline)
     finally:
         for proc in procs.values():
@@ -71,7 +90,11 @@ def _collect(conns: dict, deadline: float) -> dict:
     return outcomes
 
 
-def _child(rank, world_size, store_dir, deadline, conn, fn, args, kwargs):
+def _child(rank, world_size, store_dir, deadline, conn, fn, args, kwargs, environment):
+    if environment is not None:
+        os.environ.clear()
+        os.environ.update(environment)
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
     try:

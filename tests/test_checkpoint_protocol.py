@@ -35,7 +35,7 @@ from mpzero.training import build_training_state
 import pretrain_gpt
 from tests.cli import TINY, main_capturing_stdout
 from tests.save_steps import FileSystem
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, start_method
 
 META = {"consumed_samples": 0, "skipped_iterations": 0}
 
@@ -129,11 +129,15 @@ def _stop_at_every_step(base, scenario, state):
     raise AssertionError(f"{scenario}: the save did not complete within 1000 steps")
 
 
+def _stop_at_every_step_of_a_run(root, scenario, argv):
+    return _stop_at_every_step(root, scenario, _training_state(argv))
+
+
 @pytest.mark.parametrize("scenario", [  # a second save of the same iteration: the same steps as "over an unpublished one"
     pytest.param(name, marks=pytest.mark.product) if name == "the latest again" else name for name in SCENARIOS])
 def test_a_save_stopped_at_any_step_leaves_the_last_published_checkpoint(tmp_path, scenario):
     argv = TINY + ["--num-layers", "1", "--vocab-size", "256"]  # no vocabulary padding: every value is stored
-    outcomes = run_ranks(1, lambda: _stop_at_every_step(str(tmp_path), scenario, _training_state(argv)))[0]
+    outcomes = run_ranks(1, _stop_at_every_step_of_a_run, str(tmp_path), scenario, argv)[0]
     print(scenario, outcomes)
 
 
@@ -165,7 +169,7 @@ def test_kill_9_under_cpu_load_leaves_the_last_published_checkpoint(tmp_path):
     root, rng = str(tmp_path / "save"), random.Random(0)
     argv = TINY + ["--num-layers", "1", "--vocab-size", "256", "--train-iters", "100000", "--eval-iters", "0",
                    "--save", root, "--save-interval", "1", "--log-interval", "100000"]
-    ctx = multiprocessing.get_context("fork")  # ~0.1 s a run, torch already imported
+    ctx = multiprocessing.get_context(start_method())  # fork: ~0.1 s a run, torch already imported
     load = [ctx.Process(target=_spin, daemon=True) for _ in range(2)]
     for proc in load:
         proc.start()

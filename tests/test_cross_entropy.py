@@ -73,31 +73,35 @@ def test_linear_cross_entropy_matches_the_logits_path(tp_size, sequence_parallel
             assert torch.equal(losses, ref_losses) and torch.equal(grad_x, ref_grad_x)
 
 
+def _gradients_twice(chunk_size):
+    tp = init_parallel(1).tp
+    x, weight, target, grad = _inputs()
+    x.requires_grad_()
+    losses = vocab_parallel_linear_cross_entropy(x, weight.requires_grad_(), target, tp, VOCAB, chunk_size)
+    first = torch.autograd.grad(losses, (x, weight), grad, retain_graph=True)
+    return first, torch.autograd.grad(losses, (x, weight), grad)
+
+
 @pytest.mark.parametrize("chunk_size", [5, 100])
 def test_the_kept_last_chunk_gives_the_recomputed_bits(chunk_size):
     """Forward keeps the last chunk's exponentials and backward releases them after use; a second backward
     (retain_graph) finds them released and recomputes that chunk too: the same gradients, bit for bit."""
-    def run():
-        tp = init_parallel(1).tp
-        x, weight, target, grad = _inputs()
-        x.requires_grad_()
-        losses = vocab_parallel_linear_cross_entropy(x, weight.requires_grad_(), target, tp, VOCAB, chunk_size)
-        first = torch.autograd.grad(losses, (x, weight), grad, retain_graph=True)
-        return first, torch.autograd.grad(losses, (x, weight), grad)
-    (first_x, first_w), (second_x, second_w) = run_ranks(1, run)[0]
+    (first_x, first_w), (second_x, second_w) = run_ranks(1, _gradients_twice, chunk_size)[0]
     assert torch.equal(first_x, second_x) and torch.equal(first_w, second_w)
+
+
+def _out_of_vocabulary_losses():
+    tp = init_parallel(1).tp
+    x, weight, target, _ = _inputs()
+    target[0, :3] = torch.tensor([-100, VOCAB + 3, PADDED + 7])
+    chunked = vocab_parallel_linear_cross_entropy(x, weight, target, tp, VOCAB, 7)
+    return chunked, _logits_path(x, weight, target, tp, False)
 
 
 def test_out_of_vocabulary_targets_behave_as_in_the_logits_path():
     """Neither path ignores a target (no ignore_index): -100 or an id past the vocabulary owns no logit, its loss
     is log sum exp."""
-    def run():
-        tp = init_parallel(1).tp
-        x, weight, target, _ = _inputs()
-        target[0, :3] = torch.tensor([-100, VOCAB + 3, PADDED + 7])
-        chunked = vocab_parallel_linear_cross_entropy(x, weight, target, tp, VOCAB, 7)
-        return chunked, _logits_path(x, weight, target, tp, False)
-    chunked, ref = run_ranks(1, run)[0]
+    chunked, ref = run_ranks(1, _out_of_vocabulary_losses)[0]
     torch.testing.assert_close(chunked, ref, **TOL)
 
 

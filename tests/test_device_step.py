@@ -87,11 +87,13 @@ def test_the_triton_kernel_reads_the_coefficient_and_the_flag_from_memory():
     _assert_same(1, "bf16", "triton", nan_at=3)
 
 
+def _steps_on_device():
+    groups = init_parallel(tp_size=1)
+    opt = ZeroOptimizer(make_model().half(), groups, ZeroConfig(stage=1), AdamConfig(), PrecisionConfig("fp16"))
+    reference = ZeroOptimizer(make_model(), groups, ZeroConfig(stage=1), AdamConfig(impl="torch"),
+                              PrecisionConfig("bf16"))
+    return opt.steps_on_device, reference.steps_on_device
+
+
 def test_a_step_that_needs_the_host_is_not_launched():
-    def fp16():
-        groups = init_parallel(tp_size=1)
-        opt = ZeroOptimizer(make_model().half(), groups, ZeroConfig(stage=1), AdamConfig(), PrecisionConfig("fp16"))
-        reference = ZeroOptimizer(make_model(), groups, ZeroConfig(stage=1), AdamConfig(impl="torch"),
-                                  PrecisionConfig("bf16"))
-        return opt.steps_on_device, reference.steps_on_device
-    assert run_ranks(1, fp16) == [(False, False)]  # loss scaling; the reference arithmetic cannot skip
+    assert run_ranks(1, _steps_on_device) == [(False, False)]  # loss scaling; the reference arithmetic cannot skip

@@ -46,19 +46,20 @@ def test_flops_per_token_equals_the_counted_matmuls(recompute, untie, chunk):
     assert counted == pytest.approx(config.flops_per_token(micro_batch_size=3) * 3 * 12, rel=1e-12)
 
 
+def _counted_layer_flops(config, b, s, h):
+    layer = transformer_layer(config, init_parallel(1).tp, None)  # explicit matmuls: counted, unlike CPU flash
+    name_parameters(layer, seed=0)
+    materialize_module(layer)  # a layer built alone holds meta parameters until it is made
+    x = torch.randn(b, s, h, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        layer(x).sum().backward()
+    return counter.get_total_flops()
+
+
 def test_one_layer_is_24h2_plus_4sh_per_token_and_pass():
     h, s, b = 32, 12, 3
     local = dataclasses.replace(NO_DROPOUT, attention_backend="local")
-
-    def count():
-        layer = transformer_layer(local, init_parallel(1).tp, None)  # explicit matmuls: counted, unlike CPU flash
-        name_parameters(layer, seed=0)
-        materialize_module(layer)  # a layer built alone holds meta parameters until it is made
-        x = torch.randn(b, s, h, requires_grad=True)
-        with FlopCounterMode(display=False) as counter:
-            layer(x).sum().backward()
-        return counter.get_total_flops()
-    assert run_ranks(1, count)[0] == 3 * (24 * h * h + 4 * s * h) * b * s
+    assert run_ranks(1, _counted_layer_flops, local, b, s, h)[0] == 3 * (24 * h * h + 4 * s * h) * b * s
 
 
 def test_flops_formula_is_megatrons():

@@ -109,15 +109,17 @@ def test_flash_attention_matches_core_attention():
     _assert_same_model_outputs(run_ranks(2, _run_model, 2, flash)[1], run_ranks(1, _run_model, 1)[0])
 
 
+def _flash_dropout_grads(recompute):
+    groups = init_parallel(1)
+    config = GPTConfig(**{**CONFIG.__dict__, "attention_dropout": 0.3, "attention_backend": "flash",
+                          "recompute_activations": recompute})
+    model = GPTModel(config, groups.tp, seed_everything(7, 0, groups.device))
+    tokens = _tokens()
+    model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def test_recomputation_replays_flash_attention_dropout():
-    def grads(recompute):
-        groups = init_parallel(1)
-        config = GPTConfig(**{**CONFIG.__dict__, "attention_dropout": 0.3, "attention_backend": "flash",
-                              "recompute_activations": recompute})
-        model = GPTModel(config, groups.tp, seed_everything(7, 0, groups.device))
-        tokens = _tokens()
-        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
-        return {name: p.grad for name, p in model.named_parameters()}
-    stored, recomputed = run_ranks(1, grads, False)[0], run_ranks(1, grads, True)[0]
+    stored, recomputed = run_ranks(1, _flash_dropout_grads, False)[0], run_ranks(1, _flash_dropout_grads, True)[0]
     for name, grad in stored.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0, msg=name)

@@ -48,6 +48,11 @@ FINETUNE = ["--seq-length", "16", "--mock-data", "--vocab-size", "300", "--micro
             "--attention-dropout", "0", "--log-interval", "1"]
 
 
+def _generate(argv):
+    """tools/generate.py's main, by a name a rank started from a fork server can find (tests/distributed.py)."""
+    return generate_main(argv)
+
+
 def _quiet(fn, argv, stdout=None):
     with contextlib.redirect_stdout(stdout or io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return fn(argv)
@@ -166,11 +171,11 @@ def test_generate_at_tp_x_ep_gives_hf_greedy_tokens(trained):
     for extra in (["--expert-model-parallel-size", "2"],
                   ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "1"]):
-        ranks = run_ranks(2, _quiet, generate_main, argv + extra)
+        ranks = run_ranks(2, _quiet, _generate, argv + extra)
         assert [r["tokens"] for r in ranks[0]] == [r["tokens"] for r in ranks[1]] == expected, extra
     for world, extra, message in ((1, ["--expert-model-parallel-size", "2"], "x 2 data-parallel ranks of the expert"),
                                   (3, ["--expert-model-parallel-size", "3"], "--num-experts 4 is not a multiple of")):
-        code, err = run_ranks(world, tool_result, generate_main, argv + extra)[0]
+        code, err = run_ranks(world, tool_result, _generate, argv + extra)[0]
         assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
@@ -196,7 +201,7 @@ def test_generate_routes_with_the_trained_expert_bias_at_any_ep(tmp_path):
     argv = ["--load", checkpoint, "--greedy", "--max-new-tokens", "6", "--ignore-eod", "--tensor-model-parallel-size",
             "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     argv += [arg for p in prompts for arg in ("--prompt", " ".join(map(str, p)))]
-    ranks = run_ranks(2, _quiet, generate_main, argv)
+    ranks = run_ranks(2, _quiet, _generate, argv)
     assert [r["tokens"] for r in ranks[0]] == expected
 
 

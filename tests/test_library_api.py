@@ -100,21 +100,21 @@ def test_untied_model_trains_like_one_process_at_tp2_dp2_stage3():
     assert_close_lists(history["grad_norms"], reference["grad_norms"])
 
 
+def _activations_alone(x):
+    tp = init_parallel(1).tp
+    outputs = {}
+    for gelu in (False, True):
+        layer = transformer_layer(dataclasses.replace(NO_DROPOUT, openai_gelu=gelu), tp, None)
+        layer.mlp.fc1 = nn.Identity()  # the activation alone, between identities
+        layer.mlp.fc2 = nn.Identity()
+        outputs[gelu] = layer.mlp(x)
+    return outputs
+
+
 def test_openai_gelu_is_the_tanh_form():
     x = torch.linspace(-4, 4, 101)
     tanh_form = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    config = dataclasses.replace(NO_DROPOUT, openai_gelu=True)
-
-    def mlp_outputs():
-        tp = init_parallel(1).tp
-        outputs = {}
-        for gelu in (False, True):
-            layer = transformer_layer(dataclasses.replace(config, openai_gelu=gelu), tp, None)
-            layer.mlp.fc1 = nn.Identity()  # the activation alone, between identities
-            layer.mlp.fc2 = nn.Identity()
-            outputs[gelu] = layer.mlp(x)
-        return outputs
-    outputs = run_ranks(1, mlp_outputs)[0]
+    outputs = run_ranks(1, _activations_alone, x)[0]
     torch.testing.assert_close(outputs[True], tanh_form, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(outputs[False], F.gelu(x), rtol=0, atol=0)
     assert (outputs[True] - outputs[False]).abs().max() > 1e-4
@@ -145,22 +145,26 @@ def test_model_init_is_its_own_generator_not_the_global_rng():
 @pytest.mark.parametrize("change", [dict(hidden_dropout=0.1), dict(attention_dropout=0.1),
                                     dict(recompute_activations=True)])
 def test_dropout_or_recomputation_without_a_tracker_is_one_line(change):
-    def build():
-        with pytest.raises(ConfigError, match="needs an RNG tracker") as error:
-            GPTModel(dataclasses.replace(NO_DROPOUT, **change), init_parallel(1).tp)
-        return str(error.value)
-    assert "\n" not in run_ranks(1, build)[0]
+    assert "\n" not in run_ranks(1, _refusal_without_a_tracker, change)[0]
+
+
+def _refusal_without_a_tracker(change):
+    with pytest.raises(ConfigError, match="needs an RNG tracker") as error:
+        GPTModel(dataclasses.replace(NO_DROPOUT, **change), init_parallel(1).tp)
+    return str(error.value)
+
+
+def _per_token_and_mean_losses():
+    model = GPTModel(NO_DROPOUT, init_parallel(1).tp)
+    tokens = _tokens()
+    per_token = model(tokens[:, :-1], tokens[:, 1:])
+    with pytest.raises(ConfigError, match="reduction 'sum' is not one of none, mean"):
+        model(tokens[:, :-1], tokens[:, 1:], reduction="sum")
+    return per_token, model(tokens[:, :-1], tokens[:, 1:], reduction="mean")
 
 
 def test_mean_reduction_is_the_mean_of_the_per_token_losses():
-    def losses():
-        model = GPTModel(NO_DROPOUT, init_parallel(1).tp)
-        tokens = _tokens()
-        per_token = model(tokens[:, :-1], tokens[:, 1:])
-        with pytest.raises(ConfigError, match="reduction 'sum' is not one of none, mean"):
-            model(tokens[:, :-1], tokens[:, 1:], reduction="sum")
-        return per_token, model(tokens[:, :-1], tokens[:, 1:], reduction="mean")
-    per_token, mean = run_ranks(1, losses)[0]
+    per_token, mean = run_ranks(1, _per_token_and_mean_losses)[0]
     assert per_token.shape == (2, 9) and mean.shape == ()
     torch.testing.assert_close(mean, per_token.mean(), rtol=0, atol=0)
 
@@ -198,10 +202,18 @@ def _one_step_without_gradient(stage, decay):
             for n in before}, {n: torch.equal(after[n], before[n]) for n in before}
 
 
+def _the_head_decays(name, param):
+    return name.startswith("head.")
+
+
+def _decay_says_one(name, param):
+    return 1
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("decay,expected", [
     (None, {"blocks.0.weight"} | {"head.weight"}),  # Megatron's rule: matrices
-    (lambda name, param: name.startswith("head."), {"head.weight", "head.bias"}),
+    (_the_head_decays, {"head.weight", "head.bias"}),
     ({"blocks.1.weight", "blocks.0.bias"}, {"blocks.1.weight", "blocks.0.bias"}),
 ])
 def test_the_decay_rule_is_an_optimizer_parameter(stage, decay, expected):
@@ -213,15 +225,17 @@ def test_the_decay_rule_is_an_optimizer_parameter(stage, decay, expected):
             assert unchanged[name], f"{name} changed without a gradient and without decay"
 
 
+def _refusal_of_the_decay_rule(decay):
+    with pytest.raises(ConfigError) as error:
+        ZeroOptimizer(mark_replicated(_Net()), init_parallel(1), ZeroConfig(), AdamConfig(), PrecisionConfig(),
+                      decay=decay)
+    return str(error.value)
+
+
 def test_a_bad_decay_rule_is_one_line():
-    def build(decay):
-        with pytest.raises(ConfigError) as error:
-            ZeroOptimizer(mark_replicated(_Net()), init_parallel(1), ZeroConfig(), AdamConfig(), PrecisionConfig(),
-                          decay=decay)
-        return str(error.value)
-    assert "'head.wieght'" in run_ranks(1, build, {"head.wieght"})[0]
-    assert "returned 1 for parameter" in run_ranks(1, build, lambda n, p: 1)[0]
-    assert "decay must be None" in run_ranks(1, build, 3)[0]
+    assert "'head.wieght'" in run_ranks(1, _refusal_of_the_decay_rule, {"head.wieght"})[0]
+    assert "returned 1 for parameter" in run_ranks(1, _refusal_of_the_decay_rule, _decay_says_one)[0]
+    assert "decay must be None" in run_ranks(1, _refusal_of_the_decay_rule, 3)[0]
 
 
 # -- init_parallel's backend --------------------------------------------------------------------------
@@ -257,12 +271,14 @@ def test_one_bucket_for_all_parameters_is_said_once_at_start(flags, said):
     assert stdout.count("in one gradient bucket") == (1 if said else 0), stdout
 
 
+def _stage3_note_of_a_plain_module():
+    groups = init_parallel(1)
+    plain = mark_replicated(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    return overlap_note(ZeroOptimizer(plain, groups, ZeroConfig(stage=3), AdamConfig(), PrecisionConfig()))
+
+
 def test_stage3_without_units_is_said():
-    def note():
-        groups = init_parallel(1)
-        plain = mark_replicated(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
-        return overlap_note(ZeroOptimizer(plain, groups, ZeroConfig(stage=3), AdamConfig(), PrecisionConfig()))
-    assert "no units" in run_ranks(2, note)[0]
+    assert "no units" in run_ranks(2, _stage3_note_of_a_plain_module)[0]
 
 
 # -- the example: a plain torch.nn model under torchrun -------------------------------------------------
@@ -276,7 +292,7 @@ def test_plain_module_example_under_torchrun_matches_torch_adamw(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\S+) \| grad norm", result.stdout)]
     assert len(losses) == 20, result.stdout
-    reference = run_ranks(1, lambda: train_plain_module.train_reference(20, 32, 1234))[0]
+    reference = run_ranks(1, train_plain_module.train_reference, 20, 32, 1234)[0]
     assert_close_lists(losses, reference)
     assert reference[-1] < 0.5 * reference[0]  # it learns
 

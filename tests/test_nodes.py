@@ -57,7 +57,11 @@ def test_a_directory_one_rank_does_not_see_is_refused_on_every_rank(tmp_path):
         assert "checkpoints need a file system every node mounts" in error
 
 
+def _check_nodes(save):
+    from mpzero.nodes import check_nodes
+    return check_nodes(init_parallel(1).world, 1, save, None)
+
+
 @pytest.mark.parametrize("world", [1])
 def test_a_world_of_one_has_nothing_to_check(world, tmp_path):
-    from mpzero.nodes import check_nodes
-    assert run_ranks(world, lambda: check_nodes(init_parallel(1).world, 1, str(tmp_path), None)) == [None]
+    assert run_ranks(world, _check_nodes, str(tmp_path)) == [None]

@@ -19,7 +19,7 @@ from mpzero.errors import ConfigError
 from mpzero.zero.offload.swap import SwapFile
 from mpzero.zero import ZeroOptimizer
 from tests.cli import TINY, exit_code_and_stderr, quiet_main
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, start_method
 
 RUN = TINY + ["--eval-iters", "0", "--train-iters", "6", "--zero-stage", "3", "--offload-optimizer", "disk",
               "--offload-params", "disk"]
@@ -114,20 +114,21 @@ def _paused_run(argv, conn):
     return quiet_main(argv)["losses"]
 
 
+def _reporting(fn, args, there):
+    try:
+        outcome = (True, fn(*args, there))
+    except BaseException:  # noqa: BLE001 - report it to the parent
+        outcome = (False, traceback.format_exc())
+    there.send(("done", outcome))
+    os._exit(0)
+
+
 def _forked(fn, *args):
-    """fn(*args, conn) in a forked process; returns (process, the parent's end of the pipe)."""
-    ctx = mp.get_context("fork")
+    """fn(*args, conn) in a process of its own, started as the harness starts ranks (tests/distributed.py);
+    returns (process, the parent's end of the pipe)."""
+    ctx = mp.get_context(start_method())
     here, there = ctx.Pipe()
-
-    def target():
-        try:
-            outcome = (True, fn(*args, there))
-        except BaseException:  # noqa: BLE001 - report it to the parent
-            outcome = (False, traceback.format_exc())
-        there.send(("done", outcome))
-        os._exit(0)
-
-    process = ctx.Process(target=target)
+    process = ctx.Process(target=_reporting, args=(fn, args, there))
     process.start()
     return process, here
 

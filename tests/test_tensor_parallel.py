@@ -115,12 +115,14 @@ def test_tp_layers_at_size_one_match_dense_reference():
         run_ranks(1, case)
 
 
+def _bf16_cross_entropy_case():
+    tp = init_parallel(2).tp
+    logits = (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    target = torch.arange(4) * 4
+    ref = F.cross_entropy(logits.float(), target, reduction="none")
+    torch.testing.assert_close(vocab_parallel_cross_entropy(_mine(logits, -1, tp), target, tp), ref, **TOL)
+
+
 def test_cross_entropy_in_bf16_matches_fp32_reference():
     """bf16 logits are upcast inside; the loss is exact for bf16-representable inputs."""
-    def case():
-        tp = init_parallel(2).tp
-        logits = (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
-        target = torch.arange(4) * 4
-        ref = F.cross_entropy(logits.float(), target, reduction="none")
-        torch.testing.assert_close(vocab_parallel_cross_entropy(_mine(logits, -1, tp), target, tp), ref, **TOL)
-    run_ranks(2, case)
+    run_ranks(2, _bf16_cross_entropy_case)

@@ -117,19 +117,21 @@ def test_zero_checkpoint_of_another_model_is_a_one_line_config_error(tmp_path):
         run_ranks(1, _load_other_model, str(tmp_path))
 
 
+class _PartlyMarked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.marked = mark_tensor_parallel(nn.Parameter(torch.zeros(3)), None)
+        self.proj = nn.Linear(3, 2)  # never marked
+
+
+def _optimizer_of_a_partly_marked_module():
+    ZeroOptimizer(_PartlyMarked(), init_parallel(tp_size=1), ZeroConfig(), AdamConfig(), PrecisionConfig())
+
+
 def test_an_unmarked_parameter_is_refused_at_construction():
-    class Plain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.marked = mark_tensor_parallel(nn.Parameter(torch.zeros(3)), None)
-            self.proj = nn.Linear(3, 2)  # never marked
-
-    def build():
-        ZeroOptimizer(Plain(), init_parallel(tp_size=1), ZeroConfig(), AdamConfig(), PrecisionConfig())
-
     with pytest.raises(RanksFailed, match=r"ConfigError: parameter 'proj.weight' does not say how it is split "
                                           r"across tensor-parallel ranks"):
-        run_ranks(1, build)
+        run_ranks(1, _optimizer_of_a_partly_marked_module)
 
 
 def test_a_partition_dim_outside_the_shape_is_refused():
