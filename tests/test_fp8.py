@@ -15,9 +15,11 @@ import torch
 from mpzero.deferred_init import materialize_module, name_parameters, parameter_generator
 from mpzero.parallel import init_parallel
 from mpzero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from mpzero.tensor_parallel.fp8 import Fp8Linear, Fp8Recipe, _TensorParallelFp8Matmul, _torchao_float8
+from mpzero.tensor_parallel.fp8 import (Fp8Linear, Fp8Recipe, _TensorParallelFp8Matmul, _torchao_float8,
+                                        cpu_rowwise_scaled_mm)
 from tests.cli import TINY, exit_code_and_stderr
 from tests.distributed import run_ranks
+from tests.fp8_marks import recipe_params
 
 _torchao_float8()  # imported once here: the forked ranks inherit it
 RECIPES = [("hybrid", "tensorwise"), ("e4m3", "tensorwise"), ("e4m3", "rowwise"), ("e4m3", "rowwise_with_gw_hp")]
@@ -102,28 +104,30 @@ def _compare_tp(kind: str, fmt: str, name: str, tp_size: int, direct: bool = Fal
     return True
 
 
-@pytest.mark.parametrize("fmt,recipe", RECIPES)
+@pytest.mark.parametrize("fmt,recipe", recipe_params(RECIPES))
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_tp1_linears_are_torchaos_float8_linear_bitwise(kind, fmt, recipe):
     assert run_ranks(1, _compare_tp, kind, fmt, recipe, 1) == [True]
     assert run_ranks(1, _compare_tp, kind, fmt, recipe, 1, True) == [True]  # the TP > 1 path on a group of one
 
 
-@pytest.mark.parametrize("fmt,recipe", RECIPES)
+@pytest.mark.parametrize("fmt,recipe", recipe_params(RECIPES))
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_tp2_linears_cast_with_the_whole_tensors_scales(kind, fmt, recipe):
     assert run_ranks(2, _compare_tp, kind, fmt, recipe, 2) == [True, True]
 
 
+def _refusal_of_a_split_off_float8_sizes():
+    tp = init_parallel(2).tp
+    layer = RowParallelLinear(48, 64, tp, _init)
+    try:
+        layer.use_fp8(Fp8Recipe("hybrid"))
+    except Exception as error:  # noqa: BLE001
+        return str(error)
+
+
 def test_a_layer_split_off_float8_sizes_is_one_line():
-    def build():
-        tp = init_parallel(2).tp
-        layer = RowParallelLinear(48, 64, tp, _init)
-        try:
-            layer.use_fp8(Fp8Recipe("hybrid"))
-        except Exception as error:  # noqa: BLE001
-            return str(error)
-    message = run_ranks(2, build)[0]
+    message = run_ranks(2, _refusal_of_a_split_off_float8_sizes)[0]
     assert "[64, 48] is [64, 24] on each of 2 TP ranks, not multiples of 16" in message
 
 
@@ -143,6 +147,8 @@ def test_the_filters_choose_on_the_full_weight():
     (["--bf16", "--fp8-recipe", "rowwise"], "--fp8-recipe shapes FP8 training, but --fp8-format is not given"),
     (["--fp8-format", "e4m3", "--bf16", "--first-last-layers-bf16"], "leave at least one of the 2 layers in FP8"),
     (["--fp8-format", "e4m3", "--bf16", "--hidden-size", "40"], "no linear of the transformer layers qualifies"),
+    (["--fp8-format", "e4m3", "--bf16", "--fp8-recipe", "rowwise"],  # runs, or says this torch cannot here
+     None if cpu_rowwise_scaled_mm() else "--fp8-recipe rowwise on the CPU needs row-wise scales"),
 ])
 def test_bad_fp8_flags_are_one_line(extra, message):
     argv = TINY + ["--hidden-size", "64", "--train-iters", "1", "--eval-iters", "0"] + extra

@@ -19,6 +19,7 @@ import pytest
 from mpzero.checkpointing import latest_iteration
 from tests.cli import TINY, quiet_main
 from tests.distributed import run_ranks
+from tests.fp8_marks import needs_cpu_rowwise
 from tests.trained_gpt import TOOLS, corpus_texts, gpt2_bpe_files
 
 GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -75,11 +76,14 @@ def test_200_iterations_in_fp8_end_within_3_percent_of_bf16(text, family, recipe
 SMALL = TINY + ["--hidden-size", "64", "--seq-length", "32", "--eval-iters", "0", "--bf16", "--log-interval", "5"]
 
 
+ROWWISE_PRODUCT = [pytest.mark.product, needs_cpu_rowwise]
+
+
 @pytest.mark.parametrize("recipe,layout", [
     ("tensorwise", ["--sequence-parallel", "--zero-stage", "3"]),
     pytest.param("tensorwise", ["--zero-stage", "1"], marks=pytest.mark.product),
-    pytest.param("rowwise", ["--sequence-parallel", "--zero-stage", "3"], marks=pytest.mark.product),
-    pytest.param("rowwise", ["--zero-stage", "1"], marks=pytest.mark.product)])
+    pytest.param("rowwise", ["--sequence-parallel", "--zero-stage", "3"], marks=ROWWISE_PRODUCT),
+    pytest.param("rowwise", ["--zero-stage", "1"], marks=ROWWISE_PRODUCT)])
 def test_tp2_dp2_fp8_trains_as_tp1(recipe, layout):
     one = run_ranks(1, quiet_main, SMALL + RECIPES[recipe])[0]["losses"]
     four = run_ranks(4, quiet_main, SMALL + RECIPES[recipe] + ["--tensor-model-parallel-size", "2"] + layout,
@@ -101,6 +105,7 @@ def test_checkpoints_of_fp8_load_in_bf16_and_back(tmp_path):
     assert len(run_ranks(1, quiet_main, back)[0]["losses"]) == 2
 
 
+@needs_cpu_rowwise
 def test_fp8_keeps_the_bf16_runs_memory_communication_and_activation_lines():
     """Weights, gradients and optimizer states keep their dtypes (the `zero memory` and `zero comm` lines, counted
     against their formulas, are the bf16 run's byte for byte), and torchao's matmul saves what F.linear saves."""

@@ -10,6 +10,7 @@ import math
 import torch
 
 from tests.distributed import run_ranks
+from tests.fp8_marks import needs_cpu_rowwise
 from tests.gpu.check import fp8_bench, gpt2_step, workers
 
 TINY = fp8_bench.LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32,
@@ -29,6 +30,7 @@ def _bench_fp8_on_the_cpu(path: str):
     return status, json.load(open(path))
 
 
+@needs_cpu_rowwise  # the part runs every recipe
 def test_bench_fp8_part_runs_end_to_end_on_the_cpu(tmp_path):
     status, data = run_ranks(1, _bench_fp8_on_the_cpu, str(tmp_path / "fp8.json"), deadline=240)[0]
     rows = data["rows"]

@@ -30,6 +30,7 @@ shapes, so every layout puts the same linears in FP8.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from functools import cached_property
@@ -125,6 +126,25 @@ def check_fp8_flags(config) -> None:
     if config.first_last_layers_bf16 and (min(start, end) < 0 or start + end >= config.num_layers):
         raise ConfigError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} must be "
                           f">= 0 and leave at least one of the {config.num_layers} layers in FP8")
+
+
+@functools.cache
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU `torch._scaled_mm` takes row-wise scales (2.13's does; 2.11's asserts one scale per
+    tensor): what the rowwise recipes need on a CPU."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def require_cpu_rowwise(recipe: str) -> None:
+    """One ConfigError line where a rowwise recipe would run on a CPU whose torch cannot."""
+    if not cpu_rowwise_scaled_mm():
+        raise ConfigError(f"--fp8-recipe {recipe} on the CPU needs row-wise scales in torch._scaled_mm, which torch "
+                          f"{torch.__version__} has only on CUDA: use --fp8-recipe tensorwise, a GPU, or torch 2.13")
 
 
 def _torchao_float8():
@@ -230,6 +250,8 @@ class Fp8Linear:
         """x W^T in FP8 (x [..., in] whole, or this rank's sequence slice when `gather_sequence`). `gathered`: the
         weight ZeRO-3 gathered in float8 (`zero.fp8_gather.GatheredFp8Weight`, --fp8-param-gather), used in place
         of casting `weight`, which still receives the gradient."""
+        if x.device.type == "cpu" and self.recipe.recipe != "tensorwise" and not torch.compiler.is_compiling():
+            require_cpu_rowwise(self.recipe.recipe)
         if self.group.size == 1 and gathered is None:
             from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
             return matmul_with_hp_or_float8_args.apply(x, weight.t(), self.recipe.mm_config, self.recipe.config)
