@@ -30,10 +30,9 @@ shapes, so every layout puts the same linears in FP8.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 import torch.distributed as dist
@@ -128,7 +127,7 @@ def check_fp8_flags(config) -> None:
                           f">= 0 and leave at least one of the {config.num_layers} layers in FP8")
 
 
-@functools.cache
+@cache
 def cpu_rowwise_scaled_mm() -> bool:
     """Whether this torch's CPU `torch._scaled_mm` takes row-wise scales (2.13's does; 2.11's asserts one scale per
     tensor): what the rowwise recipes need on a CPU."""
