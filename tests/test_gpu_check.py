@@ -258,19 +258,19 @@ def test_bench_rounds_times_the_picked_variants_in_turn_on_the_cpu():
     assert listing.splitlines()[4].startswith("4: mpzero --torch-compile --cuda-graph-impl local")
 
 
-def test_bench_kernels_cross_entropy_row_runs_on_the_cpu():
-    """bench_fused_gpu.py's cross-entropy row at a tiny shape on the CPU: its cases are the two implementations,
-    and the reference's case runs (the compiled one is the same call with impl "compile", equal to it by
-    tests/fused/test_fused_cross_entropy.py)."""
-    assert run_ranks(1, _cross_entropy_cases_on_the_cpu)[0] == ["compile", "torch"]
-
-
 def _cross_entropy_cases_on_the_cpu():
     import torch
     from bench.bench_fused_gpu import _cross_entropy_cases
     cases = _cross_entropy_cases(24, 16, 111, 5, torch.float32, device="cpu")
     cases["torch"]()
     return sorted(cases)
+
+
+def test_bench_kernels_cross_entropy_row_runs_on_the_cpu():
+    """bench_fused_gpu.py's cross-entropy row at a tiny shape on the CPU: its cases are the two implementations,
+    and the reference's case runs (the compiled one is the same call with impl "compile", equal to it by
+    tests/fused/test_fused_cross_entropy.py)."""
+    assert run_ranks(1, _cross_entropy_cases_on_the_cpu)[0] == ["compile", "torch"]
 
 
 def _zero_memory_on_the_cpu(path):

@@ -142,16 +142,16 @@ def test_model_init_is_its_own_generator_not_the_global_rng():
     assert not torch.equal(first["layers.0.mlp.fc1.weight"], other_seed["layers.0.mlp.fc1.weight"])
 
 
-@pytest.mark.parametrize("change", [dict(hidden_dropout=0.1), dict(attention_dropout=0.1),
-                                    dict(recompute_activations=True)])
-def test_dropout_or_recomputation_without_a_tracker_is_one_line(change):
-    assert "\n" not in run_ranks(1, _refusal_without_a_tracker, change)[0]
-
-
 def _refusal_without_a_tracker(change):
     with pytest.raises(ConfigError, match="needs an RNG tracker") as error:
         GPTModel(dataclasses.replace(NO_DROPOUT, **change), init_parallel(1).tp)
     return str(error.value)
+
+
+@pytest.mark.parametrize("change", [dict(hidden_dropout=0.1), dict(attention_dropout=0.1),
+                                    dict(recompute_activations=True)])
+def test_dropout_or_recomputation_without_a_tracker_is_one_line(change):
+    assert "\n" not in run_ranks(1, _refusal_without_a_tracker, change)[0]
 
 
 def _per_token_and_mean_losses():
