@@ -22,8 +22,7 @@ import tempfile
 import time
 
 from mpzero.files import write_atomically
-from tests.gpu.check import fp8_bench
-from tests.gpu.check.fp8_bench import bench_fp8
+from tests.gpu.check.fp8_bench import bench_fp8, torchao_version
 from tests.gpu.check.gpt2_step import bench_gpt2
 from tests.gpu.check.memory_check import zero_memory
 from tests.gpu.check.result import Result, error_text
@@ -50,7 +49,7 @@ def environment(args) -> int:
         info["numpy"] = numpy.__version__
     except Exception:  # noqa: BLE001
         info["numpy"] = "not importable"
-    info["torchao"] = fp8_bench.torchao_version() or "not installed (bench_fp8 skips; make gpu-wheels)"
+    info["torchao"] = torchao_version() or "not installed (bench_fp8 skips; make gpu-wheels)"
     info["cuda"] = bool(torch.cuda.is_available())
     info["device_count"] = torch.cuda.device_count() if info["cuda"] else 0
     if info["cuda"]:
